@@ -1,0 +1,40 @@
+# make demo: set up .venv if missing, then fine-tune the embedded model (before/after figures).
+# make test: set up .venv if missing, then run every test.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshtune-installed
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+
+.PHONY: demo test setup openblas clean
+
+demo: $(STAMP)
+	$(VENV)/bin/meshtune demo
+
+# Tests import MLX in-process, so the BLAS preload is set here rather than by re-exec.
+test: $(STAMP)
+	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m pytest -q tests
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "meshtune needs Python 3.10+; set PYTHON=python3.x")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@$(MAKE) --no-print-directory openblas
+	@touch $@
+
+# A system OpenBLAS makes MLX's Linux CPU build ~15x faster; install it where we can
+# (root with apt), carry on without it anywhere else.
+openblas:
+	@if [ "$$(uname)" = Linux ] && [ ! -e $(OPENBLAS) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) \
+	     && echo "installed system OpenBLAS" || echo "could not install OpenBLAS; continuing with MLX's BLAS"; \
+	  else echo "no system OpenBLAS (install libopenblas0-pthread for faster CPU runs); continuing"; fi; \
+	fi
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

@@ -1,0 +1,242 @@
+"""The Python API: finetune(cfg) -> RunResult, fuse(...), generate(...).
+
+`finetune` is the whole run as the design lays it out: validate -> mesh -> load
+model -> freeze and apply adapters -> optimizer -> data iterator for this rank ->
+restore a checkpoint when resuming -> loop -> final save. The CLI calls only these.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import adapters as ad
+from .blas import describe_blas
+from .checkpoint import (TrainingState, atomic_save_safetensors, atomic_write_text, latest_checkpoint,
+                         list_checkpoints, load_checkpoint, save_checkpoint)
+from .config import Config
+from .data import BatchIterator, Features, load_datasets
+from .mesh import Mesh
+from .metrics import METRICS_FILE, Reporter
+from .optimizers import build_optimizer, build_schedule
+from .train import LoopSettings, enable_grad_checkpoint, evaluate, train
+
+# Sections that must match between a checkpoint and the run resuming it.
+RESUME_MUST_MATCH = ("model", "adapter", "data")
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """What a finished (or stopped) run leaves behind."""
+
+    adapter_path: Path
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    test_loss: float | None
+    trained_tokens: int
+    stopped_early: bool
+
+
+def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
+    """Model and tokenizer through mlx-lm's loader (local folder or hub id)."""
+    from mlx_lm.utils import load
+
+    try:
+        return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
+                    trust_remote_code=trust_remote_code)
+    except FileNotFoundError as err:
+        raise ValueError(f"model.path={path}: {err}; give a local mlx-lm model folder or a hub id") from None
+
+
+def _features(cfg: Config) -> Features:
+    d = cfg.data
+    return Features(prompt=d.prompt_feature, completion=d.completion_feature,
+                    text=d.text_feature, chat=d.chat_feature)
+
+
+def _eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> Callable[[], list[Any]]:
+    """The first `limit` (-1: all) complete batches of a split, in sorted order, for this rank."""
+    it = BatchIterator(dataset, batch_size=cfg.train.batch_size, max_seq_length=cfg.data.max_seq_length,
+                       pad_to=cfg.data.pad_to, seed=cfg.train.seed, rank=mesh.dp_rank,
+                       world_size=mesh.dp, loop=False)
+    batches = list(it)
+    return batches if limit < 0 else batches[:limit]
+
+
+def _check_output_folder(cfg: Config, out: Path) -> None:
+    """Refuse to overwrite an earlier run unless resuming or told to."""
+    if cfg.output.resume or getattr(cfg.output, "overwrite", False):
+        return
+    found = list_checkpoints(out)
+    if found or (out / ad.ADAPTER_FILE).exists():
+        what = f"checkpoints up to step {int(found[-1].name)}" if found else ad.ADAPTER_FILE
+        raise ValueError(f"output.adapter_path={out} already holds a run ({what}); pass --resume to "
+                         "continue it, --output.overwrite true to replace it, or choose another --adapter-path")
+
+
+def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
+             show_progress: bool = True) -> RunResult:
+    """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
+    mesh = mesh or Mesh.single()
+    cfg.validate(world_size=mesh.world_size)
+    say = log if mesh.is_writer else (lambda _line: None)
+    out = Path(cfg.output.adapter_path)
+    if mesh.is_writer:
+        _check_output_folder(cfg, out)
+        if getattr(cfg.output, "overwrite", False) and not cfg.output.resume and out.exists():
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            (out / METRICS_FILE).unlink(missing_ok=True)
+    say(describe_blas())
+
+    # Seeds first: adapter initialisation draws from mlx's RNG.
+    mx.random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
+    say(f"loading model {model_path}")
+    model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
+    a = cfg.adapter
+    touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
+                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
+    trainable = sum(v.size for v in ad.trainable_parameters(model).values())
+    total = sum(v.size for _, v in _flat(model.parameters()))
+    say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
+        f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
+    if cfg.train.grad_checkpoint:
+        enable_grad_checkpoint(model.layers[0])
+
+    data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
+                         features=_features(cfg), need_test=cfg.train.test)
+    batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
+                            max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
+                            seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True)
+    schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
+                              warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
+                              learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)
+    o = cfg.optimizer
+    optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
+                                options=o.options)
+
+    resolved = cfg.to_dict()
+    start = TrainingState(step=0, data_cursor=batches.state())
+    if cfg.output.resume:
+        start = _restore(out, model, optimizer, batches, resolved)
+        say(f"resumed from step {start.step} ({out / 'checkpoints'})")
+    else:
+        optimizer.init(model.trainable_parameters())
+    if mesh.is_writer:
+        out.mkdir(parents=True, exist_ok=True)
+        extra = {"meshtune": resolved}
+        atomic_write_text(out / ad.CONFIG_FILE, json.dumps(
+            ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, extra=extra), indent=2))
+
+    def save(state: TrainingState) -> None:
+        if not mesh.is_writer:
+            return
+        weights = ad.trainable_parameters(model)
+        save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
+                        config=resolved, keep=cfg.output.keep_checkpoints)
+        atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
+
+    val = data.valid
+    validate = (lambda: evaluate(model, _eval_batches(val, cfg, mesh, cfg.train.val_batches), mesh)) \
+        if val is not None and cfg.train.val_batches != 0 else None
+    t = cfg.train
+    settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
+                            steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
+                            save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile)
+    with Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
+                  log=say, show_progress=show_progress) as reporter:
+        result = train(model, optimizer, iter(batches), settings=settings, mesh=mesh, reporter=reporter,
+                       start=start, validate=validate, save=save, cursor=batches.state)
+        test_loss = None
+        if t.test and data.test is not None and not result.stopped_early:
+            test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh)
+            reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
+    say(f"adapters written to {out / ad.ADAPTER_FILE}")
+    return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
+                     val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
+                     stopped_early=result.stopped_early)
+
+
+def _flat(tree: Any) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)
+
+
+def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
+             resolved: dict[str, Any]) -> TrainingState:
+    """Load the newest checkpoint into model, optimizer, RNG and data cursor."""
+    path = latest_checkpoint(out)
+    if path is None:
+        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}; "
+                         "run without --resume to start, or point --adapter-path at the run")
+    ckpt = load_checkpoint(path)
+    changed = [f"{section}.{k}" for section in RESUME_MUST_MATCH
+               for k in sorted(set(resolved[section]) | set(ckpt.config.get(section, {})))
+               if resolved[section].get(k) != ckpt.config.get(section, {}).get(k)]
+    if changed:
+        raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
+                         "resume with the run's own settings or start a new --adapter-path")
+    ad.load_trainable(model, path / "adapters.safetensors")
+    optimizer.state = ckpt.optimizer_state
+    optimizer.init(model.trainable_parameters())
+    for i, s in enumerate(ckpt.rng_state):
+        mx.random.state[i] = s
+    batches.load_state(ckpt.state.data_cursor)
+    return ckpt.state
+
+
+def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
+         dequantize: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to)."""
+    from mlx_lm.utils import dequantize_model, load, save
+
+    model, tokenizer, config = load(model_path, return_config=True)
+    ad.load_adapters(model, adapter_path)
+    n = ad.fuse_adapters(model, dequantize=dequantize)
+    if dequantize:
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    save(Path(save_path), model_path, model, tokenizer, config, donate_model=False)
+    log(f"fused {n} adapter layers into {save_path}")
+    return Path(save_path)
+
+
+def load_for_inference(model_path: str, adapter_path: str | Path | None = None) -> tuple[nn.Module, Any]:
+    """Base model (and adapters, if given) ready for generation."""
+    model, tokenizer = load_model(model_path)
+    if adapter_path:
+        ad.load_adapters(model, adapter_path)
+    model.eval()
+    return model, tokenizer
+
+
+def generate(model_path: str, prompt: str, *, adapter_path: str | Path | None = None,
+             max_tokens: int = 64, chat: bool = True) -> str:
+    """Greedy completion of `prompt` (through the chat template when the tokenizer has one)."""
+    from mlx_lm.generate import generate as mlx_generate
+
+    model, tokenizer = load_for_inference(model_path, adapter_path)
+    return complete(model, tokenizer, prompt, max_tokens=max_tokens, chat=chat)
+
+
+def complete(model: nn.Module, tokenizer: Any, prompt: str, *, max_tokens: int = 64, chat: bool = True) -> str:
+    """Greedy completion with an already loaded model."""
+    from mlx_lm.generate import generate as mlx_generate
+
+    if chat and getattr(tokenizer, "chat_template", None):
+        tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, return_dict=False)
+    else:
+        tokens = tokenizer.encode(prompt)
+    return mlx_generate(model, tokenizer, prompt=tokens, max_tokens=max_tokens, verbose=False)

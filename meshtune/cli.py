@@ -1,0 +1,181 @@
+"""Command line: a thin layer from flags and YAML to the Python API.
+
+    meshtune train [-c config.yaml] [--resume] [mlx_lm.lora flags] [--section.key value ...]
+    meshtune demo                      # LoRA on the embedded model, before/after figures
+    meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize]
+    meshtune generate --prompt TEXT [--model M] [--adapter-path DIR]
+    meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
+
+On Linux the command re-executes itself once with a system OpenBLAS preloaded when
+one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off). This
+module must not import MLX at the top: the BLAS choice happens before MLX loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .blas import ensure_fast_blas
+
+
+def split_overrides(args: list[str], flags: dict[str, str], switches: set[str]) -> list[tuple[str, str]]:
+    """`--section.key value`, `--section.key=value` and mlx_lm.lora flags -> (dotted key, raw value)."""
+    items: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument '{arg}'; options look like --train.iters 100")
+        name, eq, value = arg[2:].partition("=")
+        flag = f"--{name}"
+        if flag in switches and not eq:
+            items.append((flags[flag], "true"))
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                raise ValueError(f"option {arg} needs a value, e.g. {arg} 100")
+            value, i = args[i + 1], i + 1
+        items.append((flags.get(flag, name), value))
+        i += 1
+    return items
+
+
+def _train_config(args: argparse.Namespace, rest: list[str]) -> Any:
+    from .config import MLX_LM_FLAGS, MLX_LM_SWITCHES, load_config
+
+    overrides = split_overrides(rest, MLX_LM_FLAGS, MLX_LM_SWITCHES)
+    if args.resume:
+        overrides.append(("output.resume", "true"))
+    cfg = load_config(args.config, overrides)
+    for line in cfg.mapped:
+        print(f"mlx-lm key mapped: {line}")
+    for line in cfg.notes:
+        print(f"note: {line}")
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from .api import finetune
+
+    cfg = _train_config(args, rest)
+    result = finetune(cfg, mesh=_mesh(cfg))
+    return 0 if not result.stopped_early else 3
+
+
+def _mesh(cfg: Any) -> Any:
+    """Single process unless launched by mlx.launch / meshtune launch (then the world group)."""
+    import os
+
+    from .mesh import Mesh
+
+    if any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
+        import mlx.core as mx
+
+        return Mesh.from_world(mx.distributed.init(), pp=cfg.parallel.pp)
+    return Mesh.single()
+
+
+def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    from .demo import run_demo
+
+    return run_demo(adapter_path=args.adapter_path, overrides=rest)
+
+
+def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
+    _no_extra(rest)
+    from .api import fuse
+
+    model = args.model or _model_from_adapters(args.adapter_path)
+    fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
+    _no_extra(rest)
+    from .api import generate
+
+    model = args.model or (_model_from_adapters(args.adapter_path) if args.adapter_path else _default_model())
+    print(generate(model, args.prompt, adapter_path=args.adapter_path, max_tokens=args.max_tokens))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from .bench import run_bench
+
+    return run_bench(args.suite, rest)
+
+
+def _default_model() -> str:
+    from .config import Config
+
+    return str(Config().resolved_model_path())
+
+
+def _model_from_adapters(adapter_path: str) -> str:
+    """The base model recorded in adapter_config.json (as mlx-lm records it)."""
+    import json
+    from pathlib import Path
+
+    config = Path(adapter_path) / "adapter_config.json"
+    if not config.exists():
+        raise ValueError(f"{config} not found; pass --adapter-path of a trained run or --model")
+    model = json.loads(config.read_text()).get("model")
+    if not model:
+        raise ValueError(f"{config} records no base model; pass --model")
+    return model
+
+
+def _no_extra(rest: list[str]) -> None:
+    if rest:
+        raise ValueError(f"unexpected arguments {' '.join(rest)}; see --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune language models with MLX.")
+    parser.add_argument("--no-system-blas", action="store_true",
+                        help="Keep MLX's bundled BLAS on Linux instead of a system OpenBLAS.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="Fine-tune (LoRA or full) from YAML and flags.",
+                           description="Extra options: mlx_lm.lora flags (--model, --data, --iters, ...) "
+                                       "and --section.key value for any config key.")
+    train.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
+    train.add_argument("--resume", action="store_true", help="Continue the run in --adapter-path.")
+    train.set_defaults(func=cmd_train)
+    demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")
+    demo.add_argument("--adapter-path", default="runs/demo", help="Where the demo run writes.")
+    demo.set_defaults(func=cmd_demo)
+    fuse = sub.add_parser("fuse", help="Merge adapters into the base model.")
+    fuse.add_argument("--model", help="Base model (default: the one in adapter_config.json).")
+    fuse.add_argument("--adapter-path", default="adapters", help="Folder with adapters.safetensors.")
+    fuse.add_argument("--save-path", default="fused_model", help="Where to write the fused model.")
+    fuse.add_argument("--dequantize", action="store_true", help="Write a dense model instead of requantizing.")
+    fuse.set_defaults(func=cmd_fuse)
+    gen = sub.add_parser("generate", help="Greedy completion of a prompt.")
+    gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
+    gen.add_argument("--adapter-path", help="Adapters to apply.")
+    gen.add_argument("--prompt", required=True, help="The user message.")
+    gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
+    gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
+    bench.add_argument("suite", choices=["peer"], help="peer: stock mlx_lm.lora vs meshtune.")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    ensure_fast_blas(enabled=not args.no_system_blas, argv=["meshtune", *argv])
+    try:
+        return args.func(args, rest)
+    except ValueError as err:
+        print(f"meshtune: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

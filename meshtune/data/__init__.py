@@ -1,0 +1,25 @@
+"""Data for fine-tuning: jsonl splits tokenized once, then length-sorted padded batches.
+
+``load_datasets``/``load_split`` read mlx-lm's text, completions and chat jsonl
+formats into compact ``TokenizedDataset``s; ``BatchIterator`` turns one into
+mlx-lm-compatible ``Batch(tokens, lengths)`` batches for one rank, with a
+cursor that resumes exactly.
+"""
+
+from .batches import Batch, BatchIterator, TruncationWarning, padded_width
+from .dataset import Datasets, TokenizedDataset
+from .formats import Features, detect_format, load_datasets, load_split, tokenize_row
+
+__all__ = [
+    "Batch",
+    "BatchIterator",
+    "Datasets",
+    "Features",
+    "TokenizedDataset",
+    "TruncationWarning",
+    "detect_format",
+    "load_datasets",
+    "load_split",
+    "padded_width",
+    "tokenize_row",
+]

@@ -1,0 +1,272 @@
+"""Length-sorted, padded, rank-sharded batches with a resumable cursor.
+
+Semantics follow ``mlx_lm.tuner.trainer.iterate_batches``: examples are sorted
+by token length (stable), cut into complete global batches of ``batch_size``
+(the incomplete tail of longest examples is dropped), rank ``r`` of ``W`` takes
+every ``W``-th example of each global batch starting at ``r``, and each local
+batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)`` columns
+(at most ``max_seq_length``), truncating longer examples.  Batches come out as
+``Batch(tokens, lengths)`` with ``lengths[:, 0]`` the prompt offset and
+``lengths[:, 1]`` the (truncated) length, so mlx-lm's ``default_loss`` applies.
+
+Two things differ on purpose: the padded arrays of every batch are built once
+and cached rather than re-padded each step, and the batch order of epoch ``e``
+is a permutation drawn only from ``(seed, e)``.  The cursor ``(epoch,
+position)`` therefore fully determines what comes next, so training resumes
+exactly, and since it counts global batches it is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .dataset import TokenizedDataset
+
+
+class Batch(NamedTuple):
+    """One local batch: ``tokens`` int32 [B, width], ``lengths`` int32 [B, 2] = (offset, length).
+
+    A tuple, so ``tokens, lengths = batch`` and ``loss(model, *batch)`` work like
+    mlx-lm's ``(batch, lengths)`` pair.
+    """
+
+    tokens: mx.array
+    lengths: mx.array
+
+
+class TruncationWarning(UserWarning):
+    """Some examples of a split are longer than ``max_seq_length``."""
+
+
+def padded_width(max_len: int, *, pad_to: int, max_seq_length: int) -> int:
+    """Columns of a batch whose longest example has ``max_len`` tokens (mlx-lm's rule).
+
+    One more than a multiple of ``pad_to`` so the model inputs (all but the last
+    column) are a multiple of ``pad_to``, capped at ``max_seq_length``.
+    """
+    return min(1 + pad_to * -(-max_len // pad_to), max_seq_length)
+
+
+class BatchIterator:
+    """Iterate a split's batches for one rank, forever (``loop=True``) or once.
+
+    ``len(it)`` and ``it.batches_per_epoch`` count batches per epoch (global
+    batches, of which this rank yields its share).  With ``loop=False`` one pass
+    is made in sorted order (unless ``shuffle=True``); iterating again after the
+    pass has finished starts a new pass.  ``state()``/``load_state()`` save and
+    restore the cursor.  ``warn`` receives the one truncation message of the
+    split (default: ``warnings.warn`` with ``TruncationWarning``).
+    """
+
+    def __init__(
+        self,
+        dataset: TokenizedDataset,
+        *,
+        batch_size: int,
+        max_seq_length: int,
+        pad_to: int = 32,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        loop: bool = True,
+        shuffle: Optional[bool] = None,
+        warn: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        name = dataset.name
+        _check_options(name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
+        if len(dataset) < batch_size:
+            raise ValueError(
+                f"{name}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
+                f" lower batch_size to at most {len(dataset)} or add examples"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.max_seq_length = max_seq_length
+        self.pad_to = pad_to
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.loop = loop
+        self.shuffle = loop if shuffle is None else bool(shuffle)
+
+        # A stable sort keeps equal-length examples in file order, as Python's
+        # sorted() does in mlx-lm, so both libraries form the same batches.
+        order = np.argsort(dataset.lengths, kind="stable")
+        n_batches = len(dataset) // batch_size
+        global_idx = order[: n_batches * batch_size].reshape(n_batches, batch_size)
+        # idx[i + r : i + batch_size : W] of mlx-lm is column r, r+W, ... of the row.
+        self._batch_indices = np.ascontiguousarray(global_idx[:, rank::world_size])
+        self._batch_indices.flags.writeable = False
+
+        message = _truncation_message(name, global_idx, dataset, max_seq_length)
+        if message is not None:
+            if warn is None:
+                warnings.warn(message, TruncationWarning, stacklevel=2)
+            else:
+                warn(message)
+
+        # Padded once here: every later step only wraps cached arrays.
+        self._cache: List[Tuple[np.ndarray, np.ndarray]] = [
+            self._pad(row) for row in self._batch_indices
+        ]
+        self._epoch = 0
+        self._position = 0
+        self._order_epoch = -1
+        self._order = np.arange(n_batches)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches per epoch (= batches this rank yields per epoch)."""
+        return int(self._batch_indices.shape[0])
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    @property
+    def local_batch_size(self) -> int:
+        """Examples per batch on this rank: ``batch_size // world_size``."""
+        return self.batch_size // self.world_size
+
+    @property
+    def batch_indices(self) -> np.ndarray:
+        """Dataset indices of this rank's batches in sorted order, [batches, local]."""
+        return self._batch_indices
+
+    # -------------------------------------------------------------- iteration
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Order in which epoch ``epoch`` visits the sorted batches."""
+        if not self.shuffle:
+            return np.arange(self.batches_per_epoch)
+        # Seeding with (seed, epoch) alone makes any epoch reproducible in
+        # isolation, which is what lets a cursor resume mid-run.
+        rng = np.random.default_rng([self.seed, epoch])
+        return rng.permutation(self.batches_per_epoch)
+
+    def __iter__(self) -> "BatchIterator":
+        if not self.loop and self._epoch >= 1:
+            self._epoch, self._position = 0, 0  # a finished pass restarts
+        return self
+
+    def __next__(self) -> Batch:
+        if not self.loop and self._epoch >= 1:
+            raise StopIteration
+        if self._order_epoch != self._epoch:
+            self._order = self.epoch_order(self._epoch)
+            self._order_epoch = self._epoch
+        tokens, lengths = self._cache[int(self._order[self._position])]
+        self._position += 1
+        if self._position == self.batches_per_epoch:
+            self._epoch, self._position = self._epoch + 1, 0
+        return Batch(mx.array(tokens), mx.array(lengths))
+
+    # ----------------------------------------------------------------- cursor
+    def state(self) -> Dict[str, int]:
+        """JSON-serialisable cursor: the next batch is ``position`` of ``epoch``."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "batches_per_epoch": self.batches_per_epoch,
+        }
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        """Restore a cursor from ``state()``; the next batch is the one that was due."""
+        name = self.dataset.name
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(
+                f"{name}: batch cursor {state!r} lacks integer 'epoch' and 'position';"
+                " pass the dict returned by BatchIterator.state()"
+            ) from None
+        saved_n = state.get("batches_per_epoch", self.batches_per_epoch)
+        if int(saved_n) != self.batches_per_epoch:
+            raise ValueError(
+                f"{name}: batch cursor was saved with {saved_n} batches per epoch but "
+                f"this data and batch_size give {self.batches_per_epoch}; resume with "
+                "the same data and batch_size or start without the cursor"
+            )
+        saved_seed = state.get("seed", self.seed)
+        if int(saved_seed) != self.seed:
+            raise ValueError(
+                f"{name}: batch cursor was saved with seed={saved_seed} but this run "
+                f"has seed={self.seed}; resume with seed={saved_seed}"
+            )
+        if epoch < 0 or not 0 <= position < self.batches_per_epoch:
+            raise ValueError(
+                f"{name}: batch cursor epoch={epoch} position={position} is out of "
+                f"range (position must be below {self.batches_per_epoch}); pass the "
+                "dict returned by BatchIterator.state()"
+            )
+        self._epoch, self._position = epoch, position
+
+    # ---------------------------------------------------------------- helpers
+    def _pad(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        ds, msl = self.dataset, self.max_seq_length
+        lengths = ds.lengths[rows]
+        width = padded_width(int(lengths.max()), pad_to=self.pad_to, max_seq_length=msl)
+        kept = np.minimum(lengths, msl)
+        tokens = np.zeros((rows.shape[0], width), dtype=np.int32)
+        for j, i in enumerate(rows):
+            start = int(ds.starts[i])
+            tokens[j, : kept[j]] = ds.tokens[start : start + int(kept[j])]
+        pairs = np.stack([ds.offsets[rows], kept], axis=1).astype(np.int32)
+        return tokens, pairs
+
+
+def _check_options(
+    name: str,
+    batch_size: int,
+    max_seq_length: int,
+    pad_to: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+) -> None:
+    if batch_size < 1:
+        raise ValueError(f"{name}: batch_size={batch_size} must be at least 1")
+    if max_seq_length < 2:
+        raise ValueError(
+            f"{name}: max_seq_length={max_seq_length} must be at least 2 (one input "
+            "and one target token)"
+        )
+    if pad_to < 1:
+        raise ValueError(f"{name}: pad_to={pad_to} must be at least 1")
+    if seed < 0:
+        raise ValueError(f"{name}: seed={seed} must be a non-negative integer")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"{name}: rank={rank} must be in 0..world_size-1 with world_size="
+            f"{world_size} >= 1"
+        )
+    if batch_size % world_size:
+        raise ValueError(
+            f"{name}: batch_size={batch_size} is not divisible by world_size="
+            f"{world_size}; use a batch_size that is a multiple of {world_size}"
+        )
+
+
+def _truncation_message(
+    name: str, global_idx: np.ndarray, ds: TokenizedDataset, max_seq_length: int
+) -> Optional[str]:
+    """One message for the whole split, counting examples that are actually batched."""
+    used = global_idx.reshape(-1)
+    long = ds.lengths[used] > max_seq_length
+    n_long = int(long.sum())
+    if n_long == 0:
+        return None
+    message = (
+        f"{name}: {n_long} of {used.shape[0]} examples exceed "
+        f"max_seq_length={max_seq_length} and will be truncated"
+    )
+    # A truncated example trains on target positions offset..max_seq_length-1;
+    # a prompt that long leaves it nothing.
+    n_empty = int((ds.offsets[used][long] >= max_seq_length).sum())
+    if n_empty:
+        message += f" ({n_empty} of them lose every trained token to the cut)"
+    return message + "; raise max_seq_length or split the long examples"

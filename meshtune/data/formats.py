@@ -1,0 +1,308 @@
+"""Read jsonl data splits in mlx-lm's formats and tokenize them once, up front.
+
+Three formats are accepted, chosen from the keys of a file's first line exactly
+as ``mlx_lm.tuner.datasets.create_dataset`` chooses: completions
+(``{"prompt", "completion"}``, rendered through the chat template as a user and
+an assistant message), chat (``{"messages": [...]}``) and text
+(``{"text": ...}``); completions and chat rows may carry ``"tools"``.  With
+``mask_prompt`` the loss skips the prompt: its length is that of the template
+applied to all messages but the last, as mlx-lm computes it.  Unlike mlx-lm,
+every line is checked, and any problem is a one-line ``ValueError`` naming
+``file:line`` and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .dataset import Datasets, TokenizedDataset
+
+TEXT, COMPLETIONS, CHAT = "text", "completions", "chat"
+
+
+@dataclass(frozen=True)
+class Features:
+    """Names of the jsonl keys holding each field (mlx-lm's ``*_feature`` options)."""
+
+    prompt_feature: str = "prompt"
+    completion_feature: str = "completion"
+    text_feature: str = "text"
+    chat_feature: str = "messages"
+
+
+def detect_format(row: Dict[str, Any], features: Features) -> Optional[str]:
+    """The format a row's keys indicate, with mlx-lm's priority, or None."""
+    if features.prompt_feature in row and features.completion_feature in row:
+        return COMPLETIONS
+    if features.chat_feature in row:
+        return CHAT
+    if features.text_feature in row:
+        return TEXT
+    return None
+
+
+def _format_keys(fmt: str, features: Features) -> str:
+    if fmt == COMPLETIONS:
+        return f"keys {features.prompt_feature!r} and {features.completion_feature!r}"
+    if fmt == CHAT:
+        return f"key {features.chat_feature!r}"
+    return f"key {features.text_feature!r}"
+
+
+def _has_keys(row: Dict[str, Any], fmt: str, features: Features) -> bool:
+    if fmt == COMPLETIONS:
+        return features.prompt_feature in row and features.completion_feature in row
+    if fmt == CHAT:
+        return features.chat_feature in row
+    return features.text_feature in row
+
+
+def _one_line(err: BaseException) -> str:
+    # Tokenizer and Jinja errors can span lines; our errors promise one line.
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+def _apply_template(
+    tokenizer: Any,
+    messages: List[Dict[str, Any]],
+    tools: Any,
+    add_generation_prompt: bool,
+    where: str,
+) -> List[int]:
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+        )
+    except Exception as err:  # any template failure is a data/tokenizer mismatch
+        raise ValueError(
+            f"{where}: the tokenizer's chat template failed ({_one_line(err)}); "
+            "fix this row or use a tokenizer with a chat template that accepts it"
+        ) from err
+    return [int(t) for t in ids]
+
+
+def _check_string(row: Dict[str, Any], key: str, where: str) -> str:
+    value = row[key]
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{where}: {key!r} must be a string, got {type(value).__name__}"
+        )
+    return value
+
+
+def _check_messages(row: Dict[str, Any], key: str, where: str) -> List[Dict[str, Any]]:
+    messages = row[key]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"{where}: {key!r} must be a non-empty list of messages like "
+            '{"role": "user", "content": "..."}'
+        )
+    for k, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg:
+            raise ValueError(
+                f"{where}: message {k} of {key!r} must be an object with a 'role' "
+                f"key, got {json.dumps(msg)[:60]}"
+            )
+    return messages
+
+
+def _masked(
+    tokenizer: Any,
+    messages: List[Dict[str, Any]],
+    tools: Any,
+    add_generation_prompt: bool,
+    full: List[int],
+    where: str,
+) -> int:
+    """Prompt length for the mask; the prompt must be a prefix of the full tokens."""
+    prompt = _apply_template(tokenizer, messages[:-1], tools, add_generation_prompt, where)
+    if full[: len(prompt)] != prompt:
+        differ = next(
+            (k for k, (a, b) in enumerate(zip(prompt, full)) if a != b),
+            min(len(prompt), len(full)),
+        )
+        raise ValueError(
+            f"{where}: with mask_prompt the prompt's {len(prompt)} tokens are not a "
+            f"prefix of the full conversation's {len(full)} tokens (first difference "
+            f"at token {differ}), so the answer cannot be located; turn off "
+            "mask_prompt or use a chat template that renders the prompt unchanged"
+        )
+    if len(prompt) >= len(full):
+        raise ValueError(
+            f"{where}: with mask_prompt nothing is left to train on (the prompt is "
+            f"all {len(full)} tokens); give the last message some content or turn "
+            "off mask_prompt"
+        )
+    return len(prompt)
+
+
+def tokenize_row(
+    row: Dict[str, Any],
+    fmt: str,
+    tokenizer: Any,
+    *,
+    mask_prompt: bool,
+    features: Features,
+    where: str = "<row>",
+) -> Tuple[List[int], int]:
+    """Tokenize one row of a known format into ``(tokens, offset)`` as mlx-lm's ``process``."""
+    if fmt == TEXT:
+        text = _check_string(row, features.text_feature, where)
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError(
+                f"{where}: text data needs an end-of-sequence token but the "
+                "tokenizer has no eos_token_id; set eos_token on the tokenizer"
+            )
+        ids = [int(t) for t in tokenizer.encode(text)]
+        if not ids or ids[-1] != eos:
+            ids.append(int(eos))
+        return ids, 0
+
+    tools = row.get("tools")
+    if fmt == COMPLETIONS:
+        messages = [
+            {"role": "user", "content": _check_string(row, features.prompt_feature, where)},
+            {
+                "role": "assistant",
+                "content": _check_string(row, features.completion_feature, where),
+            },
+        ]
+        add_generation_prompt = True
+    elif fmt == CHAT:
+        messages = _check_messages(row, features.chat_feature, where)
+        # mlx-lm only asks for the assistant header when an assistant turn follows.
+        add_generation_prompt = messages[-1].get("role") == "assistant"
+    else:
+        raise ValueError(f"{where}: unknown format {fmt!r}; use text, completions or chat")
+
+    full = _apply_template(tokenizer, messages, tools, False, where)
+    if not mask_prompt:
+        return full, 0
+    return full, _masked(tokenizer, messages, tools, add_generation_prompt, full, where)
+
+
+def _parse_line(line: str, where: str) -> Dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{where}: invalid JSON ({err.msg} at column {err.colno}); write exactly "
+            "one JSON object per line"
+        ) from None
+    if not isinstance(row, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object, got a JSON {type(row).__name__}; write "
+            "one object per line"
+        )
+    return row
+
+
+def load_split(
+    path: Path,
+    tokenizer: Any,
+    *,
+    mask_prompt: bool = False,
+    features: Features = Features(),
+) -> TokenizedDataset:
+    """Read one jsonl split and tokenize every line; the split is named after the file stem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"{path}: file not found; create it with one JSON object per line"
+        )
+    fmt: Optional[str] = None
+    arrays: List[np.ndarray] = []
+    offsets: List[int] = []
+    # utf-8-sig tolerates a byte-order mark, which editors on Windows add.
+    with open(path, "r", encoding="utf-8-sig") as fid:
+        for lineno, line in enumerate(fid, start=1):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing one) carry no example
+            where = f"{path}:{lineno}"
+            row = _parse_line(line, where)
+            if fmt is None:
+                fmt = detect_format(row, features)
+                if fmt is None:
+                    raise ValueError(
+                        f"{where}: unrecognised format, got keys {sorted(row)}; use "
+                        f"{{{features.text_feature!r}}}, {{{features.prompt_feature!r}, "
+                        f"{features.completion_feature!r}}} or {{{features.chat_feature!r}}}"
+                        " or set text_feature/prompt_feature/completion_feature/"
+                        "chat_feature to your key names"
+                    )
+                if fmt == TEXT and mask_prompt:
+                    raise ValueError(
+                        f"{where}: mask_prompt needs prompt/completion or chat data but "
+                        f"this file is text ({_format_keys(TEXT, features)}); turn off "
+                        "mask_prompt or convert the data to prompt/completion rows"
+                    )
+            elif not _has_keys(row, fmt, features):
+                raise ValueError(
+                    f"{where}: expected {_format_keys(fmt, features)} like line 1, "
+                    f"got {sorted(row)}; use one format per file"
+                )
+            ids, offset = tokenize_row(
+                row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
+            )
+            arrays.append(np.asarray(ids, dtype=np.int32))
+            offsets.append(offset)
+    if fmt is None:
+        raise ValueError(
+            f"{path}: file is empty; add one JSON object per line or remove the file"
+        )
+    return TokenizedDataset.from_examples(
+        path.stem, zip(arrays, offsets), path=path, format=fmt
+    )
+
+
+def _required(folder: Path, name: str, hint: str) -> Path:
+    path = folder / f"{name}.jsonl"
+    if not path.is_file():
+        raise ValueError(
+            f"{path}: not found; create {name}.jsonl in {folder} with one JSON object "
+            f"per line{hint}"
+        )
+    return path
+
+
+def load_datasets(
+    folder: Path,
+    tokenizer: Any,
+    *,
+    mask_prompt: bool = False,
+    features: Features = Features(),
+    need_train: bool = True,
+    need_valid: bool = True,
+    need_test: bool = False,
+) -> Datasets:
+    """Load ``train/valid/test.jsonl`` from a folder; splits not needed are left as None."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "folder not found"
+        raise ValueError(
+            f"{folder}: data {what}; point data at a folder holding train.jsonl and "
+            "valid.jsonl (and test.jsonl to test)"
+        )
+    hints = {
+        "train": "",
+        "valid": " (or turn off validation)",
+        "test": " (or turn off testing)",
+    }
+    needed = {"train": need_train, "valid": need_valid, "test": need_test}
+    # Check every needed file before tokenizing anything, so a missing valid.jsonl
+    # is reported before minutes are spent on train.jsonl.
+    paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
+    loaded = {
+        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features)
+        for n, p in paths.items()
+    }
+    return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))

@@ -1,0 +1,69 @@
+"""The parallel layout as a value: world group, (dp, pp) coordinates, collectives.
+
+Built once at the entry point and passed down (nothing below the entry point calls
+`mx.distributed.init()`). MLX collectives are no-ops on a group of size 1, so one
+code path serves a single process and N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """Where this process sits: `rank` of `world_size`, laid out as dp x pp."""
+
+    group: Any
+    world_size: int
+    rank: int
+    dp: int
+    pp: int
+
+    @classmethod
+    def single(cls) -> "Mesh":
+        """A one-process mesh (no distributed backend needed)."""
+        return cls(group=None, world_size=1, rank=0, dp=1, pp=1)
+
+    @classmethod
+    def from_world(cls, group: Any = None, *, pp: int = 1) -> "Mesh":
+        """A mesh over `group` (default: `mx.distributed.init()`), pp stages x dp replicas."""
+        group = mx.distributed.init() if group is None else group
+        size = group.size()
+        if pp < 1 or size % pp:
+            raise ValueError(
+                f"parallel.pp={pp} does not divide the world size {size}; "
+                "choose pp so that dp * pp == number of ranks"
+            )
+        return cls(group=group, world_size=size, rank=group.rank(), dp=size // pp, pp=pp)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas of its stage."""
+        return self.rank % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // self.dp
+
+    @property
+    def is_writer(self) -> bool:
+        """Only one rank writes files (rank 0)."""
+        return self.rank == 0
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        """Sum over the world; identity on one process."""
+        if self.world_size == 1:
+            return x
+        return mx.distributed.all_sum(x, group=self.group)
+
+    def agree(self, flag: bool) -> bool:
+        """True when any rank says True (ranks stop or save together)."""
+        if self.world_size == 1:
+            return flag
+        total = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=mx.cpu)
+        return total.item() > 0

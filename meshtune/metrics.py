@@ -1,0 +1,116 @@
+"""Token-weighted losses, throughput windows and where reports go.
+
+Losses are sums of per-token cross entropy divided by the token count over all
+ranks and micro-batches, so 1 rank and N ranks report the same number for the same
+global batch. Reports go to `metrics.jsonl` (one JSON object per line), to a progress
+bar (loss, tokens/s, peak memory, ETA) and to a log function; only the writer rank
+writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class Window:
+    """Accumulates one report window's loss sum, tokens, steps and compute time."""
+
+    loss_sum: Any = 0.0
+    tokens: Any = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, loss_sum: mx.array, tokens: mx.array) -> None:
+        """Count one micro-batch's loss sum and tokens (lazy arrays)."""
+        self.loss_sum = self.loss_sum + loss_sum
+        self.tokens = self.tokens + tokens
+
+    def end_step(self, seconds: float) -> None:
+        """Close one optimizer step that took `seconds`."""
+        self.steps += 1
+        self.seconds += seconds
+
+
+@dataclass
+class Reporter:
+    """Writes metrics.jsonl and drives the progress bar; silent on non-writer ranks."""
+
+    out_dir: Path | None
+    total_steps: int
+    start_step: int = 0
+    writer: bool = True
+    log: Callable[[str], None] = print
+    show_progress: bool = True
+    _bar: Any = field(default=None, init=False)
+    _file: Any = field(default=None, init=False)
+
+    def __enter__(self) -> "Reporter":
+        if self.writer and self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.out_dir / METRICS_FILE, "a", buffering=1)
+        if self.writer and self.show_progress:
+            self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
+                             dynamic_ncols=True, file=sys.stderr, leave=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def emit(self, record: dict[str, Any], line: str) -> None:
+        """Append one JSON record and print its human line (above the bar)."""
+        if not self.writer:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+            if record.get("type") == "train":
+                self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
+                                      mem=f"{record['peak_memory_gb']:.2f}GB", refresh=False)
+        else:
+            self.log(line)
+
+    def train(self, step: int, *, loss: float, tokens: int, seconds: float, steps: int,
+              learning_rate: float, trained_tokens: int) -> dict[str, Any]:
+        record = {
+            "type": "train", "step": step, "loss": loss, "learning_rate": learning_rate,
+            "tokens": tokens, "tokens_per_sec": tokens / max(seconds, 1e-9),
+            "steps_per_sec": steps / max(seconds, 1e-9), "trained_tokens": trained_tokens,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9, "time": time.time(),
+        }
+        self.emit(record, f"step {step}: train loss {loss:.4f}, lr {learning_rate:.3e}, "
+                          f"{record['tokens_per_sec']:.0f} tok/s, peak mem {record['peak_memory_gb']:.3f} GB")
+        return record
+
+    def eval(self, step: int, *, split: str, loss: float, tokens: int, seconds: float) -> dict[str, Any]:
+        record = {"type": split, "step": step, f"{split}_loss": loss, "tokens": tokens,
+                  "seconds": seconds, "time": time.time()}
+        self.emit(record, f"step {step}: {split} loss {loss:.4f} ({tokens} tokens, {seconds:.1f}s)")
+        return record
+
+    def note(self, kind: str, step: int, line: str, **extra: Any) -> None:
+        self.emit({"type": kind, "step": step, "time": time.time(), **extra}, line)
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl."""
+    path = Path(out_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,204 @@
+"""The training loop: a compiled step, periodic eval, reports and saves, top to bottom.
+
+One optimizer step consumes `grad_accumulation_steps` micro-batches. Gradients are
+taken of the summed token losses and divided by the token count of the whole global
+batch (all micro-batches, all data-parallel ranks), so the update equals the one a
+single process would make on the same global batch; reported losses are weighted by
+tokens the same way. Each micro-batch is one compiled call and one `mx.eval`; the
+allocator cache is left alone (clearing it every step, as stock mlx-lm does, costs
+time and buys nothing at a steady shape mix).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.nn.utils import average_gradients
+from mlx.utils import tree_map
+
+from .checkpoint import TrainingState
+from .mesh import Mesh
+from .metrics import Reporter, Window
+
+
+def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """(sum of target-token cross entropy, number of target tokens) for one batch.
+
+    `lengths[:, 0]` is the prompt offset and `lengths[:, 1]` the sequence length, as in
+    mlx-lm: target position p (1-based) counts when offset <= p <= length.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(inputs)
+    steps = mx.arange(1, targets.shape[1] + 1)
+    mask = (steps >= lengths[:, 0:1]) & (steps <= lengths[:, 1:])
+    ce = nn.losses.cross_entropy(logits, targets) * mask
+    return ce.astype(mx.float32).sum(), mask.sum()
+
+
+def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh) -> tuple[float, int]:
+    """Token-weighted loss over `batches` on every rank: (loss, global tokens)."""
+    model.eval()
+    total, tokens = mx.array(0.0), mx.array(0)
+    for batch in batches:
+        ce, n = loss_terms(model, batch.tokens, batch.lengths)
+        total, tokens = total + ce, tokens + n
+        mx.eval(total, tokens)
+    model.train()
+    total, tokens = mesh.all_sum(total), mesh.all_sum(tokens)
+    n = int(tokens.item())
+    return (total.item() / n if n else float("nan")), n
+
+
+def enable_grad_checkpoint(block: nn.Module) -> None:
+    """Recompute every block of this type in the backward pass instead of storing activations."""
+    fn = type(block).__call__
+
+    def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def inner(params: Any, *a: Any, **kw: Any) -> Any:
+            module.update(params)
+            return fn(module, *a, **kw)
+
+        return mx.checkpoint(inner)(module.trainable_parameters(), *args, **kwargs)
+
+    type(block).__call__ = checkpointed
+
+
+def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh) -> Any:
+    """Sum gradients over ranks and divide by the global token count."""
+    if mesh.world_size > 1:
+        # average_gradients packs small arrays into few all_sums; undo its 1/N.
+        grads = tree_map(lambda g: g * mesh.world_size, average_gradients(grads, group=mesh.group))
+        tokens = mesh.all_sum(tokens)
+    return tree_map(lambda g: g / tokens.astype(g.dtype), grads)
+
+
+def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
+               compile: bool) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+    """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
+    loss_and_grad = nn.value_and_grad(model, loss_terms)
+    state = [model.state, optimizer.state, mx.random.state]
+
+    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
+        (ce, n), grads = loss_and_grad(model, tokens, lengths)
+        total = n if acc_tokens is None else acc_tokens + n
+        if acc_grads is not None:
+            grads = tree_map(mx.add, grads, acc_grads)
+        if not update:
+            return ce, n, grads, total
+        grads = reduce_gradients(grads, total, mesh)
+        if max_grad_norm > 0:
+            grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
+        optimizer.update(model, grads)
+        return ce, n, None, None
+
+    return partial(mx.compile, inputs=state, outputs=state)(step) if compile else step
+
+
+@dataclass(kw_only=True)
+class LoopSettings:
+    """The loop's knobs, taken from the train config."""
+
+    iters: int
+    grad_accumulation_steps: int
+    steps_per_report: int
+    steps_per_eval: int
+    save_every: int
+    max_grad_norm: float = 0.0
+    compile: bool = True
+
+
+@dataclass(kw_only=True)
+class LoopResult:
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    trained_tokens: int
+    stopped_early: bool
+
+
+class _StopFlag:
+    """Turns SIGTERM/SIGINT into a request to save and stop at the next step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:  # a second signal means "now"
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], *,
+          settings: LoopSettings, mesh: Mesh, reporter: Reporter, start: TrainingState,
+          validate: Callable[[], tuple[float, int]] | None,
+          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]]) -> LoopResult:
+    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
+    step_fn = build_step(model, optimizer, mesh, max_grad_norm=settings.max_grad_norm,
+                         compile=settings.compile)
+    model.train()
+    window, trained_tokens = Window(), start.trained_tokens
+    train_loss = val_loss = None
+    step = start.step
+
+    def run_eval(at: int) -> float:
+        tic = time.perf_counter()
+        loss, n = validate()
+        reporter.eval(at, split="val", loss=loss, tokens=n, seconds=time.perf_counter() - tic)
+        return loss
+
+    if validate is not None and step == 0:
+        val_loss = run_eval(0)
+    with _StopFlag() as stop:
+        while step < settings.iters:
+            tic = time.perf_counter()
+            grads = ntoks = None
+            for micro in range(settings.grad_accumulation_steps):
+                batch = next(batches)
+                last = micro == settings.grad_accumulation_steps - 1
+                ce, n, grads, ntoks = step_fn(batch.tokens, batch.lengths, grads, ntoks, last)
+                window.add(ce, n)
+                mx.eval(model.state, optimizer.state, mx.random.state, window.loss_sum, window.tokens, grads, ntoks)
+            window.end_step(time.perf_counter() - tic)
+            step += 1
+            reporter.advance()
+
+            if step % settings.steps_per_report == 0 or step == settings.iters:
+                loss_sum, tokens = mesh.all_sum(window.loss_sum), mesh.all_sum(window.tokens)
+                tokens_n = int(tokens.item())
+                train_loss = loss_sum.item() / max(tokens_n, 1)
+                trained_tokens += tokens_n
+                reporter.train(step, loss=train_loss, tokens=tokens_n, seconds=window.seconds,
+                               steps=window.steps, learning_rate=float(optimizer.learning_rate),
+                               trained_tokens=trained_tokens)
+                window = Window()
+            if validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters):
+                val_loss = run_eval(step)
+            stopping = mesh.agree(stop.requested)
+            if step % settings.save_every == 0 or step == settings.iters or stopping:
+                save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
+            if stopping:
+                reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
+                return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,
+                                  trained_tokens=trained_tokens, stopped_early=True)
+    return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,
+                      trained_tokens=trained_tokens, stopped_early=False)
