@@ -58,17 +58,25 @@ def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, A
 
 def _features(cfg: Config) -> Features:
     d = cfg.data
-    return Features(prompt=d.prompt_feature, completion=d.completion_feature,
-                    text=d.text_feature, chat=d.chat_feature)
+    return Features(prompt_feature=d.prompt_feature, completion_feature=d.completion_feature,
+                    text_feature=d.text_feature, chat_feature=d.chat_feature)
 
 
-def _eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> Callable[[], list[Any]]:
-    """The first `limit` (-1: all) complete batches of a split, in sorted order, for this rank."""
+def _eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> list[Any]:
+    """`limit` (-1: all) complete batches of a split for this rank, the same ones every eval.
+
+    Shuffled by the seed, so a capped eval sees short and long examples alike.
+    """
     it = BatchIterator(dataset, batch_size=cfg.train.batch_size, max_seq_length=cfg.data.max_seq_length,
                        pad_to=cfg.data.pad_to, seed=cfg.train.seed, rank=mesh.dp_rank,
-                       world_size=mesh.dp, loop=False)
+                       world_size=mesh.dp, loop=False, shuffle=True, warn=_warner(mesh))
     batches = list(it)
     return batches if limit < 0 else batches[:limit]
+
+
+def _warner(mesh: Mesh) -> Callable[[str], None]:
+    """Data warnings are printed once, by the writer rank."""
+    return (lambda m: print(f"warning: {m}")) if mesh.is_writer else (lambda m: None)
 
 
 def _check_output_folder(cfg: Config, out: Path) -> None:
@@ -116,7 +124,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                          features=_features(cfg), need_test=cfg.train.test)
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
-                            seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True)
+                            seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
+                            warn=_warner(mesh))
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
                               learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)
@@ -145,16 +154,17 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                         config=resolved, keep=cfg.output.keep_checkpoints)
         atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
 
-    val = data.valid
-    validate = (lambda: evaluate(model, _eval_batches(val, cfg, mesh, cfg.train.val_batches), mesh)) \
-        if val is not None and cfg.train.val_batches != 0 else None
+    validate = None
+    if data.valid is not None and cfg.train.val_batches != 0:
+        val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
+        validate = lambda: evaluate(model, val_batches, mesh)  # noqa: E731
     t = cfg.train
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile)
     with Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                   log=say, show_progress=show_progress) as reporter:
-        result = train(model, optimizer, iter(batches), settings=settings, mesh=mesh, reporter=reporter,
+        result = train(model, optimizer, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                        start=start, validate=validate, save=save, cursor=batches.state)
         test_loss = None
         if t.test and data.test is not None and not result.stopped_early:
@@ -174,7 +184,10 @@ def _flat(tree: Any) -> list[tuple[str, mx.array]]:
 
 def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
              resolved: dict[str, Any]) -> TrainingState:
-    """Load the newest checkpoint into model, optimizer, RNG and data cursor."""
+    """Load the newest checkpoint into model, optimizer and data cursor.
+
+    The RNG needs no restoring: the loop reseeds it from (seed, step) every step.
+    """
     path = latest_checkpoint(out)
     if path is None:
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}; "
@@ -186,13 +199,20 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     if changed:
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
                          "resume with the run's own settings or start a new --adapter-path")
+    _drop_metrics_after(out, ckpt.state.step)
     ad.load_trainable(model, path / "adapters.safetensors")
     optimizer.state = ckpt.optimizer_state
     optimizer.init(model.trainable_parameters())
-    for i, s in enumerate(ckpt.rng_state):
-        mx.random.state[i] = s
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
+
+
+def _drop_metrics_after(out: Path, step: int) -> None:
+    """Forget reports past the checkpoint: the resumed run reports those steps again."""
+    path = out / METRICS_FILE
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+        atomic_write_text(path, "".join(l + "\n" for l in keep))
 
 
 def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,

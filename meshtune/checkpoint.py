@@ -1,8 +1,9 @@
 """Full training state on disk: atomic writes, a manifest per checkpoint, exact resume.
 
 A checkpoint is `checkpoints/<7-digit step>/` holding the trainable weights, the
-optimizer state, the RNG state, the data cursor, the loop counters and the resolved
-config. It is written into a temporary sibling folder, every file fsynced, then
+optimizer state, the data cursor, the loop counters and the resolved config. The RNG
+state is (seed, step): the loop reseeds MLX's generator every step, since MLX offers
+no way to set its key back to a saved value. It is written into a temporary sibling folder, every file fsynced, then
 renamed into place, so a crash leaves either a complete checkpoint or none; the
 manifest (`state.json`) is written last and marks a folder as complete.
 """
@@ -77,8 +78,6 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
         mx.save_safetensors(str(tmp / "adapters.safetensors"), trainable)
         opt = dict(tree_flatten(optimizer_state))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
-        mx.save_safetensors(str(tmp / "rng.safetensors"),
-                            {f"state.{i}": s for i, s in enumerate(mx.random.state)})
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         manifest = {"step": state.step, "data_cursor": state.data_cursor,
                     "trained_tokens": state.trained_tokens, "optimizer_keys": sorted(opt)}
@@ -118,14 +117,12 @@ class LoadedCheckpoint:
     state: TrainingState
     trainable: dict[str, mx.array]
     optimizer_state: Any
-    rng_state: list[mx.array]
     config: dict[str, Any]
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
     """Read a checkpoint folder written by `save_checkpoint`."""
     manifest = json.loads((path / MANIFEST).read_text())
-    rng = mx.load(str(path / "rng.safetensors"))
     opt = mx.load(str(path / "optimizer.safetensors"))
     return LoadedCheckpoint(
         path=path,
@@ -133,6 +130,5 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
                             trained_tokens=manifest.get("trained_tokens", 0)),
         trainable=mx.load(str(path / "adapters.safetensors")),
         optimizer_state=tree_unflatten(list(opt.items())),
-        rng_state=[rng[f"state.{i}"] for i in range(len(rng))],
         config=yaml.safe_load((path / "config.yaml").read_text()),
     )

@@ -31,13 +31,14 @@ from .metrics import Reporter, Window
 def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
     """(sum of target-token cross entropy, number of target tokens) for one batch.
 
-    `lengths[:, 0]` is the prompt offset and `lengths[:, 1]` the sequence length, as in
-    mlx-lm: target position p (1-based) counts when offset <= p <= length.
+    `lengths[:, 0]` is the prompt offset and `lengths[:, 1]` the sequence length L, as in
+    mlx-lm. Target position p (1-based, predicting token p) counts when offset <= p < L;
+    mlx-lm's `p <= L` also trains one padding target per padded row (its PR #1697).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = model(inputs)
     steps = mx.arange(1, targets.shape[1] + 1)
-    mask = (steps >= lengths[:, 0:1]) & (steps <= lengths[:, 1:])
+    mask = (steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])
     ce = nn.losses.cross_entropy(logits, targets) * mask
     return ce.astype(mx.float32).sum(), mask.sum()
 
@@ -148,8 +149,13 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The RNG seed of one optimizer step: a resumed run draws the same dropout masks."""
+    return (seed * 1_000_003 + step) % 2**63
+
+
 def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], *,
-          settings: LoopSettings, mesh: Mesh, reporter: Reporter, start: TrainingState,
+          settings: LoopSettings, seed: int, mesh: Mesh, reporter: Reporter, start: TrainingState,
           validate: Callable[[], tuple[float, int]] | None,
           save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]]) -> LoopResult:
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
@@ -171,6 +177,7 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
     with _StopFlag() as stop:
         while step < settings.iters:
             tic = time.perf_counter()
+            mx.random.seed(step_seed(seed, step))
             grads = ntoks = None
             for micro in range(settings.grad_accumulation_steps):
                 batch = next(batches)

@@ -2,9 +2,12 @@
 
 Both run as separate processes with the same environment (so the same BLAS), the
 same model, data folder, global batch, max sequence length, LoRA rank/scale, layer
-count, optimizer, learning rate, seed and iteration count. Throughput is the sum of
-tokens over the sum of compute seconds of every report window after the first (the
-first holds compilation and warm-up); evaluation time is excluded on both sides.
+count, optimizer, learning rate, seed and iteration count. Speed is optimizer steps
+over compute seconds of every report window after the first (the first holds
+compilation and warm-up), evaluation excluded on both sides, as each trainer reports
+it. Tokens/s is that step rate times the global batch times the mean example length
+of the training set: the two trainers count loss tokens differently (mlx-lm also
+counts one padding target per row), so their own token counts are not comparable.
 """
 
 from __future__ import annotations
@@ -36,12 +39,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _throughput(windows: list[dict[str, float]]) -> float:
-    """Tokens over seconds of every window after the first."""
+def _steps_per_sec(windows: list[dict[str, float]]) -> float:
+    """Steps over seconds of every window after the first."""
     later = windows[1:] or windows
-    tokens = sum(w["tokens"] for w in later)
+    steps = sum(w["steps"] for w in later)
     seconds = sum(w["seconds"] for w in later)
-    return tokens / seconds if seconds else 0.0
+    return steps / seconds if seconds else 0.0
+
+
+def mean_example_tokens(model: str, data: str) -> float:
+    """Mean tokens per training example, tokenized as both trainers do (chat template)."""
+    from mlx_lm.utils import load_tokenizer, _download
+
+    from ..data import load_split
+
+    tokenizer = load_tokenizer(_download(model))
+    train = load_split(Path(data) / "train.jsonl", tokenizer, mask_prompt=True)
+    return float(train.lengths.mean())
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> str:
@@ -53,19 +67,18 @@ def _run(cmd: list[str], env: dict[str, str]) -> str:
 
 
 def run_stock(opts: dict[str, Any], env: dict[str, str]) -> list[dict[str, float]]:
-    """Stock windows as {tokens, seconds}, from stock's own reports."""
+    """Stock windows as {steps, seconds}, from stock's own reports."""
     out = _run([sys.executable, "-m", "meshtune.bench.stock_runner", json.dumps(opts)], env)
     line = next(l for l in out.splitlines() if l.startswith("STOCK_RESULT "))
     windows, previous = [], 0
     for w in json.loads(line[len("STOCK_RESULT "):]):
-        tokens = w["trained_tokens"] - previous
-        previous = w["trained_tokens"]
-        windows.append({"tokens": tokens, "seconds": tokens / w["tokens_per_second"]})
+        steps, previous = w["iteration"] - previous, w["iteration"]
+        windows.append({"steps": steps, "seconds": steps / w["iterations_per_second"]})
     return windows
 
 
 def run_meshtune(opts: dict[str, Any], env: dict[str, str], out_dir: Path) -> list[dict[str, float]]:
-    """meshtune windows as {tokens, seconds}, from metrics.jsonl."""
+    """meshtune windows as {steps, seconds}, from metrics.jsonl."""
     flags = ["--model", opts["model"], "--data", opts["data"], "--iters", str(opts["iters"]),
              "--batch-size", str(opts["batch_size"]), "--max-seq-length", str(opts["max_seq_length"]),
              "--num-layers", str(opts["num_layers"]), "--learning-rate", str(opts["learning_rate"]),
@@ -78,8 +91,11 @@ def run_meshtune(opts: dict[str, Any], env: dict[str, str], out_dir: Path) -> li
              "--train.save_every", str(opts["save_every"]), "--data.mask_prompt", "true"]
     _run([sys.executable, "-m", "meshtune.cli", "--no-system-blas", "train", *flags], env)
     records = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{"tokens": r["tokens"], "seconds": r["tokens"] / r["tokens_per_sec"]}
-            for r in records if r["type"] == "train"]
+    windows, previous = [], 0
+    for r in (r for r in records if r["type"] == "train"):
+        steps, previous = r["step"] - previous, r["step"]
+        windows.append({"steps": steps, "seconds": steps / r["steps_per_sec"]})
+    return windows
 
 
 def main(argv: list[str]) -> int:
@@ -97,13 +113,15 @@ def main(argv: list[str]) -> int:
     }
     env = dict(os.environ)
     blas = describe_blas()
+    tokens_per_step = a.batch_size * mean_example_tokens(opts["model"], opts["data"])
     with tempfile.TemporaryDirectory() as tmp:
-        stock = _throughput(run_stock({**opts, "adapter_path": str(Path(tmp) / "stock")}, env))
-        ours = _throughput(run_meshtune(opts, env, Path(tmp) / "meshtune"))
+        stock = tokens_per_step * _steps_per_sec(run_stock({**opts, "adapter_path": str(Path(tmp) / "stock")}, env))
+        ours = tokens_per_step * _steps_per_sec(run_meshtune(opts, env, Path(tmp) / "meshtune"))
     ratio = ours / stock if stock else float("nan")
     print(f"peer benchmark: LoRA rank {a.rank}, {a.iters} steps, global batch {a.batch_size}, "
           f"max_seq_length {a.max_seq_length}, num_layers {a.num_layers}")
     print(f"model {opts['model']}\ndata  {opts['data']}\n{blas}")
+    print(f"tokens/s = steps/s x {tokens_per_step:.0f} tokens per global batch (mean example length)")
     print(f"{'trainer':<16}{'tokens/s':>12}")
     print(f"{'mlx_lm.lora':<16}{stock:>12.1f}")
     print(f"{'meshtune':<16}{ours:>12.1f}")
