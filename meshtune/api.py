@@ -137,6 +137,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
         start = _restore(out, model, optimizer, batches, resolved)
+        if mesh.is_writer:
+            _drop_metrics_after(out, start.step)
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
     else:
         optimizer.init(model.trainable_parameters())
@@ -199,7 +201,6 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     if changed:
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
                          "resume with the run's own settings or start a new --adapter-path")
-    _drop_metrics_after(out, ckpt.state.step)
     ad.load_trainable(model, path / "adapters.safetensors")
     optimizer.state = ckpt.optimizer_state
     optimizer.init(model.trainable_parameters())

@@ -20,33 +20,10 @@ from typing import Any
 from .blas import ensure_fast_blas
 
 
-def split_overrides(args: list[str], flags: dict[str, str], switches: set[str]) -> list[tuple[str, str]]:
-    """`--section.key value`, `--section.key=value` and mlx_lm.lora flags -> (dotted key, raw value)."""
-    items: list[tuple[str, str]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument '{arg}'; options look like --train.iters 100")
-        name, eq, value = arg[2:].partition("=")
-        flag = f"--{name}"
-        if flag in switches and not eq:
-            items.append((flags[flag], "true"))
-            i += 1
-            continue
-        if not eq:
-            if i + 1 >= len(args):
-                raise ValueError(f"option {arg} needs a value, e.g. {arg} 100")
-            value, i = args[i + 1], i + 1
-        items.append((flags.get(flag, name), value))
-        i += 1
-    return items
-
-
 def _train_config(args: argparse.Namespace, rest: list[str]) -> Any:
-    from .config import MLX_LM_FLAGS, MLX_LM_SWITCHES, load_config
+    from .config import load_config, parse_override_args
 
-    overrides = split_overrides(rest, MLX_LM_FLAGS, MLX_LM_SWITCHES)
+    overrides = parse_override_args(rest)
     if args.resume:
         overrides.append(("output.resume", "true"))
     cfg = load_config(args.config, overrides)

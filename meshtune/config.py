@@ -683,7 +683,8 @@ def _resolve_overrides(
     """Check override keys (and parse string values); ([(dotted, value, key)], problems)."""
     resolved, problems = [], []
     for raw_key, value in items:
-        key = str(raw_key).removeprefix("--")
+        # mlx_lm.lora's own flags (--learning-rate, ...) mean the same as our keys.
+        key = MLX_LM_FLAGS.get(str(raw_key), str(raw_key)).removeprefix("--")
         section, _, name = key.partition(".")
         dotted = f"{section}.{name.replace('-', '_')}"
         if section not in SECTIONS or dotted.partition(".")[2] not in _field_types(section):
@@ -835,7 +836,8 @@ def _split_override_args(tokens: list[str]) -> tuple[list[tuple[str, str]], list
             i += 2
         else:
             section, _, name = token[2:].partition(".")
-            is_switch = section in SECTIONS and _field_types(section).get(name.replace("-", "_")) is bool
+            is_switch = token in MLX_LM_SWITCHES or (
+                section in SECTIONS and _field_types(section).get(name.replace("-", "_")) is bool)
             if is_switch:
                 items.append((token, "true"))
             else:

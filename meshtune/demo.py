@@ -34,11 +34,10 @@ def exact_match(model: nn.Module, tokenizer: Any, rows: list[dict[str, str]], *,
 def run_demo(adapter_path: str = "runs/demo", overrides: list[str] | None = None) -> int:
     """Train the demo config and print the before/after table; returns an exit code."""
     from .api import finetune, load_for_inference
-    from .cli import split_overrides
-    from .config import MLX_LM_FLAGS, MLX_LM_SWITCHES, load_config
+    from .config import load_config, parse_override_args
     from .metrics import read_metrics
 
-    items = split_overrides(overrides or [], MLX_LM_FLAGS, MLX_LM_SWITCHES)
+    items = parse_override_args(overrides or [])
     items += [("output.adapter_path", adapter_path), ("output.overwrite", "true")]
     cfg = load_config(DEMO_CONFIG, items)
     model_path = str(cfg.resolved_model_path())

@@ -1,0 +1,200 @@
+"""End-to-end runs of the `meshtune` command on the embedded model: files, metrics, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from conftest import ARITH_DATA, TINY_MODEL
+
+QUICK = ["--batch-size", "8", "--num-layers", "-1", "--learning-rate", "1e-3", "--mask-prompt",
+         "--train.steps_per_report", "2", "--steps-per-eval", "3", "--save-every", "3",
+         "--train.val_batches", "2"]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 6-step LoRA run on the embedded default, shared by the read-only tests below."""
+    from conftest import run_cli
+
+    run = tmp_path_factory.mktemp("cli") / "run"
+    proc = run_cli("train", "--iters", "6", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc
+
+
+def test_train_writes_the_promised_files(trained):
+    run, proc = trained
+    assert "BLAS:" in proc.stdout
+    assert "trainable parameters" in proc.stdout
+    assert (run / "adapters.safetensors").exists()
+    config = json.loads((run / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "lora" and config["num_layers"] == -1
+    assert Path(config["model"]) == TINY_MODEL and Path(config["data"]) == ARITH_DATA
+    assert config["lora_parameters"]["rank"] == 8
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000003", "0000006"]
+    for ckpt in (run / "checkpoints").iterdir():
+        assert {p.name for p in ckpt.iterdir()} == {"adapters.safetensors", "optimizer.safetensors",
+                                                    "config.yaml", "state.json"}
+        state = json.loads((ckpt / "state.json").read_text())
+        assert state["step"] == int(ckpt.name) and "epoch" in state["data_cursor"]
+
+
+def test_metrics_lines(trained):
+    run, _ = trained
+    recs = _records(run)
+    train = [r for r in recs if r["type"] == "train"]
+    val = [r for r in recs if r["type"] == "val"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert [r["step"] for r in val] == [0, 3, 6]
+    for r in train:
+        assert r["tokens"] > 0 and r["tokens_per_sec"] > 0 and r["peak_memory_gb"] > 0
+        assert r["learning_rate"] == pytest.approx(1e-3)
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+
+
+def test_stock_mlx_lm_loads_our_adapters_with_same_logits(trained):
+    from mlx_lm.utils import load
+
+    from meshtune.api import load_for_inference
+
+    run, _ = trained
+    stock, _ = load(str(TINY_MODEL), adapter_path=str(run))
+    ours, tok = load_for_inference(str(TINY_MODEL), run)
+    tokens = mx.array([tok.encode("What is 12 + 34?")])
+    assert mx.array_equal(stock(tokens), ours(tokens))
+
+
+def test_existing_run_is_not_overwritten(trained, cli):
+    run, _ = trained
+    before = (run / "adapters.safetensors").read_bytes()
+    proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 2
+    assert "already holds a run" in proc.stderr and "--resume" in proc.stderr
+    assert (run / "adapters.safetensors").read_bytes() == before
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path, cli):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    args = [*QUICK, "--adapter.dropout", "0.1"]
+    assert cli("train", "--iters", "6", *args, "--adapter-path", str(whole)).returncode == 0
+    assert cli("train", "--iters", "3", *args, "--adapter-path", str(part)).returncode == 0
+    proc = cli("train", "--iters", "6", *args, "--adapter-path", str(part), "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from step 3" in proc.stdout
+    strip = lambda rs: [{k: v for k, v in r.items() if k in ("type", "step", "loss", "val_loss")} for r in rs]  # noqa: E731
+    assert strip(_records(part)) == strip(_records(whole))
+    assert (part / "adapters.safetensors").read_bytes() == (whole / "adapters.safetensors").read_bytes()
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path, cli):
+    proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(tmp_path / "none"), "--resume")
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr
+
+
+def test_bad_config_names_file_line_and_nearest_key(tmp_path, cli):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  iters: 5\n  batch_sise: 4\n")
+    proc = cli("train", "-c", str(bad))
+    assert proc.returncode == 2
+    assert "bad.yaml:3" in proc.stderr and "batch_size" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_override_is_rejected(cli):
+    proc = cli("train", "--train.iter", "5")
+    assert proc.returncode == 2 and "train.iters" in proc.stderr
+
+
+def test_mlx_lm_config_is_accepted_and_mapping_printed(tmp_path, cli):
+    cfg = tmp_path / "lora_config.yaml"
+    cfg.write_text(f"model: {TINY_MODEL}\ndata: {ARITH_DATA}\ntrain: true\nfine_tune_type: lora\n"
+                   "num_layers: 2\nbatch_size: 8\niters: 2\nlearning_rate: 1e-4\nsteps_per_report: 1\n"
+                   "val_batches: 1\nlora_parameters:\n  rank: 4\n  scale: 10.0\n  dropout: 0.0\n"
+                   f"adapter_path: {tmp_path / 'run'}\n")
+    proc = cli("train", "-c", str(cfg))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mlx-lm key mapped: learning_rate -> optimizer.learning_rate" in proc.stdout
+    assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())["lora_parameters"]["rank"] == 4
+
+
+def test_full_fine_tune_loads_in_stock_mlx_lm(tmp_path, cli):
+    from mlx_lm.utils import load
+
+    run = tmp_path / "full"
+    proc = cli("train", "--iters", "2", *QUICK, "--fine-tune-type", "full", "--num-layers", "1",
+               "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    weights = mx.load(str(run / "adapters.safetensors"))
+    assert weights and all(k.startswith("model.layers.3.") for k in weights)
+    model, _ = load(str(TINY_MODEL), adapter_path=str(run))
+    assert mx.array_equal(model.model.layers[3].mlp.up_proj.weight, weights["model.layers.3.mlp.up_proj.weight"])
+
+
+def test_fuse_and_generate(trained, tmp_path, cli):
+    from mlx_lm.utils import load
+
+    run, _ = trained
+    fused = tmp_path / "fused"
+    proc = cli("fuse", "--adapter-path", str(run), "--save-path", str(fused))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    base, tok = load(str(TINY_MODEL), adapter_path=str(run))
+    merged, _ = load(str(fused))
+    tokens = mx.array([tok.encode("What is 40 + 2?")])
+    assert mx.allclose(base(tokens), merged(tokens), atol=1e-4)
+    proc = cli("generate", "--adapter-path", str(run), "--prompt", "What is 40 + 2?", "--max-tokens", "4")
+    assert proc.returncode == 0 and proc.stdout.strip()
+
+
+def test_quantized_base_trains_and_fuse_requantizes(tmp_path, cli):
+    from mlx_lm import convert
+    from mlx_lm.utils import load
+
+    q = tmp_path / "q4"
+    convert(str(TINY_MODEL), mlx_path=str(q), quantize=True, q_group_size=32, q_bits=4)
+    run = tmp_path / "run"
+    proc = cli("train", "--model", str(q), "--iters", "2", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fused = tmp_path / "fused"
+    assert cli("fuse", "--adapter-path", str(run), "--save-path", str(fused)).returncode == 0
+    assert json.loads((fused / "config.json").read_text())["quantization"]["bits"] == 4
+    model, tok = load(str(fused))
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    dense = tmp_path / "dense"
+    assert cli("fuse", "--adapter-path", str(run), "--save-path", str(dense), "--dequantize").returncode == 0
+    assert "quantization" not in json.loads((dense / "config.json").read_text())
+
+
+def test_blas_choice_is_logged_and_can_be_turned_off(tmp_path, cli):
+    from meshtune.blas import find_system_openblas
+
+    env_preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        args = ["train", "--iters", "1", *QUICK, "--train.val_batches", "0"]
+        on = cli(*args, "--adapter-path", str(tmp_path / "on"))
+        off = cli("--no-system-blas", *args, "--adapter-path", str(tmp_path / "off"))
+    finally:
+        if env_preload is not None:
+            os.environ["LD_PRELOAD"] = env_preload
+    assert on.returncode == 0 and off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
+    assert "BLAS: MLX's bundled reference BLAS" in off.stdout
+    if find_system_openblas():
+        assert "BLAS: system OpenBLAS" in on.stdout
+
+
+def test_bench_peer_prints_both_and_json(cli):
+    proc = cli("bench", "peer", "--iters", "4", "--report-every", "2", "--batch-size", "8", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlx_lm.lora" in proc.stdout and "meshtune" in proc.stdout and "BLAS:" in proc.stdout
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"stock_tok_s", "meshtune_tok_s", "ratio"}
+    assert result["stock_tok_s"] > 0 and result["meshtune_tok_s"] > 0
+    assert result["ratio"] == pytest.approx(result["meshtune_tok_s"] / result["stock_tok_s"])
