@@ -330,16 +330,22 @@ def test_overrides_parse_types() -> None:
 
 def test_overrides_reject_unknown_and_bad_types() -> None:
     with pytest.raises(ConfigError) as e:
-        apply_overrides({}, [("--train.iter", "3"), ("--iters", "3"), ("--train.iters", "ten"),
+        apply_overrides({}, [("--train.iter", "3"), ("--train.iters", "ten"),
                              ("--train.compile", "0")])
     assert e.value.problems == [
         "command line: unknown option --train.iter; did you mean --train.iters?",
-        "command line: unknown option --iters; did you mean --train.iters?",
         "command line: --train.iters = 'ten' (str): expected int",
         "command line: --train.compile = 0 (int): expected bool: write true or false",
     ]
     with pytest.raises(ConfigError, match="option --train.iters needs a value"):
         parse_override_args(["--train.iters"])
+
+
+def test_mlx_lm_flags_are_overrides() -> None:
+    cfg = load_config(None, parse_override_args(["--mask-prompt", "--iters", "5", "--learning-rate", "1e-3",
+                                                 "--num-layers", "-1", "--adapter-path", "out"]))
+    assert (cfg.data.mask_prompt, cfg.train.iters, cfg.optimizer.learning_rate) == (True, 5, 1e-3)
+    assert (cfg.adapter.num_layers, cfg.output.adapter_path) == (-1, "out")
 
 
 def test_overrides_win_over_file(tmp_path: Path) -> None:
