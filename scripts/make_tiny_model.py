@@ -211,40 +211,88 @@ def number_words(n: int) -> str:
     return head if rest == 0 else head + " and " + number_words(rest)
 
 
-def prose_sentence(rng: random.Random) -> str:
-    """One generated sentence of a randomly chosen kind."""
-    kind = rng.randrange(11)
-    if kind == 0:  # counting up, the skill behind carrying into the tens digit
-        start, length = rng.randrange(0, 990), rng.randrange(3, 12)
-        return " ".join(str(start + i) for i in range(length))
-    if kind == 1:  # counting down
-        start, length = rng.randrange(12, 1000), rng.randrange(3, 10)
-        return " ".join(str(start - i) for i in range(length))
-    if kind == 2:
-        n = rng.randrange(0, 1000)
-        return rng.choice([f"{n} is {number_words(n)}.", f"{number_words(n).capitalize()} is written {n}."])
-    if kind == 3:
-        n = rng.randrange(0, 999)
-        return rng.choice([f"The number after {n} is {n + 1}.", f"The number before {n + 1} is {n}."])
-    if kind == 4:  # single-digit sums only: two-digit operands never appear
-        a, b = rng.randrange(10), rng.randrange(10)
-        return rng.choice([f"{a} + {b} = {a + b}", f"{number_words(a)} plus {number_words(b)} is {number_words(a + b)}."])
-    if kind == 5:
-        n = rng.randrange(10, 100)
-        return f"In {n}, the tens digit is {n // 10} and the ones digit is {n % 10}."
-    if kind == 6:
-        a, b = rng.sample(range(100), 2)
-        return f"{max(a, b)} is more than {min(a, b)}."
-    if kind == 7:
+def _counting_up(rng: random.Random) -> str:
+    # Successor is the skill behind carrying into the tens digit.
+    start, length = rng.randrange(0, 990), rng.randrange(3, 12)
+    return " ".join(str(start + i) for i in range(length))
+
+
+def _counting_down(rng: random.Random) -> str:
+    start, length = rng.randrange(12, 1000), rng.randrange(3, 10)
+    return " ".join(str(start - i) for i in range(length))
+
+
+def _number_name(rng: random.Random) -> str:
+    n = rng.randrange(0, 1000)
+    return rng.choice([f"{n} is {number_words(n)}.", f"{number_words(n).capitalize()} is written {n}."])
+
+
+def _neighbour(rng: random.Random) -> str:
+    n = rng.randrange(0, 999)
+    return rng.choice([f"The number after {n} is {n + 1}.", f"The number before {n + 1} is {n}."])
+
+
+def _digit_sum(rng: random.Random) -> str:
+    # The addition table for single digits, in symbols and in words.
+    a, b = rng.randrange(10), rng.randrange(10)
+    return rng.choice([f"{a} + {b} = {a + b}", f"{number_words(a)} plus {number_words(b)} is {number_words(a + b)}."])
+
+
+def _add_one_digit(rng: random.Random) -> str:
+    # A two-digit number plus ONE digit (either order): units sums and
+    # carrying, but never the task's two-digit + two-digit sums.
+    a, b = rng.randrange(10, 100), rng.randrange(1, 10)
+    return f"{a} + {b} = {a + b}" if rng.random() < 0.5 else f"{b} + {a} = {a + b}"
+
+
+def _place_value(rng: random.Random) -> str:
+    n = rng.randrange(10, 100)
+    return f"In {n}, the tens digit is {n // 10} and the ones digit is {n % 10}."
+
+
+def _comparison(rng: random.Random) -> str:
+    a, b = rng.sample(range(100), 2)
+    return f"{max(a, b)} is more than {min(a, b)}."
+
+
+def _story(rng: random.Random) -> str:
+    if rng.random() < 0.5:
         return f"The {rng.choice(ADJECTIVES)} {rng.choice(ANIMALS)} went to the {rng.choice(PLACES)}."
-    if kind == 8:
-        n = rng.randrange(2, 10)
-        return f"{rng.choice(NAMES)} {rng.choice(VERBS)} {number_words(n)} {rng.choice(THINGS)}s."
-    if kind == 9:
-        thing = rng.choice(list(COLORS))
-        return f"The {thing} is {COLORS[thing]}."
+    n = rng.randrange(2, 10)
+    return f"{rng.choice(NAMES)} {rng.choice(VERBS)} {number_words(n)} {rng.choice(THINGS)}s."
+
+
+def _colour(rng: random.Random) -> str:
+    thing = rng.choice(list(COLORS))
+    return f"The {thing} is {COLORS[thing]}."
+
+
+def _alphabet(rng: random.Random) -> str:
     start = rng.randrange(0, 20)
     return " ".join("abcdefghijklmnopqrstuvwxyz"[start : start + rng.randrange(3, 7)])
+
+
+# (weight, generator): weighted towards number skills, which are what the
+# fine-tuning task builds on; the English keeps the model a "language" model.
+PROSE_KINDS = [
+    (2, _counting_up),
+    (1, _counting_down),
+    (1, _number_name),
+    (1, _neighbour),
+    (3, _digit_sum),
+    (3, _add_one_digit),
+    (1, _place_value),
+    (1, _comparison),
+    (2, _story),
+    (0.5, _colour),
+    (0.5, _alphabet),
+]
+
+
+def prose_sentence(rng: random.Random) -> str:
+    """One generated sentence of a randomly chosen kind."""
+    weights, kinds = zip(*PROSE_KINDS)
+    return rng.choices(kinds, weights=weights)[0](rng)
 
 
 def chat_turn(rng: random.Random) -> tuple[str, str]:
