@@ -121,7 +121,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         enable_grad_checkpoint(model.layers[0])
 
     data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
-                         features=_features(cfg), need_test=cfg.train.test)
+                         features=_features(cfg), need_valid=cfg.train.val_batches != 0,
+                         need_test=cfg.train.test)
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
@@ -245,8 +246,6 @@ def load_for_inference(model_path: str, adapter_path: str | Path | None = None) 
 def generate(model_path: str, prompt: str, *, adapter_path: str | Path | None = None,
              max_tokens: int = 64, chat: bool = True) -> str:
     """Greedy completion of `prompt` (through the chat template when the tokenizer has one)."""
-    from mlx_lm.generate import generate as mlx_generate
-
     model, tokenizer = load_for_inference(model_path, adapter_path)
     return complete(model, tokenizer, prompt, max_tokens=max_tokens, chat=chat)
 

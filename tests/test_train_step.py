@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.optimizers as optim
 import pytest
-from mlx.utils import tree_flatten
 
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.mesh import Mesh
