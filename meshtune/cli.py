@@ -110,6 +110,18 @@ def _no_extra(rest: list[str]) -> None:
         raise ValueError(f"unexpected arguments {' '.join(rest)}; see --help")
 
 
+def _config_allows_system_blas(args: argparse.Namespace, rest: list[str]) -> bool:
+    """runtime.system_blas from the train config (read without MLX); errors surface later."""
+    if args.command != "train":
+        return True
+    from .config import load_config, parse_override_args
+
+    try:
+        return load_config(args.config, parse_override_args(rest)).runtime.system_blas
+    except ValueError:
+        return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune language models with MLX.")
     parser.add_argument("--no-system-blas", action="store_true",
@@ -146,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    ensure_fast_blas(enabled=not args.no_system_blas, argv=["meshtune", *argv])
+    ensure_fast_blas(enabled=not args.no_system_blas and _config_allows_system_blas(args, rest),
+                     argv=["meshtune", *argv])
     try:
         return args.func(args, rest)
     except ValueError as err:

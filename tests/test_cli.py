@@ -181,11 +181,13 @@ def test_blas_choice_is_logged_and_can_be_turned_off(tmp_path, cli):
         args = ["train", "--iters", "1", *QUICK, "--train.val_batches", "0"]
         on = cli(*args, "--adapter-path", str(tmp_path / "on"))
         off = cli("--no-system-blas", *args, "--adapter-path", str(tmp_path / "off"))
+        by_config = cli(*args, "--runtime.system_blas", "false", "--adapter-path", str(tmp_path / "cfg"))
     finally:
         if env_preload is not None:
             os.environ["LD_PRELOAD"] = env_preload
     assert on.returncode == 0 and off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
     assert "BLAS: MLX's bundled reference BLAS" in off.stdout
+    assert "BLAS: MLX's bundled reference BLAS" in by_config.stdout
     if find_system_openblas():
         assert "BLAS: system OpenBLAS" in on.stdout
 
@@ -198,3 +200,12 @@ def test_bench_peer_prints_both_and_json(cli):
     assert set(result) >= {"stock_tok_s", "meshtune_tok_s", "ratio"}
     assert result["stock_tok_s"] > 0 and result["meshtune_tok_s"] > 0
     assert result["ratio"] == pytest.approx(result["meshtune_tok_s"] / result["stock_tok_s"])
+
+
+def test_grad_checkpoint_gives_the_same_losses(tmp_path, cli):
+    args = ["train", "--iters", "2", *QUICK, "--train.steps_per_report", "1", "--train.val_batches", "0"]
+    plain = cli(*args, "--adapter-path", str(tmp_path / "plain"))
+    ckpt = cli(*args, "--grad-checkpoint", "--adapter-path", str(tmp_path / "ckpt"))
+    assert plain.returncode == 0 and ckpt.returncode == 0, ckpt.stderr[-2000:]
+    losses = lambda run: [r["loss"] for r in _records(run) if r["type"] == "train"]  # noqa: E731
+    assert losses(tmp_path / "ckpt") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
