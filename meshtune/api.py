@@ -111,6 +111,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     say(f"loading model {model_path}")
     model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
     a = cfg.adapter
+    ad.set_base_path(a.base_path)
     touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
                                 keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
     trainable = sum(v.size for v in ad.trainable_parameters(model).values())
@@ -147,7 +148,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         out.mkdir(parents=True, exist_ok=True)
         extra = {"meshtune": resolved}
         atomic_write_text(out / ad.CONFIG_FILE, json.dumps(
-            ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, extra=extra), indent=2))
+            ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, extra=extra, model=model),
+            indent=2))
 
     def save(state: TrainingState) -> None:
         if not mesh.is_writer:

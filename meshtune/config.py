@@ -96,6 +96,9 @@ class AdapterConfig:
     """Multiplier on the adapter output (mlx-lm's scale, not peft's alpha)."""
     dropout: float = 0.0
     """Dropout on the adapter input, in [0, 1)."""
+    base_path: Literal["auto", "quantized", "dequantized"] = "auto"
+    """How a quantized base multiplies: auto picks quantized_matmul for few tokens and
+    dequantize + dense matmul for many, by a measurement at start-up; or force either."""
 
 
 @dataclass(kw_only=True)

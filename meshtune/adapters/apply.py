@@ -4,7 +4,10 @@ Targeting follows mlx-lm so that stock `mlx_lm.load(model, adapter_path=...)` re
 exactly the layers we trained: `num_layers` picks the last N transformer blocks,
 `keys` names modules relative to a block (e.g. `self_attn.q_proj`) or by full path
 outside the blocks (e.g. `model.embed_tokens`); with no keys every adaptable layer in
-the chosen blocks is adapted. `full` unfreezes the chosen layers instead.
+the chosen blocks is adapted (Linear, Embedding and mixture-of-experts SwitchLinear,
+quantized or not). `full` unfreezes the chosen layers instead. `dora` puts the DoRA
+variant on the same layers; stock mlx-lm has no DoRA for experts (nor for a quantized
+embedding), so the saved config says when it cannot load a run's adapters.
 """
 
 from __future__ import annotations
@@ -17,10 +20,19 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear
 from .lora import LoRAEmbedding, LoRALinear
+from .switch import LoRASwitchLinear
 
-ADAPTABLE = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+ADAPTABLE = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding, SwitchLinear,
+             QuantizedSwitchLinear)
+# (base types, LoRA class, DoRA class), in the order they are tried.
+FAMILY = (((nn.Linear, nn.QuantizedLinear), LoRALinear, DoRALinear),
+          ((SwitchLinear, QuantizedSwitchLinear), LoRASwitchLinear, DoRASwitchLinear),
+          ((nn.Embedding, nn.QuantizedEmbedding), LoRAEmbedding, DoRAEmbedding))
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_LEAVES = {"lora_a", "lora_b", "m"}
@@ -56,13 +68,22 @@ def _check_keys(model: nn.Module, keys: list[str]) -> None:
             raise ValueError(f"adapter.keys: '{key}' names no module of the model{hint}")
 
 
-def _to_lora(module: nn.Module, rank: int, scale: float, dropout: float) -> nn.Module:
-    if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
-        return LoRALinear.from_base(module, r=rank, scale=scale, dropout=dropout)
-    if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
-        return LoRAEmbedding.from_base(module, r=rank, scale=scale, dropout=dropout)
-    raise ValueError(f"cannot put LoRA on a {type(module).__name__}; adapter.keys may name only "
-                     "Linear, QuantizedLinear, Embedding or QuantizedEmbedding layers")
+def _to_adapter(module: nn.Module, variant: str, rank: int, scale: float, dropout: float) -> nn.Module:
+    for bases, lora_cls, dora_cls in FAMILY:
+        if isinstance(module, bases):
+            cls = dora_cls if variant == "dora" else lora_cls
+            return cls.from_base(module, r=rank, scale=scale, dropout=dropout)
+    raise ValueError(f"cannot put {variant} on a {type(module).__name__}; adapter.keys may name only "
+                     "Linear, Embedding or SwitchLinear layers (quantized or not)")
+
+
+def stock_unloadable(model: nn.Module) -> dict[str, str]:
+    """path -> class of adapter layers that stock mlx-lm cannot rebuild (empty: it loads all)."""
+    # Stock raises on DoRA for SwitchLinear, and its DoRAEmbedding reads a quantized
+    # table's packed words as the weight (wrong shapes for lora_b, m and the tied head).
+    return dict(sorted((name, type(m).__name__) for name, m in model.named_modules()
+                       if isinstance(m, DoRASwitchLinear)
+                       or (isinstance(m, DoRAEmbedding) and isinstance(m.embedding, nn.QuantizedEmbedding))))
 
 
 def _target_modules(model: nn.Module, num_layers: int, keys: list[str] | None,
@@ -83,9 +104,9 @@ def _target_modules(model: nn.Module, num_layers: int, keys: list[str] | None,
 
 def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, keys: list[str] | None,
                    rank: int, scale: float, dropout: float) -> int:
-    """Freeze the model, then add LoRA layers (or unfreeze for `full`); returns layers touched."""
-    if fine_tune_type == "dora":
-        raise ValueError("adapter.fine_tune_type=dora is not available yet; use lora or full")
+    """Freeze the model, then add LoRA or DoRA layers (or unfreeze for `full`); returns layers touched."""
+    if fine_tune_type not in FINE_TUNE_TYPES:
+        raise ValueError(f"adapter.fine_tune_type={fine_tune_type!r} is unknown; use lora, dora or full")
     if keys:
         _check_keys(model, keys)
     model.freeze()
@@ -95,7 +116,7 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
         if fine_tune_type == "full":
             module.unfreeze()
         else:
-            replacements.append((owner, name, _to_lora(module, rank, scale, dropout)))
+            replacements.append((owner, name, _to_adapter(module, fine_tune_type, rank, scale, dropout)))
 
     count = _target_modules(model, num_layers, keys, visit)
     for owner, name, new in replacements:
@@ -112,8 +133,14 @@ def trainable_parameters(model: nn.Module) -> dict[str, mx.array]:
 
 
 def mlx_lm_adapter_config(adapter: Any, *, model_path: str, data_path: str,
-                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """adapter_config.json as stock mlx-lm reads it, plus the base model and data folder."""
+                          extra: dict[str, Any] | None = None,
+                          model: nn.Module | None = None) -> dict[str, Any]:
+    """adapter_config.json as stock mlx-lm reads it, plus the base model and data folder.
+
+    Given the adapted `model`, it also records whether stock mlx-lm can load the
+    adapters (`loadable_by_mlx_lm`) and, when not, which layers only meshtune rebuilds
+    (`meshtune_layers`: path -> class); `load_adapters` checks those on the way in.
+    """
     lora: dict[str, Any] = {"rank": adapter.rank, "scale": adapter.scale, "dropout": adapter.dropout}
     if adapter.keys is not None:
         lora["keys"] = list(adapter.keys)
@@ -124,6 +151,11 @@ def mlx_lm_adapter_config(adapter: Any, *, model_path: str, data_path: str,
         "model": model_path,
         "data": data_path,
     }
+    if model is not None:
+        only_ours = stock_unloadable(model)
+        config["loadable_by_mlx_lm"] = not only_ours
+        if only_ours:
+            config["meshtune_layers"] = only_ours
     config.update(extra or {})
     return config
 
@@ -141,6 +173,11 @@ def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
                    num_layers=config["num_layers"], keys=lora.get("keys"),
                    rank=lora.get("rank", 8), scale=lora.get("scale", 20.0),
                    dropout=lora.get("dropout", 0.0))
+    built = {name: type(m).__name__ for name, m in model.named_modules()}
+    wrong = [f"{k} ({v})" for k, v in (config.get("meshtune_layers") or {}).items() if built.get(k) != v]
+    if wrong:
+        raise ValueError(f"{config_file} lists layers this model did not rebuild: {', '.join(wrong[:5])}; "
+                         "load it on the model it was trained on")
     load_trainable(model, folder / ADAPTER_FILE)
     return model
 

@@ -3,7 +3,10 @@
 Parameter names (`linear` / `embedding`, `lora_a`, `lora_b`) and shapes match
 mlx-lm's, so adapters we save load in stock mlx-lm and theirs load in ours. Quantized
 bases (QuantizedLinear, QuantizedEmbedding) are wrapped as they are and stay frozen;
-`fuse` merges the update and requantizes with the base's own group size, bits and mode.
+their products go through `base_path` (quantized kernel or dequantize-then-dense, by
+token count). `fuse` merges the update and requantizes with the base's own group
+size, bits and mode. DoRA (dora.py) is a variant of these classes that overrides only
+`set_base` (the magnitude), the forward and `_merge` (the fused weight).
 LoRA: Hu et al. 2021, h = W x + s * B A x with B = 0 at init (output unchanged at step 0).
 """
 
@@ -14,39 +17,51 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-
-def _dense_weight(layer: nn.Module) -> mx.array:
-    """The base weight as a dense matrix, dequantizing a quantized layer."""
-    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return mx.dequantize(
-            layer.weight, layer.scales, layer.biases,
-            group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
-        )
-    return layer.weight
+from .base_path import crossover_for, dequantized_weight, get_base_path, is_quantized, linear_forward
 
 
-def _logical_dims(layer: nn.Module) -> tuple[int, int]:
-    """(rows, columns) of the unpacked weight: a quantized row packs 32 // bits values per word."""
-    rows, cols = layer.weight.shape
-    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+def logical_dims(layer: nn.Module) -> tuple[int, ...]:
+    """Shape of the unpacked weight: a quantized row packs 32 // bits values per word."""
+    *lead, cols = layer.weight.shape
+    if is_quantized(layer):
         cols = cols * 32 // layer.bits
-    return rows, cols
+    return (*lead, cols)
+
+
+def warm_base_path(layer: nn.Module) -> None:
+    """Measure the quantized/dense crossover now, at start-up, rather than in the first step."""
+    if is_quantized(layer) and get_base_path() == "auto":
+        crossover_for(layer)
+
+
+def requantize_like(fused: nn.Module, base: nn.Module, dequantize: bool) -> nn.Module:
+    """Quantize a fused dense layer as its base was (group size, bits, mode) unless `dequantize`."""
+    if not is_quantized(base) or dequantize:
+        return fused
+    if isinstance(base, nn.QuantizedLinear):
+        return nn.QuantizedLinear.from_linear(fused, base.group_size, base.bits, mode=base.mode)
+    if isinstance(base, nn.QuantizedEmbedding):
+        return nn.QuantizedEmbedding.from_embedding(fused, group_size=base.group_size, bits=base.bits,
+                                                    mode=base.mode)
+    return fused.to_quantized(group_size=base.group_size, bits=base.bits, mode=base.mode,
+                              global_scale=base.get("global_scale") is not None)
 
 
 class LoRALinear(nn.Module):
     """y = base(x) + scale * (dropout(x) @ lora_a) @ lora_b, base frozen."""
 
-    @staticmethod
-    def from_base(linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRALinear":
-        output_dims, input_dims = _logical_dims(linear)
-        layer = LoRALinear(input_dims, output_dims, r=r, dropout=dropout, scale=scale)
-        layer.linear = linear
+    @classmethod
+    def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRALinear":
+        output_dims, input_dims = logical_dims(linear)
+        layer = cls(input_dims, output_dims, r=r, dropout=dropout, scale=scale)
+        layer.set_base(linear)
+        warm_base_path(linear)
         return layer
 
     def __init__(self, input_dims: int, output_dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0, bias: bool = False) -> None:
         super().__init__()
-        self.linear = nn.Linear(input_dims, output_dims, bias=bias)
+        self.set_base(nn.Linear(input_dims, output_dims, bias=bias))
         self.dropout = nn.Dropout(p=dropout)
         self.scale = scale
         # mlx-lm's initialisation: A uniform in +-1/sqrt(in), B zero.
@@ -54,72 +69,87 @@ class LoRALinear(nn.Module):
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(input_dims, r))
         self.lora_b = mx.zeros(shape=(r, output_dims))
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.linear(x)
+    def set_base(self, linear: nn.Module) -> None:
+        """Wrap a (frozen) Linear or QuantizedLinear."""
+        self.linear = linear
+
+    def lora_out(self, x: mx.array) -> mx.array:
+        """The low-rank branch s * (x A) B, in x's dtype."""
         z = (self.dropout(x) @ self.lora_a) @ self.lora_b
-        return y + (self.scale * z).astype(x.dtype)
+        return (self.scale * z).astype(x.dtype)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return linear_forward(self.linear, x) + self.lora_out(x)
 
     def delta(self) -> mx.array:
         """The dense update s * B^T A^T, shaped like the base weight (out, in)."""
         return (self.scale * self.lora_b.T) @ self.lora_a.T
 
+    def _merge(self, weight: mx.array) -> mx.array:
+        return weight + self.delta().astype(weight.dtype)
+
     def fuse(self, dequantize: bool = False) -> nn.Module:
         """The base with the update merged in; requantized like the base unless `dequantize`."""
         base = self.linear
-        weight = _dense_weight(base)
+        weight = self._merge(dequantized_weight(base))
         out_dims, in_dims = weight.shape
         fused = nn.Linear(in_dims, out_dims, bias="bias" in base)
-        fused.weight = weight + self.delta().astype(weight.dtype)
+        fused.weight = weight
         if "bias" in base:
             fused.bias = base.bias
-        if isinstance(base, nn.QuantizedLinear) and not dequantize:
-            fused = nn.QuantizedLinear.from_linear(fused, base.group_size, base.bits, mode=base.mode)
-        return fused
+        return requantize_like(fused, base, dequantize)
 
 
 class LoRAEmbedding(nn.Module):
     """e = base[x] + scale * lora_a[x] @ lora_b; `as_linear` keeps a tied LM head consistent."""
 
-    @staticmethod
-    def from_base(embedding: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRAEmbedding":
-        num_embeddings, dims = _logical_dims(embedding)
-        layer = LoRAEmbedding(num_embeddings, dims, r=r, dropout=dropout, scale=scale)
-        layer.embedding = embedding
+    @classmethod
+    def from_base(cls, embedding: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRAEmbedding":
+        num_embeddings, dims = logical_dims(embedding)
+        layer = cls(num_embeddings, dims, r=r, dropout=dropout, scale=scale)
+        layer.set_base(embedding)
+        warm_base_path(embedding)
         return layer
 
     def __init__(self, num_embeddings: int, dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(num_embeddings, dims)
+        self.set_base(nn.Embedding(num_embeddings, dims))
         self.dropout = nn.Dropout(p=dropout)
         self.scale = scale
         bound = 1 / math.sqrt(num_embeddings)
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(num_embeddings, r))
         self.lora_b = mx.zeros(shape=(r, dims))
 
+    def set_base(self, embedding: nn.Module) -> None:
+        """Wrap a (frozen) Embedding or QuantizedEmbedding."""
+        self.embedding = embedding
+
     def __call__(self, x: mx.array) -> mx.array:
         y = self.embedding(x)
         z = self.dropout(self.lora_a[x] @ self.lora_b)
         return y + (self.scale * z).astype(y.dtype)
 
+    def lora_head_out(self, x: mx.array) -> mx.array:
+        """The low-rank branch of the tied head, s * (x B^T) A^T, in x's dtype."""
+        z = (self.dropout(x) @ self.lora_b.T) @ self.lora_a.T
+        return (self.scale * z).astype(x.dtype)
+
     def as_linear(self, x: mx.array) -> mx.array:
         # Tied head: logits = x @ (E + s A B)^T, the same adapted table as the lookup.
-        y = self.embedding.as_linear(x)
-        z = (self.dropout(x) @ self.lora_b.T) @ self.lora_a.T
-        return y + (self.scale * z).astype(x.dtype)
+        return linear_forward(self.embedding, x) + self.lora_head_out(x)
 
     def delta(self) -> mx.array:
         """The dense update s * A B, shaped like the table (num_embeddings, dims)."""
         return (self.scale * self.lora_a) @ self.lora_b
 
+    def _merge(self, weight: mx.array) -> mx.array:
+        return weight + self.delta().astype(weight.dtype)
+
     def fuse(self, dequantize: bool = False) -> nn.Module:
         """The table with the update merged in; requantized like the base unless `dequantize`."""
         base = self.embedding
-        weight = _dense_weight(base)
+        weight = self._merge(dequantized_weight(base))
         fused = nn.Embedding(*weight.shape)
-        fused.weight = weight + self.delta().astype(weight.dtype)
-        if isinstance(base, nn.QuantizedEmbedding) and not dequantize:
-            fused = nn.QuantizedEmbedding.from_embedding(
-                fused, group_size=base.group_size, bits=base.bits, mode=base.mode
-            )
-        return fused
+        fused.weight = weight
+        return requantize_like(fused, base, dequantize)

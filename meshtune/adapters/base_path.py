@@ -1,0 +1,184 @@
+"""The frozen base's matmul for adapter layers: quantized kernel or dequantize-then-dense.
+
+A quantized base can be multiplied two ways with the same result (within float
+rounding): `quantized_matmul` / `gather_qmm` on the packed weight, or dequantize the
+weight on the fly and use the dense `matmul` / `gather_mm`. The quantized kernel wins at
+a few tokens (generation reads 4x less memory); the dense kernel wins at training token
+counts (DESIGN.md: 4-bit LoRA on an H200 went from 2.42x to 1.21x the bf16 step time).
+Where the crossover lies depends on the machine, the backend and the layer shape, so
+`auto` measures it once per (shape, bits, group size, mode, dtype) with
+`measure_crossover` and caches it for the process; `set_base_path` pins either path.
+Every LoRA and DoRA layer over a quantized base takes its base output from here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+MODES = ("auto", "quantized", "dequantized")
+NEVER = sys.maxsize  # crossover when dequantizing never won the measurement
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+
+_mode = "auto"
+_crossovers: dict[tuple, int] = {}
+
+
+def set_base_path(mode: str) -> None:
+    """Choose how quantized bases multiply: "auto" (measured), "quantized" or "dequantized"."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"base path mode {mode!r} is not one of {', '.join(MODES)}; use auto unless "
+                         "you have measured otherwise")
+    _mode = mode
+
+
+def get_base_path() -> str:
+    """The current base path mode."""
+    return _mode
+
+
+def is_quantized(layer: nn.Module) -> bool:
+    return isinstance(layer, QUANTIZED)
+
+
+def _dequantize(layer: nn.Module, weight: mx.array, scales: mx.array, biases: mx.array | None,
+                global_scale: mx.array | None = None) -> mx.array:
+    return mx.dequantize(weight, scales, biases, group_size=layer.group_size, bits=layer.bits,
+                         mode=layer.mode, global_scale=global_scale)
+
+
+def dequantized_weight(layer: nn.Module) -> mx.array:
+    """The base weight as a dense array ((out, in), (num_embeddings, dims) or (E, out, in))."""
+    if not is_quantized(layer):
+        return layer.weight
+    global_scale = layer.get("global_scale") if isinstance(layer, QuantizedSwitchLinear) else None
+    if global_scale is None:
+        return _dequantize(layer, layer.weight, layer.scales, layer.get("biases"))
+    # nvfp4 experts carry one global scale each and dequantize accepts only a scalar.
+    return mx.stack([_dequantize(layer, layer.weight[e], layer.scales[e], None, global_scale[e])
+                     for e in range(layer.weight.shape[0])])
+
+
+def _key(layer: nn.Module) -> tuple:
+    experts = layer.weight.shape[0] if layer.weight.ndim == 3 else 0
+    out_dims, packed = layer.weight.shape[-2:]
+    # Affine scales carry the model's float dtype; the fp modes' are uint8 and dequantize to bf16.
+    dtype = layer.scales.dtype if mx.issubdtype(layer.scales.dtype, mx.floating) else mx.bfloat16
+    return (experts, out_dims, packed * 32 // layer.bits, layer.bits, layer.group_size, layer.mode, dtype)
+
+
+def crossover_for(layer: nn.Module) -> int:
+    """Token count from which the dequantized path is faster for this layer (measured once)."""
+    key = _key(layer)
+    if key not in _crossovers:
+        experts, out_dims, in_dims, bits, group_size, mode, dtype = key
+        _crossovers[key] = measure_crossover(out_dims, in_dims, bits=bits, group_size=group_size,
+                                             mode=mode, num_experts=experts, dtype=dtype)
+    return _crossovers[key]
+
+
+def use_dequantized(layer: nn.Module, tokens: int) -> bool:
+    """Whether `layer` should multiply `tokens` rows through a dequantized weight."""
+    if not is_quantized(layer) or _mode == "quantized":
+        return False
+    if layer.get("global_scale") is not None:
+        return False  # per-expert global scales: only the quantized kernel takes them as a batch
+    return _mode == "dequantized" or tokens >= crossover_for(layer)
+
+
+def linear_forward(layer: nn.Module, x: mx.array, *, bias: bool = True) -> mx.array:
+    """x @ W^T (+ bias) for Linear / QuantizedLinear, or a (quantized) embedding's as_linear."""
+    if not is_quantized(layer):
+        if bias and "bias" in layer:
+            return layer(x)  # the layer's own addmm, so an adapter at step 0 is bit-exact
+        return x @ layer.weight.T
+    if use_dequantized(layer, x.size // x.shape[-1]):
+        y = x @ dequantized_weight(layer).T
+    else:
+        y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
+                                transpose=True, group_size=layer.group_size, bits=layer.bits,
+                                mode=layer.mode)
+    return y + layer["bias"] if bias and "bias" in layer else y
+
+
+def switch_forward(layer: nn.Module, x: mx.array, indices: mx.array, *, sorted_indices: bool = False,
+                   bias: bool = True) -> mx.array:
+    """The SwitchLinear / QuantizedSwitchLinear product on the model's own gather kernels."""
+    if not is_quantized(layer):
+        y = mx.gather_mm(x, layer["weight"].swapaxes(-1, -2), rhs_indices=indices,
+                         sorted_indices=sorted_indices)
+    elif use_dequantized(layer, indices.size * x.shape[-2]):
+        y = mx.gather_mm(x, dequantized_weight(layer).swapaxes(-1, -2), rhs_indices=indices,
+                         sorted_indices=sorted_indices)
+    else:
+        y = mx.gather_qmm(x, layer["weight"], layer["scales"], layer.get("biases"), rhs_indices=indices,
+                          transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+                          global_scale=layer.get("global_scale"), sorted_indices=sorted_indices)
+    if bias and "bias" in layer:
+        y = y + mx.expand_dims(layer["bias"][indices], -2)
+    return y
+
+
+def _median_seconds(fn: Callable[[], mx.array], repeats: int) -> float:
+    try:
+        mx.eval(fn())  # warm-up: first calls pay for allocation and kernel set-up
+    except RuntimeError:
+        return float("inf")  # a kernel this backend lacks for the dtype (CPU gather_mm: float32 only)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_crossover(out_dims: int, in_dims: int, *, bits: int, group_size: int, mode: str = "affine",
+                      num_experts: int = 0, dtype: mx.Dtype = mx.float32,
+                      token_counts: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096),
+                      repeats: int = 3) -> int:
+    """Smallest token count at which dequantize + dense matmul beat the quantized kernel.
+
+    Counts rise geometrically and the search stops at the second win in a row (the
+    dense path's advantage grows with the token count, and one noisy win is not
+    trusted), so large shapes are never timed far past their crossover. NEVER if the
+    quantized kernel wins throughout. `num_experts` > 0 times the gather kernels.
+    """
+    # Own keys, never the global RNG: measuring must not shift a seeded run's initialisation.
+    keys = iter(mx.random.split(mx.random.key(0), 2 * len(token_counts) + 1))
+    shape = (num_experts, out_dims, in_dims) if num_experts else (out_dims, in_dims)
+    w = mx.random.normal(shape, scale=in_dims ** -0.5, key=next(keys)).astype(dtype)
+    try:
+        packed, scales, *rest = mx.quantize(w, group_size, bits, mode=mode)
+        biases = rest[0] if rest else None
+        mx.eval(packed, scales, biases)
+    except (RuntimeError, ValueError):
+        return NEVER  # this backend cannot even quantize the shape: keep the layer's own kernel
+    kw = dict(group_size=group_size, bits=bits, mode=mode)
+    first_win = None
+    for tokens in token_counts:
+        if num_experts:
+            x = mx.random.normal((tokens, 1, in_dims), key=next(keys)).astype(dtype)
+            idx = mx.sort(mx.random.randint(0, num_experts, (tokens,), key=next(keys)).astype(mx.uint32))
+            mx.eval(x, idx)
+            quant = lambda: mx.gather_qmm(x, packed, scales, biases, rhs_indices=idx, transpose=True,
+                                          sorted_indices=True, **kw)
+            dense = lambda: mx.gather_mm(x, mx.dequantize(packed, scales, biases, **kw).swapaxes(-1, -2),
+                                         rhs_indices=idx, sorted_indices=True)
+        else:
+            x = mx.random.normal((tokens, in_dims), key=next(keys)).astype(dtype)
+            mx.eval(x)
+            quant = lambda: mx.quantized_matmul(x, packed, scales, biases, transpose=True, **kw)
+            dense = lambda: x @ mx.dequantize(packed, scales, biases, **kw).T
+        if _median_seconds(dense, repeats) < _median_seconds(quant, repeats):
+            if first_win is not None:
+                return first_win
+            first_win = tokens
+        else:
+            first_win = None
+    return first_win if first_win is not None else NEVER

@@ -1,0 +1,134 @@
+"""DoRA, the LoRA variant that learns each output row's magnitude apart from its direction.
+
+Liu et al. 2024 (DoRA), section 4.1: W' = m * (W + s B^T A^T) / ||W + s B^T A^T||_row, with
+the norm treated as a constant in backward (section 4.3, "stop-gradient"), m
+initialised to ||W||_row so the output is unchanged at step 0. Each class here is its
+LoRA class plus three things: the magnitude `m` (set with the base), the forward
+(scale the LoRA output row-wise, then add the unscaled bias, as mlx-lm does) and
+`_merge` (the normalised fused weight). Names and shapes match mlx-lm's DoRALinear and
+DoRAEmbedding (`lora_a`, `lora_b`, `m` with one entry per row of the weight or table),
+so stock mlx-lm loads those; DoRASwitchLinear (m: (E, out)) exists only here.
+
+The unfused row norm never builds W + s B^T A^T (DESIGN.md):
+||w_i + s c_i V||^2 = ||w_i||^2 + 2s c_i . (w_i V^T) + s^2 c_i (V V^T) c_i^T,
+with ||w_i||^2 cached when the base is set (it is frozen), w_i V^T for every row from
+one base product on the r rows of V (through `base_path`, quantized or not), and the
+r x r Gram V V^T. For a Linear V = A^T and c_i = b_i; for a tied embedding head
+V = B and c_j = a_j; for experts the same per expert.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base_path import dequantized_weight, linear_forward, switch_forward
+from .lora import LoRAEmbedding, LoRALinear
+from .switch import LoRASwitchLinear
+
+
+def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
+                     scale: float) -> mx.array:
+    """||w_i + s * coef_i @ V|| per row from ||w_i||^2, proj_i = w_i V^T and gram = V V^T.
+
+    Shapes: w_sq (..., rows), proj and coef (..., rows, r), gram (..., r, r); float32.
+    """
+    # Expand ||w_i + s c_i V||^2: no out x in matrix appears, only rows x r ones.
+    cross = (coef * proj).sum(axis=-1)
+    quad = ((coef @ gram) * coef).sum(axis=-1)
+    sq = w_sq + (2 * scale) * cross + (scale * scale) * quad
+    # Rounding can push a near-zero square below zero; a norm cannot be negative.
+    return mx.sqrt(mx.maximum(sq, 0.0))
+
+
+class DoRA:
+    """The variant's shared half: magnitude from the base, normalised merge, row scale."""
+
+    def set_base(self, base: nn.Module) -> None:
+        super().set_base(base)
+        w = dequantized_weight(base).astype(mx.float32)
+        # ||w_i||^2 of the frozen base, once; the leading "_" keeps it out of
+        # parameters(), hence out of training and of the saved adapters.
+        self._w_sq = (w * w).sum(axis=-1)
+        self.m = mx.sqrt(self._w_sq)  # section 4.1: m = ||W||_row, so W' = W at step 0
+
+    def _merge(self, weight: mx.array) -> mx.array:
+        # Section 4.1's W' on the dense merged weight (fuse is a one-off, exactness beats speed).
+        merged = weight.astype(mx.float32) + self.delta().astype(mx.float32)
+        norm = mx.linalg.norm(merged, axis=-1, keepdims=True)
+        return ((self.m[..., None] / norm) * merged).astype(weight.dtype)
+
+    def row_norm(self) -> mx.array:
+        """||W + s dW||_row without the dense matrix, as a constant (section 4.3)."""
+        return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
+
+    def row_scale(self) -> mx.array:
+        """m / ||W + s dW||_row: the factor DoRA puts on each output row."""
+        return self.m / self.row_norm()
+
+
+class DoRALinear(DoRA, LoRALinear):
+    """y = m / ||W + s B^T A^T||_row * (x W^T + s (x A) B) + bias."""
+
+    def _norm_terms(self) -> tuple[mx.array, mx.array, mx.array]:
+        a = mx.stop_gradient(self.lora_a).astype(mx.float32)
+        b = mx.stop_gradient(self.lora_b).astype(mx.float32)
+        # base(A^T) = A^T W^T = (W A)^T: one product of r rows, however the base is stored.
+        proj = linear_forward(self.linear, a.T, bias=False).astype(mx.float32).T
+        return proj, b.T, a.T @ a
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = linear_forward(self.linear, x, bias=False) + self.lora_out(x)
+        # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
+        y = self.row_scale().astype(x.dtype) * y
+        return y + self.linear["bias"] if "bias" in self.linear else y
+
+
+class DoRAEmbedding(DoRA, LoRAEmbedding):
+    """e = m[x] / ||E_x + s A_x B|| * (E_x + s A_x B): each token vector is a row of the table."""
+
+    def _norm_terms(self) -> tuple[mx.array, mx.array, mx.array]:
+        a = mx.stop_gradient(self.lora_a).astype(mx.float32)
+        b = mx.stop_gradient(self.lora_b).astype(mx.float32)
+        # Rows of E + s A B: c_j = a_j, V = B; E B^T comes from the head's product on B's r rows.
+        proj = linear_forward(self.embedding, b, bias=False).astype(mx.float32).T
+        return proj, a, b @ b.T
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.embedding(x)
+        z = (self.scale * self.lora_a[x]) @ self.lora_b
+        out = y + self.dropout(z).astype(y.dtype)
+        # A looked-up row is already dense (dims wide), so its norm is taken directly:
+        # as cheap as the output itself and what mlx-lm computes (dropout excluded).
+        norm = mx.stop_gradient(mx.linalg.norm((y + z).astype(mx.float32), axis=-1))
+        return (self.m[x] / norm)[..., None].astype(y.dtype) * out
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        # Tied head: logits_j = x . row j of the same adapted, normalised table as the lookup.
+        y = linear_forward(self.embedding, x, bias=False) + self.lora_head_out(x)
+        return self.row_scale().astype(x.dtype) * y
+
+
+class DoRASwitchLinear(DoRA, LoRASwitchLinear):
+    """y_e = m_e / ||W_e + s B_e A_e||_row * (W_e x + s B_e A_e x) + bias_e per routed expert e.
+
+    One magnitude per expert and output row (m: (E, out)); no library had this, so
+    stock mlx-lm cannot load it (apply.py's config says so).
+    """
+
+    def _norm_terms(self) -> tuple[mx.array, mx.array, mx.array]:
+        a = mx.stop_gradient(self.lora_a).astype(mx.float32)  # (E, r, in)
+        b = mx.stop_gradient(self.lora_b).astype(mx.float32)  # (E, out, r)
+        # Expert e's r rows of A_e^T through expert e's weight, on the model's own gather kernel.
+        experts = mx.arange(self.num_experts, dtype=mx.uint32)
+        proj = switch_forward(self.linear, a, experts, sorted_indices=True, bias=False)
+        return proj.astype(mx.float32).swapaxes(-1, -2), b, a @ a.swapaxes(-1, -2)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = switch_forward(self.linear, x, indices, sorted_indices=sorted_indices, bias=False)
+        y = y + self.lora_out(x, indices, sorted_indices)
+        scale = mx.expand_dims(self.row_scale()[indices], -2)  # routed experts' rows
+        y = scale.astype(x.dtype) * y
+        if "bias" in self.linear:
+            y = y + mx.expand_dims(self.linear["bias"][indices], -2)
+        return y
