@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
-    bench.add_argument("suite", choices=["peer"], help="peer: stock mlx_lm.lora vs meshtune.")
+    bench.add_argument("suite", choices=["peer", "adapters"],
+                       help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
+                            "stock mlx-lm vs meshtune, dense and 4-bit bases.")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -4,6 +4,9 @@
 batch, sequence length and iteration count, each in its own process under the same
 BLAS, measured the same way (tokens over compute seconds of every report window
 after the first, which holds compilation).
+
+`meshtune bench adapters`: training step time and unfused generation speed of stock
+mlx-lm LoRA/DoRA and meshtune LoRA/DoRA on a dense and a 4-bit base, side by side.
 """
 
 from __future__ import annotations
@@ -15,4 +18,8 @@ def run_bench(suite: str, args: list[str]) -> int:
         from .peer import main
 
         return main(args)
-    raise ValueError(f"unknown bench suite '{suite}'; choose peer")
+    if suite == "adapters":
+        from .adapters import main
+
+        return main(args)
+    raise ValueError(f"unknown bench suite '{suite}'; choose peer or adapters")

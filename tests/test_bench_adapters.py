@@ -1,0 +1,92 @@
+"""`meshtune bench adapters --preset tiny --json`: all eight step configurations and the
+generation rows are printed, and the JSON's ratios are those of its own timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+STEP_KEYS = [f"{impl}_{kind}_{base}" for impl in ("stock", "meshtune") for kind in ("lora", "dora")
+             for base in ("bf16", "4bit")]
+RATIO_KEYS = ["qlora_over_lora_step", "dora_over_lora_step_bf16", "dora_over_lora_step_4bit",
+              "dora_over_lora_generate_4bit", "dora_over_lora_generate_bf16"]
+KIND_LABEL = {"lora": "LoRA", "dora": "DoRA"}
+NUMBER = r"(\d+(?:\.\d+)?)"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    from conftest import run_cli
+
+    proc = run_cli("bench", "adapters", "--preset", "tiny", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    return lines[:-1], json.loads(lines[-1])
+
+
+def _section(table: list[str], title: str) -> list[str]:
+    """The lines from the one starting with `title` to the next blank line."""
+    start = next(i for i, line in enumerate(table) if line.startswith(title))
+    end = next((i for i in range(start, len(table)) if not table[i].strip()), len(table))
+    return table[start:end]
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_json_has_every_ratio_for_meshtune_and_stock(bench):
+    _, out = bench
+    for key in RATIO_KEYS + ["stock_" + k for k in RATIO_KEYS]:
+        assert _positive(out[key]), key
+    for group in ("step_ms", "step_tok_s", "generate_tok_s"):
+        assert sorted(out[group]) == sorted(STEP_KEYS), group
+        assert all(_positive(v) for v in out[group].values()), group
+
+
+def test_ratios_are_those_of_the_reported_times(bench):
+    _, out = bench
+    ms, gen = out["step_ms"], out["generate_tok_s"]
+    for impl, prefix in (("meshtune", ""), ("stock", "stock_")):
+        expect = {
+            "qlora_over_lora_step": ms[f"{impl}_lora_4bit"] / ms[f"{impl}_lora_bf16"],
+            "dora_over_lora_step_bf16": ms[f"{impl}_dora_bf16"] / ms[f"{impl}_lora_bf16"],
+            "dora_over_lora_step_4bit": ms[f"{impl}_dora_4bit"] / ms[f"{impl}_lora_4bit"],
+            "dora_over_lora_generate_4bit": gen[f"{impl}_dora_4bit"] / gen[f"{impl}_lora_4bit"],
+            "dora_over_lora_generate_bf16": gen[f"{impl}_dora_bf16"] / gen[f"{impl}_lora_bf16"],
+        }
+        for key, value in expect.items():
+            assert out[prefix + key] == pytest.approx(value, rel=1e-9), prefix + key
+    tokens = out["batch_size"] * out["seq_len"]
+    for key in STEP_KEYS:
+        assert out["step_tok_s"][key] == pytest.approx(tokens / (ms[key] / 1e3), rel=1e-9)
+    # On a CPU the dense base is float32 (bf16 matmul bypasses BLAS there); the JSON says so.
+    assert out["dense_dtype"] == "float32" and out["device"].startswith("cpu")
+
+
+def test_table_shows_all_eight_step_configurations_and_generation_rows(bench):
+    table, out = bench
+    dense = out["dense_dtype"]
+    steps = _section(table, "training step:")
+    assert "stock mlx-lm" in steps[1] and "meshtune" in steps[1]
+    gen = _section(table, "generation:")
+    assert "stock mlx-lm" in gen[1] and "meshtune" in gen[1]
+    for kind in ("lora", "dora"):
+        for base, label in (("bf16", dense), ("4bit", "4-bit")):
+            row = f"{KIND_LABEL[kind]} {label}"
+            # Step row: stock ms (tok/s), meshtune ms (tok/s), as in the JSON to the printed digit.
+            line = next(l for l in steps if l.strip().startswith(row + " "))
+            found = re.findall(rf"{NUMBER} \(\s*{NUMBER}\)", line)
+            assert len(found) == 2, line
+            for (printed_ms, _), impl in zip(found, ("stock", "meshtune")):
+                assert float(printed_ms) == pytest.approx(out["step_ms"][f"{impl}_{kind}_{base}"], abs=0.051)
+            line = next(l for l in gen if l.strip().startswith(row + " "))
+            values = [float(x) for x in re.findall(NUMBER, line[len(row) + 2:])]
+            assert values[:2] == [pytest.approx(out["generate_tok_s"][f"{i}_{kind}_{base}"], abs=0.051)
+                                  for i in ("stock", "meshtune")], line
+    ratios = _section(table, "ratios")
+    assert any("4-bit LoRA" in l for l in ratios) and sum("DoRA / LoRA" in l for l in ratios) == 4
+    assert any(l.startswith("BLAS:") for l in table)
