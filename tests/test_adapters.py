@@ -167,3 +167,18 @@ def test_load_rejects_mismatched_file(model_factory, tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="does not match the model"):
         load_adapters(model_factory(layers=2), tmp_path)
+
+
+def test_dora_norm_cache_in_eval_follows_weight_changes():
+    from meshtune.adapters import DoRALinear
+
+    layer = DoRALinear.from_base(_bases()["qlinear"], r=4, scale=2.0)
+    x = _input("linear")
+    layer.eval()
+    first = layer(x)
+    assert mx.array_equal(layer(x), first)
+    _randomize_b(layer)  # a new lora_b array, as an optimizer update makes
+    cached = layer(x)
+    layer.train()
+    assert mx.allclose(cached, layer(x), atol=1e-5)
+    assert not mx.allclose(cached, first, atol=1e-3)

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear
+from .frozen import route_frozen_quantized
 from .lora import LoRAEmbedding, LoRALinear
 from .switch import LoRASwitchLinear
 
@@ -124,6 +125,7 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
     if count == 0:
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {num_layers} blocks; "
                          "name modules relative to a block, e.g. self_attn.q_proj")
+    route_frozen_quantized(model)
     return count
 
 

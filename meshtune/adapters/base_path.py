@@ -83,6 +83,12 @@ def crossover_for(layer: nn.Module) -> int:
     return _crossovers[key]
 
 
+def warm(layer: nn.Module) -> None:
+    """Measure the quantized/dense crossover now, at start-up, rather than in the first step."""
+    if is_quantized(layer) and _mode == "auto":
+        crossover_for(layer)
+
+
 def use_dequantized(layer: nn.Module, tokens: int) -> bool:
     """Whether `layer` should multiply `tokens` rows through a dequantized weight."""
     if not is_quantized(layer) or _mode == "quantized":

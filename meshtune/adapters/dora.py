@@ -59,8 +59,21 @@ class DoRA:
         return ((self.m[..., None] / norm) * merged).astype(weight.dtype)
 
     def row_norm(self) -> mx.array:
-        """||W + s dW||_row without the dense matrix, as a constant (section 4.3)."""
-        return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
+        """||W + s dW||_row without the dense matrix, as a constant (section 4.3).
+
+        Outside training the adapter does not change between calls, so the norm is kept
+        until lora_a, lora_b or m is replaced: unfused generation then costs what LoRA's
+        does instead of a product of r rows through the base per token.
+        """
+        if self.training:
+            return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
+        key = (self.lora_a, self.lora_b, self.m)
+        cached = self.__dict__.get("_norm_cache")
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            # Holding the keyed arrays keeps their ids from being reused while cached.
+            norm = mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
+            cached = self.__dict__["_norm_cache"] = (key, norm)
+        return cached[1]
 
     def row_scale(self) -> mx.array:
         """m / ||W + s dW||_row: the factor DoRA puts on each output row."""

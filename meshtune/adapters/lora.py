@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base_path import crossover_for, dequantized_weight, get_base_path, is_quantized, linear_forward
+from .base_path import dequantized_weight, is_quantized, linear_forward, warm
 
 
 def logical_dims(layer: nn.Module) -> tuple[int, ...]:
@@ -26,12 +26,6 @@ def logical_dims(layer: nn.Module) -> tuple[int, ...]:
     if is_quantized(layer):
         cols = cols * 32 // layer.bits
     return (*lead, cols)
-
-
-def warm_base_path(layer: nn.Module) -> None:
-    """Measure the quantized/dense crossover now, at start-up, rather than in the first step."""
-    if is_quantized(layer) and get_base_path() == "auto":
-        crossover_for(layer)
 
 
 def requantize_like(fused: nn.Module, base: nn.Module, dequantize: bool) -> nn.Module:
@@ -55,7 +49,7 @@ class LoRALinear(nn.Module):
         output_dims, input_dims = logical_dims(linear)
         layer = cls(input_dims, output_dims, r=r, dropout=dropout, scale=scale)
         layer.set_base(linear)
-        warm_base_path(linear)
+        warm(linear)
         return layer
 
     def __init__(self, input_dims: int, output_dims: int, r: int = 8, dropout: float = 0.0,
@@ -108,7 +102,7 @@ class LoRAEmbedding(nn.Module):
         num_embeddings, dims = logical_dims(embedding)
         layer = cls(num_embeddings, dims, r=r, dropout=dropout, scale=scale)
         layer.set_base(embedding)
-        warm_base_path(embedding)
+        warm(embedding)
         return layer
 
     def __init__(self, num_embeddings: int, dims: int, r: int = 8, dropout: float = 0.0,

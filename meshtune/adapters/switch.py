@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .base_path import dequantized_weight, switch_forward
-from .lora import logical_dims, requantize_like, warm_base_path
+from .base_path import dequantized_weight, switch_forward, warm
+from .lora import logical_dims, requantize_like
 
 
 class LoRASwitchLinear(nn.Module):
@@ -29,7 +29,7 @@ class LoRASwitchLinear(nn.Module):
         num_experts, output_dims, input_dims = logical_dims(linear)
         layer = cls(input_dims, output_dims, num_experts, r=r, dropout=dropout, scale=scale)
         layer.set_base(linear)
-        warm_base_path(linear)
+        warm(linear)
         return layer
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, r: int = 8,
