@@ -26,6 +26,11 @@ def _train_config(args: argparse.Namespace, rest: list[str]) -> Any:
     overrides = parse_override_args(rest)
     if args.resume:
         overrides.append(("output.resume", "true"))
+    # No config and no model: train the embedded default (the demo's settings).
+    if args.config is None and not any(k in ("--model", "model.path", "--model.path") for k, _ in overrides):
+        from .demo import DEMO_CONFIG
+
+        args.config = str(DEMO_CONFIG)
     cfg = load_config(args.config, overrides)
     for line in cfg.mapped:
         print(f"mlx-lm key mapped: {line}")

@@ -13,13 +13,25 @@ does something measurable.  This script creates, deterministically:
   do and that a short LoRA run learns.
 
 The base model is pretrained here, on CPU, on text the script generates itself
-(counting, number words, single-digit sums, templated sentences and chat turns
-about other things), so the repo ships no third-party text and the base model
-never sees a two-digit + two-digit sum.
+(counting, number words, single-digit sums, two-digit + one-digit sums, place
+value, templated sentences, and chat turns about other things), so the repo
+ships no third-party text and the base model never sees a two-digit +
+two-digit sum (asserted).  The two-digit + one-digit sums give LoRA a units
+and carry circuit to adapt; in a one-seed ablation without them, LoRA still
+learned the task, only later (validation loss 0.22 instead of 0.08 at
+iteration 750 of the same run).
+
+Measured on 2 CPU cores with OpenBLAS, stock mlx-lm LoRA (rank 8, scale 20,
+all 4 layers, mask_prompt, Adam lr 2e-4 constant, batch 16, 1000 iterations,
+about 40 s) takes greedy exact match on test.jsonl from 0% to 93-98%
+(masked validation loss 6.6 -> 0.02-0.09 over LoRA seeds 0-2).
+
+Outputs are bit-identical across runs on one machine; another BLAS or CPU
+may change the weights in the last bits.
 
 Usage::
 
-    python scripts/make_tiny_model.py [--out-dir meshtune/assets] [--steps 400]
+    python scripts/make_tiny_model.py [--out-dir meshtune/assets] [--steps 2000]
 
 On Linux, preloading OpenBLAS (``LD_PRELOAD=.../openblas-pthread/libblas.so.3``)
 makes the CPU matmuls much faster; pretraining takes a few minutes on 2 cores.
@@ -29,8 +41,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -41,7 +53,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm import generate, load
 from mlx_lm.models import llama
+from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer, decoders, models
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -280,7 +294,7 @@ PROSE_KINDS = [
     (1, _number_name),
     (1, _neighbour),
     (3, _digit_sum),
-    (3, _add_one_digit),
+    (4, _add_one_digit),
     (1, _place_value),
     (1, _comparison),
     (2, _story),
@@ -326,6 +340,11 @@ def chat_turn(rng: random.Random) -> tuple[str, str]:
     return rng.choice(FACTS)
 
 
+# A two-digit + two-digit sum: the fine-tuning task, which the base model
+# must never see (checked on every generated document).
+TASK_PATTERN = re.compile(r"(?<!\d)\d\d \+ \d\d(?!\d)")
+
+
 def pretraining_token_stream(tokenizer, n_docs: int, rng: random.Random) -> np.ndarray:
     """Generate documents and tokenize them into one stream of token ids.
 
@@ -341,10 +360,12 @@ def pretraining_token_stream(tokenizer, n_docs: int, rng: random.Random) -> np.n
             for _ in range(1 if rng.random() < 0.8 else 2):
                 user, assistant = chat_turn(rng)
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+            text = " ".join(m["content"] for m in messages)
             ids += tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
         else:
             text = " ".join(prose_sentence(rng) for _ in range(rng.randrange(1, 5)))
             ids += [bos] + tokenizer.encode(text, add_special_tokens=False) + [eos]
+        assert not TASK_PATTERN.search(text), f"task leaked into pretraining text: {text!r}"
     return np.array(ids, dtype=np.int32)
 
 
@@ -364,7 +385,7 @@ def pretrain(
 ) -> float:
     """Next-token training on random windows of the stream; returns the final loss."""
     warmup = max(1, steps // 20)
-    # Warmup then cosine decay to 10%: the usual recipe, stable at a high peak lr.
+    # Short linear warmup, then cosine decay to 10% of the peak.
     schedule = optim.join_schedules(
         [optim.linear_schedule(1e-5, lr, warmup), optim.cosine_decay(lr, steps - warmup, lr * 0.1)],
         [warmup],
@@ -420,8 +441,6 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
 
 def exact_match(model: nn.Module, tokenizer, rows: list[dict], max_tokens: int = 6) -> float:
     """Greedy-decode each completion through the chat template; fraction exactly right."""
-    from mlx_lm import generate
-
     hits = 0
     for row in rows:
         prompt = tokenizer.apply_chat_template(
@@ -438,10 +457,12 @@ def exact_match(model: nn.Module, tokenizer, rows: list[dict], max_tokens: int =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="assets folder to write into")
-    parser.add_argument("--steps", type=int, default=400, help="pretraining steps")
-    parser.add_argument("--batch-size", type=int, default=32)
+    # Small batches and many steps learn fastest per CPU-second here; peak lr
+    # 1e-3 (2e-3 and up stalls, 5e-4 is slow) with this model and batch size.
+    parser.add_argument("--steps", type=int, default=2000, help="pretraining steps")
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak pretraining learning rate")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak pretraining learning rate")
     parser.add_argument("--docs", type=int, default=60000, help="generated pretraining documents")
     args = parser.parse_args()
 
@@ -462,8 +483,6 @@ def main() -> None:
     write_tokenizer_files(model_dir, vocab)
     config = model_config(len(vocab))
     _write_json(model_dir / "config.json", config)
-    from mlx_lm.utils import load_tokenizer
-
     tokenizer = load_tokenizer(model_dir)
 
     # 2. Data set for fine-tuning (its own rng, so corpus changes don't move it).
@@ -490,8 +509,6 @@ def main() -> None:
 
     # 5. Sanity checks through the public loader: the base model chats and
     #    cannot yet add two-digit numbers.
-    from mlx_lm import generate, load
-
     model, tokenizer = load(str(model_dir))
     for question in ["What comes after 41?", "Spell 57 in words.", splits["test"][0]["prompt"]]:
         prompt = tokenizer.apply_chat_template(
