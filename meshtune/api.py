@@ -110,6 +110,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
     say(f"loading model {model_path}")
     model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
+    if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:
+        from .fastmath import install_fast_swiglu
+
+        if install_fast_swiglu():
+            say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
     a = cfg.adapter
     ad.set_base_path(a.base_path)
     touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,

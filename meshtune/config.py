@@ -196,6 +196,9 @@ class RuntimeConfig:
 
     system_blas: bool = True
     """Use a system OpenBLAS on Linux when one is present."""
+    fast_cpu_activations: bool = True
+    """On the CPU, compute SwiGLU's SiLU with a vectorised exp (float32, ~1e-7 relative)
+    instead of MLX's element-by-element one; false keeps mlx-lm's activation."""
 
 
 SECTIONS: dict[str, type] = {

@@ -201,7 +201,8 @@ def test_blas_choice_is_logged_and_can_be_turned_off(tmp_path, cli):
 
 
 def test_bench_peer_prints_both_and_json(cli):
-    proc = cli("bench", "peer", "--iters", "4", "--report-every", "2", "--batch-size", "8", "--json")
+    proc = cli("bench", "peer", "--iters", "4", "--report-every", "2", "--batch-size", "8", "--repeats", "1",
+               "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mlx_lm.lora" in proc.stdout and "meshtune" in proc.stdout and "BLAS:" in proc.stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=8, help="LoRA rank.")
     p.add_argument("--learning-rate", type=float, default=1e-4, help="Adam learning rate.")
     p.add_argument("--report-every", type=int, default=20, help="Steps per report window.")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="Runs of each trainer, interleaved; the median is reported (this box is noisy).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 
@@ -114,17 +117,22 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     blas = describe_blas()
     tokens_per_step = a.batch_size * mean_example_tokens(opts["model"], opts["data"])
+    stocks, ourses = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        stock = tokens_per_step * _steps_per_sec(run_stock({**opts, "adapter_path": str(Path(tmp) / "stock")}, env))
-        ours = tokens_per_step * _steps_per_sec(run_meshtune(opts, env, Path(tmp) / "meshtune"))
+        for i in range(a.repeats):
+            stock_opts = {**opts, "adapter_path": str(Path(tmp) / f"stock{i}")}
+            stocks.append(tokens_per_step * _steps_per_sec(run_stock(stock_opts, env)))
+            ourses.append(tokens_per_step * _steps_per_sec(run_meshtune(opts, env, Path(tmp) / f"meshtune{i}")))
+    stock, ours = statistics.median(stocks), statistics.median(ourses)
     ratio = ours / stock if stock else float("nan")
     print(f"peer benchmark: LoRA rank {a.rank}, {a.iters} steps, global batch {a.batch_size}, "
           f"max_seq_length {a.max_seq_length}, num_layers {a.num_layers}")
     print(f"model {opts['model']}\ndata  {opts['data']}\n{blas}")
     print(f"tokens/s = steps/s x {tokens_per_step:.0f} tokens per global batch (mean example length)")
-    print(f"{'trainer':<16}{'tokens/s':>12}")
-    print(f"{'mlx_lm.lora':<16}{stock:>12.1f}")
-    print(f"{'meshtune':<16}{ours:>12.1f}")
+    print(f"median of {a.repeats} interleaved runs each")
+    print(f"{'trainer':<16}{'tokens/s':>12}   runs")
+    print(f"{'mlx_lm.lora':<16}{stock:>12.1f}   {', '.join(f'{v:.0f}' for v in stocks)}")
+    print(f"{'meshtune':<16}{ours:>12.1f}   {', '.join(f'{v:.0f}' for v in ourses)}")
     print(f"{'ratio':<16}{ratio:>11.2f}x")
     if a.json:
         print(json.dumps({"stock_tok_s": stock, "meshtune_tok_s": ours, "ratio": ratio, "blas": blas}))
