@@ -76,9 +76,9 @@ def test_demo_config_values() -> None:
     cfg = load_config(Path(__file__).parents[1] / "meshtune" / "configs" / "demo.yaml")
     assert cfg.adapter.fine_tune_type == "lora" and cfg.adapter.num_layers == -1
     assert cfg.data.mask_prompt is True
-    assert (cfg.train.iters, cfg.train.batch_size) == (200, 16)
-    assert cfg.optimizer.learning_rate == 1e-3
-    assert (cfg.train.steps_per_eval, cfg.train.save_every) == (50, 100)
+    assert (cfg.train.iters, cfg.train.batch_size) == (1000, 16)
+    assert cfg.optimizer.learning_rate == 2e-4  # "2e-4" in YAML must read as a float
+    assert (cfg.train.steps_per_eval, cfg.train.save_every) == (250, 500)
     assert cfg.mapped == []
 
 
