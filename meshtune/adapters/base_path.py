@@ -91,11 +91,17 @@ def warm(layer: nn.Module) -> None:
 
 def use_dequantized(layer: nn.Module, tokens: int) -> bool:
     """Whether `layer` should multiply `tokens` rows through a dequantized weight."""
-    if not is_quantized(layer) or _mode == "quantized":
+    if _mode == "quantized" or not is_quantized(layer):
         return False
-    if layer.get("global_scale") is not None:
-        return False  # per-expert global scales: only the quantized kernel takes them as a batch
-    return _mode == "dequantized" or tokens >= crossover_for(layer)
+    # Per layer, once: this runs for every layer on every generated token.
+    threshold = layer.__dict__.get("_dequantize_from")
+    if threshold is None or threshold[0] != _mode:
+        if layer.get("global_scale") is not None:
+            at = NEVER  # per-expert global scales: only the quantized kernel takes them as a batch
+        else:
+            at = 0 if _mode == "dequantized" else crossover_for(layer)
+        threshold = layer.__dict__["_dequantize_from"] = (_mode, at)
+    return tokens >= threshold[1]
 
 
 def linear_forward(layer: nn.Module, x: mx.array, *, bias: bool = True) -> mx.array:

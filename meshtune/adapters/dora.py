@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base_path import dequantized_weight, linear_forward, switch_forward
+from .base_path import dequantized_weight, is_quantized, linear_forward, switch_forward
 from .lora import LoRAEmbedding, LoRALinear
 from .switch import LoRASwitchLinear
 
@@ -39,6 +39,14 @@ def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.ar
     sq = w_sq + (2 * scale) * cross + (scale * scale) * quad
     # Rounding can push a near-zero square below zero; a norm cannot be negative.
     return mx.sqrt(mx.maximum(sq, 0.0))
+
+
+def compute_dtype(base: nn.Module) -> mx.Dtype:
+    """The dtype the base multiplies in: feeding it float32 rows would upcast the whole weight."""
+    scales = base.get("scales") if is_quantized(base) else None
+    if scales is not None and mx.issubdtype(scales.dtype, mx.floating):
+        return scales.dtype
+    return base.weight.dtype if mx.issubdtype(base.weight.dtype, mx.floating) else mx.bfloat16
 
 
 class DoRA:
@@ -59,25 +67,25 @@ class DoRA:
         return ((self.m[..., None] / norm) * merged).astype(weight.dtype)
 
     def row_norm(self) -> mx.array:
-        """||W + s dW||_row without the dense matrix, as a constant (section 4.3).
+        """||W + s dW||_row without the dense matrix, as a constant (section 4.3)."""
+        return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
 
-        Outside training the adapter does not change between calls, so the norm is kept
-        until lora_a, lora_b or m is replaced: unfused generation then costs what LoRA's
-        does instead of a product of r rows through the base per token.
+    def row_scale(self, dtype: mx.Dtype) -> mx.array:
+        """m / ||W + s dW||_row in `dtype`: the factor DoRA puts on each output row.
+
+        Outside training the adapter does not change between calls, so the factor is
+        kept until lora_a, lora_b or m is replaced: unfused generation then pays one
+        multiply per layer over LoRA, not a product of r rows through the base per token.
         """
         if self.training:
-            return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
+            return (self.m / self.row_norm()).astype(dtype)
         key = (self.lora_a, self.lora_b, self.m)
-        cached = self.__dict__.get("_norm_cache")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+        cached = self.__dict__.get("_scale_cache")
+        if cached is None or cached[1] != dtype or any(a is not b for a, b in zip(cached[0], key)):
             # Holding the keyed arrays keeps their ids from being reused while cached.
-            norm = mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
-            cached = self.__dict__["_norm_cache"] = (key, norm)
-        return cached[1]
-
-    def row_scale(self) -> mx.array:
-        """m / ||W + s dW||_row: the factor DoRA puts on each output row."""
-        return self.m / self.row_norm()
+            scale = (self.m / self.row_norm()).astype(dtype)
+            cached = self.__dict__["_scale_cache"] = (key, dtype, scale)
+        return cached[2]
 
 
 class DoRALinear(DoRA, LoRALinear):
@@ -87,13 +95,13 @@ class DoRALinear(DoRA, LoRALinear):
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
         # base(A^T) = A^T W^T = (W A)^T: one product of r rows, however the base is stored.
-        proj = linear_forward(self.linear, a.T, bias=False).astype(mx.float32).T
+        proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
         return proj, b.T, a.T @ a
 
     def __call__(self, x: mx.array) -> mx.array:
         y = linear_forward(self.linear, x, bias=False) + self.lora_out(x)
         # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
-        y = self.row_scale().astype(x.dtype) * y
+        y = self.row_scale(x.dtype) * y
         return y + self.linear["bias"] if "bias" in self.linear else y
 
 
@@ -104,7 +112,7 @@ class DoRAEmbedding(DoRA, LoRAEmbedding):
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
         # Rows of E + s A B: c_j = a_j, V = B; E B^T comes from the head's product on B's r rows.
-        proj = linear_forward(self.embedding, b, bias=False).astype(mx.float32).T
+        proj = linear_forward(self.embedding, b.astype(compute_dtype(self.embedding)), bias=False).astype(mx.float32).T
         return proj, a, b @ b.T
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -119,7 +127,7 @@ class DoRAEmbedding(DoRA, LoRAEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         # Tied head: logits_j = x . row j of the same adapted, normalised table as the lookup.
         y = linear_forward(self.embedding, x, bias=False) + self.lora_head_out(x)
-        return self.row_scale().astype(x.dtype) * y
+        return self.row_scale(x.dtype) * y
 
 
 class DoRASwitchLinear(DoRA, LoRASwitchLinear):
@@ -134,14 +142,14 @@ class DoRASwitchLinear(DoRA, LoRASwitchLinear):
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)  # (E, out, r)
         # Expert e's r rows of A_e^T through expert e's weight, on the model's own gather kernel.
         experts = mx.arange(self.num_experts, dtype=mx.uint32)
-        proj = switch_forward(self.linear, a, experts, sorted_indices=True, bias=False)
+        proj = switch_forward(self.linear, a.astype(compute_dtype(self.linear)), experts, sorted_indices=True, bias=False)
         return proj.astype(mx.float32).swapaxes(-1, -2), b, a @ a.swapaxes(-1, -2)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         y = switch_forward(self.linear, x, indices, sorted_indices=sorted_indices, bias=False)
         y = y + self.lora_out(x, indices, sorted_indices)
-        scale = mx.expand_dims(self.row_scale()[indices], -2)  # routed experts' rows
-        y = scale.astype(x.dtype) * y
+        scale = mx.expand_dims(self.row_scale(x.dtype)[indices], -2)  # routed experts' rows
+        y = scale * y
         if "bias" in self.linear:
             y = y + mx.expand_dims(self.linear["bias"][indices], -2)
         return y
