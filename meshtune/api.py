@@ -49,11 +49,19 @@ def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, A
     """Model and tokenizer through mlx-lm's loader (local folder or hub id)."""
     from mlx_lm.utils import load
 
+    local = Path(path).expanduser()
+    if path.startswith(("/", ".", "~")) or local.exists():
+        if not (local / "config.json").exists():
+            raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
+                             "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
+        path = str(local)
     try:
         return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
                     trust_remote_code=trust_remote_code)
-    except FileNotFoundError as err:
-        raise ValueError(f"model.path={path}: {err}; give a local mlx-lm model folder or a hub id") from None
+    except Exception as err:  # hub and loader errors come in many types; the user needs one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "
+                         "folder, or a hub id with network access or a filled hub cache") from None
 
 
 def _features(cfg: Config) -> Features:
@@ -108,6 +116,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mx.random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
+    if not Path(data_path).is_dir():  # fail before the (possibly long) model load
+        raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
+                         "train.jsonl and valid.jsonl (and test.jsonl to test)")
     say(f"loading model {model_path}")
     model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
     if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:

@@ -218,3 +218,27 @@ def test_grad_checkpoint_gives_the_same_losses(tmp_path, cli):
     assert plain.returncode == 0 and ckpt.returncode == 0, ckpt.stderr[-2000:]
     losses = lambda run: [r["loss"] for r in _records(run) if r["type"] == "train"]  # noqa: E731
     assert losses(tmp_path / "ckpt") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model"], "model.path=/no/such/model: no mlx-lm model folder there"),
+    (["--data", "/no/such/data"], "data.path=/no/such/data: no such folder"),
+    (["--num-layers", "9"], "adapter.num_layers=9 but the model has 4 blocks"),
+    (["--batch-size", "0"], "train.batch_size"),
+])
+def test_bad_input_is_one_line_naming_the_option(tmp_path, cli, args, message):
+    proc = cli("train", "--iters", "1", *args, "--adapter-path", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "adapters.safetensors").exists()
+
+
+def test_bf16_model_trains(tmp_path, cli):
+    from mlx_lm import convert
+
+    bf16 = tmp_path / "bf16"
+    convert(str(TINY_MODEL), mlx_path=str(bf16), dtype="bfloat16")
+    run = tmp_path / "run"
+    proc = cli("train", "--model", str(bf16), "--iters", "2", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(r["loss"] == r["loss"] for r in _records(run) if r["type"] == "train")  # finite, not NaN
