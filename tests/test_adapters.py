@@ -169,10 +169,13 @@ def test_load_rejects_mismatched_file(model_factory, tmp_path):
         load_adapters(model_factory(layers=2), tmp_path)
 
 
-def test_dora_norm_cache_in_eval_follows_weight_changes():
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_inference_cache_follows_weight_changes(variant):
     from meshtune.adapters import DoRALinear
 
-    layer = DoRALinear.from_base(_bases()["qlinear"], r=4, scale=2.0)
+    cls = DoRALinear if variant == "dora" else LoRALinear
+    layer = cls.from_base(_bases()["qlinear"], r=4, scale=2.0)
+    _randomize_b(layer)
     x = _input("linear")
     layer.eval()
     first = layer(x)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base_path import dequantized_weight, is_quantized, linear_forward, switch_forward
-from .lora import LoRAEmbedding, LoRALinear
+from .lora import LoRAEmbedding, LoRALinear, while_frozen
 from .switch import LoRASwitchLinear
 
 
@@ -79,13 +79,7 @@ class DoRA:
         """
         if self.training:
             return (self.m / self.row_norm()).astype(dtype)
-        key = (self.lora_a, self.lora_b, self.m)
-        cached = self.__dict__.get("_scale_cache")
-        if cached is None or cached[1] != dtype or any(a is not b for a, b in zip(cached[0], key)):
-            # Holding the keyed arrays keeps their ids from being reused while cached.
-            scale = (self.m / self.row_norm()).astype(dtype)
-            cached = self.__dict__["_scale_cache"] = (key, dtype, scale)
-        return cached[2]
+        return while_frozen(self, "_row_scale", dtype, lambda: (self.m / self.row_norm()).astype(dtype))
 
 
 class DoRALinear(DoRA, LoRALinear):
@@ -99,9 +93,16 @@ class DoRALinear(DoRA, LoRALinear):
         return proj, b.T, a.T @ a
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = linear_forward(self.linear, x, bias=False) + self.lora_out(x)
-        # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
-        y = self.row_scale(x.dtype) * y
+        if self.training:
+            y = linear_forward(self.linear, x, bias=False) + self.lora_out(x)
+            # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
+            y = self.row_scale(x.dtype) * y
+        else:
+            # Inference: the row scale folded into B, so the branch costs what LoRA's does.
+            scale = self.row_scale(x.dtype)
+            a, b = while_frozen(self, "_dora_factors", x.dtype, lambda: (
+                self.lora_a.astype(x.dtype), (self.scale * self.lora_b * scale).astype(x.dtype)))
+            y = scale * linear_forward(self.linear, x, bias=False) + (x @ a) @ b
         return y + self.linear["bias"] if "bias" in self.linear else y
 
 

@@ -13,6 +13,7 @@ LoRA: Hu et al. 2021, h = W x + s * B A x with B = 0 at init (output unchanged a
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +40,20 @@ def requantize_like(fused: nn.Module, base: nn.Module, dequantize: bool) -> nn.M
                                                     mode=base.mode)
     return fused.to_quantized(group_size=base.group_size, bits=base.bits, mode=base.mode,
                               global_scale=base.get("global_scale") is not None)
+
+
+def while_frozen(module: nn.Module, slot: str, dtype: mx.Dtype, build: Callable[[], Any]) -> Any:
+    """A value derived from the adapter arrays, kept until one of them is replaced.
+
+    Outside training the adapter is constant, so inference reuses its derived factors
+    (cast to the activations' dtype, scale folded in) instead of rebuilding them per
+    token. Holding the keyed arrays keeps their ids from being reused while cached.
+    """
+    key = tuple(module[k] for k in ("lora_a", "lora_b", "m") if k in module)
+    cached = module.__dict__.get(slot)
+    if cached is None or cached[1] != dtype or any(a is not b for a, b in zip(cached[0], key)):
+        cached = module.__dict__[slot] = (key, dtype, build())
+    return cached[2]
 
 
 class LoRALinear(nn.Module):
@@ -69,6 +84,10 @@ class LoRALinear(nn.Module):
 
     def lora_out(self, x: mx.array) -> mx.array:
         """The low-rank branch s * (x A) B, in x's dtype."""
+        if not self.training:
+            a, b = while_frozen(self, "_lora_factors", x.dtype, lambda: (
+                self.lora_a.astype(x.dtype), (self.scale * self.lora_b).astype(x.dtype)))
+            return (x @ a) @ b
         z = (self.dropout(x) @ self.lora_a) @ self.lora_b
         return (self.scale * z).astype(x.dtype)
 
