@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import time
 from functools import partial
 from typing import Any, Callable
@@ -204,7 +205,8 @@ def time_generate(impl: str, kind: str, base: str, a: argparse.Namespace, shape:
     model.eval()
     prompt = mx.random.randint(0, shape.vocab, (PROMPT_TOKENS,), key=mx.random.key(a.seed + 2))
     _decode_tok_s(model, prompt, 4)  # warm-up: kernel set-up and the allocator's first buffers
-    return _decode_tok_s(model, prompt, a.gen_tokens)
+    # Batch-1 decoding is launch-bound and noisy (seen: +-20% run to run): median of three.
+    return statistics.median(_decode_tok_s(model, prompt, a.gen_tokens) for _ in range(3))
 
 
 def ratios(step_s: dict[str, float], gen: dict[str, float]) -> dict[str, float]:
