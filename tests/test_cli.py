@@ -242,3 +242,26 @@ def test_bf16_model_trains(tmp_path, cli):
     proc = cli("train", "--model", str(bf16), "--iters", "2", *QUICK, "--adapter-path", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all(r["loss"] == r["loss"] for r in _records(run) if r["type"] == "train")  # finite, not NaN
+
+
+def test_dora_on_a_quantized_base_fuses_and_stock_loads(tmp_path, cli):
+    from mlx_lm import convert
+    from mlx_lm.utils import load
+
+    from meshtune.api import load_for_inference
+
+    q = tmp_path / "q4"
+    convert(str(TINY_MODEL), mlx_path=str(q), quantize=True, q_group_size=32, q_bits=4)
+    run = tmp_path / "run"
+    proc = cli("train", "--model", str(q), "--iters", "2", *QUICK, "--fine-tune-type", "dora",
+               "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run / "adapter_config.json").read_text())["loadable_by_mlx_lm"] is True
+    ours, tok = load_for_inference(str(q), run)
+    stock, _ = load(str(q), adapter_path=str(run))
+    tokens = mx.array([tok.encode("What is 21 + 21?")])
+    assert mx.allclose(ours(tokens), stock(tokens), atol=1e-3)
+    fused = tmp_path / "fused"
+    assert cli("fuse", "--adapter-path", str(run), "--save-path", str(fused), "--dequantize").returncode == 0
+    merged, _ = load(str(fused))
+    assert mx.allclose(merged(tokens), ours(tokens), atol=1e-3)
