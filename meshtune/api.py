@@ -111,6 +111,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / METRICS_FILE).unlink(missing_ok=True)
     say(describe_blas())
+    if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
+        print(f"rank {mesh.rank} of {mesh.world_size}: data-parallel rank {mesh.dp_rank} of {mesh.dp}",
+              flush=True)
 
     # Seeds first: adapter initialisation draws from mlx's RNG.
     mx.random.seed(cfg.train.seed)
@@ -192,6 +195,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh)
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
+    if mesh.world_size > 1:
+        print(f"rank {mesh.rank} finished at step {result.step}", flush=True)
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)

@@ -5,6 +5,8 @@
     meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize]
     meshtune generate --prompt TEXT [--model M] [--adapter-path DIR]
     meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
+    meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
+    meshtune launch -n 2 -- meshtune train ...   # local ranks on the ring backend
 
 On Linux the command re-executes itself once with a system OpenBLAS preloaded when
 one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off). This
@@ -153,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="The user message.")
     gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
     gen.set_defaults(func=cmd_generate)
+    sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
     bench.add_argument("suite", choices=["peer", "adapters"],
                        help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
@@ -163,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # the rest belongs to the ranks' command, untouched
+        from .launch import main as launch_main
+
+        try:
+            return launch_main(argv[1:])
+        except ValueError as err:
+            print(f"meshtune: error: {err}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     ensure_fast_blas(enabled=not args.no_system_blas and _config_allows_system_blas(args, rest),

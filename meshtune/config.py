@@ -424,8 +424,10 @@ class Config:
                 f"dp * pp = {dp} * {p.pp} = {dp * p.pp} but the world size is {world_size}; {fix}")
             return
         if batch % dp:
-            fix = (batch // dp + 1) * dp
-            bad("train.batch_size", batch, f"must be divisible by the {dp} data-parallel ranks; use e.g. {fix}")
+            below, above = batch // dp * dp, (batch // dp + 1) * dp
+            nearest = f"{below} or {above}" if below else f"{above}"
+            bad("train.batch_size", batch, f"must be divisible by the {dp} data-parallel ranks; "
+                                           f"the nearest valid sizes are {nearest}")
             return
         micro = p.micro_batches or p.pp
         if p.pp > 1 and (batch // dp) % micro:

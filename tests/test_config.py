@@ -255,7 +255,7 @@ def test_validate_names_origin(tmp_path: Path) -> None:
 
 def test_validate_parallel() -> None:
     Config.from_dict({"parallel": {"pp": 2}, "train": {"batch_size": 8}}).validate(world_size=4)
-    with pytest.raises(ConfigError, match=r"train.batch_size = 6: must be divisible by the 4 data-parallel ranks; use e.g. 8"):
+    with pytest.raises(ConfigError, match=r"train.batch_size = 6: must be divisible by the 4 data-parallel ranks; the nearest valid sizes are 4 or 8"):
         Config.from_dict({"train": {"batch_size": 6}}).validate(world_size=4)
     with pytest.raises(ConfigError, match=r"dp \* pp = 2 \* 1 = 2 but the world size is 4"):
         Config.from_dict({"parallel": {"dp": 2}}).validate(world_size=4)
