@@ -85,9 +85,11 @@ class LoRALinear(nn.Module):
     def lora_out(self, x: mx.array) -> mx.array:
         """The low-rank branch s * (x A) B, in x's dtype."""
         if not self.training:
+            # Factors in x's dtype (no float32 promotion of bf16 activations per token);
+            # for float32 the same operations as training, so logits match stock bit for bit.
             a, b = while_frozen(self, "_lora_factors", x.dtype, lambda: (
-                self.lora_a.astype(x.dtype), (self.scale * self.lora_b).astype(x.dtype)))
-            return (x @ a) @ b
+                self.lora_a.astype(x.dtype), self.lora_b.astype(x.dtype)))
+            return (self.scale * ((x @ a) @ b)).astype(x.dtype)
         z = (self.dropout(x) @ self.lora_a) @ self.lora_b
         return (self.scale * z).astype(x.dtype)
 
