@@ -16,6 +16,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from . import adapters as ad
 from .blas import describe_blas
@@ -89,13 +90,35 @@ def _warner(mesh: Mesh) -> Callable[[str], None]:
 
 def _check_output_folder(cfg: Config, out: Path) -> None:
     """Refuse to overwrite an earlier run unless resuming or told to."""
-    if cfg.output.resume or getattr(cfg.output, "overwrite", False):
+    if cfg.output.resume or cfg.output.overwrite:
         return
     found = list_checkpoints(out)
     if found or (out / ad.ADAPTER_FILE).exists():
         what = f"checkpoints up to step {int(found[-1].name)}" if found else ad.ADAPTER_FILE
         raise ValueError(f"output.adapter_path={out} already holds a run ({what}); pass --resume to "
                          "continue it, --output.overwrite true to replace it, or choose another --adapter-path")
+
+
+def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> tuple[nn.Module, Any]:
+    """Load the base, pick the CPU activation and base path, freeze and add adapters."""
+    say(f"loading model {model_path}")
+    model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
+    if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:
+        from .fastmath import install_fast_swiglu
+
+        if install_fast_swiglu():
+            say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
+    a = cfg.adapter
+    ad.set_base_path(a.base_path)
+    touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
+                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
+    trainable = sum(v.size for v in ad.trainable_parameters(model).values())
+    total = sum(v.size for _, v in tree_flatten(model.parameters()))
+    say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
+        f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
+    if cfg.train.grad_checkpoint:
+        enable_grad_checkpoint(model.layers[0])
+    return model, tokenizer
 
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
@@ -107,7 +130,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     out = Path(cfg.output.adapter_path)
     if mesh.is_writer:
         _check_output_folder(cfg, out)
-        if getattr(cfg.output, "overwrite", False) and not cfg.output.resume and out.exists():
+        if cfg.output.overwrite and not cfg.output.resume and out.exists():
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / METRICS_FILE).unlink(missing_ok=True)
     say(describe_blas())
@@ -122,23 +145,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if not Path(data_path).is_dir():  # fail before the (possibly long) model load
         raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
                          "train.jsonl and valid.jsonl (and test.jsonl to test)")
-    say(f"loading model {model_path}")
-    model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
-    if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:
-        from .fastmath import install_fast_swiglu
-
-        if install_fast_swiglu():
-            say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
-    a = cfg.adapter
-    ad.set_base_path(a.base_path)
-    touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
-                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
-    trainable = sum(v.size for v in ad.trainable_parameters(model).values())
-    total = sum(v.size for _, v in _flat(model.parameters()))
-    say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
-        f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
-    if cfg.train.grad_checkpoint:
-        enable_grad_checkpoint(model.layers[0])
+    model, tokenizer = _prepare_model(cfg, model_path, say)
 
     data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
                          features=_features(cfg), need_valid=cfg.train.val_batches != 0,
@@ -150,7 +157,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
                               learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)
-    o = cfg.optimizer
+    o, a = cfg.optimizer, cfg.adapter
     optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
                                 options=o.options)
 
@@ -200,12 +207,6 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
-
-
-def _flat(tree: Any) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree)
 
 
 def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
