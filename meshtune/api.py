@@ -192,7 +192,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     t = cfg.train
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
-                            save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile)
+                            save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
+                            grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb)
     with Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                   log=say, show_progress=show_progress) as reporter:
         result = train(model, optimizer, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,

@@ -188,6 +188,12 @@ class ParallelConfig:
     """Pipeline schedule: naive, gpipe or 1f1b."""
     micro_batches: int = 0
     """Micro-batches per local batch in the pipeline; 0 uses pp."""
+    grad_sync: Literal["after_backward", "overlap"] = "after_backward"
+    """after_backward: bucketed all-reduce once the backward is done (stock mlx-lm);
+    overlap: buckets in reverse layer order on a communication stream, each free to
+    run as soon as its gradients exist."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MB for the all-reduce."""
 
 
 @dataclass(kw_only=True)
@@ -342,6 +348,8 @@ class Config:
                 bad(option, value, "must not be negative; use 0 for the default behaviour")
         if not 0 <= a.dropout < 1:
             bad("adapter.dropout", a.dropout, "must be in [0, 1); 0 disables dropout")
+        if not p.bucket_mb > 0:
+            bad("parallel.bucket_mb", p.bucket_mb, "must be positive; 25 is a good start")
         if a.num_layers != -1 and a.num_layers < 1:
             bad("adapter.num_layers", a.num_layers, "must be -1 (all blocks) or at least 1")
         if a.keys is not None and (not a.keys or not all(a.keys)):

@@ -20,11 +20,11 @@ from typing import Any, Callable, Iterable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.nn.utils import average_gradients
 from mlx.utils import tree_map
 
 from .checkpoint import TrainingState
 from .mesh import Mesh
+from .parallel.data_parallel import sum_gradients
 from .metrics import Reporter, Window
 
 
@@ -71,17 +71,18 @@ def enable_grad_checkpoint(block: nn.Module) -> None:
     type(block).__call__ = checkpointed
 
 
-def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh) -> Any:
-    """Sum gradients over ranks and divide by the global token count."""
+def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh, *, sync: str = "after_backward",
+                     bucket_mb: float = 25.0, own_stream: bool = False) -> Any:
+    """Sum gradients over ranks (bucketed as `sync` says) and divide by the global token count."""
     if mesh.world_size > 1:
-        # average_gradients packs small arrays into few all_sums; undo its 1/N.
-        grads = tree_map(lambda g: g * mesh.world_size, average_gradients(grads, group=mesh.group))
+        grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb, own_stream=own_stream)
         tokens = mesh.all_sum(tokens)
     return tree_map(lambda g: g / tokens.astype(g.dtype), grads)
 
 
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
-               compile: bool) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+               compile: bool, sync: str = "after_backward",
+               bucket_mb: float = 25.0) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
@@ -93,7 +94,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
             grads = tree_map(mx.add, grads, acc_grads)
         if not update:
             return ce, n, grads, total
-        grads = reduce_gradients(grads, total, mesh)
+        grads = reduce_gradients(grads, total, mesh, sync=sync, bucket_mb=bucket_mb, own_stream=not compile)
         if max_grad_norm > 0:
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
         optimizer.update(model, grads)
@@ -113,6 +114,8 @@ class LoopSettings:
     save_every: int
     max_grad_norm: float = 0.0
     compile: bool = True
+    grad_sync: str = "after_backward"
+    bucket_mb: float = 25.0
 
 
 @dataclass(kw_only=True)
@@ -160,7 +163,7 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
           save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]]) -> LoopResult:
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
     step_fn = build_step(model, optimizer, mesh, max_grad_norm=settings.max_grad_norm,
-                         compile=settings.compile)
+                         compile=settings.compile, sync=settings.grad_sync, bucket_mb=settings.bucket_mb)
     model.train()
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None

@@ -67,6 +67,11 @@ def _assert_same_run(one: Path, many: Path) -> None:
     (2, "full", ["--num-layers", "1"]),
     (2, "lora", ["--grad-accumulation-steps", "2"]),
     (3, "lora", []),
+    # Overlapped sync with tiny buckets (many all_sums, last layers first), with and without accumulation.
+    (2, "lora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
+    (2, "full", ["--num-layers", "1", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.05"]),
+    (3, "dora", ["--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
+    (2, "lora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01", "--train.compile", "false"]),
 ])
 def test_n_ranks_match_one_rank(tmp_path, n, kind, extra):
     batch = ["--batch-size", str(2 * n)]

@@ -1,0 +1,1 @@
+"""Parallelism: one module per kind (data_parallel today; pipeline to come)."""

@@ -1,0 +1,86 @@
+"""Gradient reduction across data-parallel ranks, after the backward or overlapped with it.
+
+The update must equal one process's update on the whole global batch: gradients of
+the summed token losses are summed over ranks and divided by the global token count.
+Gradients travel in buckets of about `bucket_mb` (one all_sum per bucket, small arrays
+concatenated). `after_backward` reduces the buckets in model order once everything
+is computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back
+and puts each all_sum on a communication stream: the last layers' gradients exist
+first in the backward, so their reduction depends only on work already done and can
+run while earlier layers are still differentiating. Whether that hides time is a
+measurement (`meshtune bench scaling`), not an assumption.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..mesh import Mesh
+
+SYNC_MODES = ("after_backward", "overlap")
+_streams: dict[str, Any] = {}
+
+
+def comm_stream() -> Any:
+    """A stream of its own for collectives (one per process and device)."""
+    key = str(mx.default_device())
+    if key not in _streams:
+        _streams[key] = mx.new_stream(mx.default_device())
+    return _streams[key]
+
+
+def buckets(sizes: list[int], bucket_bytes: int, itemsize: int) -> list[list[int]]:
+    """Consecutive index groups whose bytes reach `bucket_bytes` (the last may be smaller)."""
+    groups: list[list[int]] = [[]]
+    filled = 0
+    for i, n in enumerate(sizes):
+        groups[-1].append(i)
+        filled += n * itemsize
+        if filled >= bucket_bytes:
+            groups.append([])
+            filled = 0
+    return [g for g in groups if g]
+
+
+def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any) -> list[mx.array]:
+    flat = mx.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1)
+    total = mx.distributed.all_sum(flat, group=mesh.group, stream=stream)
+    out, start = [], 0
+    for a in arrays:
+        out.append(total[start:start + a.size].reshape(a.shape))
+        start += a.size
+    return out
+
+
+def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0,
+                  own_stream: bool = False) -> Any:
+    """The sum over ranks of a gradient tree, bucketed as `mode` says; identity on one rank.
+
+    `own_stream` puts overlapped buckets on a communication stream. Only outside
+    mx.compile: inside a compiled step (MLX 0.32.4, ring, CPU) an all_sum on a second
+    stream read gradients before they were written and returned wrong sums, while the
+    same code uncompiled matched the 1-rank run (tests/test_data_parallel.py).
+    """
+    if mesh.world_size == 1:
+        return grads
+    if mode not in SYNC_MODES:
+        raise ValueError(f"parallel.grad_sync={mode!r} is not one of {', '.join(SYNC_MODES)}")
+    flat = tree_flatten(grads)
+    order = list(range(len(flat)))
+    stream = None
+    if mode == "overlap":
+        order.reverse()  # the backward produces the last layers' gradients first
+        stream = comm_stream() if own_stream else None
+    summed: dict[int, mx.array] = {}
+    by_dtype: dict[Any, list[int]] = {}
+    for i in order:
+        by_dtype.setdefault(flat[i][1].dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        for group in buckets([flat[i][1].size for i in idx], int(bucket_mb * 2**20), dtype.size):
+            members = [idx[g] for g in group]
+            for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh, stream)):
+                summed[i] = arr
+    return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])

@@ -1,0 +1,17 @@
+"""Gradient buckets: grouping, and that bucketed sums are exact (mock of a 1-rank mesh aside)."""
+
+from __future__ import annotations
+
+from meshtune.parallel.data_parallel import buckets
+
+
+def test_buckets_fill_to_the_size_and_keep_order():
+    assert buckets([10, 10, 10, 10, 10], bucket_bytes=80, itemsize=4) == [[0, 1], [2, 3], [4]]
+    assert buckets([100, 1, 1], bucket_bytes=40, itemsize=4) == [[0], [1, 2]]
+    assert buckets([], bucket_bytes=40, itemsize=4) == []
+
+
+def test_every_index_lands_in_exactly_one_bucket():
+    sizes = [3, 700, 1, 64, 64, 5, 9000, 2]
+    groups = buckets(sizes, bucket_bytes=1024, itemsize=2)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
