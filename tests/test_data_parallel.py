@@ -102,3 +102,15 @@ def test_launch_stops_everyone_and_fails_when_a_rank_fails():
     assert proc.returncode == 3
     assert "[rank 0] up 0" in proc.stdout and "[rank 1] up 1" in proc.stdout
     assert "rank 1 exited with code 3; stopping the other ranks" in proc.stderr
+
+
+def test_bench_scaling_prints_table_and_json():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "scaling", "--iters", "4",
+                           "--local-batch", "4", "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "weak eff." in proc.stdout and "--pin" in proc.stdout
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("overlap_speedup_full", "overlap_speedup_lora", "weak_scaling_lora", "exposed_comm_fraction_overlap"):
+        assert key in result and result[key] == result[key]  # present and not NaN
+    assert 0 < result["weak_scaling_lora"] < 2

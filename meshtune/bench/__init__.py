@@ -22,4 +22,8 @@ def run_bench(suite: str, args: list[str]) -> int:
         from .adapters import main
 
         return main(args)
+    if suite == "scaling":
+        from .scaling import main
+
+        return main(args)
     raise ValueError(f"unknown bench suite '{suite}'; choose peer or adapters")

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _steps_per_sec(windows: list[dict[str, float]]) -> float:
+def steps_per_sec(windows: list[dict[str, float]]) -> float:
     """Steps over seconds of every window after the first."""
     later = windows[1:] or windows
     steps = sum(w["steps"] for w in later)
@@ -61,7 +61,7 @@ def mean_example_tokens(model: str, data: str) -> float:
     return float(train.lengths.mean())
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> str:
+def run_command(cmd: list[str], env: dict[str, str]) -> str:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-3000:]
@@ -71,7 +71,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> str:
 
 def run_stock(opts: dict[str, Any], env: dict[str, str]) -> list[dict[str, float]]:
     """Stock windows as {steps, seconds}, from stock's own reports."""
-    out = _run([sys.executable, "-m", "meshtune.bench.stock_runner", json.dumps(opts)], env)
+    out = run_command([sys.executable, "-m", "meshtune.bench.stock_runner", json.dumps(opts)], env)
     line = next(l for l in out.splitlines() if l.startswith("STOCK_RESULT "))
     windows, previous = [], 0
     for w in json.loads(line[len("STOCK_RESULT "):]):
@@ -92,7 +92,12 @@ def run_meshtune(opts: dict[str, Any], env: dict[str, str], out_dir: Path) -> li
              "--train.steps_per_eval", str(opts["steps_per_eval"]),
              "--train.val_batches", str(opts["val_batches"]),
              "--train.save_every", str(opts["save_every"]), "--data.mask_prompt", "true"]
-    _run([sys.executable, "-m", "meshtune.cli", "--no-system-blas", "train", *flags], env)
+    run_command([sys.executable, "-m", "meshtune.cli", "--no-system-blas", "train", *flags], env)
+    return metric_windows(out_dir)
+
+
+def metric_windows(out_dir: Path) -> list[dict[str, float]]:
+    """A meshtune run's report windows as {steps, seconds}, from its metrics.jsonl."""
     records = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
     windows, previous = [], 0
     for r in (r for r in records if r["type"] == "train"):
@@ -121,8 +126,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
             stock_opts = {**opts, "adapter_path": str(Path(tmp) / f"stock{i}")}
-            stocks.append(tokens_per_step * _steps_per_sec(run_stock(stock_opts, env)))
-            ourses.append(tokens_per_step * _steps_per_sec(run_meshtune(opts, env, Path(tmp) / f"meshtune{i}")))
+            stocks.append(tokens_per_step * steps_per_sec(run_stock(stock_opts, env)))
+            ourses.append(tokens_per_step * steps_per_sec(run_meshtune(opts, env, Path(tmp) / f"meshtune{i}")))
     stock, ours = statistics.median(stocks), statistics.median(ourses)
     ratio = ours / stock if stock else float("nan")
     print(f"peer benchmark: LoRA rank {a.rank}, {a.iters} steps, global batch {a.batch_size}, "
