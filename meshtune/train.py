@@ -72,10 +72,10 @@ def enable_grad_checkpoint(block: nn.Module) -> None:
 
 
 def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh, *, sync: str = "after_backward",
-                     bucket_mb: float = 25.0, own_stream: bool = False) -> Any:
+                     bucket_mb: float = 25.0) -> Any:
     """Sum gradients over ranks (bucketed as `sync` says) and divide by the global token count."""
     if mesh.world_size > 1:
-        grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb, own_stream=own_stream)
+        grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb)
         tokens = mesh.all_sum(tokens)
     return tree_map(lambda g: g / tokens.astype(g.dtype), grads)
 
@@ -94,7 +94,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
             grads = tree_map(mx.add, grads, acc_grads)
         if not update:
             return ce, n, grads, total
-        grads = reduce_gradients(grads, total, mesh, sync=sync, bucket_mb=bucket_mb, own_stream=not compile)
+        grads = reduce_gradients(grads, total, mesh, sync=sync, bucket_mb=bucket_mb)
         if max_grad_norm > 0:
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
         optimizer.update(model, grads)

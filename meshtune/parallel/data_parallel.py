@@ -4,11 +4,14 @@ The update must equal one process's update on the whole global batch: gradients 
 the summed token losses are summed over ranks and divided by the global token count.
 Gradients travel in buckets of about `bucket_mb` (one all_sum per bucket, small arrays
 concatenated). `after_backward` reduces the buckets in model order once everything
-is computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back
-and puts each all_sum on a communication stream: the last layers' gradients exist
-first in the backward, so their reduction depends only on work already done and can
-run while earlier layers are still differentiating. Whether that hides time is a
-measurement (`meshtune bench scaling`), not an assumption.
+is computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back:
+the last layers' gradients exist first in the backward, so each bucket's all_sum
+depends only on work already done. Whether that hides time is a measurement
+(`meshtune bench scaling`), not an assumption.
+
+All collectives stay on the default stream. A second stream for them was tried (MLX
+0.32.4, ring, 2 CPU ranks) and returned wrong sums: always inside mx.compile, in about
+one run of three without it, as if the all_sum read gradients not yet written.
 """
 
 from __future__ import annotations
@@ -21,15 +24,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..mesh import Mesh
 
 SYNC_MODES = ("after_backward", "overlap")
-_streams: dict[str, Any] = {}
-
-
-def comm_stream() -> Any:
-    """A stream of its own for collectives (one per process and device)."""
-    key = str(mx.default_device())
-    if key not in _streams:
-        _streams[key] = mx.new_stream(mx.default_device())
-    return _streams[key]
 
 
 def buckets(sizes: list[int], bucket_bytes: int, itemsize: int) -> list[list[int]]:
@@ -45,9 +39,9 @@ def buckets(sizes: list[int], bucket_bytes: int, itemsize: int) -> list[list[int
     return [g for g in groups if g]
 
 
-def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any) -> list[mx.array]:
+def _sum_bucket(arrays: list[mx.array], mesh: Mesh) -> list[mx.array]:
     flat = mx.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1)
-    total = mx.distributed.all_sum(flat, group=mesh.group, stream=stream)
+    total = mx.distributed.all_sum(flat, group=mesh.group)
     out, start = [], 0
     for a in arrays:
         out.append(total[start:start + a.size].reshape(a.shape))
@@ -55,25 +49,16 @@ def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any) -> list[mx.arra
     return out
 
 
-def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0,
-                  own_stream: bool = False) -> Any:
-    """The sum over ranks of a gradient tree, bucketed as `mode` says; identity on one rank.
-
-    `own_stream` puts overlapped buckets on a communication stream. Only outside
-    mx.compile: inside a compiled step (MLX 0.32.4, ring, CPU) an all_sum on a second
-    stream read gradients before they were written and returned wrong sums, while the
-    same code uncompiled matched the 1-rank run (tests/test_data_parallel.py).
-    """
+def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0) -> Any:
+    """The sum over ranks of a gradient tree, bucketed as `mode` says; identity on one rank."""
     if mesh.world_size == 1:
         return grads
     if mode not in SYNC_MODES:
         raise ValueError(f"parallel.grad_sync={mode!r} is not one of {', '.join(SYNC_MODES)}")
     flat = tree_flatten(grads)
     order = list(range(len(flat)))
-    stream = None
     if mode == "overlap":
         order.reverse()  # the backward produces the last layers' gradients first
-        stream = comm_stream() if own_stream else None
     summed: dict[int, mx.array] = {}
     by_dtype: dict[Any, list[int]] = {}
     for i in order:
@@ -81,6 +66,6 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     for dtype, idx in by_dtype.items():
         for group in buckets([flat[i][1].size for i in idx], int(bucket_mb * 2**20), dtype.size):
             members = [idx[g] for g in group]
-            for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh, stream)):
+            for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh)):
                 summed[i] = arr
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
