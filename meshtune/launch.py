@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 
 def free_ports(n: int) -> list[int]:
@@ -41,10 +41,11 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def write_ring_hostfile(n: int, folder: Path) -> Path:
-    """The ring backend's hostfile: one list of "ip:port" per rank."""
+def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) -> Path:
+    """The ring backend's hostfile: one list of "ip:port" per rank (127.0.0.1 unless `hosts`)."""
     path = folder / "hostfile.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+    ips = hosts or ["127.0.0.1"] * n
+    path.write_text(json.dumps([[f"{ip}:{p}"] for ip, p in zip(ips, free_ports(n))]))
     return path
 
 
@@ -56,8 +57,13 @@ def _pump(rank: int, stream: IO[bytes], out: IO[str]) -> None:
 
 
 def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
-                 timeout: float | None = None) -> int:
-    """Run `command` as n ring ranks on this machine; the first non-zero exit code, else 0."""
+                 timeout: float | None = None, hosts: list[str] | None = None,
+                 wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None) -> int:
+    """Run `command` as n ring ranks on this machine; the first non-zero exit code, else 0.
+
+    `hosts` gives each rank's IP and `wrap(rank)` a command prefix (e.g. entering a
+    network namespace of the shaped-link bed); both default to plain loopback.
+    """
     if n < 1:
         raise ValueError(f"-n {n}: need at least one rank")
     if not command:
@@ -65,7 +71,7 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
     base = dict(os.environ if env is None else env)
     cores = sorted(os.sched_getaffinity(0)) if pin else []
     with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
-        hostfile = write_ring_hostfile(n, Path(tmp)) if n > 1 else None
+        hostfile = write_ring_hostfile(n, Path(tmp), hosts) if n > 1 else None
         procs, pumps = [], []
         for rank in range(n):
             rank_env = dict(base, MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
@@ -76,10 +82,11 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
                 core = cores[rank % len(cores)]
                 rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
                 preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
-            proc = subprocess.Popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            prefix = wrap(rank) if wrap else []
+            proc = subprocess.Popen([*prefix, *command], env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     preexec_fn=preexec, start_new_session=True)
             procs.append(proc)
-            t = threading.Thread(target=_pump, args=(rank, proc.stdout, sys.stdout), daemon=True)
+            t = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout), daemon=True)
             t.start()
             pumps.append(t)
         code = _wait_all(procs, timeout)

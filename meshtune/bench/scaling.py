@@ -5,23 +5,25 @@ tokens per step; efficiency = (N-rank tokens/s) / (N x 1-rank tokens/s). Each
 configuration runs through `meshtune launch --pin` (one core and one BLAS thread per
 rank, so 1 rank and N ranks get the same compute per rank). Exposed communication is
 the N-rank step time minus the 1-rank step time (the compute-only step of the same
-local batch). Runs on plain loopback; the shaped-link namespaces of issue 4 are not
-built yet.
+local batch). Plain loopback, and with `--link RATE[:DELAY]` (root) also the
+shaped-link bed of meshtune/bench/netbed.py, both in the same invocation.
 
-    meshtune bench scaling [--ranks 2] [--iters 60] [--local-batch 8] [--json]
+    meshtune bench scaling [--ranks 2] [--iters 60] [--local-batch 8] [--link 1gbit:20us] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..blas import describe_blas
-from .peer import metric_windows, run_command, steps_per_sec
+from ..launch import launch_local
+from .peer import metric_windows, steps_per_sec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,48 +33,70 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=60, help="Optimizer steps per run.")
     p.add_argument("--local-batch", type=int, default=8, help="Examples per rank per step.")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="Gradient bucket size.")
+    p.add_argument("--link", default="", help="Also run on the shaped-link bed, e.g. 1gbit:20us (needs root).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 
 
-def _run(ranks: int, kind: str, sync: str, a: argparse.Namespace, out: Path) -> float:
+def _run(ranks: int, kind: str, sync: str, a: argparse.Namespace, out: Path, bed: Any = None) -> float:
     """Steps/s of one configuration (windows after the first)."""
-    train = ["-m", "meshtune.cli", "train", "--iters", str(a.iters), "--batch-size", str(a.local_batch * ranks),
-             "--fine-tune-type", kind, "--num-layers", "-1", "--learning-rate", "1e-4",
-             "--train.steps_per_report", str(max(a.iters // 4, 1)), "--train.val_batches", "0",
-             "--save-every", str(a.iters), "--parallel.grad_sync", sync, "--parallel.bucket_mb",
-             str(a.bucket_mb), "--adapter-path", str(out)]
-    cmd = [sys.executable, "-m", "meshtune.cli", "launch", "-n", str(ranks), "--pin", "--",
-           sys.executable, *train]
-    run_command(cmd, dict(os.environ))
+    train = [sys.executable, "-m", "meshtune.cli", "train", "--iters", str(a.iters),
+             "--batch-size", str(a.local_batch * ranks), "--fine-tune-type", kind, "--num-layers", "-1",
+             "--learning-rate", "1e-4", "--train.steps_per_report", str(max(a.iters // 4, 1)),
+             "--train.val_batches", "0", "--save-every", str(a.iters), "--parallel.grad_sync", sync,
+             "--parallel.bucket_mb", str(a.bucket_mb), "--adapter-path", str(out)]
+    log = io.StringIO()
+    code = launch_local(ranks, train, pin=True, out=log, hosts=bed.ips if bed and ranks > 1 else None,
+                        wrap=bed.wrap if bed and ranks > 1 else None)
+    if code != 0:
+        raise RuntimeError(f"{kind} {sync} on {ranks} ranks failed with exit code {code}:\n{log.getvalue()[-3000:]}")
     return steps_per_sec(metric_windows(out))
 
 
-def main(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
-    n = a.ranks
-    rows, result = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("lora", "full"):
-            one = _run(1, kind, "after_backward", a, Path(tmp) / f"{kind}-1")
-            after = _run(n, kind, "after_backward", a, Path(tmp) / f"{kind}-after")
-            over = _run(n, kind, "overlap", a, Path(tmp) / f"{kind}-overlap")
-            step1, step_after, step_over = 1000 / one, 1000 / after, 1000 / over
-            rows.append((kind, one, after, over, step1, step_after, step_over))
-            result[f"weak_scaling_{kind}"] = max(after, over) / one  # per-rank work is equal: steps/s ratio
-            result[f"overlap_speedup_{kind}"] = step_after / step_over
-            result[f"exposed_comm_ms_after_{kind}"] = step_after - step1
-            result[f"exposed_comm_ms_overlap_{kind}"] = step_over - step1
-            result[f"exposed_comm_fraction_overlap_{kind}"] = max(step_over - step1, 0.0) / step_over
+def _table(a: argparse.Namespace, tmp: Path, label: str, bed: Any = None) -> tuple[list[tuple], dict[str, float]]:
+    """One network's rows: LoRA and full, 1 rank vs N ranks, after_backward vs overlap."""
+    n, rows, result = a.ranks, [], {}
+    for kind in ("lora", "full"):
+        one = _run(1, kind, "after_backward", a, tmp / f"{label}-{kind}-1")
+        after = _run(n, kind, "after_backward", a, tmp / f"{label}-{kind}-after", bed)
+        over = _run(n, kind, "overlap", a, tmp / f"{label}-{kind}-overlap", bed)
+        step1, step_after, step_over = 1000 / one, 1000 / after, 1000 / over
+        rows.append((kind, one, after, over, step1, step_after, step_over))
+        result[f"weak_scaling_{kind}"] = max(after, over) / one  # equal work per rank: a steps/s ratio
+        result[f"overlap_speedup_{kind}"] = step_after / step_over
+        result[f"exposed_comm_ms_after_{kind}"] = step_after - step1
+        result[f"exposed_comm_ms_overlap_{kind}"] = step_over - step1
+        result[f"exposed_comm_fraction_overlap_{kind}"] = max(step_over - step1, 0.0) / step_over
     result["exposed_comm_fraction_overlap"] = result["exposed_comm_fraction_overlap_full"]
-    print(f"scaling benchmark: {n} ranks vs 1 on loopback (ring backend), embedded tiny model, "
-          f"local batch {a.local_batch}, {a.iters} steps, buckets {a.bucket_mb} MB")
-    print(f"threads: meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
+    return rows, result
+
+
+def _print(title: str, rows: list[tuple], result: dict[str, float], n: int) -> None:
+    print(title)
     print(f"{'':<6}{'1 rank':>12}{f'{n} after_bwd':>16}{f'{n} overlap':>14}   step ms (1 / after / overlap)"
           f"   weak eff.   overlap speedup")
     for kind, one, after, over, s1, sa, so in rows:
         print(f"{kind:<6}{one:>9.1f} st/s{after:>12.1f} st/s{over:>10.1f} st/s   {s1:6.1f} / {sa:6.1f} / {so:6.1f}"
               f"   {100 * result[f'weak_scaling_{kind}']:8.1f}%   {result[f'overlap_speedup_{kind}']:.2f}x")
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    n = a.ranks
+    print(f"scaling benchmark: {n} ranks vs 1 (ring backend), embedded tiny model, local batch {a.local_batch}, "
+          f"{a.iters} steps, buckets {a.bucket_mb} MB")
+    print(f"threads: meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, result = _table(a, Path(tmp), "loopback")
+        _print("loopback", rows, result, n)
+        if a.link:
+            from .netbed import shaped_link
+
+            rate, _, delay = a.link.partition(":")
+            with shaped_link(n, rate=rate, delay=delay or "20us") as bed:
+                rows, shaped = _table(a, Path(tmp), "shaped", bed)
+                _print(f"shaped link: {bed.shaping}", rows, shaped, n)
+            result.update({f"shaped_{k}": v for k, v in shaped.items()})
     if a.json:
         print(json.dumps(result))
     return 0

@@ -1,0 +1,96 @@
+"""A shaped-link test bed: ranks in Linux network namespaces joined by rate/latency-limited veths.
+
+A Mac cluster talks over Thunderbolt or Ethernet, where communication waits on the
+link; loopback hides that. Here each rank gets a namespace `mtbed<i>` with one veth
+into a bridge namespace, and every veth's egress is shaped with tc netem (rate and
+delay), e.g. 10 Gb/s and 20 us, so communication-bound behaviour can be reproduced on
+one Linux machine. Needs root and iproute2; addresses are 10.77.0.<i+1>/24, private
+to the namespaces.
+
+    with shaped_link(2, rate="10gbit", delay="20us") as bed:
+        launch_local(2, cmd, hosts=bed.ips, wrap=bed.wrap)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Iterator
+
+BRIDGE_NS = "mtbed-br"
+
+
+def available() -> str | None:
+    """None when the bed can be built here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "the shaped-link bed needs root (network namespaces and tc)"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "the shaped-link bed needs iproute2 (ip, tc)"
+    return None
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+@dataclass(frozen=True)
+class Bed:
+    """What launching needs: each rank's IP and the command prefix that enters its namespace."""
+
+    ips: list[str]
+    rate: str
+    delay: str
+    shaping: str
+
+    def wrap(self, rank: int) -> list[str]:
+        return ["ip", "netns", "exec", f"mtbed{rank}"]
+
+
+def _shape(ns: str, dev: str, rate: str, delay: str) -> str:
+    """netem (rate and delay) where the kernel has it, else tbf (rate only); says which."""
+    tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
+    try:
+        _sh(*tc, "netem", "delay", delay, "rate", rate, "limit", "100000")
+        return f"netem rate {rate} delay {delay}"
+    except subprocess.CalledProcessError:
+        # Seen here: a sandboxed kernel without sch_netem still has tbf.
+        _sh(*tc, "tbf", "rate", rate, "burst", "256kbit", "latency", "50ms")
+        return f"tbf rate {rate} (no netem in this kernel: delay {delay} not applied)"
+
+
+def _teardown(n: int) -> None:
+    for name in [BRIDGE_NS, *(f"mtbed{i}" for i in range(n))]:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us") -> Iterator[Bed]:
+    """Build the bed for n ranks, yield it, and always tear it down."""
+    reason = available()
+    if reason:
+        raise ValueError(reason)
+    _teardown(n)  # a crashed earlier run may have left namespaces behind
+    try:
+        _sh("ip", "netns", "add", BRIDGE_NS)
+        _sh("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
+        ips = []
+        for i in range(n):
+            ns, ip = f"mtbed{i}", f"10.77.0.{i + 1}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", f"mtv{i}", "netns", ns, "type", "veth", "peer", "name", f"mtp{i}",
+                "netns", BRIDGE_NS)
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", f"mtv{i}")
+            for where, dev in ((ns, f"mtv{i}"), (BRIDGE_NS, f"mtp{i}")):
+                _sh("ip", "-n", where, "link", "set", dev, "up")
+                # Shape both directions: rank -> bridge and bridge -> rank.
+                shaping = _shape(where, dev, rate, delay)
+            _sh("ip", "-n", BRIDGE_NS, "link", "set", f"mtp{i}", "master", "br0")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            ips.append(ip)
+        yield Bed(ips=ips, rate=rate, delay=delay, shaping=shaping)
+    finally:
+        _teardown(n)

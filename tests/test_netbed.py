@@ -1,0 +1,37 @@
+"""The shaped-link bed: two ranks in namespaces all_sum over a rate-limited link."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from meshtune.bench import netbed
+from meshtune.launch import launch_local
+
+
+def _usable() -> str | None:
+    reason = netbed.available()
+    if reason is None:
+        probe = subprocess.run(["ip", "netns", "add", "mtbed-probe"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", "mtbed-probe"], capture_output=True)
+        if probe.returncode != 0:
+            reason = "network namespaces are not permitted here"
+    return reason
+
+
+@pytest.mark.skipif(_usable() is not None, reason=str(_usable()))
+def test_two_ranks_all_sum_over_the_shaped_link():
+    code = ("import mlx.core as mx; g = mx.distributed.init(); "
+            "s = mx.distributed.all_sum(mx.full((2**20,), g.rank() + 1.0), group=g); "
+            "print('sum', int(s[0].item()), 'of', g.size(), flush=True)")
+    log = io.StringIO()
+    with netbed.shaped_link(2, rate="1gbit", delay="20us") as bed:
+        assert bed.ips == ["10.77.0.1", "10.77.0.2"]
+        code_ = launch_local(2, [sys.executable, "-c", code], hosts=bed.ips, wrap=bed.wrap, out=log, timeout=120)
+    assert code_ == 0, log.getvalue()
+    assert "[rank 0] sum 3 of 2" in log.getvalue() and "[rank 1] sum 3 of 2" in log.getvalue()
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mtbed" not in leftover  # torn down
