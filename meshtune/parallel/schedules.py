@@ -1,0 +1,193 @@
+"""Pipeline schedules as explicit, validated action lists (naive, GPipe, 1F1B).
+
+MLX is lazy and point-to-point on the ring backend blocks: one `mx.eval` holding a
+send and an independent recv deadlocked, and a send waits for its receiver once the
+socket buffers fill (DESIGN.md). So a pipeline step is not one graph but, per stage,
+a list of actions evaluated in order, and `simulate` proves a schedule cannot
+deadlock under the strictest rule: a send completes only when the peer has reached
+the matching receive (rendezvous), whatever the message size.
+
+Stage s receives activations from s-1 and gradients from s+1: `recv_act`, `fwd`,
+`send_act` and `recv_grad`, `bwd`, `send_grad` per micro-batch, the sends and
+receives placed by `_with_messages`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+KINDS = ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one stage: `kind` on micro-batch `mb`."""
+
+    kind: str
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.mb})"
+
+
+Schedule = list[list[Action]]  # one action list per stage
+
+
+def _compute_orders(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
+    """Each stage's fwd/bwd order under the named policy."""
+    orders = []
+    for s in range(stages):
+        f = [Action("fwd", m) for m in range(micro_batches)]
+        b = [Action("bwd", m) for m in range(micro_batches)]
+        if name == "naive":  # one micro-batch there and back before the next (mlx-train's)
+            order = [a for m in range(micro_batches) for a in (f[m], b[m])]
+        elif name == "gpipe":  # all forwards, then backwards in reverse (Huang et al. 2019)
+            order = f + b[::-1]
+        else:  # 1f1b: warm-up forwards, one forward one backward, drain (PipeDream-Flush)
+            warm = min(stages - s - 1, micro_batches)
+            order = f[:warm]
+            for i in range(micro_batches - warm):
+                order += [f[warm + i], b[i]]
+            order += b[micro_batches - warm:]
+        orders.append(order)
+    return orders
+
+
+def _with_messages(orders: list[list[Action]]) -> Schedule:
+    """Interleave sends and receives into the compute orders without any deadlock.
+
+    Runs the stages round-robin; a compute action runs once its input has arrived,
+    and its output message is sent at once, the send on the producer's list and the
+    receive on the consumer's list at the same point of one global sequence. Each
+    stage's list is that sequence seen from the stage, so the earliest pending event
+    always has both its parties waiting on it: no blocking send can wait forever.
+    """
+    stages = len(orders)
+    last = stages - 1
+    lists: Schedule = [[] for _ in range(stages)]
+    pc = [0] * stages
+    arrived: list[set[Action]] = [set() for _ in range(stages)]  # recv_act / recv_grad already listed
+    while any(pc[s] < len(orders[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if pc[s] >= len(orders[s]):
+                continue
+            act = orders[s][pc[s]]
+            need = (Action("recv_act", act.mb) if act.kind == "fwd" and s > 0 else
+                    Action("recv_grad", act.mb) if act.kind == "bwd" and s < last else None)
+            if need is not None and need not in arrived[s]:
+                continue
+            lists[s].append(act)
+            pc[s] += 1
+            progressed = True
+            if act.kind == "fwd" and s < last:
+                lists[s].append(Action("send_act", act.mb))
+                lists[s + 1].append(Action("recv_act", act.mb))
+                arrived[s + 1].add(Action("recv_act", act.mb))
+            if act.kind == "bwd" and s > 0:
+                lists[s].append(Action("send_grad", act.mb))
+                lists[s - 1].append(Action("recv_grad", act.mb))
+                arrived[s - 1].add(Action("recv_grad", act.mb))
+        if not progressed:
+            raise ValueError("compute orders wait on each other (a backward before its forward?)")
+    return lists
+
+
+def naive(stages: int, micro_batches: int) -> Schedule:
+    """One micro-batch through the whole pipeline and back before the next."""
+    return _with_messages(_compute_orders("naive", stages, micro_batches))
+
+
+def gpipe(stages: int, micro_batches: int) -> Schedule:
+    """All forwards, then all backwards in reverse micro-batch order."""
+    return _with_messages(_compute_orders("gpipe", stages, micro_batches))
+
+
+def one_f_one_b(stages: int, micro_batches: int) -> Schedule:
+    """Warm-up forwards, then one forward one backward, then drain.
+
+    Stage s keeps at most stages - s micro-batches in flight, so activation memory is
+    bounded by the pipeline depth rather than the micro-batch count. (Written as fixed
+    per-stage lists with every send before its neighbour's, the steady state deadlocks
+    under blocking sends: each stage sends activations down while the next sends
+    gradients up. Deriving the messages from one global sequence avoids that.)
+    """
+    return _with_messages(_compute_orders("1f1b", stages, micro_batches))
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
+
+_PEER = {"send_act": (1, "recv_act"), "send_grad": (-1, "recv_grad"),
+         "recv_act": (-1, "send_act"), "recv_grad": (1, "send_grad")}
+
+
+def simulate(schedule: Schedule) -> list[list[int]]:
+    """Run the schedule with rendezvous sends; returns each stage's completion ticks.
+
+    Raises ValueError naming every stage's stuck action on a deadlock.
+    """
+    stages = len(schedule)
+    pc, ticks, tick = [0] * stages, [[] for _ in range(stages)], 0
+    while any(pc[s] < len(schedule[s]) for s in range(stages)):
+        progressed = False
+        tick += 1
+        for s in range(stages):
+            if pc[s] >= len(schedule[s]):
+                continue
+            act = schedule[s][pc[s]]
+            if act.kind in ("fwd", "bwd"):
+                pc[s] += 1
+                ticks[s].append(tick)
+                progressed = True
+                continue
+            step, match = _PEER[act.kind]
+            p = s + step
+            if not 0 <= p < stages:
+                raise ValueError(f"stage {s}: {act!r} has no peer stage {p}")
+            if act.kind.startswith("send") and pc[p] < len(schedule[p]) and schedule[p][pc[p]] == Action(match, act.mb):
+                pc[s] += 1
+                pc[p] += 1
+                ticks[s].append(tick)
+                ticks[p].append(tick)
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"stage {s} at {schedule[s][pc[s]]!r}" for s in range(stages) if pc[s] < len(schedule[s]))
+            raise ValueError(f"schedule deadlocks: {stuck}")
+    return ticks
+
+
+def validate(schedule: Schedule, micro_batches: int) -> None:
+    """Every stage runs fwd then bwd of every micro-batch once, and the whole schedule completes."""
+    for s, acts in enumerate(schedule):
+        for kind in ("fwd", "bwd"):
+            seen = sorted(a.mb for a in acts if a.kind == kind)
+            if seen != list(range(micro_batches)):
+                raise ValueError(f"stage {s}: {kind} runs micro-batches {seen}, expected 0..{micro_batches - 1} once")
+        for m in range(micro_batches):
+            if acts.index(Action("bwd", m)) < acts.index(Action("fwd", m)):
+                raise ValueError(f"stage {s}: bwd({m}) comes before fwd({m})")
+    simulate(schedule)
+
+
+def build(name: str, stages: int, micro_batches: int) -> Schedule:
+    """The named schedule, validated."""
+    if name not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={name!r} is not one of {', '.join(SCHEDULES)}")
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"a pipeline needs at least one stage and one micro-batch (got {stages}, {micro_batches})")
+    schedule = SCHEDULES[name](stages, micro_batches)
+    validate(schedule, micro_batches)
+    return schedule
+
+
+def in_flight(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches forwarded but not yet backwarded (activation memory)."""
+    peaks = []
+    for acts in schedule:
+        live = peak = 0
+        for a in acts:
+            live += (a.kind == "fwd") - (a.kind == "bwd")
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
