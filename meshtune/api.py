@@ -8,6 +8,7 @@ restore a checkpoint when resuming -> loop -> final save. The CLI calls only the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from .mesh import Mesh
 from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
 from .train import LoopSettings, enable_grad_checkpoint, evaluate, train
+from .watchdog import Watchdog
 
 # Sections that must match between a checkpoint and the run resuming it.
 RESUME_MUST_MATCH = ("model", "adapter", "data")
@@ -135,8 +137,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             (out / METRICS_FILE).unlink(missing_ok=True)
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
-        print(f"rank {mesh.rank} of {mesh.world_size}: data-parallel rank {mesh.dp_rank} of {mesh.dp}",
-              flush=True)
+        print(f"rank {mesh.rank} of {mesh.world_size}: data-parallel rank {mesh.dp_rank} of {mesh.dp} "
+              f"(pid {os.getpid()})", flush=True)
 
     # Seeds first: adapter initialisation draws from mlx's RNG.
     mx.random.seed(cfg.train.seed)
@@ -188,16 +190,17 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     validate = None
     if data.valid is not None and cfg.train.val_batches != 0:
         val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
-        validate = lambda: evaluate(model, val_batches, mesh)  # noqa: E731
+        validate = lambda: evaluate(model, val_batches, mesh, beat=watchdog.alive)  # noqa: E731
     t = cfg.train
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
                             grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb)
-    with Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
-                  log=say, show_progress=show_progress) as reporter:
+    watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size)
+    with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
+                            log=say, show_progress=show_progress) as reporter:
         result = train(model, optimizer, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                       start=start, validate=validate, save=save, cursor=batches.state)
+                       start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
         test_loss = None
         if t.test and data.test is not None and not result.stopped_early:
             test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh)

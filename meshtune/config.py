@@ -202,6 +202,9 @@ class RuntimeConfig:
 
     system_blas: bool = True
     """Use a system OpenBLAS on Linux when one is present."""
+    watchdog_s: float = 60.0
+    """With several ranks: seconds without a finished step (or eval batch) before this
+    rank gives up on its peers and exits with code 75; 0 disables."""
     fast_cpu_activations: bool = True
     """On the CPU, compute SwiGLU's SiLU with a vectorised exp (float32, ~1e-7 relative)
     instead of MLX's element-by-element one; false keeps mlx-lm's activation."""

@@ -43,7 +43,8 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
     return ce.astype(mx.float32).sum(), mask.sum()
 
 
-def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh) -> tuple[float, int]:
+def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
+             beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
     """Token-weighted loss over `batches` on every rank: (loss, global tokens)."""
     model.eval()
     total, tokens = mx.array(0.0), mx.array(0)
@@ -51,6 +52,7 @@ def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh) -> tuple[floa
         ce, n = loss_terms(model, batch.tokens, batch.lengths)
         total, tokens = total + ce, tokens + n
         mx.eval(total, tokens)
+        beat()
     model.train()
     total, tokens = mesh.all_sum(total), mesh.all_sum(tokens)
     n = int(tokens.item())
@@ -160,7 +162,8 @@ def step_seed(seed: int, step: int) -> int:
 def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], *,
           settings: LoopSettings, seed: int, mesh: Mesh, reporter: Reporter, start: TrainingState,
           validate: Callable[[], tuple[float, int]] | None,
-          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]]) -> LoopResult:
+          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]],
+          beat: Callable[[int], None] = lambda step: None) -> LoopResult:
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
     step_fn = build_step(model, optimizer, mesh, max_grad_norm=settings.max_grad_norm,
                          compile=settings.compile, sync=settings.grad_sync, bucket_mb=settings.bucket_mb)
@@ -190,6 +193,7 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
                 mx.eval(model.state, optimizer.state, mx.random.state, window.loss_sum, window.tokens, grads, ntoks)
             window.end_step(time.perf_counter() - tic)
             step += 1
+            beat(step)
             reporter.advance()
 
             if step % settings.steps_per_report == 0 or step == settings.iters:

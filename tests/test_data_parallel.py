@@ -114,3 +114,38 @@ def test_bench_scaling_prints_table_and_json():
     for key in ("overlap_speedup_full", "overlap_speedup_lora", "weak_scaling_lora", "exposed_comm_fraction_overlap"):
         assert key in result and result[key] == result[key]  # present and not NaN
     assert 0 < result["weak_scaling_lora"] < 2
+
+
+def test_a_stopped_rank_makes_the_others_exit_cleanly_and_resume_continues(tmp_path):
+    import re
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "meshtune.cli"]
+    run = tmp_path / "run"
+    train = ["train", "--iters", "100000", "--batch-size", "4", "--save-every", "5", "--steps-per-eval", "100000",
+             "--runtime.watchdog_s", "4", "--adapter-path", str(run)]
+    proc = subprocess.Popen([*cmd, "launch", "-n", "2", "--", *cmd, *train], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pid, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.search(r"\[rank 1\] rank 1 of 2: .*\(pid (\d+)\)", line):
+            pid = int(m.group(1))
+        if pid and (run / "checkpoints" / "0000005").exists():
+            break
+    assert pid, "".join(lines)
+    os.kill(pid, signal.SIGSTOP)  # a hung peer: alive, silent
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 75, out[-2000:] + err[-2000:]
+    assert elapsed < 40
+    assert re.search(r"rank 0: no progress for \d+s at step \d+: a peer rank stopped answering", out + err)
+    # The last complete checkpoint resumes on one process.
+    resumed = subprocess.run([*cmd, "train", "--iters", "12", "--batch-size", "4", "--save-every", "5",
+                              "--adapter-path", str(run), "--resume"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert re.search(r"resumed from step \d+", resumed.stdout)
