@@ -128,6 +128,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
+    if cfg.parallel.pp > 1:
+        # The pipeline engine (meshtune.parallel.pipeline) is tested on its own; the
+        # training loop, eval and saving across stages are not wired to it yet.
+        raise ValueError(f"parallel.pp={cfg.parallel.pp}: pipeline training from `meshtune train` is not "
+                         "available yet; use parallel.pp 1 (data parallel over all ranks)")
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
     if mesh.is_writer:

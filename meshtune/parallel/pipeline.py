@@ -1,0 +1,189 @@
+"""Pipeline stages: cut a model into contiguous blocks and run a schedule with send/recv.
+
+Stage s of S owns blocks [start, end) (balanced, the last takes the remainder); stage 0
+also embeds, the last stage also norms, applies the head and computes the loss.
+Every rank keeps the full model object but trains only its own blocks (the others'
+adapters are frozen), so the single-stage code (loss, optimizer, adapters) is reused.
+No backend differentiates through send/recv, so a stage's backward is written by
+hand: the last stage differentiates its loss; the others differentiate the surrogate
+sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, and
+send dx back. The backward recomputes the stage's forward (activation recomputation),
+so only each micro-batch's stage input is kept between its forward and backward.
+Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm}
+with a head `model.lm_head` or a tied embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from ..mesh import Mesh
+from .schedules import Schedule
+
+
+def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous block ranges per stage: layers // stages each, the last takes the rest."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"parallel.pp={stages} stages for a model of {num_layers} blocks; "
+                         f"use between 1 and {num_layers} stages")
+    per = num_layers // stages
+    return [(s * per, num_layers if s == stages - 1 else (s + 1) * per) for s in range(stages)]
+
+
+def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, k) for k in ("embed_tokens", "layers", "norm")):
+        raise ValueError(f"pipeline parallelism needs an mlx-lm decoder laid out as model.model.embed_tokens/"
+                         f"layers/norm; {type(model).__name__} is not; use parallel.pp 1")
+    if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
+        raise ValueError("pipeline parallelism does not handle sliding-window attention layers yet; "
+                         "use parallel.pp 1")
+    head = model.lm_head if "lm_head" in model else inner.embed_tokens.as_linear
+    return inner, head
+
+
+@dataclass
+class PipelineStage:
+    """This rank's slice of the model and how it computes."""
+
+    model: nn.Module
+    stage: int
+    stages: int
+    mesh: Mesh
+
+    def __post_init__(self) -> None:
+        self.inner, self.head = _parts(self.model)
+        self.start, self.end = stage_bounds(len(self.inner.layers), self.stages)[self.stage]
+        # Train only this stage's blocks (and the embedding/head only where they live).
+        for i, layer in enumerate(self.inner.layers):
+            if not self.start <= i < self.end:
+                layer.freeze()
+        if not self.first:
+            self.inner.embed_tokens.freeze()
+        if not self.last:
+            self.inner.norm.freeze()
+            if "lm_head" in self.model:
+                self.model.lm_head.freeze()
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def hidden(self, x: mx.array) -> mx.array:
+        """Token ids (stage 0) or hidden states in, this stage's hidden states out."""
+        from mlx_lm.models.base import create_attention_mask
+
+        h = self.inner.embed_tokens(x) if self.first else x
+        mask = create_attention_mask(h, None)
+        for layer in self.inner.layers[self.start:self.end]:
+            h = layer(h, mask)
+        return h
+
+    def loss(self, h: mx.array, targets: mx.array, lengths: mx.array) -> mx.array:
+        """The last stage's summed target-token cross entropy (meshtune.train.loss_terms' mask)."""
+        logits = self.head(self.inner.norm(h))
+        steps = mx.arange(1, targets.shape[1] + 1)
+        mask = (steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])
+        return (nn.losses.cross_entropy(logits, targets) * mask).astype(mx.float32).sum()
+
+    def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
+                 ) -> tuple[mx.array, Any, mx.array | None]:
+        """(value, parameter gradients, input gradient or None) for one micro-batch."""
+        model = self.model
+
+        def fn(params: Any, inp: mx.array) -> mx.array:
+            model.update(params)
+            h = self.hidden(inp)
+            if self.last:
+                return self.loss(h, targets, lengths)
+            return (h * mx.stop_gradient(dy)).sum()  # seeds the reverse pass with the received cotangent
+
+        if self.first:  # token ids have no gradient
+            value, grads = mx.value_and_grad(fn)(model.trainable_parameters(), x)
+            return value, grads, None
+        value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
+        return value, grads, dx
+
+    def hidden_spec(self, tokens: mx.array) -> tuple[tuple[int, ...], mx.Dtype]:
+        """Shape and dtype of the hidden states that cross a stage boundary."""
+        return (tokens.shape[0], tokens.shape[1] - 1, self.inner.norm.weight.shape[0]), self.inner.norm.weight.dtype
+
+
+def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array, mx.array]]
+                 ) -> tuple[mx.array, Any]:
+    """Run this stage's actions on micro-batches [(tokens, lengths)]; (loss sum, summed grads).
+
+    Each action is evaluated on its own, in order: a send and a recv never share an eval.
+    """
+    group, rank = stage.mesh.group, stage.mesh.rank
+    inputs: dict[int, mx.array] = {}
+    outputs: dict[int, mx.array] = {}
+    grads_in: dict[int, mx.array] = {}
+    dxs: dict[int, mx.array] = {}
+    total_grads, loss_sum = None, mx.array(0.0)
+    for act in actions:
+        tokens, lengths = micro[act.mb]
+        if act.kind == "recv_act":
+            shape, dtype = stage.hidden_spec(tokens)
+            inputs[act.mb] = mx.distributed.recv(shape, dtype, rank - 1, group=group)
+            mx.eval(inputs[act.mb])
+        elif act.kind == "fwd":
+            x = tokens[:, :-1] if stage.first else inputs[act.mb]
+            inputs[act.mb] = x
+            if not stage.last:
+                outputs[act.mb] = stage.hidden(x)
+                mx.eval(outputs[act.mb])
+        elif act.kind == "send_act":
+            mx.eval(mx.distributed.send(outputs.pop(act.mb), rank + 1, group=group))
+        elif act.kind == "recv_grad":
+            shape, dtype = stage.hidden_spec(tokens)
+            grads_in[act.mb] = mx.distributed.recv(shape, dtype, rank + 1, group=group)
+            mx.eval(grads_in[act.mb])
+        elif act.kind == "bwd":
+            value, grads, dx = stage.backward(inputs.pop(act.mb), tokens[:, 1:], lengths, grads_in.pop(act.mb, None))
+            total_grads = grads if total_grads is None else tree_map(mx.add, total_grads, grads)
+            if stage.last:
+                loss_sum = loss_sum + value
+            if dx is not None:
+                dxs[act.mb] = dx
+            mx.eval(total_grads, loss_sum, dx if dx is not None else [])
+        elif act.kind == "send_grad":
+            mx.eval(mx.distributed.send(dxs.pop(act.mb), rank - 1, group=group))
+    return loss_sum, total_grads
+
+
+def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list[tuple[mx.array, mx.array]]:
+    """The local batch cut into `count` equal micro-batches along the batch axis."""
+    if tokens.shape[0] % count:
+        raise ValueError(f"parallel.micro_batches={count} does not divide the local batch of {tokens.shape[0]}")
+    size = tokens.shape[0] // count
+    return [(tokens[i * size:(i + 1) * size], lengths[i * size:(i + 1) * size]) for i in range(count)]
+
+
+def target_tokens(lengths: mx.array, width: int) -> mx.array:
+    """Target tokens of a batch, from lengths alone (every stage can count them)."""
+    steps = mx.arange(1, width)
+    return ((steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])).sum()
+
+
+def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
+                  micro_batches: int, optimizer: Any) -> mx.array:
+    """One optimizer step of a pipeline; returns the global token-weighted loss on every rank."""
+    micro = split_micro_batches(tokens, lengths, micro_batches)
+    loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro)
+    n = target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
+    grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
+    optimizer.update(stage.model, grads)
+    # Only the last stage has the loss; a world all_sum gives it to everyone.
+    loss = stage.mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
+    mx.eval(stage.model.state, optimizer.state, loss)
+    return loss
