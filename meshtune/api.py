@@ -128,11 +128,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
-    if cfg.parallel.pp > 1:
-        # The pipeline engine (meshtune.parallel.pipeline) is tested on its own; the
-        # training loop, eval and saving across stages are not wired to it yet.
-        raise ValueError(f"parallel.pp={cfg.parallel.pp}: pipeline training from `meshtune train` is not "
-                         "available yet; use parallel.pp 1 (data parallel over all ranks)")
+    if mesh.pp > 1:
+        _check_pipeline_limits(cfg, mesh)
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
     if mesh.is_writer:
@@ -168,6 +165,28 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
                                 options=o.options)
 
+    trainable_keys = list(ad.trainable_parameters(model))
+    pipeline = stage = None
+    if mesh.pp > 1:  # this rank trains only its stage's blocks from here on
+        from .parallel.pipeline import PipelineStage, stage_runner
+        from .parallel.schedules import build as build_schedule_actions
+
+        _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
+        stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh)
+        actions = build_schedule_actions(cfg.parallel.schedule, mesh.pp, micro_batches)
+        pipeline = stage_runner(stage, actions, micro_batches, optimizer)
+        say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
+
+    def current_weights() -> dict[str, mx.array]:
+        """All trained weights; on a pipeline, gathered from every stage (a collective)."""
+        if stage is None:
+            return ad.trainable_parameters(model)
+        from .parallel.pipeline import gather_parameters
+
+        weights = gather_parameters(model, trainable_keys, mesh)
+        model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
+        return weights
+
     resolved = cfg.to_dict()
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
@@ -185,9 +204,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             indent=2))
 
     def save(state: TrainingState) -> None:
+        weights = current_weights()
         if not mesh.is_writer:
             return
-        weights = ad.trainable_parameters(model)
         save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
                         config=resolved, keep=cfg.output.keep_checkpoints)
         atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
@@ -195,7 +214,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     validate = None
     if data.valid is not None and cfg.train.val_batches != 0:
         val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
-        validate = lambda: evaluate(model, val_batches, mesh, beat=watchdog.alive)  # noqa: E731
+        # Pipeline ranks (dp = 1) each evaluate the whole gathered model on the same
+        # batches, so each computes the global loss alone: no sum over equal copies.
+        eval_mesh = Mesh.single() if stage is not None else mesh
+        validate = lambda: (current_weights(), evaluate(model, val_batches, eval_mesh, beat=watchdog.alive))[1]  # noqa: E731
     t = cfg.train
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
@@ -205,7 +227,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:
         result = train(model, optimizer, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                       start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
+                       start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat,
+                       pipeline=pipeline)
         test_loss = None
         if t.test and data.test is not None and not result.stopped_early:
             test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh)
@@ -240,6 +263,22 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     optimizer.init(model.trainable_parameters())
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
+
+
+def _check_pipeline_limits(cfg: Config, mesh: Mesh) -> None:
+    """What the pipeline path does not do yet, said before anything loads."""
+    problems = []
+    if mesh.dp > 1:
+        problems.append(f"data parallel inside a pipeline (dp={mesh.dp}) is not available yet; "
+                        f"launch {mesh.pp} ranks for parallel.pp {mesh.pp}")
+    if cfg.train.grad_accumulation_steps > 1:
+        problems.append("train.grad_accumulation_steps must be 1 with a pipeline; raise parallel.micro_batches")
+    if cfg.output.resume:
+        problems.append("--resume of a pipeline run is not available yet (checkpoints hold rank 0's optimizer state)")
+    if cfg.train.grad_checkpoint:
+        problems.append("train.grad_checkpoint with a pipeline is not needed: stages recompute their forward")
+    if problems:
+        raise ValueError("parallel.pp=" + str(mesh.pp) + ": " + "; ".join(problems))
 
 
 def _drop_metrics_after(out: Path, step: int) -> None:

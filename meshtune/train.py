@@ -163,8 +163,14 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
           settings: LoopSettings, seed: int, mesh: Mesh, reporter: Reporter, start: TrainingState,
           validate: Callable[[], tuple[float, int]] | None,
           save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]],
-          beat: Callable[[int], None] = lambda step: None) -> LoopResult:
-    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
+          beat: Callable[[int], None] = lambda step: None,
+          pipeline: Callable[[Any], tuple[mx.array, mx.array]] | None = None) -> LoopResult:
+    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule.
+
+    `pipeline(batch) -> (loss sum, tokens)` replaces the compiled step on a pipeline
+    stage (it updates the stage's weights itself); only one stage should return
+    non-zero sums, since reports add them over all ranks.
+    """
     step_fn = build_step(model, optimizer, mesh, max_grad_norm=settings.max_grad_norm,
                          compile=settings.compile, sync=settings.grad_sync, bucket_mb=settings.bucket_mb)
     model.train()
@@ -187,6 +193,10 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
             grads = ntoks = None
             for micro in range(settings.grad_accumulation_steps):
                 batch = next(batches)
+                if pipeline is not None:  # the stage runs its schedule; micro-batches live inside it
+                    window.add(*pipeline(batch))
+                    mx.eval(window.loss_sum, window.tokens)
+                    continue
                 last = micro == settings.grad_accumulation_steps - 1
                 ce, n, grads, ntoks = step_fn(batch.tokens, batch.lengths, grads, ntoks, last)
                 window.add(ce, n)

@@ -57,3 +57,40 @@ def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
     assert got.keys() == want.keys()
     for k in want:
         assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_meshtune_train_with_two_stages_matches_one_process(tmp_path, schedule):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cli = [sys.executable, "-m", "meshtune.cli"]
+    args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
+            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8"]
+    one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*cli, "launch", "-n", "2", "--", *cli, *args, "--parallel.pp", "2",
+                          "--parallel.schedule", schedule, "--parallel.micro_batches", "4",
+                          "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert f"pipeline: 2 stages, {schedule} schedule, 4 micro-batches" in two.stdout
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} finished at step 4" in two.stdout
+
+    def records(run):
+        return [json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = records("one"), records("two")
+    assert [(r["type"], r["step"], r["tokens"]) for r in a] == [(r["type"], r["step"], r["tokens"]) for r in b]
+    for x, y in zip(a, b):
+        key = "loss" if x["type"] == "train" else "val_loss"
+        assert y[key] == pytest.approx(x[key], rel=1e-5)
+    wa, wb = mx.load(str(tmp_path / "one" / "adapters.safetensors")), mx.load(str(tmp_path / "two" / "adapters.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert mx.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5), k
+    from mlx_lm.utils import load
+
+    from conftest import TINY_MODEL
+
+    load(str(TINY_MODEL), adapter_path=str(tmp_path / "two"))  # stock mlx-lm loads the assembled adapters

@@ -187,3 +187,32 @@ def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, le
     loss = stage.mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
     mx.eval(stage.model.state, optimizer.state, loss)
     return loss
+
+
+def gather_parameters(model: nn.Module, keys: list[str], mesh: Mesh) -> dict[str, mx.array]:
+    """The current values of `keys` from whichever stage trains each, on every rank.
+
+    Each rank contributes the parameters it trains and zeros for the rest; one world
+    all_sum per parameter adds them up (works on every backend, ring included).
+    """
+    from mlx.utils import tree_flatten
+
+    values = dict(tree_flatten(model.parameters()))
+    own = set(dict(tree_flatten(model.trainable_parameters())))
+    out = {k: mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) for k in keys}
+    mx.eval(out)
+    return out
+
+
+def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, optimizer: Any
+                 ) -> Any:
+    """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero."""
+
+    def run(batch: Any) -> tuple[mx.array, mx.array]:
+        loss = pipeline_step(stage, schedule, batch.tokens, batch.lengths, micro_batches, optimizer)
+        n = target_tokens(batch.lengths, batch.tokens.shape[1])
+        if not stage.last:
+            return mx.array(0.0), mx.array(0)
+        return loss * n.astype(loss.dtype), n
+
+    return run
