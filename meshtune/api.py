@@ -235,7 +235,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
-        print(f"rank {mesh.rank} finished at step {result.step}", flush=True)
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {mx.get_peak_memory() / 1e9:.4f} GB)",
+              flush=True)
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)

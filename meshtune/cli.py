@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
-    bench.add_argument("suite", choices=["peer", "adapters", "scaling"],
+    bench.add_argument("suite", choices=["peer", "adapters", "scaling", "pipeline"],
                        help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
                             "stock mlx-lm vs meshtune, dense and 4-bit bases.")
     bench.set_defaults(func=cmd_bench)

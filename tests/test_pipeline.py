@@ -94,3 +94,15 @@ def test_meshtune_train_with_two_stages_matches_one_process(tmp_path, schedule):
     from conftest import TINY_MODEL
 
     load(str(TINY_MODEL), adapter_path=str(tmp_path / "two"))  # stock mlx-lm loads the assembled adapters
+
+
+def test_bench_pipeline_prints_table_and_json():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "pipeline", "--micro-batches", "2",
+                           "--iters", "3", "--batch-size", "4", "--json"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "gpipe" in proc.stdout and "1f1b" in proc.stdout and "peak GB per stage" in proc.stdout
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["gpipe_over_naive_m2"] > 0 and result["1f1b_over_naive_m2"] > 0
+    assert len(result["peak_gb_1f1b_m2"]) == 2 and result["peak_mem_1f1b_over_gpipe"] > 0

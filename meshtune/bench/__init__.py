@@ -22,6 +22,10 @@ def run_bench(suite: str, args: list[str]) -> int:
         from .adapters import main
 
         return main(args)
+    if suite == "pipeline":
+        from .pipeline import main
+
+        return main(args)
     if suite == "scaling":
         from .scaling import main
 
