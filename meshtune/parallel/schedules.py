@@ -54,43 +54,59 @@ def _compute_orders(name: str, stages: int, micro_batches: int) -> list[list[Act
     return orders
 
 
+# Relative action costs for ordering messages: a stage's backward recomputes its
+# forward (meshtune.parallel.pipeline), so it costs about three forwards.
+COSTS = {"fwd": 1.0, "bwd": 3.0}
+
+
 def _with_messages(orders: list[list[Action]]) -> Schedule:
     """Interleave sends and receives into the compute orders without any deadlock.
 
-    Runs the stages round-robin; a compute action runs once its input has arrived,
-    and its output message is sent at once, the send on the producer's list and the
-    receive on the consumer's list at the same point of one global sequence. Each
-    stage's list is that sequence seen from the stage, so the earliest pending event
-    always has both its parties waiting on it: no blocking send can wait forever.
+    An event simulation with COSTS: each compute starts once its stage is free and its
+    input has arrived; each output message is one event at the producer's finish time,
+    the send on the producer's list and the receive on the consumer's at the same
+    point of one global time order. Each stage's list is that order seen from the
+    stage, so the earliest pending event always has both its parties waiting on it: no
+    blocking send can wait forever. Timing the events (rather than taking turns)
+    places each receive where the real stage will reach it, so a stage does not stop
+    at a receive while work it could do waits behind it.
     """
     stages = len(orders)
     last = stages - 1
-    lists: Schedule = [[] for _ in range(stages)]
-    pc = [0] * stages
-    arrived: list[set[Action]] = [set() for _ in range(stages)]  # recv_act / recv_grad already listed
+    pc, free = [0] * stages, [0.0] * stages
+    arrival: dict[tuple[int, Action], float] = {}  # (stage, recv action) -> time its data is there
+    events: list[tuple[float, int, int, list[tuple[int, Action]]]] = []  # (time, priority, seq, entries)
     while any(pc[s] < len(orders[s]) for s in range(stages)):
-        progressed = False
+        best = None
         for s in range(stages):
             if pc[s] >= len(orders[s]):
                 continue
             act = orders[s][pc[s]]
             need = (Action("recv_act", act.mb) if act.kind == "fwd" and s > 0 else
                     Action("recv_grad", act.mb) if act.kind == "bwd" and s < last else None)
-            if need is not None and need not in arrived[s]:
+            if need is not None and (s, need) not in arrival:
                 continue
-            lists[s].append(act)
-            pc[s] += 1
-            progressed = True
-            if act.kind == "fwd" and s < last:
-                lists[s].append(Action("send_act", act.mb))
-                lists[s + 1].append(Action("recv_act", act.mb))
-                arrived[s + 1].add(Action("recv_act", act.mb))
-            if act.kind == "bwd" and s > 0:
-                lists[s].append(Action("send_grad", act.mb))
-                lists[s - 1].append(Action("recv_grad", act.mb))
-                arrived[s - 1].add(Action("recv_grad", act.mb))
-        if not progressed:
+            begin = max(free[s], arrival.get((s, need), 0.0))
+            if best is None or begin < best[0]:
+                best = (begin, s, act)
+        if best is None:
             raise ValueError("compute orders wait on each other (a backward before its forward?)")
+        begin, s, act = best
+        end = begin + COSTS[act.kind]
+        free[s] = end
+        pc[s] += 1
+        events.append((begin, 1, len(events), [(s, act)]))
+        if act.kind == "fwd" and s < last:
+            arrival[(s + 1, Action("recv_act", act.mb))] = end
+            events.append((end, 0, len(events), [(s, Action("send_act", act.mb)), (s + 1, Action("recv_act", act.mb))]))
+        if act.kind == "bwd" and s > 0:
+            arrival[(s - 1, Action("recv_grad", act.mb))] = end
+            events.append((end, 0, len(events), [(s, Action("send_grad", act.mb)), (s - 1, Action("recv_grad", act.mb))]))
+    lists: Schedule = [[] for _ in range(stages)]
+    # Messages before computes at the same instant: a compute may start the moment its input lands.
+    for _, _, _, entries in sorted(events):
+        for stage, action in entries:
+            lists[stage].append(action)
     return lists
 
 
