@@ -59,12 +59,13 @@ def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
         assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_meshtune_train_with_two_stages_matches_one_process(tmp_path, schedule):
+@pytest.mark.parametrize("schedule, kind", [("gpipe", "lora"), ("1f1b", "lora"), ("1f1b", "dora"), ("naive", "full")])
+def test_meshtune_train_with_two_stages_matches_one_process(tmp_path, schedule, kind):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cli = [sys.executable, "-m", "meshtune.cli"]
     args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
-            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8"]
+            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8",
+            "--fine-tune-type", kind]
     one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
