@@ -214,10 +214,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     validate = None
     if data.valid is not None and cfg.train.val_batches != 0:
         val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
-        # Pipeline ranks (dp = 1) each evaluate the whole gathered model on the same
-        # batches, so each computes the global loss alone: no sum over equal copies.
-        eval_mesh = Mesh.single() if stage is not None else mesh
-        validate = lambda: (current_weights(), evaluate(model, val_batches, eval_mesh, beat=watchdog.alive))[1]  # noqa: E731
+        # Pipeline ranks each evaluate the whole gathered model on their replica's
+        # batches; only stage 0 of each replica counts, so nothing is summed twice.
+        counts = stage is None or stage.first
+        validate = lambda: (current_weights(), evaluate(model, val_batches, mesh, beat=watchdog.alive,  # noqa: E731
+                                                        counts=counts))[1]
     t = cfg.train
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
@@ -269,9 +270,6 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
 def _check_pipeline_limits(cfg: Config, mesh: Mesh) -> None:
     """What the pipeline path does not do yet, said before anything loads."""
     problems = []
-    if mesh.dp > 1:
-        problems.append(f"data parallel inside a pipeline (dp={mesh.dp}) is not available yet; "
-                        f"launch {mesh.pp} ranks for parallel.pp {mesh.pp}")
     if cfg.train.grad_accumulation_steps > 1:
         problems.append("train.grad_accumulation_steps must be 1 with a pipeline; raise parallel.micro_batches")
     if cfg.output.resume:

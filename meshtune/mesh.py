@@ -40,15 +40,17 @@ class Mesh:
             )
         return cls(group=group, world_size=size, rank=group.rank(), dp=size // pp, pp=pp)
 
+    # Pipelines are contiguous ranks (rank = dp_rank * pp + pp_rank): the ring backend
+    # sends only to ring neighbours, and a stage talks to stages s - 1 and s + 1.
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel replicas of its stage."""
-        return self.rank % self.dp
+        """This rank's index among the data-parallel replicas (which pipeline it is in)."""
+        return self.rank // self.pp
 
     @property
     def pp_rank(self) -> int:
         """This rank's pipeline stage."""
-        return self.rank // self.dp
+        return self.rank % self.pp
 
     @property
     def is_writer(self) -> bool:

@@ -44,8 +44,12 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
 
 
 def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
-             beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
-    """Token-weighted loss over `batches` on every rank: (loss, global tokens)."""
+             beat: Callable[[], None] = lambda: None, counts: bool = True) -> tuple[float, int]:
+    """Token-weighted loss over `batches` on every rank: (loss, global tokens).
+
+    A rank with `counts` false computes but adds nothing (a pipeline stage whose
+    replica's first stage already counts the same batches).
+    """
     model.eval()
     total, tokens = mx.array(0.0), mx.array(0)
     for batch in batches:
@@ -54,6 +58,8 @@ def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
         mx.eval(total, tokens)
         beat()
     model.train()
+    if not counts:
+        total, tokens = mx.zeros_like(total), mx.zeros_like(tokens)
     total, tokens = mesh.all_sum(total), mesh.all_sum(tokens)
     n = int(tokens.item())
     return (total.item() / n if n else float("nan")), n

@@ -38,7 +38,7 @@ def main() -> None:
     stage = PipelineStage(model, mesh.rank, 2, mesh)
     schedule = build(schedule_name, 2, micro_batches)
     opt = optim.SGD(learning_rate=0.1)
-    losses = [pipeline_step(stage, schedule, tokens, lengths, micro_batches, opt).item() for _ in range(2)]
+    losses = [pipeline_step(stage, schedule, tokens, lengths, micro_batches, opt)[0].item() for _ in range(2)]
     mx.save_safetensors(str(out / f"rank{mesh.rank}.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     print("LOSSES " + json.dumps(losses), flush=True)
 

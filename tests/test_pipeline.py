@@ -59,8 +59,13 @@ def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
         assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
 
 
-@pytest.mark.parametrize("schedule, kind", [("gpipe", "lora"), ("1f1b", "lora"), ("1f1b", "dora"), ("naive", "full")])
-def test_meshtune_train_with_two_stages_matches_one_process(tmp_path, schedule, kind):
+@pytest.mark.parametrize("schedule, kind, ranks, pp", [
+    ("gpipe", "lora", 2, 2), ("1f1b", "lora", 2, 2), ("1f1b", "dora", 2, 2), ("naive", "full", 2, 2),
+    ("1f1b", "lora", 3, 3),  # three stages
+    ("1f1b", "lora", 4, 2),  # DP2 x PP2 on the ring backend (no Group.split)
+    ("gpipe", "dora", 4, 2),
+])
+def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cli = [sys.executable, "-m", "meshtune.cli"]
     args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
@@ -69,13 +74,13 @@ def test_meshtune_train_with_two_stages_matches_one_process(tmp_path, schedule, 
     one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*cli, "launch", "-n", "2", "--", *cli, *args, "--parallel.pp", "2",
+    two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
                           "--parallel.schedule", schedule, "--parallel.micro_batches", "4",
                           "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
-    assert f"pipeline: 2 stages, {schedule} schedule, 4 micro-batches" in two.stdout
-    for rank in (0, 1):
+    assert f"pipeline: {pp} stages, {schedule} schedule, 4 micro-batches" in two.stdout
+    for rank in range(ranks):
         assert f"[rank {rank}] rank {rank} finished at step 4" in two.stdout
 
     def records(run):

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map
 
 from ..mesh import Mesh
@@ -57,7 +58,11 @@ class PipelineStage:
     mesh: Mesh
 
     def __post_init__(self) -> None:
+        from mlx.utils import tree_flatten
+
         self.inner, self.head = _parts(self.model)
+        # Every trained parameter of the whole model, in one order all ranks share.
+        self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
         self.start, self.end = stage_bounds(len(self.inner.layers), self.stages)[self.stage]
         # Train only this stage's blocks (and the embedding/head only where they live).
         for i, layer in enumerate(self.inner.layers):
@@ -175,18 +180,49 @@ def target_tokens(lengths: mx.array, width: int) -> mx.array:
     return ((steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])).sum()
 
 
+def sum_over_replicas(stage: PipelineStage, grads: Any) -> Any:
+    """Sum a stage's gradients over its data-parallel peers, without sub-groups.
+
+    Ring and JACCL have no Group.split, so one world all_sum runs over a buffer with a
+    slot for every trained parameter of the model: each rank fills its own stage's
+    slots and leaves the rest zero, so each slot adds up exactly that stage's replicas.
+    """
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    if stage.mesh.dp == 1:
+        return grads
+    own = dict(tree_flatten(grads))
+    parts = [own[k].reshape(-1).astype(mx.float32) if k in own else mx.zeros((int(np.prod(shape)),), mx.float32)
+             for k, shape, _ in stage.all_params]
+    total = stage.mesh.all_sum(mx.concatenate(parts))
+    out, start = [], 0
+    for k, shape, dtype in stage.all_params:
+        size = int(np.prod(shape))
+        if k in own:
+            out.append((k, total[start:start + size].reshape(shape).astype(own[k].dtype)))
+        start += size
+    return tree_unflatten(out)
+
+
 def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
-                  micro_batches: int, optimizer: Any) -> mx.array:
-    """One optimizer step of a pipeline; returns the global token-weighted loss on every rank."""
+                  micro_batches: int, optimizer: Any) -> tuple[mx.array, mx.array]:
+    """One optimizer step of a pipeline replica; (global token-weighted loss, local tokens).
+
+    The global token count adds every replica's batch: each pipeline's last stage
+    contributes its count to one world all_sum.
+    """
     micro = split_micro_batches(tokens, lengths, micro_batches)
     loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro)
-    n = target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
+    n_local = target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
+    mesh = stage.mesh
+    n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
+    grads = sum_over_replicas(stage, grads)
     grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
     optimizer.update(stage.model, grads)
-    # Only the last stage has the loss; a world all_sum gives it to everyone.
-    loss = stage.mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
+    # Only last stages have the loss; a world all_sum gives it to everyone.
+    loss = mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
     mx.eval(stage.model.state, optimizer.state, loss)
-    return loss
+    return loss, n_local
 
 
 def gather_parameters(model: nn.Module, keys: list[str], mesh: Mesh) -> dict[str, mx.array]:
@@ -199,7 +235,8 @@ def gather_parameters(model: nn.Module, keys: list[str], mesh: Mesh) -> dict[str
 
     values = dict(tree_flatten(model.parameters()))
     own = set(dict(tree_flatten(model.trainable_parameters())))
-    out = {k: mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) for k in keys}
+    # Each stage's replicas hold equal copies: the world sum counts each dp times.
+    out = {k: mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) / mesh.dp for k in keys}
     mx.eval(out)
     return out
 
@@ -209,10 +246,9 @@ def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, o
     """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero."""
 
     def run(batch: Any) -> tuple[mx.array, mx.array]:
-        loss = pipeline_step(stage, schedule, batch.tokens, batch.lengths, micro_batches, optimizer)
-        n = target_tokens(batch.lengths, batch.tokens.shape[1])
+        loss, n = pipeline_step(stage, schedule, batch.tokens, batch.lengths, micro_batches, optimizer)
         if not stage.last:
             return mx.array(0.0), mx.array(0)
-        return loss * n.astype(loss.dtype), n
+        return loss * n, n.astype(mx.int32)
 
     return run
