@@ -23,24 +23,15 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from .checkpoint import TrainingState
+from .losses import masked_ce_sum
 from .mesh import Mesh
 from .parallel.data_parallel import sum_gradients
 from .metrics import Reporter, Window
 
 
 def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
-    """(sum of target-token cross entropy, number of target tokens) for one batch.
-
-    `lengths[:, 0]` is the prompt offset and `lengths[:, 1]` the sequence length L, as in
-    mlx-lm. Target position p (1-based, predicting token p) counts when offset <= p < L;
-    mlx-lm's `p <= L` also trains one padding target per padded row (its PR #1697).
-    """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(inputs)
-    steps = mx.arange(1, targets.shape[1] + 1)
-    mask = (steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])
-    ce = nn.losses.cross_entropy(logits, targets) * mask
-    return ce.astype(mx.float32).sum(), mask.sum()
+    """(sum of target-token cross entropy, number of target tokens) for one batch."""
+    return masked_ce_sum(model(tokens[:, :-1]), tokens[:, 1:], lengths)
 
 
 def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
@@ -177,8 +168,9 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
     stage (it updates the stage's weights itself); only one stage should return
     non-zero sums, since reports add them over all ranks.
     """
-    step_fn = build_step(model, optimizer, mesh, max_grad_norm=settings.max_grad_norm,
-                         compile=settings.compile, sync=settings.grad_sync, bucket_mb=settings.bucket_mb)
+    step_fn = None if pipeline is not None else build_step(
+        model, optimizer, mesh, max_grad_norm=settings.max_grad_norm, compile=settings.compile,
+        sync=settings.grad_sync, bucket_mb=settings.bucket_mb)
     model.train()
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None

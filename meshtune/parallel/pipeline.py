@@ -24,6 +24,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..mesh import Mesh
+from ..losses import masked_ce_sum, target_mask
 from .schedules import Schedule
 
 
@@ -94,11 +95,8 @@ class PipelineStage:
         return h
 
     def loss(self, h: mx.array, targets: mx.array, lengths: mx.array) -> mx.array:
-        """The last stage's summed target-token cross entropy (meshtune.train.loss_terms' mask)."""
-        logits = self.head(self.inner.norm(h))
-        steps = mx.arange(1, targets.shape[1] + 1)
-        mask = (steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])
-        return (nn.losses.cross_entropy(logits, targets) * mask).astype(mx.float32).sum()
+        """The last stage's summed target-token cross entropy (the single-process loss)."""
+        return masked_ce_sum(self.head(self.inner.norm(h)), targets, lengths)[0]
 
     def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
                  ) -> tuple[mx.array, Any, mx.array | None]:
@@ -176,8 +174,7 @@ def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list
 
 def target_tokens(lengths: mx.array, width: int) -> mx.array:
     """Target tokens of a batch, from lengths alone (every stage can count them)."""
-    steps = mx.arange(1, width)
-    return ((steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])).sum()
+    return target_mask(lengths, width - 1).sum()
 
 
 def sum_over_replicas(stage: PipelineStage, grads: Any) -> Any:
