@@ -104,6 +104,18 @@ def use_dequantized(layer: nn.Module, tokens: int) -> bool:
     return tokens >= threshold[1]
 
 
+def dense_weight_for(layer: nn.Module, tokens: int) -> mx.array | None:
+    """The dense (out, in) weight the base path multiplies `tokens` rows by; None for the quantized kernel.
+
+    A caller that needs more products with the same weight (DoRA's norm on A's r rows)
+    reuses this one array instead of sending r rows through a quantized kernel or
+    dequantizing twice.
+    """
+    if not is_quantized(layer):
+        return layer.weight
+    return dequantized_weight(layer) if use_dequantized(layer, tokens) else None
+
+
 def linear_forward(layer: nn.Module, x: mx.array, *, bias: bool = True) -> mx.array:
     """x @ W^T (+ bias) for Linear / QuantizedLinear, or a (quantized) embedding's as_linear."""
     if not is_quantized(layer):

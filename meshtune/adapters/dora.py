@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base_path import dequantized_weight, is_quantized, linear_forward, switch_forward
+from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, switch_forward
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
 from .switch import LoRASwitchLinear
 
@@ -66,11 +66,15 @@ class DoRA:
         norm = mx.linalg.norm(merged, axis=-1, keepdims=True)
         return ((self.m[..., None] / norm) * merged).astype(weight.dtype)
 
-    def row_norm(self) -> mx.array:
-        """||W + s dW||_row without the dense matrix, as a constant (section 4.3)."""
-        return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(), self.scale))
+    def row_norm(self, dense: mx.array | None = None) -> mx.array:
+        """||W + s dW||_row without the dense matrix, as a constant (section 4.3).
 
-    def row_scale(self, dtype: mx.Dtype) -> mx.array:
+        `dense` is the base weight when the caller already holds it dense (a training
+        step on the dequantized path): the r-row product then reuses it.
+        """
+        return mx.stop_gradient(adapted_row_norm(self._w_sq, *self._norm_terms(dense), self.scale))
+
+    def row_scale(self, dtype: mx.Dtype, dense: mx.array | None = None) -> mx.array:
         """m / ||W + s dW||_row in `dtype`: the factor DoRA puts on each output row.
 
         Outside training the adapter does not change between calls, so the factor is
@@ -78,25 +82,32 @@ class DoRA:
         multiply per layer over LoRA, not a product of r rows through the base per token.
         """
         if self.training:
-            return (self.m / self.row_norm()).astype(dtype)
+            return (self.m / self.row_norm(dense)).astype(dtype)
         return while_frozen(self, "_row_scale", dtype, lambda: (self.m / self.row_norm()).astype(dtype))
 
 
 class DoRALinear(DoRA, LoRALinear):
     """y = m / ||W + s B^T A^T||_row * (x W^T + s (x A) B) + bias."""
 
-    def _norm_terms(self) -> tuple[mx.array, mx.array, mx.array]:
+    def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
-        # base(A^T) = A^T W^T = (W A)^T: one product of r rows, however the base is stored.
-        proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
+        if dense is not None:
+            proj = (dense @ a.astype(dense.dtype)).astype(mx.float32)  # W A on the weight already in hand
+        else:
+            # base(A^T) = A^T W^T = (W A)^T: one product of r rows, however the base is stored.
+            proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
         return proj, b.T, a.T @ a
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.training:
-            y = linear_forward(self.linear, x, bias=False) + self.lora_out(x)
+            # One dense base weight (dequantized once on the dense path) serves both the
+            # activations' product and the norm's r-row product.
+            dense = dense_weight_for(self.linear, x.size // x.shape[-1])
+            base = x @ dense.T if dense is not None else linear_forward(self.linear, x, bias=False)
+            y = base + self.lora_out(x)
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
-            y = self.row_scale(x.dtype) * y
+            y = self.row_scale(x.dtype, dense) * y
         else:
             # Inference: the row scale folded into B, so the branch costs what LoRA's does.
             scale = self.row_scale(x.dtype)
@@ -109,11 +120,14 @@ class DoRALinear(DoRA, LoRALinear):
 class DoRAEmbedding(DoRA, LoRAEmbedding):
     """e = m[x] / ||E_x + s A_x B|| * (E_x + s A_x B): each token vector is a row of the table."""
 
-    def _norm_terms(self) -> tuple[mx.array, mx.array, mx.array]:
+    def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
         # Rows of E + s A B: c_j = a_j, V = B; E B^T comes from the head's product on B's r rows.
-        proj = linear_forward(self.embedding, b.astype(compute_dtype(self.embedding)), bias=False).astype(mx.float32).T
+        if dense is not None:
+            proj = (dense @ b.T.astype(dense.dtype)).astype(mx.float32)
+        else:
+            proj = linear_forward(self.embedding, b.astype(compute_dtype(self.embedding)), bias=False).astype(mx.float32).T
         return proj, a, b @ b.T
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -127,8 +141,9 @@ class DoRAEmbedding(DoRA, LoRAEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         # Tied head: logits_j = x . row j of the same adapted, normalised table as the lookup.
-        y = linear_forward(self.embedding, x, bias=False) + self.lora_head_out(x)
-        return self.row_scale(x.dtype) * y
+        dense = dense_weight_for(self.embedding, x.size // x.shape[-1]) if self.training else None
+        base = x @ dense.T if dense is not None else linear_forward(self.embedding, x, bias=False)
+        return self.row_scale(x.dtype, dense) * (base + self.lora_head_out(x))
 
 
 class DoRASwitchLinear(DoRA, LoRASwitchLinear):
@@ -138,7 +153,7 @@ class DoRASwitchLinear(DoRA, LoRASwitchLinear):
     stock mlx-lm cannot load it (apply.py's config says so).
     """
 
-    def _norm_terms(self) -> tuple[mx.array, mx.array, mx.array]:
+    def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)  # (E, r, in)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)  # (E, out, r)
         # Expert e's r rows of A_e^T through expert e's weight, on the model's own gather kernel.

@@ -14,7 +14,8 @@ Method. Each configuration builds a fresh model from the same seed (the 4-bit on
 `nn.quantize`, group 64), adds LoRA/DoRA rank 8 scale 20 on every linear layer of the
 last --num-layers blocks, and runs Adam steps on one fixed random batch of
 --batch-size x --seq-len tokens: --warmup steps (the first compiles) untimed, then
---steps steps timed from call to `mx.eval` returning; the median is reported. The
+--steps steps timed from call to `mx.eval` returning, in --rounds rounds that visit all
+eight configurations in turn (all eight models stay loaded); the median is reported. The
 stock step is a copy of `mlx_lm.tuner.trainer.train`'s: `default_loss` under
 `nn.value_and_grad`, `mx.compile` with model, optimizer and RNG state as inputs and
 outputs, `average_gradients`, `optimizer.update`, the same `mx.eval` and its allocator
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="Dense base dtype (auto: bfloat16 on a GPU, float32 on a CPU).")
     p.add_argument("--base-path", choices=["auto", "quantized", "dequantized"], default="auto",
                    help="meshtune's product for quantized bases (auto: measured crossover).")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="Timed steps are split into this many rounds over all configurations (interleaved).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model weights and the batch.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
@@ -87,8 +90,8 @@ def _settings(argv: list[str]) -> argparse.Namespace:
     for name, value in PRESETS[a.preset].items():
         if getattr(a, name) is None:
             setattr(a, name, value)
-    if a.steps < 1 or a.gen_tokens < 2:
-        raise ValueError("--steps must be >= 1 and --gen-tokens >= 2 (decode speed needs two tokens)")
+    if a.steps < 1 or a.gen_tokens < 2 or a.rounds < 1:
+        raise ValueError("--steps and --rounds must be >= 1 and --gen-tokens >= 2 (decode speed needs two tokens)")
     return a
 
 
@@ -160,9 +163,9 @@ def _release() -> None:
     mx.clear_cache()
 
 
-def time_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Shape,
-              dtype: mx.Dtype) -> float:
-    """Median seconds of one training step of this configuration."""
+def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Shape,
+               dtype: mx.Dtype) -> Callable[[], mx.array]:
+    """This configuration's model, optimizer and batch, as a call that runs one step."""
     model = build_model(shape, dtype, quantized=base == "4bit", seed=a.seed)
     add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
     model.train()
@@ -172,15 +175,32 @@ def time_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sha
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
     mx.eval(tokens, lengths)
-    times, loss = [], None
-    for i in range(a.warmup + a.steps):
-        tic = time.perf_counter()
-        loss = run(tokens, lengths)
-        if i >= a.warmup:
-            times.append(time.perf_counter() - tic)
-    if not math.isfinite(loss.item()):
-        raise RuntimeError(f"{impl} {kind} {base}: the loss is {loss.item()}; the timing would mean nothing")
-    return sorted(times)[len(times) // 2]
+    return lambda: run(tokens, lengths)
+
+
+def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace) -> dict[str, float]:
+    """Median seconds per step of each configuration, timed in interleaved rounds.
+
+    Run-to-run drift on a GPU (clocks, allocator state) moved single-configuration
+    medians by 10-20%; timing every configuration in each of --rounds rounds spreads
+    the drift over all of them, so the ratios compare like with like.
+    """
+    for run in steps.values():
+        for _ in range(a.warmup):  # the first call compiles
+            run()
+    per_round = max(1, math.ceil(a.steps / a.rounds))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    last: dict[str, mx.array] = {}
+    for _ in range(a.rounds):
+        for name, run in steps.items():
+            for _ in range(per_round):
+                tic = time.perf_counter()
+                last[name] = run()
+                times[name].append(time.perf_counter() - tic)
+    for name, loss in last.items():
+        if not math.isfinite(loss.item()):
+            raise RuntimeError(f"{name}: the loss is {loss.item()}; the timing would mean nothing")
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _decode_tok_s(model: nn.Module, prompt: mx.array, tokens: int) -> float:
@@ -248,7 +268,8 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
     print(f"adapters: rank {a.rank}, scale {a.scale:g}, every linear layer of {layers} blocks; meshtune base "
           f"path {a.base_path}" + (f" (dequantized from N tokens, per out x in: {measured})" if measured else ""))
     print(f"\ntraining step: batch {a.batch_size} x {a.seq_len} tokens, Adam, {a.warmup} warm-up + "
-          f"{a.steps} timed steps, median ms/step (tokens/s)")
+          f"{a.rounds} x {math.ceil(a.steps / a.rounds)} timed steps (rounds interleaved over the eight), "
+          f"median ms/step (tokens/s)")
     print(f"  {'':<16}{LABELS['stock']:>22}{LABELS['meshtune']:>22}{'stock/meshtune':>16}")
     for base in BASES:
         for kind in KINDS:
@@ -289,15 +310,13 @@ def main(argv: list[str]) -> int:
                   heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
     dense = a.dtype if a.dtype != "auto" else ("float32" if _on_cpu() else "bfloat16")
     dtype = DTYPES[dense]
-    step_s: dict[str, float] = {}
+    configs = [(impl, kind, base) for base in BASES for kind in KINDS for impl in IMPLS]
+    step_s = time_steps({f"{i}_{k}_{b}": build_step(i, k, b, a, shape, dtype) for i, k, b in configs}, a)
+    _release()
     gen: dict[str, float] = {}
-    for base in BASES:
-        for kind in KINDS:
-            for impl in IMPLS:
-                step_s[f"{impl}_{kind}_{base}"] = time_step(impl, kind, base, a, shape, dtype)
-                _release()
-                gen[f"{impl}_{kind}_{base}"] = time_generate(impl, kind, base, a, shape, dtype)
-                _release()
+    for impl, kind, base in configs:
+        gen[f"{impl}_{kind}_{base}"] = time_generate(impl, kind, base, a, shape, dtype)
+        _release()
     r = ratios(step_s, gen)
     crossovers = _crossovers()
     print_table(a, shape, dense, step_s, gen, r, crossovers)
@@ -313,7 +332,7 @@ def main(argv: list[str]) -> int:
             "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
             "base_path": a.base_path, "crossovers": crossovers, "preset": a.preset,
             "shape": {**vars(shape), "params": shape.params()},
-            "batch_size": a.batch_size, "seq_len": a.seq_len, "steps": a.steps, "warmup": a.warmup,
+            "batch_size": a.batch_size, "seq_len": a.seq_len, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
             "gen_tokens": a.gen_tokens, "rank": a.rank, "scale": a.scale, "num_layers": a.num_layers,
         }))
     return 0
