@@ -55,9 +55,7 @@ def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, A
 
     local = Path(path).expanduser()
     if path.startswith(("/", ".", "~")) or local.exists():
-        if not (local / "config.json").exists():
-            raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
-                             "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
+        _check_model_folder(path, local)
         path = str(local)
     try:
         return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
@@ -66,6 +64,22 @@ def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, A
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "
                          "folder, or a hub id with network access or a filled hub cache") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def _check_model_folder(path: str, local: Path) -> None:
+    """Name what a local model folder lacks before mlx-lm fails on it less clearly."""
+    if not (local / "config.json").exists():
+        raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
+                         "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
+    if not any(local.glob("*.safetensors")):
+        raise ValueError(f"model.path={path}: no weights (*.safetensors) in the folder; convert the model "
+                         "with mlx_lm.convert or point at a complete mlx-lm model folder")
+    if not any((local / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"model.path={path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) in the folder; "
+                         "copy the tokenizer files of the base model there")
 
 
 def _features(cfg: Config) -> Features:
@@ -155,7 +169,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
     data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
                          features=_features(cfg), need_valid=cfg.train.val_batches != 0,
-                         need_test=cfg.train.test)
+                         need_test=cfg.train.test,
+                         max_length=None if cfg.data.truncate else cfg.data.max_seq_length)
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,

@@ -64,7 +64,10 @@ class DataConfig:
     path: str = ""
     """Folder with train/valid/test.jsonl; "" uses the arithmetic data in meshtune/assets/data/arithmetic."""
     max_seq_length: int = 2048
-    """Longest sequence in tokens; longer examples are truncated."""
+    """Longest sequence in tokens; longer examples are truncated (see truncate)."""
+    truncate: bool = True
+    """Cut examples longer than max_seq_length, with one warning per split saying how many
+    (mlx-lm's behaviour); false makes such an example an error naming its file and line."""
     mask_prompt: bool = False
     """Leave prompt tokens out of the loss (prompt/completion and chat data)."""
     pad_to: int = 32
