@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return launch_main(argv[1:])
         except ValueError as err:
-            print(f"meshtune: error: {err}", file=sys.stderr)
+            print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
             return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -183,8 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, rest)
     except ValueError as err:
-        print(f"meshtune: error: {err}", file=sys.stderr)
+        print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def one_line(err: ValueError) -> str:
+    """The error as the one stderr line a failed command promises (several config problems joined)."""
+    problems = getattr(err, "problems", None)
+    if problems and len(problems) > 1:
+        return f"{len(problems)} configuration problems: " + " | ".join(problems)
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

@@ -130,6 +130,8 @@ CASES: list[Case] = [
     Case("config_missing", ("-c", "{tmp}/nope.yaml"), "nope.yaml: cannot read the config file"),
     Case("negative_lr", ("--learning-rate", "-1e-4"), "optimizer.learning_rate = -0.0001"),
     Case("zero_lr", ("--learning-rate", "0"), "optimizer.learning_rate = 0.0"),
+    Case("two_problems", ("--iters", "0", "--learning-rate", "-1"),
+         "2 configuration problems: command line: train.iters = 0"),
     Case("zero_steps", ("--iters", "0"), "train.iters = 0"),
     Case("negative_steps", ("--iters", "-3"), "train.iters = -3"),
     Case("batch_not_divisible_by_ranks", ("launch", "-n", "2", "--", "meshtune", "train", *BASE[:2],
