@@ -19,7 +19,12 @@ RUN = ["--no-system-blas", "train", "--iters", "6", "--batch-size", "8", "--save
 
 
 def _run(capsys, *args: str) -> tuple[int, str, str]:
-    code = main([*RUN, *args])
+    from meshtune.fastmath import uninstall_fast_swiglu
+
+    try:
+        code = main([*RUN, *args])
+    finally:
+        uninstall_fast_swiglu()  # in-process runs patch mlx-lm; other tests expect it stock
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -188,6 +188,10 @@ def _in_process(argv: list[str]) -> tuple[int | None, str]:
         except Exception:  # what the interpreter would print for an uncaught error
             traceback.print_exc(file=err)
             code = 1
+        finally:
+            from ..fastmath import uninstall_fast_swiglu
+
+            uninstall_fast_swiglu()  # a run patches mlx-lm's modules; leave this process as found
     return code, err.getvalue()
 
 
