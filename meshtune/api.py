@@ -21,13 +21,14 @@ from mlx.utils import tree_flatten
 
 from . import adapters as ad
 from .blas import describe_blas
-from .checkpoint import (TrainingState, atomic_save_safetensors, atomic_write_text, latest_checkpoint,
-                         list_checkpoints, load_checkpoint, save_checkpoint)
+from .checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
+                         list_checkpoints, load_checkpoint, resumable_checkpoint, save_checkpoint, write_error)
 from .config import Config
 from .data import BatchIterator, Features, load_datasets
 from .mesh import Mesh
 from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
+from .outdir import check_free_space, check_writable
 from .train import LoopSettings, enable_grad_checkpoint, evaluate, train
 from .watchdog import Watchdog
 
@@ -54,9 +55,7 @@ def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, A
 
     local = Path(path).expanduser()
     if path.startswith(("/", ".", "~")) or local.exists():
-        if not (local / "config.json").exists():
-            raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
-                             "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
+        _check_model_folder(path, local)
         path = str(local)
     try:
         return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
@@ -65,6 +64,22 @@ def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, A
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "
                          "folder, or a hub id with network access or a filled hub cache") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def _check_model_folder(path: str, local: Path) -> None:
+    """Name what a local model folder lacks before mlx-lm fails on it less clearly."""
+    if not (local / "config.json").exists():
+        raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
+                         "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
+    if not any(local.glob("*.safetensors")):
+        raise ValueError(f"model.path={path}: no weights (*.safetensors) in the folder; convert the model "
+                         "with mlx_lm.convert or point at a complete mlx-lm model folder")
+    if not any((local / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"model.path={path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) in the folder; "
+                         "copy the tokenizer files of the base model there")
 
 
 def _features(cfg: Config) -> Features:
@@ -134,9 +149,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     out = Path(cfg.output.adapter_path)
     if mesh.is_writer:
         _check_output_folder(cfg, out)
-        if cfg.output.overwrite and not cfg.output.resume and out.exists():
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            (out / METRICS_FILE).unlink(missing_ok=True)
+        check_writable(out)
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
         print(f"rank {mesh.rank} of {mesh.world_size}: data-parallel rank {mesh.dp_rank} of {mesh.dp} "
@@ -150,10 +163,14 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
                          "train.jsonl and valid.jsonl (and test.jsonl to test)")
     model, tokenizer = _prepare_model(cfg, model_path, say)
+    if mesh.is_writer:  # the trainable size is known only now; still before step 1
+        check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
+                         optimizer=cfg.optimizer.name)
 
     data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
                          features=_features(cfg), need_valid=cfg.train.val_batches != 0,
-                         need_test=cfg.train.test)
+                         need_test=cfg.train.test,
+                         max_length=None if cfg.data.truncate else cfg.data.max_seq_length)
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
@@ -190,13 +207,17 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     resolved = cfg.to_dict()
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
-        start = _restore(out, model, optimizer, batches, resolved)
+        start = _restore(out, model, optimizer, batches, resolved, say)
         if mesh.is_writer:
             _drop_metrics_after(out, start.step)
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
     else:
         optimizer.init(model.trainable_parameters())
     if mesh.is_writer:
+        # Only now, with every input checked, does an overwrite remove the earlier run.
+        if cfg.output.overwrite and not cfg.output.resume and out.exists():
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            (out / METRICS_FILE).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         extra = {"meshtune": resolved}
         atomic_write_text(out / ad.CONFIG_FILE, json.dumps(
@@ -208,8 +229,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         if not mesh.is_writer:
             return
         save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
-                        config=resolved, keep=cfg.output.keep_checkpoints)
-        atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
+                        config=resolved, keep=cfg.output.keep_last_n)
+        try:
+            atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
+        except OSError as err:
+            raise CheckpointWriteError(write_error(out, err)) from None
 
     validate = None
     if data.valid is not None and cfg.train.val_batches != 0:
@@ -244,14 +268,17 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
 
 def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
-             resolved: dict[str, Any]) -> TrainingState:
-    """Load the newest checkpoint into model, optimizer and data cursor.
+             resolved: dict[str, Any], say: Callable[[str], None]) -> TrainingState:
+    """Load the newest intact checkpoint into model, optimizer and data cursor.
 
-    The RNG needs no restoring: the loop reseeds it from (seed, step) every step.
+    Damaged ones (checksums, missing files) are skipped with a line each. The RNG
+    needs no restoring: the loop reseeds it from (seed, step) every step.
     """
-    path = latest_checkpoint(out)
+    path = resumable_checkpoint(out, say)
     if path is None:
-        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}; "
+        found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+        what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
+        raise ValueError(f"--resume: {what} in {out / 'checkpoints'}; "
                          "run without --resume to start, or point --adapter-path at the run")
     ckpt = load_checkpoint(path)
     changed = [f"{section}.{k}" for section in RESUME_MUST_MATCH

@@ -1,22 +1,30 @@
-"""Full training state on disk: atomic writes, a manifest per checkpoint, exact resume.
+"""Full training state on disk: atomic, checksummed checkpoints and exact resume.
 
 A checkpoint is `checkpoints/<7-digit step>/` holding the trainable weights, the
 optimizer state, the data cursor, the loop counters and the resolved config. The RNG
 state is (seed, step): the loop reseeds MLX's generator every step, since MLX offers
-no way to set its key back to a saved value. It is written into a temporary sibling folder, every file fsynced, then
-renamed into place, so a crash leaves either a complete checkpoint or none; the
-manifest (`state.json`) is written last and marks a folder as complete.
+no way to set its key back to a saved value. It is written into a temporary sibling
+folder, every file fsynced, then renamed into place, so a crash leaves either a
+complete checkpoint or none; the manifest (`state.json`) is written last, marks a
+folder as complete and records the size and sha256 of every other file in it, so a
+resume can tell a damaged checkpoint from a good one (`resumable_checkpoint`).
+MLX's safetensors writer does not report a full disk, so every written file is also
+checked against its own header for truncation. Write failures become one
+`CheckpointWriteError` naming the folder; the partial temp folder is removed.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import yaml
@@ -24,6 +32,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "state.json"
+REQUIRED = ("adapters.safetensors", "optimizer.safetensors", "config.yaml")
+
+
+class CheckpointWriteError(ValueError):
+    """A save failed (disk full, folder not writable); the last good checkpoint is untouched."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,20 +52,62 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def write_error(folder: Path, err: BaseException) -> str:
+    """The one line a failed write gets: which folder, why, and what to do."""
+    why = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free disk space there" if full else "make it writable"
+    return (f"cannot write to {folder} ({why}); {fix} or point --adapter-path elsewhere; "
+            "earlier checkpoints are intact")
+
+
+def save_safetensors_checked(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str] | None = None) -> None:
+    """mx.save_safetensors, raising OSError on any failure, a truncated file included."""
+    try:
+        mx.save_safetensors(str(path), arrays, metadata=metadata or {})
+    except RuntimeError as err:  # MLX reports an unopenable file as RuntimeError
+        raise OSError(errno.EIO, str(err)) from None
+    _check_complete(path)
+
+
+def _check_complete(path: Path) -> None:
+    # A safetensors file is an 8-byte header length, a JSON header, then the data up to
+    # the largest end offset: anything shorter was cut off (MLX ignores write errors).
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        header = f.read(n) if n is not None and n <= size else b""
+    try:
+        ends = [v["data_offsets"][1] for k, v in json.loads(header).items() if k != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise OSError(errno.ENOSPC, f"{path.name} was written incomplete (disk full?)") from None
+    if size < 8 + n + max(ends, default=0):
+        raise OSError(errno.ENOSPC, f"{path.name} was written incomplete (disk full?)")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text to path via a fsynced temp file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    _fsync_file(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_save_safetensors(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str] | None = None) -> None:
-    """mx.save_safetensors through a fsynced temp file and a rename."""
+    """Save arrays through a fsynced, completeness-checked temp file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata or {})
-    _fsync_file(tmp)
-    os.replace(tmp, path)
+    try:
+        save_safetensors_checked(tmp, arrays, metadata)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclass(kw_only=True)
@@ -68,19 +123,33 @@ def checkpoint_dir(adapter_path: Path, step: int) -> Path:
     return Path(adapter_path) / CHECKPOINTS / f"{step:07d}"
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """{"size": bytes, "sha256": hex} of one file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
 def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict[str, mx.array],
                     optimizer_state: Any, config: dict[str, Any], keep: int = 0) -> Path:
-    """Write one complete checkpoint atomically; prune to the newest `keep` (0 keeps all)."""
+    """Write one complete, checksummed checkpoint atomically; then keep the newest `keep` (0: all).
+
+    Any OSError becomes a CheckpointWriteError; the temp folder goes, older checkpoints stay.
+    """
     final = checkpoint_dir(adapter_path, state.step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = None
     try:
-        mx.save_safetensors(str(tmp / "adapters.safetensors"), trainable)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        save_safetensors_checked(tmp / "adapters.safetensors", trainable)
         opt = dict(tree_flatten(optimizer_state))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+        save_safetensors_checked(tmp / "optimizer.safetensors", opt)
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        files = {f.name: file_record(f) for f in sorted(tmp.iterdir())}
         manifest = {"step": state.step, "data_cursor": state.data_cursor,
-                    "trained_tokens": state.trained_tokens, "optimizer_keys": sorted(opt)}
+                    "trained_tokens": state.trained_tokens, "optimizer_keys": sorted(opt), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         for f in tmp.iterdir():
             _fsync_file(f)
@@ -88,19 +157,46 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+    except OSError as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(write_error(final.parent, err)) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep > 0:
-        for old in list_checkpoints(adapter_path)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(adapter_path, keep=keep, just_written=final)
     return final
 
 
-def list_checkpoints(adapter_path: Path) -> list[Path]:
-    """Complete checkpoints (manifest present), oldest first."""
+def prune_checkpoints(adapter_path: Path, *, keep: int, just_written: Path) -> None:
+    """Delete leftover temp folders and all but the newest `keep` checkpoints (0: keep all).
+
+    `just_written` always stays; so do numbered folders past it (damaged ones a resumed
+    run skipped), which the run replaces when it reaches their step.
+    """
     root = Path(adapter_path) / CHECKPOINTS
-    if not root.exists():
+    for leftover in leftover_temps(adapter_path):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep <= 0:
+        return
+    older = [p for p in list_checkpoints(adapter_path) if int(p.name) < int(just_written.name)]
+    for old in older[:max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(root / old.name, ignore_errors=True)
+
+
+def leftover_temps(adapter_path: Path) -> list[Path]:
+    """Temp folders of saves that never finished (a crash between mkdtemp and rename)."""
+    root = Path(adapter_path) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(".") and ".tmp-" in p.name)
+
+
+def list_checkpoints(adapter_path: Path) -> list[Path]:
+    """Checkpoint folders with a manifest (not yet verified), oldest first."""
+    root = Path(adapter_path) / CHECKPOINTS
+    if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.name.isdigit() and (p / MANIFEST).exists()]
     return sorted(done, key=lambda p: int(p.name))
@@ -109,6 +205,53 @@ def list_checkpoints(adapter_path: Path) -> list[Path]:
 def latest_checkpoint(adapter_path: Path) -> Path | None:
     found = list_checkpoints(adapter_path)
     return found[-1] if found else None
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if the folder is a complete checkpoint whose files match the manifest, else why not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the save never finished)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{MANIFEST} is unreadable ({' '.join(str(err).split())})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int) \
+            or not isinstance(manifest.get("data_cursor"), dict):
+        return f"{MANIFEST} lacks step or data_cursor"
+    files = manifest.get("files")
+    if files is None:  # written before checksums existed: presence is all we can check
+        missing = [name for name in REQUIRED if not (path / name).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    if not isinstance(files, dict) or any(name not in files for name in REQUIRED):
+        return f"{MANIFEST} does not list every file ({', '.join(REQUIRED)})"
+    for name, record in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        try:
+            size = f.stat().st_size
+            if size != record.get("size"):
+                return f"{name} is {size} bytes, the manifest says {record.get('size')}"
+            if file_record(f)["sha256"] != record.get("sha256"):
+                return f"{name} does not match its sha256 in the manifest"
+        except (OSError, AttributeError) as err:
+            return f"{name} cannot be checked ({err})"
+    return None
+
+
+def resumable_checkpoint(adapter_path: Path, say: Callable[[str], None] = print) -> Path | None:
+    """The newest checkpoint that verifies; each one skipped on the way is said in one line."""
+    root = Path(adapter_path) / CHECKPOINTS
+    for leftover in leftover_temps(adapter_path):
+        say(f"warning: skipping checkpoint {leftover}: temp folder of an interrupted save")
+    numbered = sorted((p for p in root.iterdir() if p.name.isdigit() and p.is_dir()),
+                      key=lambda p: int(p.name), reverse=True) if root.is_dir() else []
+    for path in numbered:
+        why = verify_checkpoint(path)
+        if why is None:
+            return path
+        say(f"warning: skipping checkpoint {path}: {why}; trying the one before")
+    return None
 
 
 @dataclass(kw_only=True)
@@ -121,7 +264,7 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Read a checkpoint folder written by `save_checkpoint`."""
+    """Read a checkpoint folder written by `save_checkpoint` (verify it first)."""
     manifest = json.loads((path / MANIFEST).read_text())
     opt = mx.load(str(path / "optimizer.safetensors"))
     return LoadedCheckpoint(

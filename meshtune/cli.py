@@ -6,6 +6,7 @@
     meshtune generate --prompt TEXT [--model M] [--adapter-path DIR]
     meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
     meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
+    meshtune bench badinput [--case NAME]  # bad inputs must each fail cleanly (exit 2, one line)
     meshtune launch -n 2 -- meshtune train ...   # local ranks on the ring backend
 
 On Linux the command re-executes itself once with a system OpenBLAS preloaded when
@@ -157,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
-    bench.add_argument("suite", choices=["peer", "adapters", "scaling", "pipeline"],
+    bench.add_argument("suite", choices=["peer", "adapters", "scaling", "pipeline", "badinput"],
                        help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
-                            "stock mlx-lm vs meshtune, dense and 4-bit bases.")
+                            "stock mlx-lm vs meshtune, dense and 4-bit bases; badinput: bad inputs "
+                            "must each fail with one clean error line.")
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return launch_main(argv[1:])
         except ValueError as err:
-            print(f"meshtune: error: {err}", file=sys.stderr)
+            print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
             return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -181,8 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, rest)
     except ValueError as err:
-        print(f"meshtune: error: {err}", file=sys.stderr)
+        print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def one_line(err: ValueError) -> str:
+    """The error as the one stderr line a failed command promises (several config problems joined)."""
+    problems = getattr(err, "problems", None)
+    if problems and len(problems) > 1:
+        return f"{len(problems)} configuration problems: " + " | ".join(problems)
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

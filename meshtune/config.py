@@ -64,7 +64,10 @@ class DataConfig:
     path: str = ""
     """Folder with train/valid/test.jsonl; "" uses the arithmetic data in meshtune/assets/data/arithmetic."""
     max_seq_length: int = 2048
-    """Longest sequence in tokens; longer examples are truncated."""
+    """Longest sequence in tokens; longer examples are truncated (see truncate)."""
+    truncate: bool = True
+    """Cut examples longer than max_seq_length, with one warning per split saying how many
+    (mlx-lm's behaviour); false makes such an example an error naming its file and line."""
     mask_prompt: bool = False
     """Leave prompt tokens out of the loss (prompt/completion and chat data)."""
     pad_to: int = 32
@@ -172,8 +175,9 @@ class OutputConfig:
     """Continue from the latest checkpoint in adapter_path."""
     overwrite: bool = False
     """Replace an earlier run found in adapter_path instead of refusing to start."""
-    keep_checkpoints: int = 0
-    """Numbered checkpoints to keep, newest first; 0 keeps all."""
+    keep_last_n: int = 0
+    """Numbered checkpoints to keep, newest first, pruned after each successful save (the
+    one just written always stays); 0, the default, keeps all: nothing is deleted unless asked."""
 
 
 @dataclass(kw_only=True)
@@ -343,7 +347,7 @@ class Config:
             bad("train.test_batches", t.test_batches, "must be -1 (the whole set) or at least 1; train.test false skips testing")
         for option, value in [
             ("parallel.dp", p.dp), ("parallel.micro_batches", p.micro_batches),
-            ("output.keep_checkpoints", self.output.keep_checkpoints), ("train.seed", t.seed),
+            ("output.keep_last_n", self.output.keep_last_n), ("train.seed", t.seed),
             ("schedule.warmup", s.warmup), ("schedule.warmup_init", s.warmup_init),
             ("train.max_grad_norm", t.max_grad_norm),
         ]:

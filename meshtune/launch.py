@@ -139,4 +139,34 @@ def main(argv: list[str]) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if command[:1] == ["meshtune"]:
         command = [sys.executable, "-m", "meshtune.cli", *command[1:]]
+    preflight(a.num_ranks, command)
     return launch_local(a.num_ranks, command, pin=a.pin, timeout=a.timeout)
+
+
+def preflight(n: int, command: list[str]) -> None:
+    """Check a `meshtune train` command's config for n ranks before any rank starts.
+
+    The layout rules (batch divisible by the data-parallel ranks, pp dividing n, no
+    more stages than blocks) need the world size, which only the launcher knows up
+    front; without this each rank would load the model first and fail n times.
+    """
+    if "meshtune.cli" not in command or "train" not in command:
+        return
+    from .cli import build_parser
+    from .config import load_config, parse_override_args
+
+    args, rest = build_parser().parse_known_args(command[command.index("meshtune.cli") + 1:])
+    if args.command != "train":
+        return
+    overrides = parse_override_args(rest)
+    if args.resume:
+        overrides.append(("output.resume", "true"))
+    cfg = load_config(args.config, overrides)
+    cfg.validate(world_size=n)
+    config = cfg.resolved_model_path() / "config.json"
+    if cfg.parallel.pp > 1 and config.is_file():
+        model = json.loads(config.read_text())
+        blocks = model.get("num_hidden_layers") or (model.get("text_config") or {}).get("num_hidden_layers")
+        if isinstance(blocks, int) and cfg.parallel.pp > blocks:
+            raise ValueError(f"parallel.pp={cfg.parallel.pp} stages for a model of {blocks} blocks ({config}); "
+                             f"use between 1 and {blocks} stages")

@@ -225,7 +225,7 @@ def test_validate_reports_every_problem() -> None:
         "adapter": {"rank": 0, "dropout": 1.0, "num_layers": 0},
         "data": {"pad_to": 0, "max_seq_length": 0},
         "optimizer": {"learning_rate": 0.0},
-        "output": {"keep_checkpoints": -1},
+        "output": {"keep_last_n": -1},
     })
     with pytest.raises(ConfigError) as e:
         cfg.validate()
@@ -235,7 +235,7 @@ def test_validate_reports_every_problem() -> None:
         "adapter.rank = 0", "train.steps_per_report = 0", "train.steps_per_eval = 0",
         "train.save_every = 0", "data.pad_to = 0", "data.max_seq_length = 0",
         "adapter.dropout = 1.0", "adapter.num_layers = 0", "optimizer.learning_rate = 0.0",
-        "train.max_grad_norm = -1.0", "output.keep_checkpoints = -1",
+        "train.max_grad_norm = -1.0", "output.keep_last_n = -1",
         "train.val_batches = -2", "train.test_batches = 0",
     ]:
         assert option in text, option

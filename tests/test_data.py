@@ -449,3 +449,24 @@ def test_batches_equal_mlx_lm_iterate_batches(tmp_path, tok, monkeypatch, world,
             ours = BatchIterator(ds, batch_size=8, max_seq_length=msl, rank=rank, world_size=world, loop=False)
         assert same([np_batch(b) for b in ours], expected)
         assert len(expected) == 4
+
+
+def test_empty_completion_is_an_error(tmp_path, tok):
+    path = write_jsonl(tmp_path, "train", [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": " "}])
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: 'completion' is empty"):
+        load_split(path, tok)
+
+
+def test_non_utf8_names_line_and_byte(tmp_path, tok):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 14\)"):
+        load_split(path, tok)
+
+
+def test_too_long_is_an_error_only_when_asked(tmp_path, tok):
+    path = write_jsonl(tmp_path, "train", [{"text": "a"}, {"text": "x" * 50}])
+    assert len(load_split(path, tok)) == 2  # default: the batcher truncates and warns
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: example is \d+ tokens, longer than "
+                                         r"data\.max_seq_length=8; .*data\.truncate true"):
+        load_split(path, tok, max_length=8)

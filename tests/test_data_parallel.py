@@ -90,7 +90,8 @@ def test_batch_the_ranks_cannot_share_fails_before_loading(tmp_path):
                            "--adapter-path", str(tmp_path / "run")], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
-    assert "nearest valid sizes are 6 or 8" in proc.stdout and "loading model" not in proc.stdout
+    # The launcher checks the layout itself now, before any rank starts.
+    assert "nearest valid sizes are 6 or 8" in proc.stderr and "[rank" not in proc.stdout
 
 
 def test_launch_stops_everyone_and_fails_when_a_rank_fails():

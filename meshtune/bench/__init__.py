@@ -7,6 +7,9 @@ after the first, which holds compilation).
 
 `meshtune bench adapters`: training step time and unfused generation speed of stock
 mlx-lm LoRA/DoRA and meshtune LoRA/DoRA on a dense and a 4-bit base, side by side.
+
+`meshtune bench badinput`: a corpus of bad inputs, each of which must exit 2 with one
+error line naming the file or option and leave the output folder untouched.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ def run_bench(suite: str, args: list[str]) -> int:
         from .pipeline import main
 
         return main(args)
+    if suite == "badinput":
+        from .bad_input import main
+
+        return main(args)
     if suite == "scaling":
         from .scaling import main
 
         return main(args)
-    raise ValueError(f"unknown bench suite '{suite}'; choose peer or adapters")
+    raise ValueError(f"unknown bench suite '{suite}'; choose peer, adapters, pipeline, scaling or badinput")

@@ -89,11 +89,17 @@ def _apply_template(
     return [int(t) for t in ids]
 
 
-def _check_string(row: Dict[str, Any], key: str, where: str) -> str:
+def _check_string(row: Dict[str, Any], key: str, where: str, *, nonempty: bool = False) -> str:
     value = row[key]
     if not isinstance(value, str):
         raise ValueError(
             f"{where}: {key!r} must be a string, got {type(value).__name__}"
+        )
+    if nonempty and not value.strip():
+        # An empty target trains only the end-of-turn tokens: almost always a data bug.
+        raise ValueError(
+            f"{where}: {key!r} is empty, so the example has nothing to learn; "
+            "fill it in or remove the line"
         )
     return value
 
@@ -173,7 +179,7 @@ def tokenize_row(
             {"role": "user", "content": _check_string(row, features.prompt_feature, where)},
             {
                 "role": "assistant",
-                "content": _check_string(row, features.completion_feature, where),
+                "content": _check_string(row, features.completion_feature, where, nonempty=True),
             },
         ]
         add_generation_prompt = True
@@ -188,6 +194,16 @@ def tokenize_row(
     if not mask_prompt:
         return full, 0
     return full, _masked(tokenizer, messages, tools, add_generation_prompt, full, where)
+
+
+def _decode(raw: bytes, where: str, encoding: str) -> str:
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def _parse_line(line: str, where: str) -> Dict[str, Any]:
@@ -212,8 +228,13 @@ def load_split(
     *,
     mask_prompt: bool = False,
     features: Features = Features(),
+    max_length: Optional[int] = None,
 ) -> TokenizedDataset:
-    """Read one jsonl split and tokenize every line; the split is named after the file stem."""
+    """Read one jsonl split and tokenize every line; the split is named after the file stem.
+
+    With ``max_length`` an example of more tokens is an error (``data.truncate false``);
+    without, the batcher truncates it and warns once per split.
+    """
     path = Path(path)
     if not path.is_file():
         raise ValueError(
@@ -222,12 +243,14 @@ def load_split(
     fmt: Optional[str] = None
     arrays: List[np.ndarray] = []
     offsets: List[int] = []
-    # utf-8-sig tolerates a byte-order mark, which editors on Windows add.
-    with open(path, "r", encoding="utf-8-sig") as fid:
-        for lineno, line in enumerate(fid, start=1):
+    # Read bytes and decode line by line, so bad text is reported at its line;
+    # utf-8-sig on line 1 tolerates a byte-order mark, which editors on Windows add.
+    with open(path, "rb") as fid:
+        for lineno, raw in enumerate(fid, start=1):
+            where = f"{path}:{lineno}"
+            line = _decode(raw, where, "utf-8-sig" if lineno == 1 else "utf-8")
             if not line.strip():
                 continue  # blank lines (e.g. a trailing one) carry no example
-            where = f"{path}:{lineno}"
             row = _parse_line(line, where)
             if fmt is None:
                 fmt = detect_format(row, features)
@@ -253,6 +276,12 @@ def load_split(
             ids, offset = tokenize_row(
                 row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
             )
+            if max_length is not None and len(ids) > max_length:
+                raise ValueError(
+                    f"{where}: example is {len(ids)} tokens, longer than "
+                    f"data.max_seq_length={max_length}; raise data.max_seq_length, shorten "
+                    "the example, or set data.truncate true to cut it"
+                )
             arrays.append(np.asarray(ids, dtype=np.int32))
             offsets.append(offset)
     if fmt is None:
@@ -283,6 +312,7 @@ def load_datasets(
     need_train: bool = True,
     need_valid: bool = True,
     need_test: bool = False,
+    max_length: Optional[int] = None,
 ) -> Datasets:
     """Load ``train/valid/test.jsonl`` from a folder; splits not needed are left as None."""
     folder = Path(folder)
@@ -302,7 +332,7 @@ def load_datasets(
     # is reported before minutes are spent on train.jsonl.
     paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
     loaded = {
-        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features)
+        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length)
         for n, p in paths.items()
     }
     return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))
