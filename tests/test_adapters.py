@@ -185,3 +185,24 @@ def test_inference_cache_follows_weight_changes(variant):
     layer.train()
     assert mx.allclose(cached, layer(x), atol=1e-5)
     assert not mx.allclose(cached, first, atol=1e-3)
+
+
+def test_dora_inference_on_4bit_base_folds_the_row_scale_into_the_quantized_base():
+    from meshtune.adapters import DoRALinear, set_base_path
+
+    base = _bases()["qlinear"]
+    layer = DoRALinear.from_base(base, r=4, scale=2.0)
+    _randomize_b(layer)
+    layer.m = layer.m * (1 + 0.1 * mx.random.normal(layer.m.shape))
+    x = _input("linear")
+    for path in ("quantized", "dequantized"):
+        set_base_path(path)
+        layer.train()
+        want = layer(x)
+        layer.eval()
+        got = layer(x)
+        folded = layer.__dict__["_scaled_base"][2]
+        assert folded is not None and folded["weight"] is base["weight"]  # packed weight shared
+        assert not mx.array_equal(folded["scales"], base["scales"])
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-3), path
+    set_base_path("auto")

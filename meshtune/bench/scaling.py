@@ -9,6 +9,12 @@ local batch). Plain loopback, and with `--link RATE[:DELAY]` (root) also the
 shaped-link bed of meshtune/bench/netbed.py, both in the same invocation.
 
     meshtune bench scaling [--ranks 2] [--iters 60] [--local-batch 8] [--link 1gbit:20us] [--json]
+
+On GPUs the ranks are started by a distributed launcher and measure in-process
+(bench/scaling_inproc.py):
+
+    mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- \
+        python -m meshtune.cli bench scaling --in-process --preset 1b --json
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=1.0, help="Gradient bucket size.")
     p.add_argument("--link", default="", help="Also run on the shaped-link bed, e.g. 1gbit:20us (needs root).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
+    g = p.add_argument_group("in-process (GPUs; run every rank under a distributed launcher)")
+    g.add_argument("--in-process", action="store_true", help="Measure inside this distributed job.")
+    g.add_argument("--preset", choices=["tiny", "small", "1b"], default="1b", help="Model shape (bench/models.py).")
+    g.add_argument("--backend", default="any", help="mx.distributed backend: nccl on GPUs, ring, mpi, any.")
+    for flag in ("batch-size", "seq-len", "warmup"):
+        g.add_argument(f"--{flag}", type=int, default=None, help="Per rank; default: the preset's.")
+    g.add_argument("--steps", type=int, default=5, help="Timed steps per mode per round.")
+    g.add_argument("--rounds", type=int, default=3, help="Rounds over the three modes.")
+    g.add_argument("--seed", type=int, default=0, help="Seed of the weights (batches: seed + rank).")
     return p
 
 
@@ -82,6 +97,10 @@ def _print(title: str, rows: list[tuple], result: dict[str, float], n: int) -> N
 
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
+    if a.in_process:
+        from .scaling_inproc import main as in_process
+
+        return in_process(a)
     n = a.ranks
     print(f"scaling benchmark: {n} ranks vs 1 (ring backend), embedded tiny model, local batch {a.local_batch}, "
           f"{a.iters} steps, buckets {a.bucket_mb} MB")

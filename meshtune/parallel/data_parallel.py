@@ -9,13 +9,17 @@ the last layers' gradients exist first in the backward, so each bucket's all_sum
 depends only on work already done. Whether that hides time is a measurement
 (`meshtune bench scaling`), not an assumption.
 
-All collectives stay on the default stream. A second stream for them was tried (MLX
-0.32.4, ring, 2 CPU ranks) and returned wrong sums: always inside mx.compile, in about
-one run of three without it, as if the all_sum read gradients not yet written.
+On a GPU, `overlap` puts the all_sums on a stream of their own, so a bucket's
+reduction runs while the backward of earlier layers is still computing. On the CPU
+every collective stays on the default stream: a second CPU stream (MLX 0.32.4, ring,
+2 ranks) returned wrong sums, always inside mx.compile and in about one run of three
+without it, as if the all_sum read gradients not yet written; there `overlap` is only
+the reverse bucket order. MESHTUNE_COMM_STREAM=0/1 overrides the choice.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -39,9 +43,27 @@ def buckets(sizes: list[int], bucket_bytes: int, itemsize: int) -> list[list[int
     return [g for g in groups if g]
 
 
-def _sum_bucket(arrays: list[mx.array], mesh: Mesh) -> list[mx.array]:
+_comm_streams: dict[Any, Any] = {}
+
+
+def comm_stream(mode: str) -> Any:
+    """The stream `mode`'s all_sums run on: a GPU stream of their own for overlap, else None (default)."""
+    wanted = os.environ.get("MESHTUNE_COMM_STREAM")
+    device = mx.default_device()
+    own = mode == "overlap" and device.type == mx.DeviceType.gpu
+    if wanted is not None:
+        own = mode == "overlap" and wanted == "1"
+    if not own:
+        return None
+    key = str(device)
+    if key not in _comm_streams:
+        _comm_streams[key] = mx.new_stream(device)
+    return _comm_streams[key]
+
+
+def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any = None) -> list[mx.array]:
     flat = mx.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1)
-    total = mx.distributed.all_sum(flat, group=mesh.group)
+    total = mx.distributed.all_sum(flat, group=mesh.group, stream=stream)
     out, start = [], 0
     for a in arrays:
         out.append(total[start:start + a.size].reshape(a.shape))
@@ -59,6 +81,7 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     order = list(range(len(flat)))
     if mode == "overlap":
         order.reverse()  # the backward produces the last layers' gradients first
+    stream = comm_stream(mode)
     summed: dict[int, mx.array] = {}
     by_dtype: dict[Any, list[int]] = {}
     for i in order:
@@ -66,6 +89,6 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     for dtype, idx in by_dtype.items():
         for group in buckets([flat[i][1].size for i in idx], int(bucket_mb * 2**20), dtype.size):
             members = [idx[g] for g in group]
-            for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh)):
+            for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh, stream)):
                 summed[i] = arr
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])

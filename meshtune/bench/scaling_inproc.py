@@ -1,0 +1,163 @@
+"""`meshtune bench scaling --in-process`: the scaling table measured inside one distributed job.
+
+For accelerators (NCCL on GPUs, or any backend MLX's own launcher starts), every rank
+runs this module; rank 0 prints. Each rank builds the same random ~1B model
+(`--preset 1b`, bench/models.py) and three compiled steps over the same model and
+optimizer: `compute only` (this rank's local batch, no gradient sync: what one GPU
+alone does with the same batch), `after_backward` and `overlap` (buckets in reverse
+layer order, all_sums on their own GPU stream). Rounds visit the three in turn so
+clock drift falls on all of them. Exposed communication = synced step - compute-only
+step; weak-scaling efficiency = compute-only step / synced step (each GPU keeps its
+local batch, so N GPUs do N times the work per step).
+
+    mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- \\
+        python -m meshtune.cli bench scaling --in-process --preset 1b --json
+
+Before timing, the compiled backward's gradients are summed both ways and compared:
+with 2 ranks a + b is exact in either order, so overlap must give after_backward's
+sums bit for bit (the check that caught wrong sums on a CPU comm stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+
+from ..mesh import Mesh
+from .models import PRESETS, Shape, add_adapters, build_model
+
+MODES = ("compute", "after_backward", "overlap")
+
+
+def same_sums(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.array, bucket_mb: float) -> bool:
+    """The compiled backward's gradients summed after_backward and overlapped agree bit for bit."""
+    from ..parallel.data_parallel import sum_gradients
+    from ..train import loss_terms
+
+    loss_and_grad = nn.value_and_grad(model, loss_terms)
+    summed = []
+    for mode in ("after_backward", "overlap"):
+        fn = mx.compile(lambda t, l, mode=mode: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode=mode,
+                                                                bucket_mb=bucket_mb))
+        grads = fn(tokens, lengths)
+        mx.eval(grads)
+        summed.append([g for _, g in tree_flatten(grads)])
+    return all(mx.array_equal(x, y).item() for x, y in zip(*summed))
+
+
+def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
+    """Median step seconds of the three modes for `kind` (lora or full) on this rank."""
+    from ..train import build_step
+
+    model = build_model(shape, dtype, quantized=False, seed=a.seed)
+    add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
+    model.train()
+    optimizer = optim.Adam(learning_rate=1e-6)
+    state = [model.state, optimizer.state]
+    # Every rank its own batch (seeded by rank): data parallelism's local batch.
+    key = mx.random.key(a.seed + 1 + mesh.rank)
+    tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=key)
+    lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
+    mx.eval(tokens, lengths)
+
+    def runner(m: Mesh, sync: str) -> Callable[[], Any]:
+        step = build_step(model, optimizer, m, max_grad_norm=0.0, compile=True, sync=sync,
+                          bucket_mb=a.bucket_mb)
+
+        def run() -> Any:
+            ce, n, _, _ = step(tokens, lengths, None, None, True)
+            mx.eval(state, ce, n)
+            return ce
+
+        return run
+
+    steps = {"compute": runner(Mesh.single(), "after_backward"),
+             "after_backward": runner(mesh, "after_backward"), "overlap": runner(mesh, "overlap")}
+    for run in steps.values():
+        for _ in range(a.warmup):
+            run()
+    same = same_sums(model, mesh, tokens, lengths, a.bucket_mb) if mesh.world_size == 2 else None
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(a.rounds):
+        for mode in MODES:
+            mesh.all_sum(mx.array(0.0)).item()  # line the ranks up before each block
+            for _ in range(a.steps):
+                tic = time.perf_counter()
+                steps[mode]()
+                times[mode].append(time.perf_counter() - tic)
+    params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    return {"step_s": {m: statistics.median(t) for m, t in times.items()}, "trainable": params,
+            "overlap_equals_after_backward": same}
+
+
+def _row(kind: str, r: dict[str, Any], n: int, tokens: int) -> dict[str, float]:
+    s = r["step_s"]
+    one, after, over = s["compute"], s["after_backward"], s["overlap"]
+    return {
+        f"tok_s_1_{kind}": tokens / one, f"tok_s_{n}_after_{kind}": n * tokens / after,
+        f"tok_s_{n}_overlap_{kind}": n * tokens / over,
+        f"weak_scaling_{kind}": one / min(after, over),
+        f"overlap_speedup_{kind}": after / over,
+        f"exposed_comm_ms_after_{kind}": 1e3 * (after - one),
+        f"exposed_comm_ms_overlap_{kind}": 1e3 * (over - one),
+        f"exposed_comm_fraction_after_{kind}": max(after - one, 0.0) / after,
+        f"exposed_comm_fraction_overlap_{kind}": max(over - one, 0.0) / over,
+    }
+
+
+def main(a: argparse.Namespace) -> int:
+    for name, value in PRESETS[a.preset].items():
+        if getattr(a, name, None) is None:
+            setattr(a, name, value)
+    backend = a.backend
+    mesh = Mesh.from_world(mx.distributed.init(strict=True, backend=backend))
+    n = mesh.world_size
+    shape = Shape(arch="qwen3", **{k: PRESETS[a.preset][k] for k in
+                                   ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")})
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    dtype = mx.bfloat16 if gpu else mx.float32
+    tokens = a.batch_size * a.seq_len
+    result: dict[str, Any] = {"ranks": n, "backend": backend, "preset": a.preset, "batch_size": a.batch_size,
+                              "seq_len": a.seq_len, "params": shape.params(), "mlx": mx.__version__}
+    rows = {}
+    for kind in ("lora", "full"):
+        r = measure(kind, a, shape, mesh, dtype)
+        rows[kind] = r
+        result.update(_row(kind, r, n, tokens))
+        result[f"overlap_equals_after_backward_{kind}"] = r["overlap_equals_after_backward"]
+        result[f"step_ms_{kind}"] = {m: 1e3 * v for m, v in r["step_s"].items()}
+        import gc
+
+        gc.collect()
+        mx.clear_cache()
+    result["exposed_comm_fraction_overlap"] = result["exposed_comm_fraction_overlap_full"]
+    if mesh.rank == 0:
+        from .adapters import describe_device
+
+        print(f"scaling benchmark (in-process, {backend} backend, {n} ranks): {shape.describe()}, "
+              f"{'bfloat16' if gpu else 'float32'}, local batch {a.batch_size} x {a.seq_len} per rank, "
+              f"buckets {a.bucket_mb} MB, {a.rounds} rounds x {a.steps} steps per mode; {describe_device()}; "
+              f"mlx {mx.__version__}")
+        print("1 rank = the same process's step without gradient sync (compute only)")
+        print(f"{'':<6}{'1 rank tok/s':>14}{f'{n} after tok/s':>16}{f'{n} overlap tok/s':>18}"
+              f"{'step ms 1 / after / overlap':>30}{'exposed ms after / overlap':>28}{'weak eff.':>11}"
+              f"{'overlap':>9}{'same upd.':>11}")
+        for kind, r in rows.items():
+            s = {m: 1e3 * v for m, v in r["step_s"].items()}
+            print(f"{kind:<6}{result[f'tok_s_1_{kind}']:>14.0f}{result[f'tok_s_{n}_after_{kind}']:>16.0f}"
+                  f"{result[f'tok_s_{n}_overlap_{kind}']:>18.0f}"
+                  f"{s['compute']:>12.1f} /{s['after_backward']:>7.1f} /{s['overlap']:>7.1f}"
+                  f"{result[f'exposed_comm_ms_after_{kind}']:>15.1f} /{result[f'exposed_comm_ms_overlap_{kind}']:>7.1f}"
+                  f"{100 * result[f'weak_scaling_{kind}']:>10.1f}%{result[f'overlap_speedup_{kind}']:>8.2f}x"
+                  f"{str(r['overlap_equals_after_backward']):>11}")
+        if a.json:
+            print(json.dumps(result))
+    return 0
