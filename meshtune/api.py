@@ -26,6 +26,7 @@ from .checkpoint import (TrainingState, atomic_save_safetensors, atomic_write_te
 from .config import Config
 from .data import BatchIterator, Features, load_datasets
 from .mesh import Mesh
+from .parallel.pipeline import check_stage_layers
 from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
 from .train import LoopSettings, enable_grad_checkpoint, evaluate, train
@@ -149,6 +150,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if not Path(data_path).is_dir():  # fail before the (possibly long) model load
         raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
                          "train.jsonl and valid.jsonl (and test.jsonl to test)")
+    if mesh.pp > 1 and (declared := _declared_layers(Path(model_path))) is not None:
+        check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)  # before the (possibly long) load
     model, tokenizer = _prepare_model(cfg, model_path, say)
 
     data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
@@ -172,10 +175,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         from .parallel.schedules import build as build_schedule_actions
 
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
-        stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh)
+        stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=cfg.parallel.stage_layers)
         actions = build_schedule_actions(cfg.parallel.schedule, mesh.pp, micro_batches)
         pipeline = stage_runner(stage, actions, micro_batches, optimizer)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
+        say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in stage.bounds))
 
     def current_weights() -> dict[str, mx.array]:
         """All trained weights; on a pipeline, gathered from every stage (a collective)."""
@@ -265,6 +269,16 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     optimizer.init(model.trainable_parameters())
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
+
+
+def _declared_layers(model_path: Path) -> int | None:
+    """The block count a local model folder's config.json declares (None when unknown)."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    return layers if isinstance(layers, int) else None
 
 
 def _check_pipeline_limits(cfg: Config, mesh: Mesh) -> None:

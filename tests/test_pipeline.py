@@ -12,17 +12,56 @@ import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import ROOT
+from conftest import ROOT, tiny_llama
+from meshtune.api import finetune
+from meshtune.config import Config, ConfigError
 from meshtune.mesh import Mesh
-from meshtune.parallel.pipeline import stage_bounds
+from meshtune.parallel.pipeline import balanced_split, check_stage_layers, split_stages
 from meshtune.train import build_step
 
 
-def test_stage_bounds():
-    assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
-    assert stage_bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
-    with pytest.raises(ValueError, match="parallel.pp=5 stages for a model of 4 blocks"):
-        stage_bounds(4, 5)
+def test_balanced_split_minimises_the_costliest_stage():
+    assert balanced_split([1] * 4, 2) == [2, 2]
+    assert balanced_split([1] * 7, 3) == [2, 2, 3] or balanced_split([1] * 7, 3) == [3, 2, 2]
+    assert max(balanced_split([1] * 7, 3)) == 3
+    # A large embedding (first) and head (last) leave those stages fewer blocks.
+    assert balanced_split([1] * 8, 2, first_extra=4) == [2, 6]
+    assert balanced_split([1] * 8, 3, first_extra=2, last_extra=2) == [2, 4, 2]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert balanced_split([1, 1, 1], 3) == [1, 1, 1]
+
+
+def test_split_follows_parameter_counts_and_explicit_layers():
+    model = tiny_llama(layers=8, dim=32, vocab=512)  # the tied table (16k) is ~1.8 blocks (9k), on both ends
+    assert [e - s for s, e in split_stages(model, 2)] == [4, 4]
+    assert [e - s for s, e in split_stages(model, 3)] == [2, 4, 2]
+    assert split_stages(model, 2, [5, 3]) == [(0, 5), (5, 8)]
+    assert [e - s for s, e in split_stages(tiny_llama(layers=8, dim=32, vocab=64), 3)] in ([3, 3, 2], [2, 3, 3])
+
+
+@pytest.mark.parametrize("stage_layers, stages, match", [
+    (None, 5, "parallel.pp=5 stages for a model of 4 blocks"),
+    ([4, 0], 2, r"parallel.stage_layers=\[4, 0\]: give 2 block counts"),
+    ([1, 1, 2], 2, r"parallel.stage_layers=\[1, 1, 2\]: give 2 block counts"),
+    ([2, 3], 2, r"parallel.stage_layers=\[2, 3\] sums to 5 but the model has 4 blocks"),
+])
+def test_bad_splits_name_the_option(stage_layers, stages, match):
+    with pytest.raises(ValueError, match=match):
+        check_stage_layers(stage_layers, stages, 4)
+
+
+def test_config_validate_rejects_stage_layers_that_do_not_fit_pp():
+    cfg = Config.from_dict({"parallel": {"pp": 2, "stage_layers": [1, 1, 2]}})
+    with pytest.raises(ConfigError, match=r"parallel.stage_layers = \[1, 1, 2\]: give 2 block counts"):
+        cfg.validate(world_size=2)
+    Config.from_dict({"parallel": {"pp": 2, "stage_layers": [3, 1]}}).validate(world_size=2)
+
+
+def test_finetune_rejects_a_split_that_does_not_sum_before_loading(tmp_path):
+    cfg = Config.from_dict({"parallel": {"pp": 2, "stage_layers": [3, 3]}, "output": {"adapter_path": str(tmp_path)}})
+    mesh = Mesh(group=None, world_size=2, rank=0, dp=1, pp=2)  # never reaches a collective
+    with pytest.raises(ValueError, match=r"parallel.stage_layers=\[3, 3\] sums to 6 but the model has 4 blocks"):
+        finetune(cfg, mesh, log=lambda _: None)
 
 
 def _reference():
@@ -59,13 +98,14 @@ def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
         assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
 
 
-@pytest.mark.parametrize("schedule, kind, ranks, pp", [
-    ("gpipe", "lora", 2, 2), ("1f1b", "lora", 2, 2), ("1f1b", "dora", 2, 2), ("naive", "full", 2, 2),
-    ("1f1b", "lora", 3, 3),  # three stages
-    ("1f1b", "lora", 4, 2),  # DP2 x PP2 on the ring backend (no Group.split)
-    ("gpipe", "dora", 4, 2),
+@pytest.mark.parametrize("schedule, kind, ranks, pp, extra", [
+    ("gpipe", "lora", 2, 2, ()), ("1f1b", "lora", 2, 2, ()), ("1f1b", "dora", 2, 2, ()), ("naive", "full", 2, 2, ()),
+    ("1f1b", "lora", 3, 3, ()),  # three stages
+    ("1f1b", "lora", 4, 2, ()),  # DP2 x PP2 on the ring backend (no Group.split)
+    ("gpipe", "dora", 4, 2, ()),
+    ("1f1b", "lora", 2, 2, ("--parallel.stage_layers", "[3,1]")),  # an uneven split
 ])
-def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp):
+def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp, extra):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cli = [sys.executable, "-m", "meshtune.cli"]
     args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
@@ -75,11 +115,13 @@ def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ra
                          text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
-                          "--parallel.schedule", schedule, "--parallel.micro_batches", "4",
+                          "--parallel.schedule", schedule, "--parallel.micro_batches", "4", *extra,
                           "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
     assert f"pipeline: {pp} stages, {schedule} schedule, 4 micro-batches" in two.stdout
+    if extra:
+        assert "pipeline blocks per stage: 3 [0, 3), 1 [3, 4)" in two.stdout
     for rank in range(ranks):
         assert f"[rank {rank}] rank {rank} finished at step 4" in two.stdout
 

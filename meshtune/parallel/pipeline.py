@@ -1,6 +1,7 @@
 """Pipeline stages: cut a model into contiguous blocks and run a schedule with send/recv.
 
-Stage s of S owns blocks [start, end) (balanced, the last takes the remainder); stage 0
+Stage s of S owns blocks [start, end), balanced by parameter count or as
+`parallel.stage_layers` says; stage 0
 also embeds, the last stage also norms, applies the head and computes the loss.
 Every rank keeps the full model object but trains only its own blocks (the others'
 adapters are frozen), so the single-stage code (loss, optimizer, adapters) is reused.
@@ -28,13 +29,80 @@ from ..losses import masked_ce_sum, target_mask
 from .schedules import Schedule
 
 
-def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous block ranges per stage: layers // stages each, the last takes the rest."""
+def balanced_split(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Blocks per stage, contiguous and none empty, that minimise the costliest stage.
+
+    `costs` are the blocks' costs; the first stage also pays `first_extra` (the
+    embedding) and the last `last_extra` (final norm and head), so with a large
+    embedding or head those stages get fewer blocks. Exact (dynamic programming over
+    cut points); ties go to the split with the smaller sum of squared stage costs.
+    """
+    n = len(costs)
+    assert 1 <= stages <= n, (stages, n)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(s: int, i: int, j: int) -> float:  # stage s holding blocks [i, j)
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
+
+    # best[s][j]: (max stage cost, sum of squares, cut) placing blocks [0, j) on stages 0..s
+    best: list[dict[int, tuple[float, float, int]]] = [{j: (cost(0, 0, j), cost(0, 0, j) ** 2, 0)
+                                                       for j in range(1, n - stages + 2)}]
+    for s in range(1, stages):
+        row = {}
+        for j in range(s + 1, n - stages + s + 2):
+            row[j] = min((max(best[-1][i][0], cost(s, i, j)), best[-1][i][1] + cost(s, i, j) ** 2, i)
+                         for i in range(s, j))
+        best.append(row)
+    counts, j = [], n
+    for s in range(stages - 1, -1, -1):
+        i = best[s][j][2]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def check_stage_layers(stage_layers: list[int] | None, stages: int, num_layers: int) -> None:
+    """Raise a ValueError naming the option when `stages` cannot hold `num_layers` blocks as asked."""
     if not 1 <= stages <= num_layers:
         raise ValueError(f"parallel.pp={stages} stages for a model of {num_layers} blocks; "
                          f"use between 1 and {num_layers} stages")
-    per = num_layers // stages
-    return [(s * per, num_layers if s == stages - 1 else (s + 1) * per) for s in range(stages)]
+    if stage_layers is None:
+        return
+    if len(stage_layers) != stages or min(stage_layers) < 1:
+        raise ValueError(f"parallel.stage_layers={stage_layers}: give {stages} block counts (one per stage), "
+                         f"each at least 1")
+    if sum(stage_layers) != num_layers:
+        raise ValueError(f"parallel.stage_layers={stage_layers} sums to {sum(stage_layers)} but the model has "
+                         f"{num_layers} blocks; make the counts add up to {num_layers} or unset it")
+
+
+def stage_bounds(counts: list[int]) -> list[tuple[int, int]]:
+    """Block ranges [start, end) from blocks per stage."""
+    starts = np.cumsum([0, *counts]).tolist()
+    return [(starts[s], starts[s + 1]) for s in range(len(counts))]
+
+
+def _size(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def split_stages(model: nn.Module, stages: int, stage_layers: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each stage's block range: `stage_layers` when given, else balanced by parameter count.
+
+    The embedding counts on the first stage, the final norm and head on the last (a
+    tied head counts the table again: it computes there as well).
+    """
+    inner, _ = _parts(model)
+    check_stage_layers(stage_layers, stages, len(inner.layers))
+    if stage_layers is None:
+        head = _size(model.lm_head) if "lm_head" in model else _size(inner.embed_tokens)
+        stage_layers = balanced_split([_size(layer) for layer in inner.layers], stages,
+                                      first_extra=_size(inner.embed_tokens), last_extra=_size(inner.norm) + head)
+    return stage_bounds(stage_layers)
 
 
 def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
@@ -57,6 +125,8 @@ class PipelineStage:
     stage: int
     stages: int
     mesh: Mesh
+    stage_layers: list[int] | None = None
+    """Blocks per stage; None balances them by parameter count (split_stages)."""
 
     def __post_init__(self) -> None:
         from mlx.utils import tree_flatten
@@ -64,7 +134,8 @@ class PipelineStage:
         self.inner, self.head = _parts(self.model)
         # Every trained parameter of the whole model, in one order all ranks share.
         self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
-        self.start, self.end = stage_bounds(len(self.inner.layers), self.stages)[self.stage]
+        self.bounds = split_stages(self.model, self.stages, self.stage_layers)
+        self.start, self.end = self.bounds[self.stage]
         # Train only this stage's blocks (and the embedding/head only where they live).
         for i, layer in enumerate(self.inner.layers):
             if not self.start <= i < self.end:
