@@ -187,7 +187,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             return ad.trainable_parameters(model)
         from .parallel.pipeline import gather_parameters
 
-        weights = gather_parameters(model, trainable_keys, mesh)
+        weights = gather_parameters(stage, trainable_keys)
         model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
         return weights
 

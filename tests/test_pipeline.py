@@ -64,11 +64,11 @@ def test_finetune_rejects_a_split_that_does_not_sum_before_loading(tmp_path):
         finetune(cfg, mesh, log=lambda _: None)
 
 
-def _reference():
+def _reference(kind="lora"):
     sys.path.insert(0, str(ROOT / "tests"))
     from pp_worker import make_model_and_batch
 
-    model, tokens, lengths = make_model_and_batch()
+    model, tokens, lengths = make_model_and_batch(kind)
     opt = optim.SGD(learning_rate=0.1)
     opt.init(model.trainable_parameters())
     step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=False)
@@ -80,19 +80,42 @@ def _reference():
     return losses, dict(tree_flatten(model.trainable_parameters()))
 
 
-@pytest.mark.parametrize("schedule, micro_batches", [("naive", 2), ("gpipe", 4), ("1f1b", 4), ("1f1b", 1)])
-def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
+def _two_stages(tmp_path, schedule, micro_batches, kind="lora"):
+    """Run tests/pp_worker.py on 2 ranks; (losses, rank 0's weights, rank 1's weights)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", sys.executable,
-                           str(ROOT / "tests" / "pp_worker.py"), schedule, str(micro_batches), str(tmp_path)],
+                           str(ROOT / "tests" / "pp_worker.py"), schedule, str(micro_batches), str(tmp_path), kind],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     per_rank = [json.loads(l.split("LOSSES ", 1)[1]) for l in proc.stdout.splitlines() if "LOSSES " in l]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]  # every rank reports the same loss
+    return per_rank[0], mx.load(str(tmp_path / "rank0.safetensors")), mx.load(str(tmp_path / "rank1.safetensors"))
+
+
+@pytest.mark.parametrize("schedule, micro_batches", [("naive", 2), ("gpipe", 4), ("1f1b", 4), ("1f1b", 1)])
+def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
+    losses, rank0, rank1 = _two_stages(tmp_path, schedule, micro_batches)
     want_losses, want = _reference()
     # The pipeline reports the loss before each update, like the reference's step.
-    assert per_rank[0] == pytest.approx(want_losses, rel=1e-5)
-    got = {**mx.load(str(tmp_path / "rank0.safetensors")), **mx.load(str(tmp_path / "rank1.safetensors"))}
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    got = {**rank0, **rank1}
+    assert got.keys() == want.keys()
+    for k in want:
+        assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+
+
+@pytest.mark.parametrize("kind", ["full", "lora-embed"])
+def test_tied_embedding_copies_stay_equal_and_match_one_process(tmp_path, kind):
+    # The tiny model ties its head to the embedding: stage 0 looks tokens up in the
+    # table, stage 1 multiplies by it; both train a copy and sum their gradients.
+    losses, rank0, rank1 = _two_stages(tmp_path, "1f1b", 2, kind)
+    want_losses, want = _reference(kind)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    tied = [k for k in want if k.startswith("model.embed_tokens.")]
+    assert tied and all(k in rank0 and k in rank1 for k in tied)
+    for k in tied:
+        assert mx.array_equal(rank0[k], rank1[k]), k  # the two copies are identical, bit for bit
+    got = {**rank0, **rank1}
     assert got.keys() == want.keys()
     for k in want:
         assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k

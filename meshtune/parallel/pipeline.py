@@ -1,8 +1,8 @@
 """Pipeline stages: cut a model into contiguous blocks and run a schedule with send/recv.
 
 Stage s of S owns blocks [start, end), balanced by parameter count or as
-`parallel.stage_layers` says; stage 0
-also embeds, the last stage also norms, applies the head and computes the loss.
+`parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
+the head and computes the loss.
 Every rank keeps the full model object but trains only its own blocks (the others'
 adapters are frozen), so the single-stage code (loss, optimizer, adapters) is reused.
 No backend differentiates through send/recv, so a stage's backward is written by
@@ -11,7 +11,8 @@ sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, a
 send dx back. The backward recomputes the stage's forward (activation recomputation),
 so only each micro-batch's stage input is kept between its forward and backward.
 Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm}
-with a head `model.lm_head` or a tied embedding.
+with a head `model.lm_head` or a tied embedding (a trained tied table lives on the
+first and the last stage, its two gradients summed each step).
 """
 
 from __future__ import annotations
@@ -140,7 +141,11 @@ class PipelineStage:
         for i, layer in enumerate(self.inner.layers):
             if not self.start <= i < self.end:
                 layer.freeze()
-        if not self.first:
+        # A tied table is the first stage's lookup and the last stage's head: both train
+        # their copy, and their gradients are summed every step (sum_shared) so the copies stay equal.
+        embedding = [k for k, _, _ in self.all_params if k.startswith("model.embed_tokens.")]
+        self.tied_keys = embedding if "lm_head" not in self.model and self.stages > 1 else []
+        if not self.first and not (self.last and self.tied_keys):
             self.inner.embed_tokens.freeze()
         if not self.last:
             self.inner.norm.freeze()
@@ -248,28 +253,32 @@ def target_tokens(lengths: mx.array, width: int) -> mx.array:
     return target_mask(lengths, width - 1).sum()
 
 
-def sum_over_replicas(stage: PipelineStage, grads: Any) -> Any:
-    """Sum a stage's gradients over its data-parallel peers, without sub-groups.
+def sum_shared(stage: PipelineStage, grads: Any) -> Any:
+    """Sum gradients over a stage's data-parallel peers and over the tied table's two copies.
 
     Ring and JACCL have no Group.split, so one world all_sum runs over a buffer with a
-    slot for every trained parameter of the model: each rank fills its own stage's
-    slots and leaves the rest zero, so each slot adds up exactly that stage's replicas.
+    slot for every trained parameter of the model (with dp 1, only the tied table's):
+    each rank fills the slots of what it trains and leaves the rest zero, so each slot
+    adds up exactly the ranks that hold that parameter. A tied table is held by the
+    first and the last stage of every replica, so it gets the total of both uses.
     """
     from mlx.utils import tree_flatten, tree_unflatten
 
-    if stage.mesh.dp == 1:
+    keys = set(stage.tied_keys) if stage.mesh.dp == 1 else {k for k, _, _ in stage.all_params}
+    if not keys:
         return grads
     own = dict(tree_flatten(grads))
+    slots = [(k, shape) for k, shape, _ in stage.all_params if k in keys]
     parts = [own[k].reshape(-1).astype(mx.float32) if k in own else mx.zeros((int(np.prod(shape)),), mx.float32)
-             for k, shape, _ in stage.all_params]
+             for k, shape in slots]
     total = stage.mesh.all_sum(mx.concatenate(parts))
-    out, start = [], 0
-    for k, shape, dtype in stage.all_params:
+    out, start = dict(own), 0
+    for k, shape in slots:
         size = int(np.prod(shape))
         if k in own:
-            out.append((k, total[start:start + size].reshape(shape).astype(own[k].dtype)))
+            out[k] = total[start:start + size].reshape(shape).astype(own[k].dtype)
         start += size
-    return tree_unflatten(out)
+    return tree_unflatten(list(out.items()))
 
 
 def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
@@ -284,7 +293,7 @@ def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, le
     n_local = target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
     mesh = stage.mesh
     n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
-    grads = sum_over_replicas(stage, grads)
+    grads = sum_shared(stage, grads)
     grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
     optimizer.update(stage.model, grads)
     # Only last stages have the loss; a world all_sum gives it to everyone.
@@ -293,18 +302,21 @@ def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, le
     return loss, n_local
 
 
-def gather_parameters(model: nn.Module, keys: list[str], mesh: Mesh) -> dict[str, mx.array]:
+def gather_parameters(stage: PipelineStage, keys: list[str]) -> dict[str, mx.array]:
     """The current values of `keys` from whichever stage trains each, on every rank.
 
     Each rank contributes the parameters it trains and zeros for the rest; one world
-    all_sum per parameter adds them up (works on every backend, ring included).
+    all_sum per parameter adds them up (works on every backend, ring included). A tied
+    table counts from the first stage only (the last holds an equal copy).
     """
     from mlx.utils import tree_flatten
 
-    values = dict(tree_flatten(model.parameters()))
-    own = set(dict(tree_flatten(model.trainable_parameters())))
+    values = dict(tree_flatten(stage.model.parameters()))
+    own = set(dict(tree_flatten(stage.model.trainable_parameters())))
+    if not stage.first:
+        own -= set(stage.tied_keys)
     # Each stage's replicas hold equal copies: the world sum counts each dp times.
-    out = {k: mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) / mesh.dp for k in keys}
+    out = {k: stage.mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) / stage.mesh.dp for k in keys}
     mx.eval(out)
     return out
 
