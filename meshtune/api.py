@@ -177,7 +177,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
         stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=cfg.parallel.stage_layers)
         actions = build_schedule_actions(cfg.parallel.schedule, mesh.pp, micro_batches)
-        pipeline = stage_runner(stage, actions, micro_batches, optimizer)
+        pipeline = stage_runner(stage, actions, micro_batches, optimizer,
+                                accumulation=cfg.train.grad_accumulation_steps, max_grad_norm=cfg.train.max_grad_norm)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in stage.bounds))
 
@@ -185,7 +186,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         """All trained weights; on a pipeline, gathered from every stage (a collective)."""
         if stage is None:
             return ad.trainable_parameters(model)
-        from .parallel.pipeline import gather_parameters
+        from .parallel.pipeline_state import gather_parameters
 
         weights = gather_parameters(stage, trainable_keys)
         model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
@@ -194,7 +195,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     resolved = cfg.to_dict()
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
-        start = _restore(out, model, optimizer, batches, resolved)
+        start = _restore(out, model, optimizer, batches, resolved, stage)
         if mesh.is_writer:
             _drop_metrics_after(out, start.step)
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
@@ -209,9 +210,14 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
     def save(state: TrainingState) -> None:
         weights = current_weights()
+        optimizer_state = optimizer.state
+        if stage is not None:  # every stage's slots, in one process's layout (a collective)
+            from .parallel.pipeline_state import gather_optimizer_state
+
+            optimizer_state = gather_optimizer_state(stage, optimizer)
         if not mesh.is_writer:
             return
-        save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
+        save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer_state,
                         config=resolved, keep=cfg.output.keep_checkpoints)
         atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
 
@@ -248,8 +254,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
 
 def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
-             resolved: dict[str, Any]) -> TrainingState:
+             resolved: dict[str, Any], stage: Any = None) -> TrainingState:
     """Load the newest checkpoint into model, optimizer and data cursor.
+
+    A pipeline stage loads every weight (eval runs the whole model) and keeps the
+    optimizer slots of what it trains; checkpoints hold the whole model's.
 
     The RNG needs no restoring: the loop reseeds it from (seed, step) every step.
     """
@@ -264,8 +273,18 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     if changed:
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
                          "resume with the run's own settings or start a new --adapter-path")
-    ad.load_trainable(model, path / "adapters.safetensors")
-    optimizer.state = ckpt.optimizer_state
+    if stage is None:
+        ad.load_trainable(model, path / "adapters.safetensors")
+        optimizer.state = ckpt.optimizer_state
+    else:
+        from .parallel.pipeline_state import stage_optimizer_state
+
+        expected = {k for k, _, _ in stage.all_params}
+        if set(ckpt.trainable) != expected:
+            raise ValueError(f"--resume: {path / 'adapters.safetensors'} does not hold this model's trained "
+                             "parameters; resume with the run's own model and adapter settings")
+        model.load_weights(list(ckpt.trainable.items()), strict=False)
+        optimizer.state = stage_optimizer_state(stage, dict(tree_flatten(ckpt.optimizer_state)))
     optimizer.init(model.trainable_parameters())
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
@@ -284,10 +303,6 @@ def _declared_layers(model_path: Path) -> int | None:
 def _check_pipeline_limits(cfg: Config, mesh: Mesh) -> None:
     """What the pipeline path does not do yet, said before anything loads."""
     problems = []
-    if cfg.train.grad_accumulation_steps > 1:
-        problems.append("train.grad_accumulation_steps must be 1 with a pipeline; raise parallel.micro_batches")
-    if cfg.output.resume:
-        problems.append("--resume of a pipeline run is not available yet (checkpoints hold rank 0's optimizer state)")
     if cfg.train.grad_checkpoint:
         problems.append("train.grad_checkpoint with a pipeline is not needed: stages recompute their forward")
     if problems:

@@ -129,42 +129,85 @@ def test_tied_embedding_copies_stay_equal_and_match_one_process(tmp_path, kind):
     ("1f1b", "lora", 2, 2, ("--parallel.stage_layers", "[3,1]")),  # an uneven split
 ])
 def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp, extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cli = [sys.executable, "-m", "meshtune.cli"]
-    args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
-            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8",
-            "--fine-tune-type", kind]
-    one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
-                          "--parallel.schedule", schedule, "--parallel.micro_batches", "4", *extra,
-                          "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    two = _train_both(tmp_path, ["--fine-tune-type", kind], ranks, pp,
+                      ["--parallel.schedule", schedule, "--parallel.micro_batches", "4", *extra])
     assert f"pipeline: {pp} stages, {schedule} schedule, 4 micro-batches" in two.stdout
     if extra:
         assert "pipeline blocks per stage: 3 [0, 3), 1 [3, 4)" in two.stdout
     for rank in range(ranks):
         assert f"[rank {rank}] rank {rank} finished at step 4" in two.stdout
-
-    def records(run):
-        return [json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = records("one"), records("two")
-    assert [(r["type"], r["step"], r["tokens"]) for r in a] == [(r["type"], r["step"], r["tokens"]) for r in b]
-    for x, y in zip(a, b):
-        key = "loss" if x["type"] == "train" else "val_loss"
-        assert y[key] == pytest.approx(x[key], rel=1e-5)
-    wa, wb = mx.load(str(tmp_path / "one" / "adapters.safetensors")), mx.load(str(tmp_path / "two" / "adapters.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert mx.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5), k
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
     from mlx_lm.utils import load
 
     from conftest import TINY_MODEL
 
     load(str(TINY_MODEL), adapter_path=str(tmp_path / "two"))  # stock mlx-lm loads the assembled adapters
+
+
+def test_pipeline_with_accumulation_and_clipping_matches_one_process(tmp_path):
+    # Two batches per step (and a norm that clips): the stages add both batches' gradients before the update.
+    _train_both(tmp_path, ["--fine-tune-type", "lora", "--train.grad_accumulation_steps", "2",
+                           "--train.max_grad_norm", "0.05", "--batch-size", "4"], 2, 2, ["--parallel.micro_batches", "2"])
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path):
+    # Adam, so the optimizer state matters; 4 steps saving every 2, then --resume to 6.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cli = [sys.executable, "-m", "meshtune.cli"]
+    args = ["train", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
+            "--train.val_batches", "2", "--optimizer", "adam", "--learning-rate", "0.001", "--batch-size", "8"]
+    two = [*cli, "launch", "-n", "2", "--", *cli, *args, "--parallel.pp", "2"]
+
+    def run(command, *more):
+        proc = subprocess.run([*command, *more], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc
+
+    run([*cli, *args], "--iters", "6", "--adapter-path", str(tmp_path / "one"))
+    run(two, "--iters", "6", "--adapter-path", str(tmp_path / "whole"))
+    run(two, "--iters", "4", "--adapter-path", str(tmp_path / "parts"))
+    assert "resumed from step 4" in run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
+    _assert_same_run(tmp_path / "whole", tmp_path / "parts", exact=True)
+    _assert_same_run(tmp_path / "one", tmp_path / "whole", atol=1e-4)  # Adam's m / sqrt(v) magnifies rounding
+    # The pipeline's checkpoints hold the whole model's state in one process's layout.
+    for name in ("adapters.safetensors", "optimizer.safetensors"):
+        one, pipe = (mx.load(str(tmp_path / r / "checkpoints" / "0000004" / name)) for r in ("one", "parts"))
+        assert one.keys() == pipe.keys(), name
+        for k in one:
+            assert mx.allclose(one[k], pipe[k], rtol=1e-3, atol=1e-4), (name, k)
+
+
+def _train_both(tmp_path, common, ranks, pp, pipeline_only):
+    """`meshtune train` for 4 steps on one process (tmp_path/one) and on a pipeline (tmp_path/two)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cli = [sys.executable, "-m", "meshtune.cli"]
+    args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
+            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8", *common]
+    one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
+                          *pipeline_only, "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    return two
+
+
+def _assert_same_run(a_dir, b_dir, exact=False, atol=1e-5):
+    """Same reports (steps, tokens, losses) and final adapters; bit for bit when `exact`."""
+    def records(folder):
+        return [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = records(a_dir), records(b_dir)
+    assert [(r["type"], r["step"], r["tokens"]) for r in a] == [(r["type"], r["step"], r["tokens"]) for r in b]
+    for x, y in zip(a, b):
+        key = "loss" if x["type"] == "train" else "val_loss"
+        assert y[key] == (x[key] if exact else pytest.approx(x[key], rel=1e-5)), (x, y)
+    wa, wb = mx.load(str(a_dir / "adapters.safetensors")), mx.load(str(b_dir / "adapters.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert mx.array_equal(wa[k], wb[k]) if exact else mx.allclose(wa[k], wb[k], rtol=1e-4, atol=atol), k
 
 
 def test_bench_pipeline_prints_table_and_json():

@@ -281,54 +281,71 @@ def sum_shared(stage: PipelineStage, grads: Any) -> Any:
     return tree_unflatten(list(out.items()))
 
 
-def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
-                  micro_batches: int, optimizer: Any) -> tuple[mx.array, mx.array]:
-    """One optimizer step of a pipeline replica; (global token-weighted loss, local tokens).
-
-    The global token count adds every replica's batch: each pipeline's last stage
-    contributes its count to one world all_sum.
-    """
+def stage_gradients(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
+                    micro_batches: int) -> tuple[mx.array, Any, mx.array]:
+    """(loss sum, summed gradients, local target tokens) of one batch through this stage."""
     micro = split_micro_batches(tokens, lengths, micro_batches)
     loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro)
-    n_local = target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
+    return loss_sum, grads, target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
+
+
+def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimizer: Any,
+                    max_grad_norm: float = 0.0) -> mx.array:
+    """Sum shared gradients, divide by the global token count, clip, update; returns that count.
+
+    The global count adds every replica's tokens: each pipeline's last stage
+    contributes its count to one world all_sum. The clipping norm adds every stage's
+    squares once (replica 0's, the tied table's first copy), as one process would.
+    """
     mesh = stage.mesh
     n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
-    grads = sum_shared(stage, grads)
-    grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
+    grads = tree_map(lambda g: g / n.astype(g.dtype), sum_shared(stage, grads))
+    if max_grad_norm > 0:
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        flat = dict(tree_flatten(grads))
+        counted = [g for k, g in flat.items() if mesh.dp_rank == 0 and (stage.first or k not in stage.tied_keys)]
+        square = sum((g.astype(mx.float32).square().sum() for g in counted), mx.array(0.0))
+        scale = mx.minimum(max_grad_norm / (mx.sqrt(mesh.all_sum(square)) + 1e-6), 1.0)  # optim.clip_grad_norm's
+        grads = tree_unflatten([(k, g * scale.astype(g.dtype)) for k, g in flat.items()])
     optimizer.update(stage.model, grads)
+    mx.eval(stage.model.state, optimizer.state)
+    return n
+
+
+def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
+                  micro_batches: int, optimizer: Any) -> tuple[mx.array, mx.array]:
+    """One optimizer step on one batch; (global token-weighted loss, local tokens)."""
+    loss_sum, grads, n_local = stage_gradients(stage, schedule, tokens, lengths, micro_batches)
+    n = apply_gradients(stage, grads, n_local, optimizer)
     # Only last stages have the loss; a world all_sum gives it to everyone.
-    loss = mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
-    mx.eval(stage.model.state, optimizer.state, loss)
+    loss = stage.mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
+    mx.eval(loss)
     return loss, n_local
 
 
-def gather_parameters(stage: PipelineStage, keys: list[str]) -> dict[str, mx.array]:
-    """The current values of `keys` from whichever stage trains each, on every rank.
+def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, optimizer: Any, *,
+                 accumulation: int = 1, max_grad_norm: float = 0.0) -> Any:
+    """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero.
 
-    Each rank contributes the parameters it trains and zeros for the rest; one world
-    all_sum per parameter adds them up (works on every backend, ring included). A tied
-    table counts from the first stage only (the last holds an equal copy).
+    The loop calls it `accumulation` times per optimizer step: gradients and token
+    counts add up over those batches and the update comes with the last, so the step
+    equals one process accumulating the same batches.
     """
-    from mlx.utils import tree_flatten
-
-    values = dict(tree_flatten(stage.model.parameters()))
-    own = set(dict(tree_flatten(stage.model.trainable_parameters())))
-    if not stage.first:
-        own -= set(stage.tied_keys)
-    # Each stage's replicas hold equal copies: the world sum counts each dp times.
-    out = {k: stage.mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) / stage.mesh.dp for k in keys}
-    mx.eval(out)
-    return out
-
-
-def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, optimizer: Any
-                 ) -> Any:
-    """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero."""
+    pending: dict[str, Any] = {"grads": None, "tokens": mx.array(0.0), "batches": 0}
 
     def run(batch: Any) -> tuple[mx.array, mx.array]:
-        loss, n = pipeline_step(stage, schedule, batch.tokens, batch.lengths, micro_batches, optimizer)
+        loss_sum, grads, n = stage_gradients(stage, schedule, batch.tokens, batch.lengths, micro_batches)
+        acc = pending["grads"]
+        pending["grads"] = grads if acc is None else tree_map(mx.add, acc, grads)
+        pending["tokens"] = pending["tokens"] + n
+        pending["batches"] += 1
+        mx.eval(pending["grads"], pending["tokens"])
+        if pending["batches"] == accumulation:
+            apply_gradients(stage, pending["grads"], pending["tokens"], optimizer, max_grad_norm)
+            pending.update(grads=None, tokens=mx.array(0.0), batches=0)
         if not stage.last:
             return mx.array(0.0), mx.array(0)
-        return loss * n, n.astype(mx.int32)
+        return loss_sum, n.astype(mx.int32)
 
     return run
