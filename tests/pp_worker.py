@@ -39,9 +39,11 @@ def make_model_and_batch(kind: str = "lora"):
 def main() -> None:
     schedule_name, micro_batches, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     kind = sys.argv[4] if len(sys.argv) > 4 else "lora"
+    transfer = sys.argv[5] if len(sys.argv) > 5 else None  # "all_sum": the NCCL path, forced on ring
     model, tokens, lengths = make_model_and_batch(kind)
     mesh = Mesh.from_world(mx.distributed.init(), pp=2)
-    stage = PipelineStage(model, mesh.rank, 2, mesh)
+    stage = PipelineStage(model, mesh.rank, 2, mesh, transfer=transfer)
+    print(f"TRANSFER {stage.links.mode}", flush=True)
     schedule = build(schedule_name, 2, micro_batches)
     opt = optim.SGD(learning_rate=0.1)
     losses = [pipeline_step(stage, schedule, tokens, lengths, micro_batches, opt)[0].item() for _ in range(2)]

@@ -16,6 +16,7 @@ from conftest import ROOT, tiny_llama
 from meshtune.api import finetune
 from meshtune.config import Config, ConfigError
 from meshtune.mesh import Mesh
+from meshtune.parallel.p2p import Links
 from meshtune.parallel.pipeline import balanced_split, check_stage_layers, split_stages
 from meshtune.train import build_step
 
@@ -64,6 +65,13 @@ def test_finetune_rejects_a_split_that_does_not_sum_before_loading(tmp_path):
         finetune(cfg, mesh, log=lambda _: None)
 
 
+def test_transfers_pick_all_sum_by_backend_name():
+    assert Links(Mesh(group=None, world_size=1, rank=0, dp=1, pp=1, backend="ring")).mode == "send"
+    assert Links(Mesh(group=None, world_size=2, rank=0, dp=1, pp=2, backend="nccl")).pairs == {1: None}
+    with pytest.raises(ValueError, match="transfer mode 'bcast'"):
+        Links(Mesh.single(), "bcast")
+
+
 def _reference(kind="lora"):
     sys.path.insert(0, str(ROOT / "tests"))
     from pp_worker import make_model_and_batch
@@ -80,21 +88,26 @@ def _reference(kind="lora"):
     return losses, dict(tree_flatten(model.trainable_parameters()))
 
 
-def _two_stages(tmp_path, schedule, micro_batches, kind="lora"):
+def _two_stages(tmp_path, schedule, micro_batches, kind="lora", transfer="send"):
     """Run tests/pp_worker.py on 2 ranks; (losses, rank 0's weights, rank 1's weights)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", sys.executable,
-                           str(ROOT / "tests" / "pp_worker.py"), schedule, str(micro_batches), str(tmp_path), kind],
+                           str(ROOT / "tests" / "pp_worker.py"), schedule, str(micro_batches), str(tmp_path), kind,
+                           transfer],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     per_rank = [json.loads(l.split("LOSSES ", 1)[1]) for l in proc.stdout.splitlines() if "LOSSES " in l]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]  # every rank reports the same loss
+    assert proc.stdout.count(f"TRANSFER {transfer}") == 2
     return per_rank[0], mx.load(str(tmp_path / "rank0.safetensors")), mx.load(str(tmp_path / "rank1.safetensors"))
 
 
-@pytest.mark.parametrize("schedule, micro_batches", [("naive", 2), ("gpipe", 4), ("1f1b", 4), ("1f1b", 1)])
-def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
-    losses, rank0, rank1 = _two_stages(tmp_path, schedule, micro_batches)
+@pytest.mark.parametrize("schedule, micro_batches, transfer", [
+    ("naive", 2, "send"), ("gpipe", 4, "send"), ("1f1b", 4, "send"), ("1f1b", 1, "send"),
+    ("1f1b", 4, "all_sum"), ("gpipe", 2, "all_sum"),  # NCCL's path (no send/recv), forced on the ring backend
+])
+def test_two_stages_match_one_process(tmp_path, schedule, micro_batches, transfer):
+    losses, rank0, rank1 = _two_stages(tmp_path, schedule, micro_batches, transfer=transfer)
     want_losses, want = _reference()
     # The pipeline reports the loss before each update, like the reference's step.
     assert losses == pytest.approx(want_losses, rel=1e-5)

@@ -1,4 +1,4 @@
-"""Pipeline stages: cut a model into contiguous blocks and run a schedule with send/recv.
+"""Pipeline stages: cut a model into contiguous blocks and run a schedule of transfers.
 
 Stage s of S owns blocks [start, end), balanced by parameter count or as
 `parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
@@ -27,6 +27,7 @@ from mlx.utils import tree_map
 
 from ..mesh import Mesh
 from ..losses import masked_ce_sum, target_mask
+from .p2p import Links
 from .schedules import Schedule
 
 
@@ -128,11 +129,15 @@ class PipelineStage:
     mesh: Mesh
     stage_layers: list[int] | None = None
     """Blocks per stage; None balances them by parameter count (split_stages)."""
+    transfer: str | None = None
+    """Stage-to-stage transfers: "send", "all_sum" (for backends without send) or None
+    to pick by the mesh's backend (p2p.Links)."""
 
     def __post_init__(self) -> None:
         from mlx.utils import tree_flatten
 
         self.inner, self.head = _parts(self.model)
+        self.links = Links(self.mesh, self.transfer)
         # Every trained parameter of the whole model, in one order all ranks share.
         self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
         self.bounds = split_stages(self.model, self.stages, self.stage_layers)
@@ -203,7 +208,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
 
     Each action is evaluated on its own, in order: a send and a recv never share an eval.
     """
-    group, rank = stage.mesh.group, stage.mesh.rank
+    rank = stage.mesh.rank
     inputs: dict[int, mx.array] = {}
     outputs: dict[int, mx.array] = {}
     grads_in: dict[int, mx.array] = {}
@@ -213,7 +218,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
         tokens, lengths = micro[act.mb]
         if act.kind == "recv_act":
             shape, dtype = stage.hidden_spec(tokens)
-            inputs[act.mb] = mx.distributed.recv(shape, dtype, rank - 1, group=group)
+            inputs[act.mb] = stage.links.recv(shape, dtype, rank - 1)
             mx.eval(inputs[act.mb])
         elif act.kind == "fwd":
             x = tokens[:, :-1] if stage.first else inputs[act.mb]
@@ -222,10 +227,10 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
                 outputs[act.mb] = stage.hidden(x)
                 mx.eval(outputs[act.mb])
         elif act.kind == "send_act":
-            mx.eval(mx.distributed.send(outputs.pop(act.mb), rank + 1, group=group))
+            mx.eval(stage.links.send(outputs.pop(act.mb), rank + 1))
         elif act.kind == "recv_grad":
             shape, dtype = stage.hidden_spec(tokens)
-            grads_in[act.mb] = mx.distributed.recv(shape, dtype, rank + 1, group=group)
+            grads_in[act.mb] = stage.links.recv(shape, dtype, rank + 1)
             mx.eval(grads_in[act.mb])
         elif act.kind == "bwd":
             value, grads, dx = stage.backward(inputs.pop(act.mb), tokens[:, 1:], lengths, grads_in.pop(act.mb, None))
@@ -236,7 +241,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
                 dxs[act.mb] = dx
             mx.eval(total_grads, loss_sum, dx if dx is not None else [])
         elif act.kind == "send_grad":
-            mx.eval(mx.distributed.send(dxs.pop(act.mb), rank - 1, group=group))
+            mx.eval(stage.links.send(dxs.pop(act.mb), rank - 1))
     return loss_sum, total_grads
 
 
