@@ -201,6 +201,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
     else:
         optimizer.init(model.trainable_parameters())
+    # What setup holds (weights, adapters, optimizer state): the rest of the peak is activations.
+    mx.eval(model.parameters(), optimizer.state)
+    setup_bytes = mx.get_active_memory()
+    mx.reset_peak_memory()
     if mesh.is_writer:
         out.mkdir(parents=True, exist_ok=True)
         extra = {"meshtune": resolved}
@@ -246,7 +250,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
-        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {mx.get_peak_memory() / 1e9:.4f} GB)",
+        peak = mx.get_peak_memory()
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {peak / 1e9:.4f} GB, "
+              f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,

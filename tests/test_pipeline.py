@@ -233,3 +233,6 @@ def test_bench_pipeline_prints_table_and_json():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["gpipe_over_naive_m2"] > 0 and result["1f1b_over_naive_m2"] > 0
     assert len(result["peak_gb_1f1b_m2"]) == 2 and result["peak_mem_1f1b_over_gpipe"] > 0
+    assert "activation GB per stage" in proc.stdout and "embedded tiny model" in proc.stdout
+    acts, peaks = result["act_gb_gpipe_m2"], result["peak_gb_gpipe_m2"]
+    assert len(acts) == 2 and all(0 < a < p for a, p in zip(acts, peaks))
