@@ -26,6 +26,7 @@ from .checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safete
 from .config import Config
 from .data import BatchIterator, Features, load_datasets
 from .mesh import Mesh
+from .parallel.pipeline import check_stage_layers
 from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
 from .outdir import check_free_space, check_writable
@@ -162,6 +163,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if not Path(data_path).is_dir():  # fail before the (possibly long) model load
         raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
                          "train.jsonl and valid.jsonl (and test.jsonl to test)")
+    if mesh.pp > 1 and (declared := _declared_layers(Path(model_path))) is not None:
+        check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)  # before the (possibly long) load
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
@@ -189,30 +192,36 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         from .parallel.schedules import build as build_schedule_actions
 
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
-        stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh)
+        stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=cfg.parallel.stage_layers)
         actions = build_schedule_actions(cfg.parallel.schedule, mesh.pp, micro_batches)
-        pipeline = stage_runner(stage, actions, micro_batches, optimizer)
+        pipeline = stage_runner(stage, actions, micro_batches, optimizer,
+                                accumulation=cfg.train.grad_accumulation_steps, max_grad_norm=cfg.train.max_grad_norm)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
+        say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in stage.bounds))
 
     def current_weights() -> dict[str, mx.array]:
         """All trained weights; on a pipeline, gathered from every stage (a collective)."""
         if stage is None:
             return ad.trainable_parameters(model)
-        from .parallel.pipeline import gather_parameters
+        from .parallel.pipeline_state import gather_parameters
 
-        weights = gather_parameters(model, trainable_keys, mesh)
+        weights = gather_parameters(stage, trainable_keys)
         model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
         return weights
 
     resolved = cfg.to_dict()
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
-        start = _restore(out, model, optimizer, batches, resolved, say)
+        start = _restore(out, model, optimizer, batches, resolved, say, stage)
         if mesh.is_writer:
             _drop_metrics_after(out, start.step)
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
     else:
         optimizer.init(model.trainable_parameters())
+    # What setup holds (weights, adapters, optimizer state): the rest of the peak is activations.
+    mx.eval(model.parameters(), optimizer.state)
+    setup_bytes = mx.get_active_memory()
+    mx.reset_peak_memory()
     if mesh.is_writer:
         # Only now, with every input checked, does an overwrite remove the earlier run.
         if cfg.output.overwrite and not cfg.output.resume and out.exists():
@@ -226,9 +235,14 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
     def save(state: TrainingState) -> None:
         weights = current_weights()
+        optimizer_state = optimizer.state
+        if stage is not None:  # every stage's slots, in one process's layout (a collective)
+            from .parallel.pipeline_state import gather_optimizer_state
+
+            optimizer_state = gather_optimizer_state(stage, optimizer)
         if not mesh.is_writer:
             return
-        save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
+        save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer_state,
                         config=resolved, keep=cfg.output.keep_last_n)
         try:
             atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
@@ -260,7 +274,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
-        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {mx.get_peak_memory() / 1e9:.4f} GB)",
+        peak = mx.get_peak_memory()
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {peak / 1e9:.4f} GB, "
+              f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
@@ -268,11 +284,13 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
 
 def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
-             resolved: dict[str, Any], say: Callable[[str], None]) -> TrainingState:
+             resolved: dict[str, Any], say: Callable[[str], None], stage: Any = None) -> TrainingState:
     """Load the newest intact checkpoint into model, optimizer and data cursor.
 
-    Damaged ones (checksums, missing files) are skipped with a line each. The RNG
-    needs no restoring: the loop reseeds it from (seed, step) every step.
+    Damaged ones (checksums, missing files) are skipped with a line each. A pipeline
+    stage loads every weight (eval runs the whole model) and keeps the optimizer
+    slots of what it trains; checkpoints hold the whole model's. The RNG needs no
+    restoring: the loop reseeds it from (seed, step) every step.
     """
     path = resumable_checkpoint(out, say)
     if path is None:
@@ -287,20 +305,36 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     if changed:
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
                          "resume with the run's own settings or start a new --adapter-path")
-    ad.load_trainable(model, path / "adapters.safetensors")
-    optimizer.state = ckpt.optimizer_state
+    if stage is None:
+        ad.load_trainable(model, path / "adapters.safetensors")
+        optimizer.state = ckpt.optimizer_state
+    else:
+        from .parallel.pipeline_state import stage_optimizer_state
+
+        expected = {k for k, _, _ in stage.all_params}
+        if set(ckpt.trainable) != expected:
+            raise ValueError(f"--resume: {path / 'adapters.safetensors'} does not hold this model's trained "
+                             "parameters; resume with the run's own model and adapter settings")
+        model.load_weights(list(ckpt.trainable.items()), strict=False)
+        optimizer.state = stage_optimizer_state(stage, dict(tree_flatten(ckpt.optimizer_state)))
     optimizer.init(model.trainable_parameters())
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
 
 
+def _declared_layers(model_path: Path) -> int | None:
+    """The block count a local model folder's config.json declares (None when unknown)."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    return layers if isinstance(layers, int) else None
+
+
 def _check_pipeline_limits(cfg: Config, mesh: Mesh) -> None:
     """What the pipeline path does not do yet, said before anything loads."""
     problems = []
-    if cfg.train.grad_accumulation_steps > 1:
-        problems.append("train.grad_accumulation_steps must be 1 with a pipeline; raise parallel.micro_batches")
-    if cfg.output.resume:
-        problems.append("--resume of a pipeline run is not available yet (checkpoints hold rank 0's optimizer state)")
     if cfg.train.grad_checkpoint:
         problems.append("train.grad_checkpoint with a pipeline is not needed: stages recompute their forward")
     if problems:

@@ -192,6 +192,10 @@ class ParallelConfig:
     """Pipeline schedule: naive, gpipe or 1f1b."""
     micro_batches: int = 0
     """Micro-batches per local batch in the pipeline; 0 uses pp."""
+    stage_layers: list[int] | None = None
+    """Transformer blocks per pipeline stage, e.g. [5, 3]: pp counts of at least 1 that
+    add up to the model's blocks; unset balances stages by parameter count (the
+    embedding counts on the first stage, final norm and head on the last)."""
     grad_sync: Literal["after_backward", "overlap"] = "after_backward"
     """after_backward: bucketed all-reduce once the backward is done (stock mlx-lm);
     overlap: buckets in reverse layer order on a communication stream, each free to
@@ -444,6 +448,9 @@ class Config:
             bad("train.batch_size", batch, f"must be divisible by the {dp} data-parallel ranks; "
                                            f"the nearest valid sizes are {nearest}")
             return
+        if p.stage_layers is not None and (len(p.stage_layers) != p.pp or min(p.stage_layers, default=0) < 1):
+            bad("parallel.stage_layers", p.stage_layers,
+                f"give {p.pp} block counts (one per stage of parallel.pp), each at least 1; or unset it")
         micro = p.micro_batches or p.pp
         if p.pp > 1 and (batch // dp) % micro:
             local = batch // dp

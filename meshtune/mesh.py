@@ -10,7 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import os
+
 import mlx.core as mx
+
+
+def launcher_backend() -> str:
+    """The backend `mx.distributed.init()` joined, read from the launcher's environment.
+
+    MLX's Group does not say which backend it runs on; mlx.launch sets NCCL_HOST_IP for
+    nccl and MLX_HOSTFILE for ring (as does meshtune launch). "" when neither is set.
+    """
+    if os.environ.get("NCCL_HOST_IP"):
+        return "nccl"
+    if os.environ.get("MLX_IBV_DEVICES") or os.environ.get("MLX_JACCL_COORDINATOR"):
+        return "jaccl"
+    return "ring" if os.environ.get("MLX_HOSTFILE") else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +37,8 @@ class Mesh:
     rank: int
     dp: int
     pp: int
+    backend: str = ""
+    """Distributed backend name (ring, nccl, jaccl, mpi); "" for one process or unknown."""
 
     @classmethod
     def single(cls) -> "Mesh":
@@ -29,8 +46,11 @@ class Mesh:
         return cls(group=None, world_size=1, rank=0, dp=1, pp=1)
 
     @classmethod
-    def from_world(cls, group: Any = None, *, pp: int = 1) -> "Mesh":
-        """A mesh over `group` (default: `mx.distributed.init()`), pp stages x dp replicas."""
+    def from_world(cls, group: Any = None, *, pp: int = 1, backend: str | None = None) -> "Mesh":
+        """A mesh over `group` (default: `mx.distributed.init()`), pp stages x dp replicas.
+
+        `backend` names the group's backend; None reads it from the launcher's environment.
+        """
         group = mx.distributed.init() if group is None else group
         size = group.size()
         if pp < 1 or size % pp:
@@ -38,7 +58,8 @@ class Mesh:
                 f"parallel.pp={pp} does not divide the world size {size}; "
                 "choose pp so that dp * pp == number of ranks"
             )
-        return cls(group=group, world_size=size, rank=group.rank(), dp=size // pp, pp=pp)
+        return cls(group=group, world_size=size, rank=group.rank(), dp=size // pp, pp=pp,
+                   backend=launcher_backend() if backend is None else backend)
 
     # Pipelines are contiguous ranks (rank = dp_rank * pp + pp_rank): the ring backend
     # sends only to ring neighbours, and a stage talks to stages s - 1 and s + 1.
@@ -67,5 +88,7 @@ class Mesh:
         """True when any rank says True (ranks stop or save together)."""
         if self.world_size == 1:
             return flag
-        total = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=mx.cpu)
+        # NCCL reduces only on the GPU; ring and JACCL only on the CPU.
+        stream = None if self.backend == "nccl" else mx.cpu
+        total = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=stream)
         return total.item() > 0

@@ -19,9 +19,14 @@ from meshtune.parallel.pipeline import PipelineStage, pipeline_step  # noqa: E40
 from meshtune.parallel.schedules import build  # noqa: E402
 
 
-def make_model_and_batch():
+def make_model_and_batch(kind: str = "lora"):
+    """The tied tiny model: LoRA on the blocks, LoRA also on the tied table, or everything trained."""
     model = tiny_llama(layers=4, dim=32, vocab=64, seed=0)
-    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=4, scale=10.0, dropout=0.0)
+    if kind == "full":
+        model.unfreeze()
+    else:
+        keys = ["self_attn.q_proj", "mlp.down_proj", "model.embed_tokens"] if kind == "lora-embed" else None
+        apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=keys, rank=4, scale=10.0, dropout=0.0)
     for _, m in model.named_modules():
         if "lora_b" in m:
             m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(1)) * 0.01
@@ -33,9 +38,12 @@ def make_model_and_batch():
 
 def main() -> None:
     schedule_name, micro_batches, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    model, tokens, lengths = make_model_and_batch()
+    kind = sys.argv[4] if len(sys.argv) > 4 else "lora"
+    transfer = sys.argv[5] if len(sys.argv) > 5 else None  # "all_sum": the NCCL path, forced on ring
+    model, tokens, lengths = make_model_and_batch(kind)
     mesh = Mesh.from_world(mx.distributed.init(), pp=2)
-    stage = PipelineStage(model, mesh.rank, 2, mesh)
+    stage = PipelineStage(model, mesh.rank, 2, mesh, transfer=transfer)
+    print(f"TRANSFER {stage.links.mode}", flush=True)
     schedule = build(schedule_name, 2, micro_batches)
     opt = optim.SGD(learning_rate=0.1)
     losses = [pipeline_step(stage, schedule, tokens, lengths, micro_batches, opt)[0].item() for _ in range(2)]

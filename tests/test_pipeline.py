@@ -12,24 +12,71 @@ import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import ROOT
+from conftest import ROOT, tiny_llama
+from meshtune.api import finetune
+from meshtune.config import Config, ConfigError
 from meshtune.mesh import Mesh
-from meshtune.parallel.pipeline import stage_bounds
+from meshtune.parallel.p2p import Links
+from meshtune.parallel.pipeline import balanced_split, check_stage_layers, split_stages
 from meshtune.train import build_step
 
 
-def test_stage_bounds():
-    assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
-    assert stage_bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
-    with pytest.raises(ValueError, match="parallel.pp=5 stages for a model of 4 blocks"):
-        stage_bounds(4, 5)
+def test_balanced_split_minimises_the_costliest_stage():
+    assert balanced_split([1] * 4, 2) == [2, 2]
+    assert balanced_split([1] * 7, 3) == [2, 2, 3] or balanced_split([1] * 7, 3) == [3, 2, 2]
+    assert max(balanced_split([1] * 7, 3)) == 3
+    # A large embedding (first) and head (last) leave those stages fewer blocks.
+    assert balanced_split([1] * 8, 2, first_extra=4) == [2, 6]
+    assert balanced_split([1] * 8, 3, first_extra=2, last_extra=2) == [2, 4, 2]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert balanced_split([1, 1, 1], 3) == [1, 1, 1]
 
 
-def _reference():
+def test_split_follows_parameter_counts_and_explicit_layers():
+    model = tiny_llama(layers=8, dim=32, vocab=512)  # the tied table (16k) is ~1.8 blocks (9k), on both ends
+    assert [e - s for s, e in split_stages(model, 2)] == [4, 4]
+    assert [e - s for s, e in split_stages(model, 3)] == [2, 4, 2]
+    assert split_stages(model, 2, [5, 3]) == [(0, 5), (5, 8)]
+    assert [e - s for s, e in split_stages(tiny_llama(layers=8, dim=32, vocab=64), 3)] in ([3, 3, 2], [2, 3, 3])
+
+
+@pytest.mark.parametrize("stage_layers, stages, match", [
+    (None, 5, "parallel.pp=5 stages for a model of 4 blocks"),
+    ([4, 0], 2, r"parallel.stage_layers=\[4, 0\]: give 2 block counts"),
+    ([1, 1, 2], 2, r"parallel.stage_layers=\[1, 1, 2\]: give 2 block counts"),
+    ([2, 3], 2, r"parallel.stage_layers=\[2, 3\] sums to 5 but the model has 4 blocks"),
+])
+def test_bad_splits_name_the_option(stage_layers, stages, match):
+    with pytest.raises(ValueError, match=match):
+        check_stage_layers(stage_layers, stages, 4)
+
+
+def test_config_validate_rejects_stage_layers_that_do_not_fit_pp():
+    cfg = Config.from_dict({"parallel": {"pp": 2, "stage_layers": [1, 1, 2]}})
+    with pytest.raises(ConfigError, match=r"parallel.stage_layers = \[1, 1, 2\]: give 2 block counts"):
+        cfg.validate(world_size=2)
+    Config.from_dict({"parallel": {"pp": 2, "stage_layers": [3, 1]}}).validate(world_size=2)
+
+
+def test_finetune_rejects_a_split_that_does_not_sum_before_loading(tmp_path):
+    cfg = Config.from_dict({"parallel": {"pp": 2, "stage_layers": [3, 3]}, "output": {"adapter_path": str(tmp_path)}})
+    mesh = Mesh(group=None, world_size=2, rank=0, dp=1, pp=2)  # never reaches a collective
+    with pytest.raises(ValueError, match=r"parallel.stage_layers=\[3, 3\] sums to 6 but the model has 4 blocks"):
+        finetune(cfg, mesh, log=lambda _: None)
+
+
+def test_transfers_pick_all_sum_by_backend_name():
+    assert Links(Mesh(group=None, world_size=1, rank=0, dp=1, pp=1, backend="ring")).mode == "send"
+    assert Links(Mesh(group=None, world_size=2, rank=0, dp=1, pp=2, backend="nccl")).pairs == {1: None}
+    with pytest.raises(ValueError, match="transfer mode 'bcast'"):
+        Links(Mesh.single(), "bcast")
+
+
+def _reference(kind="lora"):
     sys.path.insert(0, str(ROOT / "tests"))
     from pp_worker import make_model_and_batch
 
-    model, tokens, lengths = make_model_and_batch()
+    model, tokens, lengths = make_model_and_batch(kind)
     opt = optim.SGD(learning_rate=0.1)
     opt.init(model.trainable_parameters())
     step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=False)
@@ -41,65 +88,139 @@ def _reference():
     return losses, dict(tree_flatten(model.trainable_parameters()))
 
 
-@pytest.mark.parametrize("schedule, micro_batches", [("naive", 2), ("gpipe", 4), ("1f1b", 4), ("1f1b", 1)])
-def test_two_stages_match_one_process(tmp_path, schedule, micro_batches):
+def _two_stages(tmp_path, schedule, micro_batches, kind="lora", transfer="send"):
+    """Run tests/pp_worker.py on 2 ranks; (losses, rank 0's weights, rank 1's weights)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", sys.executable,
-                           str(ROOT / "tests" / "pp_worker.py"), schedule, str(micro_batches), str(tmp_path)],
+                           str(ROOT / "tests" / "pp_worker.py"), schedule, str(micro_batches), str(tmp_path), kind,
+                           transfer],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     per_rank = [json.loads(l.split("LOSSES ", 1)[1]) for l in proc.stdout.splitlines() if "LOSSES " in l]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]  # every rank reports the same loss
+    assert proc.stdout.count(f"TRANSFER {transfer}") == 2
+    return per_rank[0], mx.load(str(tmp_path / "rank0.safetensors")), mx.load(str(tmp_path / "rank1.safetensors"))
+
+
+@pytest.mark.parametrize("schedule, micro_batches, transfer", [
+    ("naive", 2, "send"), ("gpipe", 4, "send"), ("1f1b", 4, "send"), ("1f1b", 1, "send"),
+    ("1f1b", 4, "all_sum"), ("gpipe", 2, "all_sum"),  # NCCL's path (no send/recv), forced on the ring backend
+])
+def test_two_stages_match_one_process(tmp_path, schedule, micro_batches, transfer):
+    losses, rank0, rank1 = _two_stages(tmp_path, schedule, micro_batches, transfer=transfer)
     want_losses, want = _reference()
     # The pipeline reports the loss before each update, like the reference's step.
-    assert per_rank[0] == pytest.approx(want_losses, rel=1e-5)
-    got = {**mx.load(str(tmp_path / "rank0.safetensors")), **mx.load(str(tmp_path / "rank1.safetensors"))}
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    got = {**rank0, **rank1}
     assert got.keys() == want.keys()
     for k in want:
         assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
 
 
-@pytest.mark.parametrize("schedule, kind, ranks, pp", [
-    ("gpipe", "lora", 2, 2), ("1f1b", "lora", 2, 2), ("1f1b", "dora", 2, 2), ("naive", "full", 2, 2),
-    ("1f1b", "lora", 3, 3),  # three stages
-    ("1f1b", "lora", 4, 2),  # DP2 x PP2 on the ring backend (no Group.split)
-    ("gpipe", "dora", 4, 2),
+@pytest.mark.parametrize("kind", ["full", "lora-embed"])
+def test_tied_embedding_copies_stay_equal_and_match_one_process(tmp_path, kind):
+    # The tiny model ties its head to the embedding: stage 0 looks tokens up in the
+    # table, stage 1 multiplies by it; both train a copy and sum their gradients.
+    losses, rank0, rank1 = _two_stages(tmp_path, "1f1b", 2, kind)
+    want_losses, want = _reference(kind)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    tied = [k for k in want if k.startswith("model.embed_tokens.")]
+    assert tied and all(k in rank0 and k in rank1 for k in tied)
+    for k in tied:
+        assert mx.array_equal(rank0[k], rank1[k]), k  # the two copies are identical, bit for bit
+    got = {**rank0, **rank1}
+    assert got.keys() == want.keys()
+    for k in want:
+        assert mx.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+
+
+@pytest.mark.parametrize("schedule, kind, ranks, pp, extra", [
+    ("gpipe", "lora", 2, 2, ()), ("1f1b", "lora", 2, 2, ()), ("1f1b", "dora", 2, 2, ()), ("naive", "full", 2, 2, ()),
+    ("1f1b", "lora", 3, 3, ()),  # three stages
+    ("1f1b", "lora", 4, 2, ()),  # DP2 x PP2 on the ring backend (no Group.split)
+    ("gpipe", "dora", 4, 2, ()),
+    ("1f1b", "lora", 2, 2, ("--parallel.stage_layers", "[3,1]")),  # an uneven split
 ])
-def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cli = [sys.executable, "-m", "meshtune.cli"]
-    args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
-            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8",
-            "--fine-tune-type", kind]
-    one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
-                          "--parallel.schedule", schedule, "--parallel.micro_batches", "4",
-                          "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp, extra):
+    two = _train_both(tmp_path, ["--fine-tune-type", kind], ranks, pp,
+                      ["--parallel.schedule", schedule, "--parallel.micro_batches", "4", *extra])
     assert f"pipeline: {pp} stages, {schedule} schedule, 4 micro-batches" in two.stdout
+    if extra:
+        assert "pipeline blocks per stage: 3 [0, 3), 1 [3, 4)" in two.stdout
     for rank in range(ranks):
         assert f"[rank {rank}] rank {rank} finished at step 4" in two.stdout
-
-    def records(run):
-        return [json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = records("one"), records("two")
-    assert [(r["type"], r["step"], r["tokens"]) for r in a] == [(r["type"], r["step"], r["tokens"]) for r in b]
-    for x, y in zip(a, b):
-        key = "loss" if x["type"] == "train" else "val_loss"
-        assert y[key] == pytest.approx(x[key], rel=1e-5)
-    wa, wb = mx.load(str(tmp_path / "one" / "adapters.safetensors")), mx.load(str(tmp_path / "two" / "adapters.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert mx.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5), k
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
     from mlx_lm.utils import load
 
     from conftest import TINY_MODEL
 
     load(str(TINY_MODEL), adapter_path=str(tmp_path / "two"))  # stock mlx-lm loads the assembled adapters
+
+
+def test_pipeline_with_accumulation_and_clipping_matches_one_process(tmp_path):
+    # Two batches per step (and a norm that clips): the stages add both batches' gradients before the update.
+    _train_both(tmp_path, ["--fine-tune-type", "lora", "--train.grad_accumulation_steps", "2",
+                           "--train.max_grad_norm", "0.05", "--batch-size", "4"], 2, 2, ["--parallel.micro_batches", "2"])
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path):
+    # Adam, so the optimizer state matters; 4 steps saving every 2, then --resume to 6.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cli = [sys.executable, "-m", "meshtune.cli"]
+    args = ["train", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
+            "--train.val_batches", "2", "--optimizer", "adam", "--learning-rate", "0.001", "--batch-size", "8"]
+    two = [*cli, "launch", "-n", "2", "--", *cli, *args, "--parallel.pp", "2"]
+
+    def run(command, *more):
+        proc = subprocess.run([*command, *more], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc
+
+    run([*cli, *args], "--iters", "6", "--adapter-path", str(tmp_path / "one"))
+    run(two, "--iters", "6", "--adapter-path", str(tmp_path / "whole"))
+    run(two, "--iters", "4", "--adapter-path", str(tmp_path / "parts"))
+    assert "resumed from step 4" in run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
+    _assert_same_run(tmp_path / "whole", tmp_path / "parts", exact=True)
+    _assert_same_run(tmp_path / "one", tmp_path / "whole", atol=1e-4)  # Adam's m / sqrt(v) magnifies rounding
+    # The pipeline's checkpoints hold the whole model's state in one process's layout.
+    for name in ("adapters.safetensors", "optimizer.safetensors"):
+        one, pipe = (mx.load(str(tmp_path / r / "checkpoints" / "0000004" / name)) for r in ("one", "parts"))
+        assert one.keys() == pipe.keys(), name
+        for k in one:
+            assert mx.allclose(one[k], pipe[k], rtol=1e-3, atol=1e-4), (name, k)
+
+
+def _train_both(tmp_path, common, ranks, pp, pipeline_only):
+    """`meshtune train` for 4 steps on one process (tmp_path/one) and on a pipeline (tmp_path/two)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cli = [sys.executable, "-m", "meshtune.cli"]
+    args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
+            "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8", *common]
+    one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
+                          *pipeline_only, "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    return two
+
+
+def _assert_same_run(a_dir, b_dir, exact=False, atol=1e-5):
+    """Same reports (steps, tokens, losses) and final adapters; bit for bit when `exact`."""
+    def records(folder):
+        return [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = records(a_dir), records(b_dir)
+    assert [(r["type"], r["step"], r["tokens"]) for r in a] == [(r["type"], r["step"], r["tokens"]) for r in b]
+    for x, y in zip(a, b):
+        key = "loss" if x["type"] == "train" else "val_loss"
+        assert y[key] == (x[key] if exact else pytest.approx(x[key], rel=1e-5)), (x, y)
+    wa, wb = mx.load(str(a_dir / "adapters.safetensors")), mx.load(str(b_dir / "adapters.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert mx.array_equal(wa[k], wb[k]) if exact else mx.allclose(wa[k], wb[k], rtol=1e-4, atol=atol), k
 
 
 def test_bench_pipeline_prints_table_and_json():
@@ -112,3 +233,6 @@ def test_bench_pipeline_prints_table_and_json():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["gpipe_over_naive_m2"] > 0 and result["1f1b_over_naive_m2"] > 0
     assert len(result["peak_gb_1f1b_m2"]) == 2 and result["peak_mem_1f1b_over_gpipe"] > 0
+    assert "activation GB per stage" in proc.stdout and "embedded tiny model" in proc.stdout
+    acts, peaks = result["act_gb_gpipe_m2"], result["peak_gb_gpipe_m2"]
+    assert len(acts) == 2 and all(0 < a < p for a, p in zip(acts, peaks))

@@ -11,6 +11,7 @@ calls it) or through meshtune (`apply_adapters`), on the same layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,3 +122,26 @@ def perturb_adapters(model: nn.Module, seed: int = 1) -> None:
             m = module["m"]
             module["m"] = m * (1 + 1e-2 * mx.random.normal(m.shape, key=km)).astype(m.dtype)
     mx.eval(model.parameters())
+
+
+def write_model_folder(shape: Shape, dtype: mx.Dtype, folder: Path) -> Path:
+    """A random model of `shape` saved as an mlx-lm model folder (`meshtune train --model` loads it).
+
+    The tokenizer is the embedded tiny model's: its ids fit any preset's vocabulary.
+    """
+    import dataclasses
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    model = build_model(shape, dtype, quantized=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tiny = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    return folder

@@ -1,13 +1,18 @@
 """`meshtune bench pipeline`: naive vs GPipe vs 1F1B at P stages for several micro-batch counts.
 
-Every configuration is `meshtune train --parallel.pp P` started by `meshtune launch
---pin` (one core and one BLAS thread per rank) on the embedded model, the same global
-batch and step count; tokens/s comes from rank 0's report windows after the first.
-Beside it: the ideal pipeline efficiency m / (m + p - 1) and the measured one
-(tokens/s over the naive schedule's, which keeps one stage busy at a time), and each
-stage's peak memory as MLX reports it.
+Every configuration is `meshtune train --parallel.pp P` on the same global batch and
+step count: on a CPU started by `meshtune launch --pin` (one core and one BLAS thread
+per rank, ring backend); where MLX has CUDA, by `mlx.launch --backend nccl` (one GPU
+per rank, no pinning). The model is the embedded tiny one, or with `--preset` a random
+Qwen3-shaped model of the adapters bench's presets (1b: ~1B parameters, for GPUs).
+Steps/s comes from rank 0's report windows after the first. Beside it: the ideal
+pipeline efficiency m / (m + p - 1) and the measured one (over the naive schedule's,
+which keeps one stage busy at a time), and per stage the peak memory and the peak
+activation memory (the peak above what weights, adapters and optimizer state hold
+after setup), where 1F1B's bound of P micro-batches in flight shows against GPipe's M.
 
     meshtune bench pipeline [--stages 2] [--iters 30] [--batch-size 16] [--json]
+    meshtune bench pipeline --preset 1b --micro-batches 8 --batch-size 16   # 2 GPUs, NCCL
 """
 
 from __future__ import annotations
@@ -16,31 +21,53 @@ import argparse
 import io
 import json
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+
 from ..blas import describe_blas
 from ..launch import launch_local
+from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
 
 SCHEDULE_NAMES = ("naive", "gpipe", "1f1b")
 
 
-def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Path) -> tuple[float, list[float]]:
-    """(steps/s, peak GB per stage) of one configuration."""
-    cmd = [sys.executable, "-m", "meshtune.cli", "train", "--iters", str(a.iters), "--batch-size", str(a.batch_size),
+def on_gpu() -> bool:
+    """MLX built with CUDA: ranks go on GPUs over NCCL instead of pinned CPU cores."""
+    return mx.cuda.is_available()
+
+
+def _launch(stages: int, cmd: list[str]) -> tuple[int, str]:
+    """Start `stages` ranks of `cmd`; (exit code, their output)."""
+    if not on_gpu():
+        log = io.StringIO()
+        return launch_local(stages, cmd, pin=True, out=log), log.getvalue()
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    proc = subprocess.run([str(launcher), "--backend", "nccl", "-n", str(stages), "--", *cmd],
+                          capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Path
+         ) -> tuple[float, list[float], list[float]]:
+    """(steps/s, peak GB per stage, activation GB per stage) of one configuration."""
+    model = ["--model", str(a.model_folder)] if a.model_folder else []
+    cmd = [sys.executable, "-m", "meshtune.cli", "train", *model, "--iters", str(a.iters), "--batch-size", str(a.batch_size),
            "--parallel.pp", str(stages), "--parallel.schedule", schedule, "--parallel.micro_batches", str(micro),
            "--fine-tune-type", a.fine_tune_type, "--num-layers", "-1", "--learning-rate", "1e-4",
            "--train.steps_per_report", str(max(a.iters // 3, 1)), "--train.val_batches", "0",
            "--save-every", str(a.iters), "--adapter-path", str(out)]
-    log = io.StringIO()
-    code = launch_local(stages, cmd, pin=True, out=log)
+    code, log = _launch(stages, cmd)
     if code:
-        raise RuntimeError(f"{schedule} M={micro} failed with exit code {code}:\n{log.getvalue()[-3000:]}")
-    peaks = [float(m.group(2)) for m in sorted(re.finditer(r"\[rank (\d+)\] .*peak memory ([\d.]+) GB", log.getvalue()),
-                                                   key=lambda m: int(m.group(1)))]
-    return steps_per_sec(metric_windows(out)), peaks
+        raise RuntimeError(f"{schedule} M={micro} failed with exit code {code}:\n{log[-3000:]}")
+    # Each rank's own last line (launchers differ in how they prefix output).
+    found = sorted((int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in re.finditer(
+        r"rank (\d+) finished at step \d+ \(peak memory ([\d.]+) GB, activations ([-\d.]+) GB\)", log))
+    return steps_per_sec(metric_windows(out)), [f[1] for f in found], [f[2] for f in found]
 
 
 def main(argv: list[str]) -> int:
@@ -51,31 +78,47 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=30, help="Optimizer steps per run.")
     p.add_argument("--batch-size", type=int, default=16, help="Global batch (divisible by every M).")
     p.add_argument("--fine-tune-type", default="lora", help="lora, dora or full.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="A random Qwen3-shaped model of this size (bench adapters' presets); default: the "
+                        "embedded tiny model.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     a = p.parse_args(argv)
+    a.model_folder = None
     ms = [int(m) for m in a.micro_batches.split(",")]
     rows, result = [], {}
+    model_name = "embedded tiny model"
     with tempfile.TemporaryDirectory() as tmp:
+        if a.preset:
+            dims = {k: PRESETS[a.preset][k] for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")}
+            shape = Shape(arch="qwen3", **dims)
+            a.model_folder = write_model_folder(shape, mx.bfloat16 if on_gpu() else mx.float32, Path(tmp) / "model")
+            model_name = shape.describe()
         for m in ms:
             naive_rate = None
             for name in SCHEDULE_NAMES:
-                rate, peaks = _run(name, a.stages, m, a, Path(tmp) / f"{name}-{m}")
+                rate, peaks, acts = _run(name, a.stages, m, a, Path(tmp) / f"{name}-{m}")
                 naive_rate = rate if name == "naive" else naive_rate
-                rows.append((m, name, rate, rate / naive_rate, peaks))
+                rows.append((m, name, rate, rate / naive_rate, peaks, acts))
                 result[f"{name}_steps_per_s_m{m}"] = rate
                 result[f"peak_gb_{name}_m{m}"] = peaks
+                result[f"act_gb_{name}_m{m}"] = acts
                 if name != "naive":
                     result[f"{name}_over_naive_m{m}"] = rate / naive_rate
     mlast = ms[-1]
     gp, ob = result[f"peak_gb_gpipe_m{mlast}"], result[f"peak_gb_1f1b_m{mlast}"]
     result["peak_mem_1f1b_over_gpipe"] = max(ob) / max(gp) if gp and ob else float("nan")
-    print(f"pipeline benchmark: {a.stages} stages, embedded tiny model, {a.fine_tune_type}, global batch "
-          f"{a.batch_size}, {a.iters} steps; meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); "
-          f"{describe_blas()}")
-    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs naive':>10}{'ideal':>8}   peak GB per stage")
-    for m, name, rate, speed, peaks in rows:
+    ga, oa = result[f"act_gb_gpipe_m{mlast}"], result[f"act_gb_1f1b_m{mlast}"]
+    result["act_mem_1f1b_over_gpipe"] = max(oa) / max(ga) if ga and oa and max(ga) > 0 else float("nan")
+    where = ("mlx.launch --backend nccl (one GPU per rank)" if on_gpu() else
+             f"meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
+    print(f"pipeline benchmark: {a.stages} stages, {model_name}, {a.fine_tune_type}, global batch "
+          f"{a.batch_size}, {a.iters} steps; {where}")
+    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs naive':>10}{'ideal':>8}   peak GB per stage   "
+          f"activation GB per stage")
+    for m, name, rate, speed, peaks, acts in rows:
         ideal = (m / (m + a.stages - 1)) / (1 / a.stages) if name != "naive" else 1.0
-        print(f"{m:>3} {name:<8}{rate:>10.2f}{speed:>9.2f}x{ideal:>7.2f}x   {', '.join(f'{x:.4f}' for x in peaks)}")
+        print(f"{m:>3} {name:<8}{rate:>10.2f}{speed:>9.2f}x{ideal:>7.2f}x   {', '.join(f'{x:.4f}' for x in peaks):<18}"
+              f"{', '.join(f'{x:.4f}' for x in acts)}")
     if a.json:
         print(json.dumps(result))
     return 0

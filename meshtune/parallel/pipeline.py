@@ -1,7 +1,8 @@
-"""Pipeline stages: cut a model into contiguous blocks and run a schedule with send/recv.
+"""Pipeline stages: cut a model into contiguous blocks and run a schedule of transfers.
 
-Stage s of S owns blocks [start, end) (balanced, the last takes the remainder); stage 0
-also embeds, the last stage also norms, applies the head and computes the loss.
+Stage s of S owns blocks [start, end), balanced by parameter count or as
+`parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
+the head and computes the loss.
 Every rank keeps the full model object but trains only its own blocks (the others'
 adapters are frozen), so the single-stage code (loss, optimizer, adapters) is reused.
 No backend differentiates through send/recv, so a stage's backward is written by
@@ -10,7 +11,8 @@ sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, a
 send dx back. The backward recomputes the stage's forward (activation recomputation),
 so only each micro-batch's stage input is kept between its forward and backward.
 Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm}
-with a head `model.lm_head` or a tied embedding.
+with a head `model.lm_head` or a tied embedding (a trained tied table lives on the
+first and the last stage, its two gradients summed each step).
 """
 
 from __future__ import annotations
@@ -25,16 +27,84 @@ from mlx.utils import tree_map
 
 from ..mesh import Mesh
 from ..losses import masked_ce_sum, target_mask
+from .p2p import Links
 from .schedules import Schedule
 
 
-def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous block ranges per stage: layers // stages each, the last takes the rest."""
+def balanced_split(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Blocks per stage, contiguous and none empty, that minimise the costliest stage.
+
+    `costs` are the blocks' costs; the first stage also pays `first_extra` (the
+    embedding) and the last `last_extra` (final norm and head), so with a large
+    embedding or head those stages get fewer blocks. Exact (dynamic programming over
+    cut points); ties go to the split with the smaller sum of squared stage costs.
+    """
+    n = len(costs)
+    assert 1 <= stages <= n, (stages, n)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(s: int, i: int, j: int) -> float:  # stage s holding blocks [i, j)
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
+
+    # best[s][j]: (max stage cost, sum of squares, cut) placing blocks [0, j) on stages 0..s
+    best: list[dict[int, tuple[float, float, int]]] = [{j: (cost(0, 0, j), cost(0, 0, j) ** 2, 0)
+                                                       for j in range(1, n - stages + 2)}]
+    for s in range(1, stages):
+        row = {}
+        for j in range(s + 1, n - stages + s + 2):
+            row[j] = min((max(best[-1][i][0], cost(s, i, j)), best[-1][i][1] + cost(s, i, j) ** 2, i)
+                         for i in range(s, j))
+        best.append(row)
+    counts, j = [], n
+    for s in range(stages - 1, -1, -1):
+        i = best[s][j][2]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def check_stage_layers(stage_layers: list[int] | None, stages: int, num_layers: int) -> None:
+    """Raise a ValueError naming the option when `stages` cannot hold `num_layers` blocks as asked."""
     if not 1 <= stages <= num_layers:
         raise ValueError(f"parallel.pp={stages} stages for a model of {num_layers} blocks; "
                          f"use between 1 and {num_layers} stages")
-    per = num_layers // stages
-    return [(s * per, num_layers if s == stages - 1 else (s + 1) * per) for s in range(stages)]
+    if stage_layers is None:
+        return
+    if len(stage_layers) != stages or min(stage_layers) < 1:
+        raise ValueError(f"parallel.stage_layers={stage_layers}: give {stages} block counts (one per stage), "
+                         f"each at least 1")
+    if sum(stage_layers) != num_layers:
+        raise ValueError(f"parallel.stage_layers={stage_layers} sums to {sum(stage_layers)} but the model has "
+                         f"{num_layers} blocks; make the counts add up to {num_layers} or unset it")
+
+
+def stage_bounds(counts: list[int]) -> list[tuple[int, int]]:
+    """Block ranges [start, end) from blocks per stage."""
+    starts = np.cumsum([0, *counts]).tolist()
+    return [(starts[s], starts[s + 1]) for s in range(len(counts))]
+
+
+def _size(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def split_stages(model: nn.Module, stages: int, stage_layers: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each stage's block range: `stage_layers` when given, else balanced by parameter count.
+
+    The embedding counts on the first stage, the final norm and head on the last (a
+    tied head counts the table again: it computes there as well).
+    """
+    inner, _ = _parts(model)
+    check_stage_layers(stage_layers, stages, len(inner.layers))
+    if stage_layers is None:
+        head = _size(model.lm_head) if "lm_head" in model else _size(inner.embed_tokens)
+        stage_layers = balanced_split([_size(layer) for layer in inner.layers], stages,
+                                      first_extra=_size(inner.embed_tokens), last_extra=_size(inner.norm) + head)
+    return stage_bounds(stage_layers)
 
 
 def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
@@ -57,19 +127,30 @@ class PipelineStage:
     stage: int
     stages: int
     mesh: Mesh
+    stage_layers: list[int] | None = None
+    """Blocks per stage; None balances them by parameter count (split_stages)."""
+    transfer: str | None = None
+    """Stage-to-stage transfers: "send", "all_sum" (for backends without send) or None
+    to pick by the mesh's backend (p2p.Links)."""
 
     def __post_init__(self) -> None:
         from mlx.utils import tree_flatten
 
         self.inner, self.head = _parts(self.model)
+        self.links = Links(self.mesh, self.transfer)
         # Every trained parameter of the whole model, in one order all ranks share.
         self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
-        self.start, self.end = stage_bounds(len(self.inner.layers), self.stages)[self.stage]
+        self.bounds = split_stages(self.model, self.stages, self.stage_layers)
+        self.start, self.end = self.bounds[self.stage]
         # Train only this stage's blocks (and the embedding/head only where they live).
         for i, layer in enumerate(self.inner.layers):
             if not self.start <= i < self.end:
                 layer.freeze()
-        if not self.first:
+        # A tied table is the first stage's lookup and the last stage's head: both train
+        # their copy, and their gradients are summed every step (sum_shared) so the copies stay equal.
+        embedding = [k for k, _, _ in self.all_params if k.startswith("model.embed_tokens.")]
+        self.tied_keys = embedding if "lm_head" not in self.model and self.stages > 1 else []
+        if not self.first and not (self.last and self.tied_keys):
             self.inner.embed_tokens.freeze()
         if not self.last:
             self.inner.norm.freeze()
@@ -127,7 +208,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
 
     Each action is evaluated on its own, in order: a send and a recv never share an eval.
     """
-    group, rank = stage.mesh.group, stage.mesh.rank
+    rank = stage.mesh.rank
     inputs: dict[int, mx.array] = {}
     outputs: dict[int, mx.array] = {}
     grads_in: dict[int, mx.array] = {}
@@ -137,7 +218,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
         tokens, lengths = micro[act.mb]
         if act.kind == "recv_act":
             shape, dtype = stage.hidden_spec(tokens)
-            inputs[act.mb] = mx.distributed.recv(shape, dtype, rank - 1, group=group)
+            inputs[act.mb] = stage.links.recv(shape, dtype, rank - 1)
             mx.eval(inputs[act.mb])
         elif act.kind == "fwd":
             x = tokens[:, :-1] if stage.first else inputs[act.mb]
@@ -146,10 +227,10 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
                 outputs[act.mb] = stage.hidden(x)
                 mx.eval(outputs[act.mb])
         elif act.kind == "send_act":
-            mx.eval(mx.distributed.send(outputs.pop(act.mb), rank + 1, group=group))
+            mx.eval(stage.links.send(outputs.pop(act.mb), rank + 1))
         elif act.kind == "recv_grad":
             shape, dtype = stage.hidden_spec(tokens)
-            grads_in[act.mb] = mx.distributed.recv(shape, dtype, rank + 1, group=group)
+            grads_in[act.mb] = stage.links.recv(shape, dtype, rank + 1)
             mx.eval(grads_in[act.mb])
         elif act.kind == "bwd":
             value, grads, dx = stage.backward(inputs.pop(act.mb), tokens[:, 1:], lengths, grads_in.pop(act.mb, None))
@@ -160,7 +241,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
                 dxs[act.mb] = dx
             mx.eval(total_grads, loss_sum, dx if dx is not None else [])
         elif act.kind == "send_grad":
-            mx.eval(mx.distributed.send(dxs.pop(act.mb), rank - 1, group=group))
+            mx.eval(stage.links.send(dxs.pop(act.mb), rank - 1))
     return loss_sum, total_grads
 
 
@@ -177,75 +258,99 @@ def target_tokens(lengths: mx.array, width: int) -> mx.array:
     return target_mask(lengths, width - 1).sum()
 
 
-def sum_over_replicas(stage: PipelineStage, grads: Any) -> Any:
-    """Sum a stage's gradients over its data-parallel peers, without sub-groups.
+def sum_shared(stage: PipelineStage, grads: Any) -> Any:
+    """Sum gradients over a stage's data-parallel peers and over the tied table's two copies.
 
     Ring and JACCL have no Group.split, so one world all_sum runs over a buffer with a
-    slot for every trained parameter of the model: each rank fills its own stage's
-    slots and leaves the rest zero, so each slot adds up exactly that stage's replicas.
+    slot for every trained parameter of the model (with dp 1, only the tied table's):
+    each rank fills the slots of what it trains and leaves the rest zero, so each slot
+    adds up exactly the ranks that hold that parameter. A tied table is held by the
+    first and the last stage of every replica, so it gets the total of both uses.
     """
     from mlx.utils import tree_flatten, tree_unflatten
 
-    if stage.mesh.dp == 1:
+    keys = set(stage.tied_keys) if stage.mesh.dp == 1 else {k for k, _, _ in stage.all_params}
+    if not keys:
         return grads
     own = dict(tree_flatten(grads))
+    slots = [(k, shape) for k, shape, _ in stage.all_params if k in keys]
     parts = [own[k].reshape(-1).astype(mx.float32) if k in own else mx.zeros((int(np.prod(shape)),), mx.float32)
-             for k, shape, _ in stage.all_params]
+             for k, shape in slots]
     total = stage.mesh.all_sum(mx.concatenate(parts))
-    out, start = [], 0
-    for k, shape, dtype in stage.all_params:
+    out, start = dict(own), 0
+    for k, shape in slots:
         size = int(np.prod(shape))
         if k in own:
-            out.append((k, total[start:start + size].reshape(shape).astype(own[k].dtype)))
+            out[k] = total[start:start + size].reshape(shape).astype(own[k].dtype)
         start += size
-    return tree_unflatten(out)
+    return tree_unflatten(list(out.items()))
+
+
+def stage_gradients(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
+                    micro_batches: int) -> tuple[mx.array, Any, mx.array]:
+    """(loss sum, summed gradients, local target tokens) of one batch through this stage."""
+    micro = split_micro_batches(tokens, lengths, micro_batches)
+    loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro)
+    return loss_sum, grads, target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
+
+
+def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimizer: Any,
+                    max_grad_norm: float = 0.0) -> mx.array:
+    """Sum shared gradients, divide by the global token count, clip, update; returns that count.
+
+    The global count adds every replica's tokens: each pipeline's last stage
+    contributes its count to one world all_sum. The clipping norm adds every stage's
+    squares once (replica 0's, the tied table's first copy), as one process would.
+    """
+    mesh = stage.mesh
+    n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
+    grads = tree_map(lambda g: g / n.astype(g.dtype), sum_shared(stage, grads))
+    if max_grad_norm > 0:
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        flat = dict(tree_flatten(grads))
+        counted = [g for k, g in flat.items() if mesh.dp_rank == 0 and (stage.first or k not in stage.tied_keys)]
+        square = sum((g.astype(mx.float32).square().sum() for g in counted), mx.array(0.0))
+        scale = mx.minimum(max_grad_norm / (mx.sqrt(mesh.all_sum(square)) + 1e-6), 1.0)  # optim.clip_grad_norm's
+        grads = tree_unflatten([(k, g * scale.astype(g.dtype)) for k, g in flat.items()])
+    optimizer.update(stage.model, grads)
+    mx.eval(stage.model.state, optimizer.state)
+    return n
 
 
 def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
                   micro_batches: int, optimizer: Any) -> tuple[mx.array, mx.array]:
-    """One optimizer step of a pipeline replica; (global token-weighted loss, local tokens).
-
-    The global token count adds every replica's batch: each pipeline's last stage
-    contributes its count to one world all_sum.
-    """
-    micro = split_micro_batches(tokens, lengths, micro_batches)
-    loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro)
-    n_local = target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
-    mesh = stage.mesh
-    n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
-    grads = sum_over_replicas(stage, grads)
-    grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
-    optimizer.update(stage.model, grads)
+    """One optimizer step on one batch; (global token-weighted loss, local tokens)."""
+    loss_sum, grads, n_local = stage_gradients(stage, schedule, tokens, lengths, micro_batches)
+    n = apply_gradients(stage, grads, n_local, optimizer)
     # Only last stages have the loss; a world all_sum gives it to everyone.
-    loss = mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
-    mx.eval(stage.model.state, optimizer.state, loss)
+    loss = stage.mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
+    mx.eval(loss)
     return loss, n_local
 
 
-def gather_parameters(model: nn.Module, keys: list[str], mesh: Mesh) -> dict[str, mx.array]:
-    """The current values of `keys` from whichever stage trains each, on every rank.
+def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, optimizer: Any, *,
+                 accumulation: int = 1, max_grad_norm: float = 0.0) -> Any:
+    """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero.
 
-    Each rank contributes the parameters it trains and zeros for the rest; one world
-    all_sum per parameter adds them up (works on every backend, ring included).
+    The loop calls it `accumulation` times per optimizer step: gradients and token
+    counts add up over those batches and the update comes with the last, so the step
+    equals one process accumulating the same batches.
     """
-    from mlx.utils import tree_flatten
-
-    values = dict(tree_flatten(model.parameters()))
-    own = set(dict(tree_flatten(model.trainable_parameters())))
-    # Each stage's replicas hold equal copies: the world sum counts each dp times.
-    out = {k: mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) / mesh.dp for k in keys}
-    mx.eval(out)
-    return out
-
-
-def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, optimizer: Any
-                 ) -> Any:
-    """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero."""
+    pending: dict[str, Any] = {"grads": None, "tokens": mx.array(0.0), "batches": 0}
 
     def run(batch: Any) -> tuple[mx.array, mx.array]:
-        loss, n = pipeline_step(stage, schedule, batch.tokens, batch.lengths, micro_batches, optimizer)
+        loss_sum, grads, n = stage_gradients(stage, schedule, batch.tokens, batch.lengths, micro_batches)
+        acc = pending["grads"]
+        pending["grads"] = grads if acc is None else tree_map(mx.add, acc, grads)
+        pending["tokens"] = pending["tokens"] + n
+        pending["batches"] += 1
+        mx.eval(pending["grads"], pending["tokens"])
+        if pending["batches"] == accumulation:
+            apply_gradients(stage, pending["grads"], pending["tokens"], optimizer, max_grad_norm)
+            pending.update(grads=None, tokens=mx.array(0.0), batches=0)
         if not stage.last:
             return mx.array(0.0), mx.array(0)
-        return loss * n, n.astype(mx.int32)
+        return loss_sum, n.astype(mx.int32)
 
     return run
