@@ -25,7 +25,7 @@ from mlx.utils import tree_map
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import sum_gradients
+from .parallel.data_parallel import sum_gradients, sum_tokens
 from .metrics import Reporter, Window
 
 
@@ -75,7 +75,7 @@ def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh, *, sync: str = "a
     """Sum gradients over ranks (bucketed as `sync` says) and divide by the global token count."""
     if mesh.world_size > 1:
         grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb)
-        tokens = mesh.all_sum(tokens)
+        tokens = sum_tokens(tokens, mesh, mode=sync)
     return tree_map(lambda g: g / tokens.astype(g.dtype), grads)
 
 

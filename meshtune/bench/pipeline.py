@@ -46,8 +46,16 @@ def _launch(stages: int, cmd: list[str]) -> tuple[int, str]:
     if not on_gpu():
         log = io.StringIO()
         return launch_local(stages, cmd, pin=True, out=log), log.getvalue()
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    proc = subprocess.run([str(launcher), "--backend", "nccl", "-n", str(stages), "--", *cmd],
+    import os
+    import shutil
+
+    sibling = Path(sys.executable).with_name("mlx.launch")
+    launcher = str(sibling) if sibling.exists() else shutil.which("mlx.launch") or "mlx.launch"
+    # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set); ranks see this PYTHONPATH.
+    env = ["--env", f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', '0')}"]
+    if os.environ.get("PYTHONPATH"):
+        env += ["--env", f"PYTHONPATH={os.environ['PYTHONPATH']}"]
+    proc = subprocess.run([launcher, "--backend", "nccl", "-n", str(stages), *env, "--", *cmd],
                           capture_output=True, text=True)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -56,6 +64,8 @@ def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Pat
          ) -> tuple[float, list[float], list[float]]:
     """(steps/s, peak GB per stage, activation GB per stage) of one configuration."""
     model = ["--model", str(a.model_folder)] if a.model_folder else []
+    if a.data_folder:
+        model += ["--data", str(a.data_folder), "--max-seq-length", str(a.seq_len + 8)]
     cmd = [sys.executable, "-m", "meshtune.cli", "train", *model, "--iters", str(a.iters), "--batch-size", str(a.batch_size),
            "--parallel.pp", str(stages), "--parallel.schedule", schedule, "--parallel.micro_batches", str(micro),
            "--fine-tune-type", a.fine_tune_type, "--num-layers", "-1", "--learning-rate", "1e-4",
@@ -70,6 +80,20 @@ def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Pat
     return steps_per_sec(metric_windows(out)), [f[1] for f in found], [f[2] for f in found]
 
 
+def write_text_data(folder: Path, length: int, rows: int) -> Path:
+    """train/valid.jsonl of `rows` random lowercase texts of `length` characters (one token each
+    under the embedded character-level tokenizer)."""
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid"):
+        lines = [json.dumps({"text": "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(length))})
+                 for _ in range(rows)]
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="meshtune bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,9 +105,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="A random Qwen3-shaped model of this size (bench adapters' presets); default: the "
                         "embedded tiny model.")
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="Train on synthetic rows of about this many tokens (default: the embedded arithmetic "
+                        "data, ~20 tokens a row); long rows make activations, and 1F1B's bound on them, show.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     a = p.parse_args(argv)
-    a.model_folder = None
+    a.model_folder = a.data_folder = None
     ms = [int(m) for m in a.micro_batches.split(",")]
     rows, result = [], {}
     model_name = "embedded tiny model"
@@ -93,6 +120,9 @@ def main(argv: list[str]) -> int:
             shape = Shape(arch="qwen3", **dims)
             a.model_folder = write_model_folder(shape, mx.bfloat16 if on_gpu() else mx.float32, Path(tmp) / "model")
             model_name = shape.describe()
+        if a.seq_len:
+            a.data_folder = write_text_data(Path(tmp) / "data", a.seq_len, rows=max(4 * a.batch_size, 64))
+            model_name += f", synthetic rows of {a.seq_len} tokens"
         for m in ms:
             naive_rate = None
             for name in SCHEDULE_NAMES:

@@ -9,12 +9,13 @@ the last layers' gradients exist first in the backward, so each bucket's all_sum
 depends only on work already done. Whether that hides time is a measurement
 (`meshtune bench scaling`), not an assumption.
 
-On a GPU, `overlap` puts the all_sums on a stream of their own, so a bucket's
-reduction runs while the backward of earlier layers is still computing. On the CPU
-every collective stays on the default stream: a second CPU stream (MLX 0.32.4, ring,
-2 ranks) returned wrong sums, always inside mx.compile and in about one run of three
-without it, as if the all_sum read gradients not yet written; there `overlap` is only
-the reverse bucket order. MESHTUNE_COMM_STREAM=0/1 overrides the choice.
+`overlap` also puts every collective of the step on a stream of its own, so a
+bucket's all_sum runs (a GPU stream, or a CPU stream's own thread) while the backward
+of earlier layers still computes. Every collective of a step goes on that one stream:
+with the token count's all_sum left on the default stream, ranks took the two
+streams' all_sums in different orders and paired wrong buffers (seen as wrong sums on
+the ring backend, MLX 0.32.4). MESHTUNE_COMM_STREAM=0 keeps overlap on the default
+stream (reverse bucket order only).
 """
 
 from __future__ import annotations
@@ -47,13 +48,9 @@ _comm_streams: dict[Any, Any] = {}
 
 
 def comm_stream(mode: str) -> Any:
-    """The stream `mode`'s all_sums run on: a GPU stream of their own for overlap, else None (default)."""
-    wanted = os.environ.get("MESHTUNE_COMM_STREAM")
+    """The stream `mode`'s collectives run on: one of their own for overlap, else None (the default)."""
     device = mx.default_device()
-    own = mode == "overlap" and device.type == mx.DeviceType.gpu
-    if wanted is not None:
-        own = mode == "overlap" and wanted == "1"
-    if not own:
+    if mode != "overlap" or os.environ.get("MESHTUNE_COMM_STREAM", "1") == "0":
         return None
     key = str(device)
     if key not in _comm_streams:
@@ -69,6 +66,17 @@ def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any = None) -> list[
         out.append(total[start:start + a.size].reshape(a.shape))
         start += a.size
     return out
+
+
+def sum_tokens(tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward") -> mx.array:
+    """The global token count, on the same stream as `mode`'s gradient buckets.
+
+    Every collective of a step must run on one stream: two streams could take their
+    all_sums in a different order on different ranks and pair the wrong buffers.
+    """
+    if mesh.world_size == 1:
+        return tokens
+    return mx.distributed.all_sum(tokens, group=mesh.group, stream=comm_stream(mode))
 
 
 def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0) -> Any:

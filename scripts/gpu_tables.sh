@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The two-GPU tables of the data-parallel and pipeline issues, on a device machine of
+# kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
+#     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL
+#     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device notes require.
+set -u
+what=$1
+out=${2:-.}
+export NCCL_NVLS_ENABLE=0
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case $what in
+  scaling)
+    timeout 540 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
+      python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl --json 2>&1 \
+      | tee "$out/scaling_2xh200.txt" ;;
+  pipeline)
+    timeout 540 python3 -m meshtune.cli bench pipeline --preset 1b --seq-len 1024 --batch-size 16 \
+      --micro-batches 2,4,8 --iters 8 --json 2>&1 | tee "$out/pipeline_2xh200.txt" ;;
+esac
