@@ -13,9 +13,9 @@ local batch, so N GPUs do N times the work per step).
     mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- \\
         python -m meshtune.cli bench scaling --in-process --preset 1b --json
 
-Before timing, the compiled backward's gradients are summed both ways and compared:
-with 2 ranks a + b is exact in either order, so overlap must give after_backward's
-sums bit for bit (the check that caught wrong sums on a CPU comm stream).
+Before timing, the compiled backward's gradients are summed both ways and compared
+(largest relative difference per tensor, printed): rounding apart between the two
+compiled graphs is ~1e-3 in bfloat16, buffers paired wrongly across streams are O(1).
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ from .models import PRESETS, Shape, add_adapters, build_model
 MODES = ("compute", "after_backward", "overlap")
 
 
-def same_sums(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.array, bucket_mb: float) -> bool:
-    """The compiled backward's gradients summed after_backward and overlapped agree bit for bit."""
+def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.array, bucket_mb: float) -> float:
+    """Largest relative difference between the compiled backward's gradients summed
+    after_backward and summed overlapped (per tensor, |a - b|max / |a|max).
+
+    The two are separately compiled graphs, so bfloat16 kernels may round apart (~1e-3);
+    a sum that read unwritten buffers or paired wrong ones is off by O(1).
+    """
     from ..parallel.data_parallel import sum_gradients
     from ..train import loss_terms
 
@@ -49,8 +54,12 @@ def same_sums(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.array,
                                                                 bucket_mb=bucket_mb))
         grads = fn(tokens, lengths)
         mx.eval(grads)
-        summed.append([g for _, g in tree_flatten(grads)])
-    return all(mx.array_equal(x, y).item() for x, y in zip(*summed))
+        summed.append([g.astype(mx.float32) for _, g in tree_flatten(grads)])
+    worst = 0.0
+    for x, y in zip(*summed):
+        scale = mx.abs(x).max().item()
+        worst = max(worst, mx.abs(x - y).max().item() / scale if scale > 0 else mx.abs(y).max().item())
+    return worst
 
 
 def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
@@ -84,18 +93,19 @@ def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: m
     for run in steps.values():
         for _ in range(a.warmup):
             run()
-    same = same_sums(model, mesh, tokens, lengths, a.bucket_mb) if mesh.world_size == 2 else None
+    mismatch = sum_mismatch(model, mesh, tokens, lengths, a.bucket_mb)
     times: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(a.rounds):
-        for mode in MODES:
+    for r in range(a.rounds):
+        for mode in MODES[r % 3:] + MODES[:r % 3]:  # each mode goes first in some round
             mesh.all_sum(mx.array(0.0)).item()  # line the ranks up before each block
+            steps[mode]()  # untimed: the switch from another graph's buffers
             for _ in range(a.steps):
                 tic = time.perf_counter()
                 steps[mode]()
                 times[mode].append(time.perf_counter() - tic)
     params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     return {"step_s": {m: statistics.median(t) for m, t in times.items()}, "trainable": params,
-            "overlap_equals_after_backward": same}
+            "overlap_sum_mismatch": mismatch}
 
 
 def _row(kind: str, r: dict[str, Any], n: int, tokens: int) -> dict[str, float]:
@@ -132,7 +142,7 @@ def main(a: argparse.Namespace) -> int:
         r = measure(kind, a, shape, mesh, dtype)
         rows[kind] = r
         result.update(_row(kind, r, n, tokens))
-        result[f"overlap_equals_after_backward_{kind}"] = r["overlap_equals_after_backward"]
+        result[f"overlap_sum_mismatch_{kind}"] = r["overlap_sum_mismatch"]
         result[f"step_ms_{kind}"] = {m: 1e3 * v for m, v in r["step_s"].items()}
         import gc
 
@@ -149,7 +159,7 @@ def main(a: argparse.Namespace) -> int:
         print("1 rank = the same process's step without gradient sync (compute only)")
         print(f"{'':<6}{'1 rank tok/s':>14}{f'{n} after tok/s':>16}{f'{n} overlap tok/s':>18}"
               f"{'step ms 1 / after / overlap':>30}{'exposed ms after / overlap':>28}{'weak eff.':>11}"
-              f"{'overlap':>9}{'same upd.':>11}")
+              f"{'overlap':>9}{'sum rel. diff':>15}")
         for kind, r in rows.items():
             s = {m: 1e3 * v for m, v in r["step_s"].items()}
             print(f"{kind:<6}{result[f'tok_s_1_{kind}']:>14.0f}{result[f'tok_s_{n}_after_{kind}']:>16.0f}"
@@ -157,7 +167,7 @@ def main(a: argparse.Namespace) -> int:
                   f"{s['compute']:>12.1f} /{s['after_backward']:>7.1f} /{s['overlap']:>7.1f}"
                   f"{result[f'exposed_comm_ms_after_{kind}']:>15.1f} /{result[f'exposed_comm_ms_overlap_{kind}']:>7.1f}"
                   f"{100 * result[f'weak_scaling_{kind}']:>10.1f}%{result[f'overlap_speedup_{kind}']:>8.2f}x"
-                  f"{str(r['overlap_equals_after_backward']):>11}")
+                  f"{r['overlap_sum_mismatch']:>15.1e}")
         if a.json:
             print(json.dumps(result))
     return 0
