@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
@@ -74,9 +74,21 @@ def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh, *, sync: str = "a
                      bucket_mb: float = 25.0) -> Any:
     """Sum gradients over ranks (bucketed as `sync` says) and divide by the global token count."""
     if mesh.world_size > 1:
-        grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb)
-        tokens = sum_tokens(tokens, mesh, mode=sync)
+        # The token count rides in the gradients' buckets (float32 counts exactly to 2^24
+        # tokens a step): one all_sum fewer per step, which is latency on a slow link.
+        if _float32_leaves(grads) and mx.issubdtype(tokens.dtype, mx.integer):
+            summed = sum_gradients({"grads": grads, "tokens": tokens.astype(mx.float32)}, mesh, mode=sync,
+                                   bucket_mb=bucket_mb)
+            grads, tokens = summed["grads"], summed["tokens"]
+        else:
+            grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb)
+            tokens = sum_tokens(tokens, mesh, mode=sync)
     return tree_map(lambda g: g / tokens.astype(g.dtype), grads)
+
+
+def _float32_leaves(tree: Any) -> bool:
+    leaves = tree_flatten(tree)
+    return bool(leaves) and any(v.dtype == mx.float32 for _, v in leaves)
 
 
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
@@ -100,6 +112,9 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         return ce, n, None, None
 
     return partial(mx.compile, inputs=state, outputs=state)(step) if compile else step
+
+
+AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
 
 
 @dataclass(kw_only=True)
@@ -215,7 +230,10 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
                 window = Window()
             if validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters):
                 val_loss = run_eval(step)
-            stopping = mesh.agree(stop.requested)
+            # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
+            # every step: each agreement is one more round trip on the link.
+            agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
+            stopping = mesh.agree(stop.requested) if agree_now else False
             if step % settings.save_every == 0 or step == settings.iters or stopping:
                 save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
             if stopping:

@@ -1,0 +1,48 @@
+"""SIGTERM during training: the run saves a checkpoint at the next agreed step, exits, and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+ARGS = ["--batch-size", "8", "--num-layers", "-1", "--learning-rate", "1e-3", "--train.steps_per_report", "1",
+        "--train.val_batches", "0", "--save-every", "100000"]
+
+
+def _train_records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "train"]
+
+
+def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "meshtune.cli", "train", "--iters", "100000", *ARGS, "--adapter-path", str(run)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(_train_records(run)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out[-2000:]  # cli.py: 3 = stopped on request, resumable
+    stopped = [line for line in out.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1, out[-2000:]
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert step < 1000  # it stopped soon after the request, not at --iters
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert any(name.endswith(f"{step:08d}") or name.endswith(str(step)) for name in saved), saved
+    resumed = subprocess.run([*cmd[:cmd.index("--iters") + 1], str(step + 2), *ARGS, "--adapter-path", str(run),
+                              "--resume"], env=env, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from step {step}" in resumed.stdout
+    assert _train_records(run)[-1]["step"] == step + 2
