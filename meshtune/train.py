@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_map
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import sum_gradients, sum_tokens
+from .parallel.data_parallel import start_gradient_sums, sum_gradients, sum_tokens
 from .metrics import Reporter, Window
 
 
@@ -95,6 +95,9 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
                compile: bool, sync: str = "after_backward",
                bucket_mb: float = 25.0) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
+    if sync == "overlap" and mesh.world_size > 1:
+        return _overlapped_step(model, optimizer, mesh, max_grad_norm=max_grad_norm, compile=compile,
+                                bucket_mb=bucket_mb)
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
 
@@ -115,6 +118,41 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
 
 
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
+
+
+def _overlapped_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
+                     compile: bool, bucket_mb: float) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+    """build_step's `overlap` mode: compiled backward, bucket all_sums started by hand, compiled update.
+
+    The backward and the update stay compiled; between them start_gradient_sums
+    starts each bucket's reduction as its gradients come due (data_parallel.py).
+    """
+    loss_and_grad = nn.value_and_grad(model, loss_terms)
+    state = [model.state, optimizer.state, mx.random.state]
+    maybe_compile = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
+
+    @maybe_compile
+    def backward(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
+        (ce, n), grads = loss_and_grad(model, tokens, lengths)
+        if acc_grads is not None:
+            grads = tree_map(mx.add, grads, acc_grads)
+        return ce, n, grads, n if acc_tokens is None else acc_tokens + n
+
+    @maybe_compile
+    def update(grads: Any, tokens: mx.array) -> None:
+        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
+        if max_grad_norm > 0:
+            grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
+        optimizer.update(model, grads)
+
+    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, last: bool):
+        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
+        if not last:
+            return ce, n, grads, total
+        update(*start_gradient_sums(grads, total, mesh, bucket_mb=bucket_mb))
+        return ce, n, None, None
+
+    return step
 
 
 @dataclass(kw_only=True)

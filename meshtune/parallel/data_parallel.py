@@ -100,3 +100,37 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
             for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh, stream)):
                 summed[i] = arr
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
+
+
+def start_gradient_sums(grads: Any, tokens: mx.array, mesh: Mesh, *, bucket_mb: float = 25.0) -> tuple[Any, mx.array]:
+    """Overlap proper: each bucket's all_sum is started as soon as it is built, last layers first.
+
+    Called outside any compiled graph on gradients that are not yet computed.
+    `mx.async_eval` on a bucket's sum enqueues the backward work its gradients need,
+    then the all_sum on the comm stream; the next bucket's backward then computes on
+    the default stream while that all_sum is on the wire. (Inside one compiled step
+    MLX orders the evaluation itself, and the first output, the embedding's
+    gradient, needs the whole backward: no all_sum started early, measured 1.0x.)
+    The order of all_sums is the same on every rank: this loop's.
+    """
+    stream = comm_stream("overlap")
+    with mx.stream(stream or mx.default_stream(mx.default_device())):
+        total_tokens = mx.distributed.all_sum(tokens, group=mesh.group)
+    mx.async_eval(total_tokens)
+    flat = tree_flatten(grads)
+    summed: dict[int, mx.array] = {}
+    run: list[int] = []  # consecutive same-dtype leaves, last layer first
+    order = list(reversed(range(len(flat))))
+    for pos, i in enumerate(order):
+        run.append(i)
+        nxt = order[pos + 1] if pos + 1 < len(order) else None
+        if nxt is not None and flat[nxt][1].dtype == flat[i][1].dtype:
+            continue
+        dtype = flat[i][1].dtype
+        for group in buckets([flat[j][1].size for j in run], int(bucket_mb * 2**20), dtype.size):
+            members = [run[g] for g in group]
+            parts = _sum_bucket([flat[j][1] for j in members], mesh, stream)
+            mx.async_eval(parts)
+            summed.update(zip(members, parts))
+        run = []
+    return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))]), total_tokens
