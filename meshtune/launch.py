@@ -111,6 +111,8 @@ def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -
     # readline blocks: no polling, no core spent while the rank is quiet.
     for line in iter(stream.readline, b""):
         text = line.decode(errors="replace")
+        if not text.endswith("\n"):  # a progress bar's last redraw: end it, or the next line joins it
+            text += "\n"
         if rank.host is not None and rank.remote_pid is None and text.startswith(PID_MARK):
             rank.remote_pid = int(text.split()[1])
             continue
