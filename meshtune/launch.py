@@ -80,7 +80,7 @@ FORWARD_ENV = ("PYTHONPATH", "LD_PRELOAD", "MESHTUNE_SYSTEM_BLAS", "OPENBLAS_NUM
 PID_MARK = "meshtune-remote-pid"
 
 
-def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text: str, run_id: str,
+def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text: str | None, run_id: str,
                 cwd: str, env: dict[str, str]) -> list[str]:
     """`ssh host '<script>'` that writes the ring hostfile there, says its pid and execs the rank.
 
@@ -89,8 +89,12 @@ def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text:
     """
     remote_file = f"/tmp/meshtune-{run_id}-rank{rank}.json"
     assigns = {k: env[k] for k in FORWARD_ENV if env.get(k)}
-    assigns.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), MLX_HOSTFILE=remote_file, PYTHONUNBUFFERED="1")
-    script = (f"cd {shlex.quote(cwd)} && printf '%s' {shlex.quote(hostfile_text)} > {remote_file} && "
+    assigns.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
+    write = ""
+    if hostfile_text is not None:  # one rank needs no ring
+        assigns["MLX_HOSTFILE"] = remote_file
+        write = f"printf '%s' {shlex.quote(hostfile_text)} > {remote_file} && "
+    script = (f"cd {shlex.quote(cwd)} && {write}"
               f"echo {PID_MARK} $$ && exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} "
               f"{shlex.join(command)}")
     return ["ssh", host, script]
@@ -162,7 +166,7 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
                 rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
                 preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
             if ssh_hosts:
-                text = hostfile.read_text() if hostfile is not None else "[]"
+                text = hostfile.read_text() if hostfile is not None else None
                 argv = ssh_command(ssh_hosts[i]["ssh"], i, n, command, text, Path(tmp).name, os.getcwd(), base)
             else:
                 argv = [*(wrap(i) if wrap else []), *command]

@@ -14,8 +14,9 @@ mlx.launch). The thread keeps writing while its loop is blocked in a collective,
 a peer whose file went stale, or whose local process is gone or stopped
 (/proc/<pid>/stat), is the one that stopped answering. A peer killed outright
 closes its sockets and the backend raises at once ("[ring] connection to a peer was
-lost"); that also becomes the one line and exit 75, not a traceback. Peers on other hosts are seen
-only through a shared filesystem; without one the line says no peer could be named.
+lost"); that also becomes the one line and exit 75, not a traceback. Peers on other
+hosts are seen only through a shared filesystem; without one the line says that no
+peer could be named.
 """
 
 from __future__ import annotations

@@ -18,9 +18,31 @@ import pytest
 
 from meshtune.bench.faultkit import CLI, FaultRun, env, survivors, train_args
 from meshtune.launch import write_ring_hostfile
+from meshtune.watchdog import lost_peer, write_heartbeat
 
 WATCHDOG_S = 6.0
 WHY = {signal.SIGKILL: r"killed by signal 9 \(SIGKILL\)", signal.SIGSTOP: r"stopped \(SIGSTOP\)"}
+
+
+def test_lost_peer_blames_the_first_silent_rank_not_those_that_gave_up(tmp_path):
+    import json
+    import socket
+    import time
+
+    def beat(rank: int, pid: int, step: int, age: float, gave_up: bool = False) -> None:
+        record = {"rank": rank, "pid": pid, "host": socket.gethostname(), "step": step,
+                  "alive": time.time() - age, "gave_up": gave_up}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record))
+
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    write_heartbeat(tmp_path, 0, 9)  # this process: alive and fresh
+    beat(1, dead, 7, age=0.1, gave_up=True)  # left because of a peer: not the cause
+    beat(2, os.getpid(), 8, age=30)  # alive process, but silent for 30 s
+    beat(3, dead, 6, age=40)  # gone, and silent the longest: the cause
+    assert lost_peer(tmp_path, 4, me=0, stale_s=2) == (3, 6, "exited")
+    (tmp_path / "rank3.json").unlink()
+    assert lost_peer(tmp_path, 4, me=0, stale_s=2) == (2, 8, "no heartbeat for 30s")
+    assert lost_peer(tmp_path, 2, me=0, stale_s=2) is None  # only rank 1 left, and it gave up
 
 
 @pytest.mark.parametrize("n, victim, sig, code", [

@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
           f"{mem['peak_mb_end']:.3f} MB: {100 * mem['peak_growth']:+.2f}% (limit {100 * LIMIT:.0f}%)")
     print(f"largest active, fifth after warm-up {mem['active_mb_early']:.3f} MB -> last fifth "
           f"{mem['active_mb_late']:.3f} MB: {100 * mem['active_growth']:+.2f}% (limit {100 * LIMIT:.0f}%)")
-    print("final peak per rank: " + ", ".join(f"rank {r} {float(g) * 1e3:.3f} MB" for r, g in finals))
+    print("final peak per rank (as each rank printed it): " + ", ".join(f"rank {r} {g} GB" for r, g in finals))
     secs = [s for _, s in runs]
     print(f"soak 2: {a.repeats} x 3-rank 10-step runs (timeout {REPEAT_TIMEOUT_S}s each): "
           f"{a.repeats - hangs - failures} ok, {hangs} hangs, {failures} failures; seconds min "
