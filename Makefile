@@ -1,12 +1,13 @@
 # make demo: set up .venv if missing, then fine-tune the embedded model (before/after figures).
 # make test: set up .venv if missing, then run every test.
+# make soak: the long soak (meshtune bench soak), outside the test suite.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshtune-installed
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: demo test setup openblas clean
+.PHONY: demo test soak setup openblas clean
 
 demo: $(STAMP)
 	$(VENV)/bin/meshtune demo
@@ -14,6 +15,10 @@ demo: $(STAMP)
 # Tests import MLX in-process, so the BLAS preload is set here rather than by re-exec.
 test: $(STAMP)
 	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m pytest -q tests
+
+# make soak: 2,000 steps on 2 ranks (memory growth) and 20 short 3-rank runs (no hang); not in `make test`.
+soak: $(STAMP)
+	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m meshtune.cli bench soak --steps 2000 --repeats 20
 
 setup: $(STAMP)
 

@@ -31,7 +31,7 @@ from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
 from .outdir import check_free_space, check_writable
 from .train import LoopSettings, enable_grad_checkpoint, evaluate, train
-from .watchdog import Watchdog
+from .watchdog import Watchdog, heartbeat_folder
 
 # Sections that must match between a checkpoint and the run resuming it.
 RESUME_MUST_MATCH = ("model", "adapter", "data")
@@ -262,7 +262,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
                             grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb)
-    watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size)
+    watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:
         result = train(model, optimizer, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,

@@ -7,7 +7,10 @@
     meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
     meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
     meshtune bench badinput [--case NAME]  # bad inputs must each fail cleanly (exit 2, one line)
+    meshtune bench faults [--json]     # kill/stop/cut/corrupt real runs; clean exit, exact resume
+    meshtune bench soak [--steps 2000] [--repeats 20]  # memory growth and repeated runs without a hang
     meshtune launch -n 2 -- meshtune train ...   # local ranks on the ring backend
+    meshtune launch --hostfile hosts.json -- meshtune train ...   # one rank per host, over ssh
 
 On Linux the command re-executes itself once with a system OpenBLAS preloaded when
 one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off). This
@@ -158,10 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
-    bench.add_argument("suite", choices=["peer", "adapters", "scaling", "pipeline", "badinput"],
+    bench.add_argument("suite", choices=["peer", "adapters", "scaling", "pipeline", "badinput", "faults", "soak"],
                        help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
                             "stock mlx-lm vs meshtune, dense and 4-bit bases; badinput: bad inputs "
-                            "must each fail with one clean error line.")
+                            "must each fail with one clean error line; faults: kill/stop/cut/corrupt real "
+                            "runs, then resume; soak: long run memory and repeated short runs.")
     bench.set_defaults(func=cmd_bench)
     return parser
 

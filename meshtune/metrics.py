@@ -94,7 +94,8 @@ class Reporter:
             "type": "train", "step": step, "loss": loss, "learning_rate": learning_rate,
             "tokens": tokens, "tokens_per_sec": tokens / max(seconds, 1e-9),
             "steps_per_sec": steps / max(seconds, 1e-9), "trained_tokens": trained_tokens,
-            "peak_memory_gb": mx.get_peak_memory() / 1e9, "time": time.time(),
+            "peak_memory_gb": mx.get_peak_memory() / 1e9, "active_memory_gb": mx.get_active_memory() / 1e9,
+            "time": time.time(),
         }
         self.emit(record, f"step {step}: train loss {loss:.4f}, lr {learning_rate:.3e}, "
                           f"{record['tokens_per_sec']:.0f} tok/s, peak mem {record['peak_memory_gb']:.3f} GB")

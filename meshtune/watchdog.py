@@ -1,54 +1,195 @@
-"""Turns a hung collective or a lost peer into a clean, named exit.
+"""Turns a hung collective or a lost peer into a clean exit that names the lost rank.
 
 When a rank is killed, stopped or cut off, its peers block inside an all_sum or a
 recv that never returns (MLX has no timeout there; mlx issue 4475 reports ring
 deadlocks at 3+ ranks). A watchdog thread on every rank expects a heartbeat from the
-training loop; after `timeout_s` without one it prints one line naming this rank and
-the step it was stuck in and ends the process with EXIT_CODE, so a launcher sees a
-failure instead of waiting forever.
+training loop; after `timeout_s` without one it prints one line and ends the process
+with EXIT_CODE, so a launcher sees a failure instead of waiting forever.
+
+A rank alone cannot tell which peer stopped answering, so the same thread also keeps
+a small side channel: every `interval` it writes `rank<i>.json` (pid, host, last
+finished step, wall time now) into a run-scoped folder, `$MESHTUNE_HEARTBEAT_DIR`
+(set by `meshtune launch`) or else `<adapter_path>/.heartbeats` (ranks started by
+mlx.launch). The thread keeps writing while its loop is blocked in a collective, so
+a peer whose file went stale, or whose local process is gone or stopped
+(/proc/<pid>/stat), is the one that stopped answering. A peer killed outright
+closes its sockets and the backend raises at once ("[ring] connection to a peer was
+lost"); that also becomes the one line and exit 75, not a traceback. Peers on other
+hosts are seen only through a shared filesystem; without one the line says that no
+peer could be named.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the run can be resumed from its last checkpoint
+HEARTBEAT_ENV = "MESHTUNE_HEARTBEAT_DIR"
+# How MLX's distributed backends word a failed collective (e.g. "[ring] connection to a peer was lost").
+BACKEND_ERROR = re.compile(r"\[(ring|jaccl|mpi|nccl)\] ")
+
+
+def heartbeat_folder(adapter_path: Path) -> Path:
+    """Where this run's ranks exchange heartbeats: the launcher's folder, else one in the run."""
+    given = os.environ.get(HEARTBEAT_ENV)
+    return Path(given) if given else Path(adapter_path) / ".heartbeats"
+
+
+def write_heartbeat(folder: Path, rank: int, step: int, gave_up: bool = False) -> None:
+    """Replace rank<i>.json atomically (a reader never sees half a file).
+
+    `gave_up`: this rank is leaving because of a peer; peers must not blame it.
+    """
+    record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "step": step, "alive": time.time(),
+              "gave_up": gave_up}
+    tmp = folder / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, folder / f"rank{rank}.json")
+
+
+def read_heartbeat(folder: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / f"rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def process_state(pid: int) -> str | None:
+    """Why a local process cannot answer ('exited', 'stopped (SIGSTOP)'), or None if it runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "exited" if Path("/proc/self/stat").exists() else None  # no procfs: cannot tell
+    state = stat.rsplit(")", 1)[-1].split()[0]  # the command name in (...) may hold spaces
+    if state in ("T", "t"):
+        return "stopped (SIGSTOP)"
+    if state in ("Z", "X"):
+        return "exited"
+    return None
+
+
+def lost_peer(folder: Path, world_size: int, me: int | None, stale_s: float) -> tuple[int, int | None, str] | None:
+    """(rank, its last finished step, why) of the peer that stopped answering first, else None.
+
+    Survivors that left because of a peer mark their last heartbeat `gave_up` and are
+    not blamed; of the rest, the one whose heartbeat went silent earliest is the cause.
+    """
+    host = socket.gethostname()
+    now = time.time()
+    lost = []
+    for rank in range(world_size):
+        if rank == me:
+            continue
+        record = read_heartbeat(folder, rank)
+        if record is None or record.get("gave_up"):
+            continue  # never started the loop (or another host without a shared folder), or left because of a peer
+        alive = float(record.get("alive", now))
+        why = process_state(int(record["pid"])) if record.get("host") == host else None
+        if why is None and now - alive > stale_s:
+            why = f"no heartbeat for {now - alive:.0f}s"
+        if why:
+            lost.append((alive, rank, record.get("step"), why))
+    return min(lost)[1:] if lost else None
 
 
 class Watchdog:
     """`beat(step)` from the loop; exits the process when beats stop for `timeout_s`."""
 
-    def __init__(self, timeout_s: float, rank: int, world_size: int) -> None:
+    def __init__(self, timeout_s: float, rank: int, world_size: int, heartbeat_dir: Path | None = None) -> None:
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.heartbeat_dir = heartbeat_dir
+        # Heartbeats at least 4 per timeout; a peer is stale after 3 missed ones.
+        self.interval = min(0.5, timeout_s / 4) if timeout_s > 0 else 0.5
         self._step, self._last = 0, time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._gave_up = False
 
     def __enter__(self) -> "Watchdog":
         if self.timeout_s > 0 and self.world_size > 1:
+            if self.heartbeat_dir is not None:
+                try:
+                    self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
+                    write_heartbeat(self.heartbeat_dir, self.rank, self._step)
+                except OSError:  # the side channel is a nicety: without it the watchdog still works
+                    self.heartbeat_dir = None
             self._thread = threading.Thread(target=self._watch, name="meshtune-watchdog", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._thread is not None and isinstance(exc, RuntimeError) and BACKEND_ERROR.match(str(exc)):
+            self.peer_lost(str(exc))
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.heartbeat_dir is not None and exc_type is None:  # a finished run leaves no heartbeat behind
+            (self.heartbeat_dir / f"rank{self.rank}.json").unlink(missing_ok=True)
+            try:
+                self.heartbeat_dir.rmdir()
+            except OSError:  # peers' files still there, or the launcher's folder
+                pass
 
     def beat(self, step: int) -> None:
-        """A finished step."""
+        """A finished step (written to the heartbeat file now, so a peer names the exact step)."""
         self._step, self._last = step, time.monotonic()
+        self._write()
+
+    def _write(self, gave_up: bool = False) -> None:
+        if self.heartbeat_dir is None or self._thread is None:
+            return
+        with self._lock:  # the loop and the thread share the temp file name
+            self._gave_up = self._gave_up or gave_up  # once said, every later write says it too
+            try:
+                write_heartbeat(self.heartbeat_dir, self.rank, self._step, self._gave_up)
+            except OSError:
+                pass
 
     def alive(self) -> None:
         """Progress inside a step (an eval batch): the step number stays."""
         self._last = time.monotonic()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+        while not self._stop.wait(self.interval):
+            self._write()
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                print(f"meshtune: rank {self.rank}: no progress for {idle:.0f}s at step {self._step}: a peer "
-                      f"rank stopped answering (killed, stopped or cut off); exiting with {EXIT_CODE}. "
-                      "Resume with --resume from the last checkpoint.", file=sys.stderr, flush=True)
+                self._write(gave_up=True)
+                print(f"\n{self.message(idle)}", file=sys.stderr, flush=True)  # below any progress bar
                 os._exit(EXIT_CODE)
+
+    def peer_lost(self, error: str) -> None:
+        """The backend saw a peer go (a closed connection): one line, exit 75, no traceback.
+
+        Under `meshtune launch` the launcher sees the lost rank itself and says the
+        one line, so the rank exits quietly.
+        """
+        self._write(gave_up=True)
+        if not os.environ.get(HEARTBEAT_ENV):
+            line = self.message(time.monotonic() - self._last, cause=error)
+            print(f"\n{line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_CODE)  # a normal exit would wait on the backend's threads
+
+    def message(self, idle: float, cause: str | None = None) -> str:
+        """The one line printed before exiting: the lost peer and its step when it can be named."""
+        lost = None
+        if self.heartbeat_dir is not None:
+            lost = lost_peer(self.heartbeat_dir, self.world_size, self.rank, stale_s=3 * self.interval + 1)
+        if lost is None:
+            who = "a peer rank stopped answering (killed, stopped or cut off; which one cannot be told from here"
+            who += f": {cause})" if cause else ")"
+        else:
+            rank, step, why = lost
+            who = f"rank {rank} stopped answering at step {step} ({why}{'; ' + cause if cause else ''})"
+        return (f"meshtune: rank {self.rank}: {who}; no progress here for {idle:.0f}s at step {self._step}; "
+                f"exiting with {EXIT_CODE}. Resume with --resume from the last checkpoint.")

@@ -1,0 +1,260 @@
+"""`meshtune bench faults`: hurt real training runs and check they end cleanly and resume exactly.
+
+    meshtune bench faults [--iters 12] [--watchdog 5] [--case NAME] [--skip-badinput] [--json]
+
+Every case trains the embedded tiny model on the arithmetic data with 2 ranks on the
+CPU (`meshtune launch`, ring backend; SGD, global batch 6, a checkpoint every 4
+steps), injects one fault after step 6, and reports the time from the fault until
+every process has exited, the line that explains it, and whether `--resume` on 2
+ranks then ends with the weights of an uninterrupted 2-rank run (max abs diff; 0 is
+exact, a 3-rank run resumed on 2 is held to 1e-5 + 1e-4|w| because ranks sum
+gradients in another order). Cases:
+
+    kill9_rank1        kill -9 rank 1
+    sigstop_rank1      SIGSTOP rank 1 (alive, silent)
+    kill_during_save   kill -9 rank 0 (the writer) while a checkpoint's temp folder exists
+    corrupt_latest     a byte of the newest checkpoint of a finished run flipped, then --resume
+    link_cut           the link of rank 1 taken down in the namespace bed (bench/netbed.py; root)
+    kill9_3ranks       3 ranks, kill -9 rank 2, resumed on 2 ranks
+
+The bad-input corpus (`meshtune bench badinput`) runs too and its summary line is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from .faultkit import CLI, FaultRun, env, max_abs_diff, survivors, train_args
+
+BATCH, SAVE_EVERY, FAULT_AFTER = 6, 4, 6
+ADAPTERS = "adapters.safetensors"
+
+
+@dataclass
+class Outcome:
+    case: str
+    ranks: int
+    exit_code: int | None
+    seconds_to_exit: float | None
+    message: str
+    left_running: int
+    resumed_on: int
+    max_abs_diff: float | None
+    reproduced: str  # "exact", "within tol", "NO", or why it was not checked
+    ok: bool
+    note: str = ""
+
+
+class Bench:
+    """One temp folder, the shared settings and the 2-rank reference run."""
+
+    def __init__(self, root: Path, iters: int, watchdog_s: float) -> None:
+        self.root, self.iters, self.watchdog_s = root, iters, watchdog_s
+
+    def args(self, out: Path, *extra: str, save_every: int = SAVE_EVERY) -> list[str]:
+        return train_args(out, iters=self.iters, batch=BATCH, save_every=save_every, watchdog_s=self.watchdog_s,
+                          extra=extra)
+
+    def train(self, n: int, out: Path, *extra: str, save_every: int = SAVE_EVERY) -> subprocess.CompletedProcess:
+        argv = [*CLI, "launch", "-n", str(n), "--", *CLI, *self.args(out, *extra, save_every=save_every)]
+        proc = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[-12:])} failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        return proc
+
+    def reference(self) -> Path:
+        out = self.root / "reference"
+        if not (out / ADAPTERS).exists():
+            self.train(2, out)
+        return out / ADAPTERS
+
+    def resume(self, out: Path, n: int = 2, save_every: int = SAVE_EVERY) -> tuple[float, str, list[str]]:
+        """--resume on n ranks; (max abs diff to the reference, verdict, warning lines said)."""
+        proc = self.train(n, out, "--resume", save_every=save_every)
+        warnings = [l.split("] ", 1)[-1] for l in proc.stdout.splitlines() if "warning: skipping checkpoint" in l]
+        diff = max_abs_diff(out / ADAPTERS, self.reference())
+        a, b = mx.load(str(out / ADAPTERS)), mx.load(str(self.reference()))
+        close = all(mx.allclose(a[k], b[k], rtol=1e-4, atol=1e-5).item() for k in a)
+        return diff, "exact" if diff == 0 else "within tol" if close else "NO", warnings
+
+
+def _said(run: FaultRun) -> str:
+    """The explaining line: the launcher's, else the first rank's own."""
+    mark = "meshtune launch:"
+    lines = [l[l.index(mark):] for l in run.lines if mark in l] or \
+        [l.split("] ", 1)[-1] for l in run.lines if "stopped answering" in l]
+    return lines[0] if lines else "(none)"
+
+
+def _signal_case(b: Bench, name: str, n: int, victim: int, sig: int, expect_code: int) -> Outcome:
+    out = b.root / name
+    run = FaultRun.launch(n, b.args(out))
+    try:
+        run.wait_for(rf"step {FAULT_AFTER}: train loss")
+        run.hurt(victim, sig)
+        code, seconds = run.finish(timeout=b.watchdog_s + 60)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    left, message = len(survivors(str(out))), _said(run)
+    diff, verdict, _ = b.resume(out, n=2)
+    ok = (code == expect_code and f"rank {victim} stopped answering" in message and left == 0
+          and seconds < b.watchdog_s + 5 and verdict != "NO")
+    return Outcome(name, n, code, seconds, message, left, 2, diff, verdict, ok)
+
+
+def kill9_rank1(b: Bench) -> Outcome:
+    return _signal_case(b, "kill9_rank1", 2, 1, signal.SIGKILL, 128 + 9)
+
+
+def sigstop_rank1(b: Bench) -> Outcome:
+    return _signal_case(b, "sigstop_rank1", 2, 1, signal.SIGSTOP, 75)
+
+
+def kill9_3ranks(b: Bench) -> Outcome:
+    return _signal_case(b, "kill9_3ranks", 3, 2, signal.SIGKILL, 128 + 9)
+
+
+def kill_during_save(b: Bench) -> Outcome:
+    """Checkpoint every step; poll for a save's temp folder and kill the writer inside it."""
+    out = b.root / "kill_during_save"
+    run = FaultRun.launch(2, b.args(out, save_every=1))
+    caught = False
+    try:
+        run.wait_for(rf"step {FAULT_AFTER - 2}: train loss")
+        folder, deadline = out / "checkpoints", time.monotonic() + 30
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            if any(".tmp-" in p.name for p in folder.iterdir()):  # a save is under way
+                run.hurt(0, signal.SIGKILL)
+                caught = True
+                break
+            time.sleep(0.0005)
+        if not caught:  # no save window seen: still a kill, said in the note
+            run.hurt(0, signal.SIGKILL)
+        code, seconds = run.finish(timeout=b.watchdog_s + 60)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    temp_left = [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
+    left, message = len(survivors(str(out))), _said(run)
+    diff, verdict, warnings = b.resume(out, n=2, save_every=1)
+    skipped = any("temp folder of an interrupted save" in w for w in warnings)
+    note = (f"killed mid-save: temp folder {temp_left[0]} left, resume skipped it" if temp_left and skipped
+            else "the kill landed between saves (no temp folder left)")
+    ok = code == 128 + 9 and left == 0 and verdict != "NO" and (not temp_left or skipped)
+    return Outcome("kill_during_save", 2, code, seconds, message, left, 2, diff, verdict, ok, note)
+
+
+def corrupt_latest(b: Bench) -> Outcome:
+    """A finished run whose newest checkpoint lost a byte: resume skips it and redoes the steps."""
+    out = b.root / "corrupt_latest"
+    shutil.copytree(b.reference().parent, out)
+    latest = max((out / "checkpoints").iterdir(), key=lambda p: int(p.name))
+    weights = latest / ADAPTERS
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    diff, verdict, warnings = b.resume(out, n=2)
+    message = warnings[0] if warnings else "(no warning)"
+    ok = "does not match its sha256" in message and verdict != "NO"
+    return Outcome("corrupt_latest", 2, None, None, message, 0, 2, diff, verdict, ok,
+                   f"checkpoint {latest.name} skipped; resumed from the one before")
+
+
+def link_cut(b: Bench) -> Outcome:
+    """Both ranks in network namespaces; rank 1's veth goes down; the watchdogs end the run."""
+    from . import netbed
+
+    reason = netbed.available() or _netns_refused()
+    if reason:
+        return Outcome("link_cut", 2, None, None, f"skipped: {reason}", 0, 0, None, "not run", True)
+    out = b.root / "link_cut"
+    code = (f"import sys; from meshtune.launch import launch_local; "
+            f"sys.exit(launch_local(2, {[*CLI, *b.args(out)]!r}, hosts=['10.77.0.1', '10.77.0.2'], "
+            f"wrap=lambda r: ['ip', 'netns', 'exec', f'mtbed{{r}}']))")
+    with netbed.shaped_link(2, rate="10gbit") as bed:
+        run = FaultRun([sys.executable, "-c", code])
+        try:
+            run.wait_for(rf"step {FAULT_AFTER}: train loss")
+            subprocess.run(["ip", "-n", netbed.BRIDGE_NS, "link", "set", "mtp1", "down"], check=True)
+            run.fault_at = time.monotonic()
+            rc, seconds = run.finish(timeout=b.watchdog_s + 60)
+        finally:
+            if run.proc.poll() is None:
+                run.kill()
+    left, message = len(survivors(str(out))), _said(run)
+    diff, verdict, _ = b.resume(out, n=2)
+    ok = rc == 75 and left == 0 and seconds < b.watchdog_s + 5 and verdict != "NO"
+    return Outcome("link_cut", 2, rc, seconds, message, left, 2, diff, verdict, ok,
+                   f"{bed.shaping}; no rank is dead or stopped, so no peer can be named")
+
+
+def _netns_refused() -> str | None:
+    probe = subprocess.run(["ip", "netns", "add", "mtbed-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "mtbed-probe"], capture_output=True)
+    return "network namespaces are not permitted here" if probe.returncode else None
+
+
+CASES: dict[str, Callable[[Bench], Outcome]] = {
+    f.__name__: f for f in (kill9_rank1, sigstop_rank1, kill_during_save, corrupt_latest, link_cut, kill9_3ranks)}
+
+
+def table(outcomes: list[Outcome]) -> str:
+    rows = [f"{'case':<17} | ranks | exit | s to exit | left | resumed on | max abs diff | weights    | ok",
+            f"{'-' * 17}-|-------|------|-----------|------|------------|--------------|------------|----"]
+    for o in outcomes:
+        secs = f"{o.seconds_to_exit:9.1f}" if o.seconds_to_exit is not None else f"{'-':>9}"
+        diff = f"{o.max_abs_diff:12.3g}" if o.max_abs_diff is not None else f"{'-':>12}"
+        rows.append(f"{o.case:<17} | {o.ranks:>5} | {str(o.exit_code or '-'):>4} | {secs} | {o.left_running:>4} | "
+                    f"{o.resumed_on or '-':>10} | {diff} | {o.reproduced:<10} | {'yes' if o.ok else 'NO'}")
+    rows.append("messages:")
+    rows += [f"  {o.case}: {o.message}" + (f"  [{o.note}]" if o.note else "") for o in outcomes]
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="meshtune bench faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=12, help="Steps of every run (faults come after step 6).")
+    p.add_argument("--watchdog", type=float, default=5.0, help="runtime.watchdog_s of the runs.")
+    p.add_argument("--case", action="append", choices=list(CASES), help="Run only this case (repeatable).")
+    p.add_argument("--skip-badinput", action="store_true", help="Leave out the bad-input corpus.")
+    p.add_argument("--json", action="store_true", help="Print one JSON object last.")
+    a = p.parse_args(argv)
+    if a.iters <= FAULT_AFTER + 2:
+        raise ValueError(f"--iters {a.iters}: faults come after step {FAULT_AFTER}; use at least {FAULT_AFTER + 3}")
+    tic = time.monotonic()
+    print(f"fault bench: embedded tiny model, arithmetic data, global batch {BATCH}, {a.iters} SGD steps, "
+          f"checkpoint every {SAVE_EVERY}, runtime.watchdog_s {a.watchdog:g}, fault after step {FAULT_AFTER}; "
+          "weights compared with an uninterrupted 2-rank run", flush=True)
+    with tempfile.TemporaryDirectory(prefix="meshtune-faults-") as tmp:
+        bench = Bench(Path(tmp), a.iters, a.watchdog)
+        outcomes = []
+        for name in a.case or list(CASES):
+            outcomes.append(CASES[name](bench))
+            print(f"  {name}: {'ok' if outcomes[-1].ok else 'FAILED'}", flush=True)
+    print(table(outcomes))
+    bad = None
+    if not a.skip_badinput:
+        from .bad_input import run_all
+
+        results = run_all()
+        bad = {"cases_tried": len(results), "clean_errors": sum(r.clean for r in results)}
+        print(f"bad inputs: cases tried {bad['cases_tried']}, clean errors {bad['clean_errors']}")
+    ok = all(o.ok for o in outcomes) and (bad is None or bad["cases_tried"] == bad["clean_errors"])
+    print(f"faults bench {'passed' if ok else 'FAILED'} in {time.monotonic() - tic:.0f}s")
+    if a.json:
+        print(json.dumps({"cases": [asdict(o) for o in outcomes], "badinput": bad, "ok": ok}))
+    return 0 if ok else 1

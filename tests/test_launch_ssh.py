@@ -1,0 +1,91 @@
+"""`meshtune launch --hostfile`: ranks started over ssh, output prefixed, failing together.
+
+No remote host is reachable here, so `ssh` on PATH is a fake: a script that logs the
+host it was asked for and runs the remote command locally with a cleared environment
+(as sshd would: only what the command line sets reaches the rank). The launcher's
+code path (hostfile, remote script, pid line, remote kill) is the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from meshtune.bench.faultkit import CLI, env
+from meshtune.launch import read_hostfile
+
+FAKE_SSH = """#!/bin/sh
+# fake ssh: ssh HOST COMMAND -> run COMMAND here, as a login would, with a clean environment
+host="$1"; shift
+echo "$host $*" >> "{log}"
+exec env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$*"
+"""
+
+
+def _fake_ssh(tmp_path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(FAKE_SSH.format(log=tmp_path / "ssh.log"))
+    ssh.chmod(0o755)
+    return dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def _hostfile(tmp_path, n: int):
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": f"node{i}", "ips": ["127.0.0.1"]} for i in range(n)]))
+    return path
+
+
+def test_ranks_start_over_ssh_and_all_sum(tmp_path):
+    environ = _fake_ssh(tmp_path)
+    code = ("import os, mlx.core as mx; g = mx.distributed.init(); "
+            "s = mx.distributed.all_sum(mx.array([g.rank() + 1.0]), group=g); "
+            "print('sum', int(s[0].item()), 'rank', g.rank(), 'of', g.size(), 'cwd', os.getcwd(), "
+            "'pp', bool(os.environ.get('PYTHONPATH')), flush=True)")
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(_hostfile(tmp_path, 3)), "--", sys.executable, "-c",
+                           code], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in range(3):  # every rank ran, in the launcher's folder, with the forwarded PYTHONPATH
+        assert f"[rank {rank}] sum 6 rank {rank} of 3 cwd {tmp_path} pp True" in proc.stdout, proc.stdout
+    log = (tmp_path / "ssh.log").read_text().splitlines()
+    assert sorted(line.split()[0] for line in log) == ["node0", "node1", "node2"]
+    assert all("MLX_RANK=" in line and "MLX_HOSTFILE=" in line for line in log)
+    assert "meshtune-remote-pid" not in proc.stdout  # the launcher's own line is not shown
+
+
+def test_a_failing_remote_rank_stops_the_others_there_too(tmp_path):
+    environ = _fake_ssh(tmp_path)
+    code = ("import os, sys, time; r = int(os.environ['MLX_RANK']); print('up', r, os.getpid(), flush=True); "
+            "time.sleep(1) if r == 1 else time.sleep(120); sys.exit(3)")
+    tic = time.monotonic()
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(_hostfile(tmp_path, 2)), "--", sys.executable, "-c",
+                           code], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert time.monotonic() - tic < 30
+    assert "meshtune launch: rank 1 exited with code 3; stopping rank 0" in proc.stderr
+    pids = [int(line.split()[-1]) for line in proc.stdout.splitlines() if " up " in line]
+    assert len(pids) == 2
+    # rank 0's process (the "remote" one, not just its ssh) was killed through ssh.
+    assert not os.path.exists(f"/proc/{pids[0]}")
+    assert any(line.startswith("node0 kill -15") for line in (tmp_path / "ssh.log").read_text().splitlines())
+
+
+def test_hostfile_errors_are_one_line(tmp_path):
+    bad = tmp_path / "hosts.json"
+    bad.write_text('[{"ssh": "a"}]')
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(bad), "--", "true"], env=env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f'meshtune: error: --hostfile {bad}: every entry needs "ssh" (a host name) and "ips" (a non-empty list of '
+        'addresses), e.g. [{"ssh": "mac1", "ips": ["10.0.0.1"]}]']
+    good = tmp_path / "good.json"
+    good.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]')
+    assert [h["ssh"] for h in read_hostfile(good)] == ["a", "b"]
+    proc = subprocess.run([*CLI, "launch", "-n", "3", "--hostfile", str(good), "--", "true"], env=env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "-n 3 but the hostfile lists 2 hosts" in proc.stderr
