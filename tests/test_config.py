@@ -556,3 +556,15 @@ def test_optimizer_options_match_mlx() -> None:
     for name, cls in classes.items():
         params = set(inspect.signature(cls.__init__).parameters) - {"self", "learning_rate"}
         assert params == OPTIMIZER_OPTIONS[name], name
+
+
+def test_pipeline_stages_is_pp_under_its_long_name(tmp_path):
+    from meshtune.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel:\n  pipeline_stages: 2\n")
+    assert load_config(path).parallel.pp == 2
+    path.write_text("parallel:\n  pipeline_stages: 2\n  pp: 3\n")
+    cfg = load_config(path)
+    with pytest.raises(ConfigError, match="parallel.pipeline_stages"):
+        cfg.validate(world_size=6)

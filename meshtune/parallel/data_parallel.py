@@ -47,11 +47,17 @@ def buckets(sizes: list[int], bucket_bytes: int, itemsize: int) -> list[list[int
 _comm_streams: dict[Any, Any] = {}
 
 
-def comm_stream(mode: str) -> Any:
-    """The stream `mode`'s collectives run on: one of their own for overlap, else None (the default)."""
-    device = mx.default_device()
+def comm_stream(mode: str, backend: str = "") -> Any:
+    """The stream `mode`'s collectives run on: one of their own for overlap, else None (the default).
+
+    NCCL reduces on the GPU, so its stream is a GPU one; the ring, JACCL and MPI
+    backends reduce on the CPU, so theirs is a CPU stream: on a Mac the backward
+    runs on the GPU while a CPU thread reduces the finished buckets (the research
+    paper's consumer thread).
+    """
     if mode != "overlap" or os.environ.get("MESHTUNE_COMM_STREAM", "1") == "0":
         return None
+    device = mx.gpu if backend == "nccl" and mx.default_device().type == mx.DeviceType.gpu else mx.cpu
     key = str(device)
     if key not in _comm_streams:
         _comm_streams[key] = mx.new_stream(device)
@@ -76,7 +82,7 @@ def sum_tokens(tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward") ->
     """
     if mesh.world_size == 1:
         return tokens
-    return mx.distributed.all_sum(tokens, group=mesh.group, stream=comm_stream(mode))
+    return mx.distributed.all_sum(tokens, group=mesh.group, stream=comm_stream(mode, mesh.backend))
 
 
 def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0) -> Any:
@@ -89,7 +95,7 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     order = list(range(len(flat)))
     if mode == "overlap":
         order.reverse()  # the backward produces the last layers' gradients first
-    stream = comm_stream(mode)
+    stream = comm_stream(mode, mesh.backend)
     summed: dict[int, mx.array] = {}
     by_dtype: dict[Any, list[int]] = {}
     for i in order:
@@ -113,7 +119,7 @@ def start_gradient_sums(grads: Any, tokens: mx.array, mesh: Mesh, *, bucket_mb: 
     gradient, needs the whole backward: no all_sum started early, measured 1.0x.)
     The order of all_sums is the same on every rank: this loop's.
     """
-    stream = comm_stream("overlap")
+    stream = comm_stream("overlap", mesh.backend)
     with mx.stream(stream or mx.default_stream(mx.default_device())):
         total_tokens = mx.distributed.all_sum(tokens, group=mesh.group)
     mx.async_eval(total_tokens)
