@@ -185,7 +185,12 @@ class Watchdog:
         lost = None
         if self.heartbeat_dir is not None:
             lost = lost_peer(self.heartbeat_dir, self.world_size, self.rank, stale_s=3 * self.interval + 1)
-        if lost is None:
+        if lost is None and self.world_size == 2:
+            # Every process is alive yet nothing arrives: a cut link or a hung peer. With
+            # two ranks there is one peer to name.
+            who = (f"rank {1 - self.rank} stopped answering (alive but unreachable: a cut link or a hang"
+                   f"{': ' + cause if cause else ''})")
+        elif lost is None:
             who = "a peer rank stopped answering (killed, stopped or cut off; which one cannot be told from here"
             who += f": {cause})" if cause else ")"
         else:

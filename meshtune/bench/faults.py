@@ -91,11 +91,12 @@ class Bench:
 
 
 def _said(run: FaultRun) -> str:
-    """The explaining line: the launcher's, else the first rank's own."""
+    """The line naming the lost rank: the launcher's, else a rank's own; else whatever the launcher said."""
     mark = "meshtune launch:"
-    lines = [l[l.index(mark):] for l in run.lines if mark in l] or \
-        [l.split("] ", 1)[-1] for l in run.lines if "stopped answering" in l]
-    return lines[0] if lines else "(none)"
+    launcher = [l[l.index(mark):] for l in run.lines if mark in l]
+    ranks = [l.split("] ", 1)[-1] for l in run.lines if "stopped answering" in l and mark not in l]
+    naming = [l for l in launcher if "stopped answering" in l] or ranks or launcher
+    return naming[0] if naming else "(none)"
 
 
 def _signal_case(b: Bench, name: str, n: int, victim: int, sig: int, expect_code: int) -> Outcome:
@@ -198,7 +199,7 @@ def link_cut(b: Bench) -> Outcome:
     diff, verdict, _ = b.resume(out, n=2)
     ok = rc == 75 and left == 0 and seconds < b.watchdog_s + 5 and verdict != "NO"
     return Outcome("link_cut", 2, rc, seconds, message, left, 2, diff, verdict, ok,
-                   f"{bed.shaping}; no rank is dead or stopped, so no peer can be named")
+                   f"{bed.shaping}; no rank is dead or stopped: each rank's watchdog names the other")
 
 
 def _netns_refused() -> str | None:
