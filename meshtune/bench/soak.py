@@ -76,12 +76,12 @@ def main(argv: list[str]) -> int:
         if code != 0:
             raise RuntimeError(f"the {a.steps}-step run failed ({code}): {log[-2000:]}")
         mem = memory_growth(read_metrics(Path(tmp) / "long"), a.steps)
-        finals = re.findall(r"\[rank (\d+)\] rank \d+ finished at step \d+ \(peak memory ([\d.]+) GB\)", log)
+        finals = re.findall(r"\[rank (\d+)\] rank \d+ finished at step \d+ \(peak memory ([\d.]+) GB[,)]", log)
         runs = [_train(3, Path(tmp) / f"short{i}", 10, 5, timeout=REPEAT_TIMEOUT_S)[:2] for i in range(a.repeats)]
     hangs = sum(c == 124 for c, _ in runs)
     failures = sum(c not in (0, 124) for c, _ in runs)
     mem_ok = mem["peak_growth"] < LIMIT and mem["active_growth"] < LIMIT
-    ok = mem_ok and hangs == 0 and failures == 0
+    ok = mem_ok and hangs == 0 and failures == 0 and len(finals) == 2  # both ranks said they finished
     samples = mem["samples"]
     shown = samples[:: max(len(samples) // 10, 1)] + ([samples[-1]] if samples[-1] not in samples[::10] else [])
     print(f"soak 1: 2 ranks x {a.steps} steps in {seconds:.0f}s ({a.steps / seconds:.1f} steps/s), rank 0's reports")
