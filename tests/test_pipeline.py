@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -192,6 +193,10 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
         data = bytearray((newest / "stage1.safetensors").read_bytes())
         data[-1] ^= 0xFF
         (newest / "stage1.safetensors").write_bytes(bytes(data))
+    if ranks == 2 and not damage:  # one process resumes the stages' checkpoint too, reading every shard
+        shutil.copytree(tmp_path / "parts", tmp_path / "single")
+        assert "resumed from step 4" in run([*cli, *args], "--iters", "6", "--resume", "--adapter-path",
+                                            str(tmp_path / "single")).stdout
     out = run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
     assert f"resumed from step {2 if damage else 4}" in out
     skipped = [l for l in out.splitlines() if "warning: skipping checkpoint" in l]
@@ -202,6 +207,7 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
     _assert_same_run(tmp_path / "whole", tmp_path / "parts", exact=True)
     if ranks == 2 and not damage:
         _assert_same_run(tmp_path / "one", tmp_path / "whole", atol=1e-4)  # Adam's m / sqrt(v) magnifies rounding
+        _assert_same_run(tmp_path / "one", tmp_path / "single", atol=1e-4)
         # The stages' shards, read together, are one process's checkpoint.
         one, pipe = (load_checkpoint(tmp_path / r / "checkpoints" / "0000004") for r in ("one", "parts"))
         for a, b in ((one.trainable, pipe.trainable),
