@@ -133,3 +133,15 @@ def test_resaving_a_step_replaces_the_older_copy(tmp_path, stale):
     (path / stale).write_text("{}")  # an older, damaged copy of the step
     _save_both(tmp_path, 2, stages)
     assert verify_checkpoint(path) is None and not (path / "state.json").exists()
+
+
+def test_another_pp_without_every_shard_names_the_option(tmp_path, capsys):
+    path = _save_both(tmp_path, 2, [_stage(0), _stage(1)])
+    for name in ("stage1.safetensors", "stage1.optimizer.safetensors", "state.stage1.json"):
+        (path / name).unlink()  # as on a host that holds only the first stage's files
+    model = tiny_llama(layers=4, dim=32, vocab=64, seed=0)
+    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=4, scale=10.0, dropout=0.0)
+    four = PipelineStage(model, 0, 4, Mesh(group=None, world_size=1, rank=0, dp=1, pp=4))
+    assert resumable_step(tmp_path, four, print) is None
+    line = capsys.readouterr().out.strip()
+    assert "state.stage1.json" in line and "written with parallel.pp=2: resume with --parallel.pp 2" in line

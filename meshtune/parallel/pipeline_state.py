@@ -134,13 +134,19 @@ def save_stages(out: Path, stage: PipelineStage, optimizer: Any, *, state: Train
 def _check(path: Path, stage: PipelineStage) -> tuple[str | None, bool]:
     """(why `path` cannot resume this rank or None, whether it is read as this stage's own shard)."""
     name = stage_names(stage.stage)[2]
+    written = None
     try:
         manifest = json.loads((path / name).read_text())
-        own = {"stages": manifest["stages"], "bounds": manifest["bounds"]} == _layout(stage)
+        written = manifest["stages"]
+        own = {"stages": written, "bounds": manifest["bounds"]} == _layout(stage)
     except (OSError, ValueError, KeyError, TypeError):
         own = False
     if not own:  # another layout, or a damaged manifest: read (and so verify) the whole model
-        return verify_checkpoint(path), False
+        why = verify_checkpoint(path)
+        if why is not None and isinstance(written, int) and written != stage.stages:
+            why += (f" (written with parallel.pp={written}: resume with --parallel.pp {written}, "
+                    "or make every stage's files visible here)")
+        return why, False
     needed = [stage.stage] + ([0] if stage.tied_keys and stage.last else [])
     return next((why for j in needed if (why := verify_stage(path, j)) is not None), None), True
 
