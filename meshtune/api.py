@@ -235,15 +235,15 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
     def save(state: TrainingState) -> None:
         weights = current_weights()
-        optimizer_state = optimizer.state
-        if stage is not None:  # every stage's slots, in one process's layout (a collective)
-            from .parallel.pipeline_state import gather_optimizer_state
+        if stage is not None:  # each stage's writer its own shard (a collective)
+            from .parallel.pipeline_state import save_stages
 
-            optimizer_state = gather_optimizer_state(stage, optimizer)
+            save_stages(out, stage, optimizer, state=state, config=resolved, keep=cfg.output.keep_last_n)
         if not mesh.is_writer:
             return
-        save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer_state,
-                        config=resolved, keep=cfg.output.keep_last_n)
+        if stage is None:
+            save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
+                            config=resolved, keep=cfg.output.keep_last_n)
         try:
             atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
         except OSError as err:
@@ -288,17 +288,23 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
     """Load the newest intact checkpoint into model, optimizer and data cursor.
 
     Damaged ones (checksums, missing files) are skipped with a line each. A pipeline
-    stage loads every weight (eval runs the whole model) and keeps the optimizer
-    slots of what it trains; checkpoints hold the whole model's. The RNG needs no
-    restoring: the loop reseeds it from (seed, step) every step.
+    stage loads what it trains, from its own shard (parallel/pipeline_state.py); the
+    ranks agree on the step. The RNG needs no restoring: the loop reseeds it from
+    (seed, step) every step.
     """
-    path = resumable_checkpoint(out, say)
+    if stage is None:
+        path = resumable_checkpoint(out, say)
+    else:
+        from .parallel.pipeline_state import load_stage_checkpoint, resumable_step
+
+        found_step = resumable_step(out, stage, say)
+        path = found_step[0] if found_step else None
     if path is None:
         found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
         raise ValueError(f"--resume: {what} in {out / 'checkpoints'}; "
                          "run without --resume to start, or point --adapter-path at the run")
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path) if stage is None else load_stage_checkpoint(path, found_step[1], stage)
     changed = [f"{section}.{k}" for section in RESUME_MUST_MATCH
                for k in sorted(set(resolved[section]) | set(ckpt.config.get(section, {})))
                if resolved[section].get(k) != ckpt.config.get(section, {}).get(k)]
@@ -306,17 +312,11 @@ def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
                          "resume with the run's own settings or start a new --adapter-path")
     if stage is None:
-        ad.load_trainable(model, path / "adapters.safetensors")
-        optimizer.state = ckpt.optimizer_state
+        single = path / ad.ADAPTER_FILE  # absent from a pipeline's checkpoint: its stages' shards are merged
+        ad.load_trainable(model, single if single.exists() else path, ckpt.trainable)
     else:
-        from .parallel.pipeline_state import stage_optimizer_state
-
-        expected = {k for k, _, _ in stage.all_params}
-        if set(ckpt.trainable) != expected:
-            raise ValueError(f"--resume: {path / 'adapters.safetensors'} does not hold this model's trained "
-                             "parameters; resume with the run's own model and adapter settings")
         model.load_weights(list(ckpt.trainable.items()), strict=False)
-        optimizer.state = stage_optimizer_state(stage, dict(tree_flatten(ckpt.optimizer_state)))
+    optimizer.state = ckpt.optimizer_state
     optimizer.init(model.trainable_parameters())
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state

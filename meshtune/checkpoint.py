@@ -11,6 +11,10 @@ resume can tell a damaged checkpoint from a good one (`resumable_checkpoint`).
 MLX's safetensors writer does not report a full disk, so every written file is also
 checked against its own header for truncation. Write failures become one
 `CheckpointWriteError` naming the folder; the partial temp folder is removed.
+A pipeline writes the same folder per stage instead (`stage<k>.safetensors`,
+`stage<k>.optimizer.safetensors`, manifest `state.stage<k>.json`; see
+parallel/pipeline_state.py); verifying and loading such a folder as a whole reads
+every stage's shard, so a single process resumes a pipeline's checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 CHECKPOINTS = "checkpoints"
 MANIFEST = "state.json"
 REQUIRED = ("adapters.safetensors", "optimizer.safetensors", "config.yaml")
+
+
+def stage_names(k: int) -> tuple[str, str, str]:
+    """Stage k's weights, optimizer slots and manifest, in a pipeline's checkpoint folder."""
+    return f"stage{k}.safetensors", f"stage{k}.optimizer.safetensors", f"state.stage{k}.json"
 
 
 class CheckpointWriteError(ValueError):
@@ -169,6 +178,55 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
     return final
 
 
+def write_stage(folder: Path, k: int, *, state: TrainingState, trainable: dict[str, mx.array],
+                optimizer_state: dict[str, mx.array], config: dict[str, Any], layout: dict[str, Any]) -> None:
+    """Write stage k's shard and its manifest (last) into `folder`, every file fsynced.
+
+    `layout` (stage count and block ranges) tells a resumed run whether the shard fits its own stages.
+    """
+    weights, optimizer, name = stage_names(k)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors_checked(folder / weights, trainable)
+    save_safetensors_checked(folder / optimizer, optimizer_state)
+    manifest = {"step": state.step, "data_cursor": state.data_cursor, "trained_tokens": state.trained_tokens,
+                **layout, "stage": k, "optimizer_keys": sorted(optimizer_state), "config": config,
+                "files": {f: file_record(folder / f) for f in (weights, optimizer)}}
+    (folder / name).write_text(json.dumps(manifest, indent=2))
+    for f in (weights, optimizer, name):
+        _fsync_file(folder / f)
+
+
+def publish_stage(tmp: Path, final: Path, k: int) -> None:
+    """Put stage k's files from the temp folder into the checkpoint folder.
+
+    The first writer to get here renames the whole temp folder (with whatever stages
+    share its filesystem); a later one finds the temp folder gone (its files went
+    along) or, on another host or over an older copy of the step, moves its own files
+    in. A manifest is removed first and moved last, so a half-moved stage reads as damaged.
+    """
+    if not tmp.exists():
+        return
+    if not final.exists():
+        try:
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+            return
+        except OSError:
+            if not tmp.exists():
+                return
+    names = stage_names(k)
+    stale = [final / MANIFEST, *final.glob("state.stage*.json")] if k == 0 else [final / names[2]]
+    for old in stale:  # the first stage clears an older copy's manifests, so stages never mix copies
+        old.unlink(missing_ok=True)
+    for f in names:
+        os.replace(tmp / f, final / f)
+    _fsync_dir(final)
+    try:
+        tmp.rmdir()
+    except OSError:  # other stages' files are still in it; their writers move them next
+        pass
+
+
 def prune_checkpoints(adapter_path: Path, *, keep: int, just_written: Path) -> None:
     """Delete leftover temp folders and all but the newest `keep` checkpoints (0: keep all).
 
@@ -198,7 +256,8 @@ def list_checkpoints(adapter_path: Path) -> list[Path]:
     root = Path(adapter_path) / CHECKPOINTS
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.isdigit() and (p / MANIFEST).exists()]
+    done = [p for p in root.iterdir() if p.name.isdigit()
+            and ((p / MANIFEST).exists() or any(p.glob("state.stage*.json")))]
     return sorted(done, key=lambda p: int(p.name))
 
 
@@ -207,36 +266,65 @@ def latest_checkpoint(adapter_path: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """None if the folder is a complete checkpoint whose files match the manifest, else why not."""
+def _read_manifest(path: Path, name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None), or (None, why it cannot be used)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / name).read_text())
     except FileNotFoundError:
-        return f"no {MANIFEST} (the save never finished)"
+        return None, f"no {name} (the save never finished)"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return f"{MANIFEST} is unreadable ({' '.join(str(err).split())})"
+        return None, f"{name} is unreadable ({' '.join(str(err).split())})"
     if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int) \
             or not isinstance(manifest.get("data_cursor"), dict):
-        return f"{MANIFEST} lacks step or data_cursor"
+        return None, f"{name} lacks step or data_cursor"
+    return manifest, None
+
+
+def _verify_files(path: Path, name: str, files: Any, required: tuple[str, ...]) -> str | None:
+    """None if every file the manifest `name` lists (`required` among them) matches its record."""
+    if not isinstance(files, dict) or any(f not in files for f in required):
+        return f"{name} does not list every file ({', '.join(required)})"
+    for fname, record in sorted(files.items()):
+        f = path / fname
+        if not f.is_file():
+            return f"{fname} is missing"
+        try:
+            size = f.stat().st_size
+            if size != record.get("size"):
+                return f"{fname} is {size} bytes, the manifest says {record.get('size')}"
+            if file_record(f)["sha256"] != record.get("sha256"):
+                return f"{fname} does not match its sha256 in the manifest"
+        except (OSError, AttributeError) as err:
+            return f"{fname} cannot be checked ({err})"
+    return None
+
+
+def verify_stage(path: Path, k: int) -> str | None:
+    """None if stage k's shard in a pipeline's checkpoint folder matches its manifest, else why not."""
+    weights, optimizer, name = stage_names(k)
+    manifest, why = _read_manifest(path, name)
+    return why if manifest is None else _verify_files(path, name, manifest.get("files"), (weights, optimizer))
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if the folder is a complete checkpoint whose files match the manifest, else why not.
+
+    A pipeline's folder (stage manifests, no state.json) is complete when every stage's shard verifies.
+    """
+    if not (path / MANIFEST).exists() and (path / stage_names(0)[2]).exists():
+        first, why = _read_manifest(path, stage_names(0)[2])
+        stages = first.get("stages") if first is not None else None
+        if first is not None and not isinstance(stages, int):
+            why = f"{stage_names(0)[2]} lacks the stage count"
+        return why or next((w for k in range(stages) if (w := verify_stage(path, k)) is not None), None)
+    manifest, why = _read_manifest(path, MANIFEST)
+    if manifest is None:
+        return why
     files = manifest.get("files")
     if files is None:  # written before checksums existed: presence is all we can check
         missing = [name for name in REQUIRED if not (path / name).is_file()]
         return f"{missing[0]} is missing" if missing else None
-    if not isinstance(files, dict) or any(name not in files for name in REQUIRED):
-        return f"{MANIFEST} does not list every file ({', '.join(REQUIRED)})"
-    for name, record in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        try:
-            size = f.stat().st_size
-            if size != record.get("size"):
-                return f"{name} is {size} bytes, the manifest says {record.get('size')}"
-            if file_record(f)["sha256"] != record.get("sha256"):
-                return f"{name} does not match its sha256 in the manifest"
-        except (OSError, AttributeError) as err:
-            return f"{name} cannot be checked ({err})"
-    return None
+    return _verify_files(path, MANIFEST, files, REQUIRED)
 
 
 def resumable_checkpoint(adapter_path: Path, say: Callable[[str], None] = print) -> Path | None:
@@ -263,15 +351,35 @@ class LoadedCheckpoint:
     config: dict[str, Any]
 
 
+def load_stage(path: Path, k: int) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, mx.array]]:
+    """Stage k's (manifest, weights, flat optimizer slots) from a pipeline's folder (verify it first)."""
+    weights, optimizer, name = stage_names(k)
+    return json.loads((path / name).read_text()), mx.load(str(path / weights)), mx.load(str(path / optimizer))
+
+
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Read a checkpoint folder written by `save_checkpoint` (verify it first)."""
-    manifest = json.loads((path / MANIFEST).read_text())
-    opt = mx.load(str(path / "optimizer.safetensors"))
+    """Read a checkpoint folder written by `save_checkpoint` or by a pipeline's stages (verify it first).
+
+    A pipeline's shards are merged into one process's layout (the shared step and
+    learning rate come from the first stage).
+    """
+    if not (path / MANIFEST).exists():
+        manifest, trainable, opt = load_stage(path, 0)
+        for k in range(1, manifest["stages"]):
+            _, weights, slots = load_stage(path, k)
+            trainable.update(weights)
+            opt = {**slots, **opt}
+        config = manifest["config"]
+    else:
+        manifest = json.loads((path / MANIFEST).read_text())
+        opt = mx.load(str(path / "optimizer.safetensors"))
+        trainable = mx.load(str(path / "adapters.safetensors"))
+        config = yaml.safe_load((path / "config.yaml").read_text())
     return LoadedCheckpoint(
         path=path,
         state=TrainingState(step=manifest["step"], data_cursor=manifest["data_cursor"],
                             trained_tokens=manifest.get("trained_tokens", 0)),
-        trainable=mx.load(str(path / "adapters.safetensors")),
+        trainable=trainable,
         optimizer_state=tree_unflatten(list(opt.items())),
-        config=yaml.safe_load((path / "config.yaml").read_text()),
+        config=config,
     )

@@ -84,6 +84,15 @@ class Mesh:
             return x
         return mx.distributed.all_sum(x, group=self.group)
 
+    def all_ints(self, value: int) -> list[int]:
+        """Every rank's `value`, by rank: one world all_sum over a slot per rank (any backend)."""
+        if self.world_size == 1:
+            return [value]
+        slots = mx.zeros((self.world_size,), mx.int32)
+        slots[self.rank] = value
+        stream = None if self.backend == "nccl" else mx.cpu  # as in agree
+        return mx.distributed.all_sum(slots, group=self.group, stream=stream).tolist()
+
     def agree(self, flag: bool) -> bool:
         """True when any rank says True (ranks stop or save together)."""
         if self.world_size == 1:

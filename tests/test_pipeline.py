@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from conftest import ROOT, tiny_llama
 from meshtune.api import finetune
+from meshtune.checkpoint import load_checkpoint, verify_checkpoint
 from meshtune.config import Config, ConfigError
 from meshtune.mesh import Mesh
 from meshtune.parallel.p2p import Links
@@ -164,31 +166,55 @@ def test_pipeline_with_accumulation_and_clipping_matches_one_process(tmp_path):
     _assert_same_run(tmp_path / "one", tmp_path / "two")
 
 
-def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("ranks, damage", [(2, False), (2, True), (4, False)])  # 4: DP2 x PP2
+def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
     # Adam, so the optimizer state matters; 4 steps saving every 2, then --resume to 6.
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cli = [sys.executable, "-m", "meshtune.cli"]
     args = ["train", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
             "--train.val_batches", "2", "--optimizer", "adam", "--learning-rate", "0.001", "--batch-size", "8"]
-    two = [*cli, "launch", "-n", "2", "--", *cli, *args, "--parallel.pp", "2"]
+    two = [*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", "2"]
 
     def run(command, *more):
         proc = subprocess.run([*command, *more], env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc
 
-    run([*cli, *args], "--iters", "6", "--adapter-path", str(tmp_path / "one"))
+    if ranks == 2 and not damage:
+        run([*cli, *args], "--iters", "6", "--adapter-path", str(tmp_path / "one"))
     run(two, "--iters", "6", "--adapter-path", str(tmp_path / "whole"))
     run(two, "--iters", "4", "--adapter-path", str(tmp_path / "parts"))
-    assert "resumed from step 4" in run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
+    # Each stage's writer wrote its own shard and manifest; nothing was gathered.
+    newest = tmp_path / "parts" / "checkpoints" / "0000004"
+    assert sorted(p.name for p in newest.iterdir()) == [
+        "stage0.optimizer.safetensors", "stage0.safetensors", "stage1.optimizer.safetensors", "stage1.safetensors",
+        "state.stage0.json", "state.stage1.json"]
+    if damage:  # stage 1's shard of the newest checkpoint: every rank goes back to step 2
+        data = bytearray((newest / "stage1.safetensors").read_bytes())
+        data[-1] ^= 0xFF
+        (newest / "stage1.safetensors").write_bytes(bytes(data))
+    if ranks == 2 and not damage:  # one process resumes the stages' checkpoint too, reading every shard
+        shutil.copytree(tmp_path / "parts", tmp_path / "single")
+        assert "resumed from step 4" in run([*cli, *args], "--iters", "6", "--resume", "--adapter-path",
+                                            str(tmp_path / "single")).stdout
+    out = run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
+    assert f"resumed from step {2 if damage else 4}" in out
+    skipped = [l for l in out.splitlines() if "warning: skipping checkpoint" in l]
+    assert len(skipped) == damage, skipped  # said once, by the rank that found it
+    if damage:
+        assert "[rank 1]" in skipped[0] and "stage1.safetensors does not match its sha256" in skipped[0]
+        assert verify_checkpoint(newest) is None  # the resumed run wrote step 4 again
     _assert_same_run(tmp_path / "whole", tmp_path / "parts", exact=True)
-    _assert_same_run(tmp_path / "one", tmp_path / "whole", atol=1e-4)  # Adam's m / sqrt(v) magnifies rounding
-    # The pipeline's checkpoints hold the whole model's state in one process's layout.
-    for name in ("adapters.safetensors", "optimizer.safetensors"):
-        one, pipe = (mx.load(str(tmp_path / r / "checkpoints" / "0000004" / name)) for r in ("one", "parts"))
-        assert one.keys() == pipe.keys(), name
-        for k in one:
-            assert mx.allclose(one[k], pipe[k], rtol=1e-3, atol=1e-4), (name, k)
+    if ranks == 2 and not damage:
+        _assert_same_run(tmp_path / "one", tmp_path / "whole", atol=1e-4)  # Adam's m / sqrt(v) magnifies rounding
+        _assert_same_run(tmp_path / "one", tmp_path / "single", atol=1e-4)
+        # The stages' shards, read together, are one process's checkpoint.
+        one, pipe = (load_checkpoint(tmp_path / r / "checkpoints" / "0000004") for r in ("one", "parts"))
+        for a, b in ((one.trainable, pipe.trainable),
+                     (dict(tree_flatten(one.optimizer_state)), dict(tree_flatten(pipe.optimizer_state)))):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert mx.allclose(a[k], b[k], rtol=1e-3, atol=1e-4), k
 
 
 def _train_both(tmp_path, common, ranks, pp, pipeline_only):

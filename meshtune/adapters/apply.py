@@ -184,11 +184,11 @@ def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
     return model
 
 
-def load_trainable(model: nn.Module, weights_file: Path) -> None:
-    """Load saved trainable weights, naming every tensor that does not fit."""
-    if not weights_file.exists():
+def load_trainable(model: nn.Module, weights_file: Path, weights: dict[str, mx.array] | None = None) -> None:
+    """Load saved trainable weights (from the file, or `weights` read from it), naming every tensor that does not fit."""
+    if weights is None and not weights_file.exists():
         raise ValueError(f"{weights_file} not found; train first or point at the right folder")
-    weights = mx.load(str(weights_file))
+    weights = mx.load(str(weights_file)) if weights is None else weights
     expected = trainable_parameters(model)
     problems = [f"{k}: not a trainable parameter of this model" for k in weights if k not in expected]
     problems += [f"{k}: shape {tuple(w.shape)} != {tuple(expected[k].shape)}"

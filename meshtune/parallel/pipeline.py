@@ -28,6 +28,7 @@ from mlx.utils import tree_map
 from ..mesh import Mesh
 from ..losses import masked_ce_sum, target_mask
 from .p2p import Links
+from .peers import peer_groups, sum_on_peers
 from .schedules import Schedule
 
 
@@ -156,6 +157,8 @@ class PipelineStage:
             self.inner.norm.freeze()
             if "lm_head" in self.model:
                 self.model.lm_head.freeze()
+        # Sub-groups for sum_shared where the backend can split (None on ring and JACCL).
+        self.peers = peer_groups(self.mesh, bool(self.tied_keys)) if self.mesh.dp > 1 or self.tied_keys else None
 
     @property
     def first(self) -> bool:
@@ -261,17 +264,20 @@ def target_tokens(lengths: mx.array, width: int) -> mx.array:
 def sum_shared(stage: PipelineStage, grads: Any) -> Any:
     """Sum gradients over a stage's data-parallel peers and over the tied table's two copies.
 
-    Ring and JACCL have no Group.split, so one world all_sum runs over a buffer with a
-    slot for every trained parameter of the model (with dp 1, only the tied table's):
-    each rank fills the slots of what it trains and leaves the rest zero, so each slot
-    adds up exactly the ranks that hold that parameter. A tied table is held by the
-    first and the last stage of every replica, so it gets the total of both uses.
+    Where the backend splits groups (NCCL, MPI), each sum runs on its sub-group
+    (peers.py). Ring and JACCL have no Group.split, so one world all_sum runs over a
+    buffer with a slot for every trained parameter of the model (with dp 1, only the
+    tied table's): each rank fills the slots of what it trains and leaves the rest zero,
+    so each slot adds up exactly the ranks that hold that parameter. A tied table is held
+    by the first and the last stage of every replica, so it gets the total of both uses.
     """
     from mlx.utils import tree_flatten, tree_unflatten
 
     keys = set(stage.tied_keys) if stage.mesh.dp == 1 else {k for k, _, _ in stage.all_params}
     if not keys:
         return grads
+    if stage.peers is not None:
+        return tree_unflatten(list(sum_on_peers(stage.peers, dict(tree_flatten(grads)), stage.tied_keys).items()))
     own = dict(tree_flatten(grads))
     slots = [(k, shape) for k, shape, _ in stage.all_params if k in keys]
     parts = [own[k].reshape(-1).astype(mx.float32) if k in own else mx.zeros((int(np.prod(shape)),), mx.float32)
