@@ -197,7 +197,7 @@ def link_cut(b: Bench) -> Outcome:
                 run.kill()
     left, message = len(survivors(str(out))), _said(run)
     diff, verdict, _ = b.resume(out, n=2)
-    ok = rc == 75 and left == 0 and seconds < b.watchdog_s + 5 and verdict != "NO"
+    ok = rc == 75 and "stopped answering" in message and left == 0 and seconds < b.watchdog_s + 5 and verdict != "NO"
     return Outcome("link_cut", 2, rc, seconds, message, left, 2, diff, verdict, ok,
                    f"{bed.shaping}; no rank is dead or stopped: each rank's watchdog names the other")
 
