@@ -12,9 +12,12 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $what in
   scaling)
-    timeout 540 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
-      python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl --json 2>&1 \
-      | tee "$out/scaling_2xh200.txt" ;;
+    # One process first: its step is the 1-rank column of the 2-GPU table.
+    timeout 240 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 \
+      | tee "$out/scaling_1xh200.txt"
+    timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
+      python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
+      --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
   pipeline)
     timeout 540 python3 -m meshtune.cli bench pipeline --preset 1b --seq-len 1024 --batch-size 16 \
       --micro-batches 2,4,8 --iters 8 --json 2>&1 | tee "$out/pipeline_2xh200.txt" ;;

@@ -108,9 +108,11 @@ def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: m
             "overlap_sum_mismatch": mismatch}
 
 
-def _row(kind: str, r: dict[str, Any], n: int, tokens: int) -> dict[str, float]:
+def _row(kind: str, r: dict[str, Any], n: int, tokens: int, one_rank_ms: float | None = None) -> dict[str, float]:
     s = r["step_s"]
     one, after, over = s["compute"], s["after_backward"], s["overlap"]
+    if one_rank_ms is not None:
+        one = one_rank_ms / 1e3  # a separate 1-process run's step, not this process's sync-free step
     return {
         f"tok_s_1_{kind}": tokens / one, f"tok_s_{n}_after_{kind}": n * tokens / after,
         f"tok_s_{n}_overlap_{kind}": n * tokens / over,
@@ -123,12 +125,27 @@ def _row(kind: str, r: dict[str, Any], n: int, tokens: int) -> dict[str, float]:
     }
 
 
+def _one_rank_ms(path: str) -> dict[str, float]:
+    """Per kind, the compute step (ms) from the JSON line a 1-process run of this bench printed."""
+    import pathlib
+
+    try:
+        line = [l for l in pathlib.Path(path).read_text().splitlines() if l.lstrip().startswith("{")][-1]
+        data = json.loads(line)
+        return {kind: float(data[f"step_ms_{kind}"]["compute"]) for kind in ("lora", "full")}
+    except (OSError, IndexError, KeyError, ValueError) as err:
+        raise ValueError(f"--one-rank-json {path}: no 1-rank result in it ({err}); run this bench in one "
+                         "process with --json and pass that output") from None
+
+
 def main(a: argparse.Namespace) -> int:
     for name, value in PRESETS[a.preset].items():
         if getattr(a, name, None) is None:
             setattr(a, name, value)
     backend = a.backend
-    mesh = Mesh.from_world(mx.distributed.init(strict=True, backend=backend))
+    # "any" without a launcher is one process: the 1-rank baseline run (--one-rank-json's source).
+    mesh = Mesh.from_world(mx.distributed.init(strict=backend != "any", backend=backend))
+    baseline = _one_rank_ms(a.one_rank_json) if a.one_rank_json else {}
     n = mesh.world_size
     shape = Shape(arch="qwen3", **{k: PRESETS[a.preset][k] for k in
                                    ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")})
@@ -141,7 +158,7 @@ def main(a: argparse.Namespace) -> int:
     for kind in ("lora", "full"):
         r = measure(kind, a, shape, mesh, dtype)
         rows[kind] = r
-        result.update(_row(kind, r, n, tokens))
+        result.update(_row(kind, r, n, tokens, baseline.get(kind)))
         result[f"overlap_sum_mismatch_{kind}"] = r["overlap_sum_mismatch"]
         result[f"step_ms_{kind}"] = {m: 1e3 * v for m, v in r["step_s"].items()}
         import gc
@@ -156,12 +173,14 @@ def main(a: argparse.Namespace) -> int:
               f"{'bfloat16' if gpu else 'float32'}, local batch {a.batch_size} x {a.seq_len} per rank, "
               f"buckets {a.bucket_mb} MB, {a.rounds} rounds x {a.steps} steps per mode; {describe_device()}; "
               f"mlx {mx.__version__}")
-        print("1 rank = the same process's step without gradient sync (compute only)")
+        print(f"1 rank = a separate 1-process run ({a.one_rank_json})" if baseline else
+              "1 rank = the same process's step without gradient sync (compute only)")
         print(f"{'':<6}{'1 rank tok/s':>14}{f'{n} after tok/s':>16}{f'{n} overlap tok/s':>18}"
               f"{'step ms 1 / after / overlap':>30}{'exposed ms after / overlap':>28}{'weak eff.':>11}"
               f"{'overlap':>9}{'sum rel. diff':>15}")
         for kind, r in rows.items():
             s = {m: 1e3 * v for m, v in r["step_s"].items()}
+            s["compute"] = baseline.get(kind, s["compute"])  # the 1-rank column's own step
             print(f"{kind:<6}{result[f'tok_s_1_{kind}']:>14.0f}{result[f'tok_s_{n}_after_{kind}']:>16.0f}"
                   f"{result[f'tok_s_{n}_overlap_{kind}']:>18.0f}"
                   f"{s['compute']:>12.1f} /{s['after_backward']:>7.1f} /{s['overlap']:>7.1f}"
