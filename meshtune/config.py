@@ -467,5 +467,5 @@ class Config:
 
 
 # The loader needs the classes above; importing it last keeps one public module.
-from .config_load import (_build, _type_problems, apply_overrides, describe_options,  # noqa: E402
-                          field_help, load_config, parse_override_args)
+from .config_load import _build, apply_overrides, load_config, parse_override_args  # noqa: E402
+from .config_types import _type_problems, describe_options, field_help  # noqa: E402

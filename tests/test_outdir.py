@@ -8,7 +8,6 @@ from collections import namedtuple
 from pathlib import Path
 
 import mlx.core as mx
-import pytest
 
 from meshtune import outdir
 from meshtune.checkpoint import resumable_checkpoint, verify_checkpoint

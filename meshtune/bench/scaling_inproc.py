@@ -29,7 +29,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from ..mesh import Mesh
 from .models import PRESETS, Shape, add_adapters, build_model
