@@ -44,17 +44,21 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     The two are separately compiled graphs, so bfloat16 kernels may round apart (~1e-3);
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
-    from ..parallel.data_parallel import sum_gradients
-    from ..train import loss_terms
+    from ..parallel.data_parallel import start_gradient_sums, sum_gradients
+    from ..train import _split_overlap, loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
-    summed = []
-    for mode in ("after_backward", "overlap"):
-        fn = mx.compile(lambda t, l, mode=mode: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode=mode,
-                                                                bucket_mb=bucket_mb))
-        grads = fn(tokens, lengths)
-        mx.eval(grads)
-        summed.append([g.astype(mx.float32) for _, g in tree_flatten(grads)])
+    backward = mx.compile(lambda t, l: loss_and_grad(model, t, l))
+    after = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, bucket_mb=bucket_mb))
+    if _split_overlap():  # the overlap step's own path: bucket sums started by hand on lazy gradients
+        (_, n), lazy = backward(tokens, lengths)
+        over, _ = start_gradient_sums(lazy, n, mesh, bucket_mb=bucket_mb)
+    else:
+        over = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode="overlap",
+                                                     bucket_mb=bucket_mb))(tokens, lengths)
+    grads = after(tokens, lengths)
+    mx.eval(grads, over)
+    summed = [[g.astype(mx.float32) for _, g in tree_flatten(tree)] for tree in (grads, over)]
     worst = 0.0
     for x, y in zip(*summed):
         scale = mx.abs(x).max().item()
