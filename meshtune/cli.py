@@ -160,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
+    from .bench import SUITES  # names only: no MLX import before the BLAS choice
+
     bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
-    bench.add_argument("suite", choices=["peer", "adapters", "scaling", "pipeline", "badinput", "faults", "soak"],
+    bench.add_argument("suite", choices=list(SUITES),
                        help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
                             "stock mlx-lm vs meshtune, dense and 4-bit bases; badinput: bad inputs "
                             "must each fail with one clean error line; faults: kill/stop/cut/corrupt real "

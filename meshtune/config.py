@@ -190,6 +190,11 @@ class ParallelConfig:
     """Pipeline stages the model is split into."""
     pipeline_stages: int = 0
     """The same as pp under its long name (0: unset); give one of the two."""
+
+    def __post_init__(self) -> None:
+        # One name from here on: the long one read as pp before anything builds the mesh.
+        if isinstance(self.pipeline_stages, int) and self.pipeline_stages > 0 and self.pp == 1:
+            self.pp = self.pipeline_stages
     schedule: Literal["naive", "gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule: naive, gpipe or 1f1b."""
     micro_batches: int = 0
@@ -333,11 +338,9 @@ class Config:
             problems.append(f"{where + ': ' if where else ''}{option} = {value!r}: {message}")
 
         t, a, o, s, p, d = self.train, self.adapter, self.optimizer, self.schedule, self.parallel, self.data
-        if p.pipeline_stages and p.pp not in (1, p.pipeline_stages):
+        if p.pipeline_stages and p.pp != p.pipeline_stages:
             bad("parallel.pipeline_stages", p.pipeline_stages,
                 f"parallel.pp = {p.pp} says otherwise; give one of the two")
-        elif p.pipeline_stages:
-            p.pp = p.pipeline_stages  # one name from here on
         for option, value in [
             ("train.iters", t.iters), ("train.batch_size", t.batch_size),
             ("train.grad_accumulation_steps", t.grad_accumulation_steps),

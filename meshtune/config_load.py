@@ -234,9 +234,6 @@ def _build(
     cfg.mapped, cfg.notes = mapped, notes
     # "<dict>"-style sources say nothing a message could use.
     cfg.origins = {t: s.where for t, s in settings.items() if not s.where.startswith("<")}
-    par = cfg.parallel
-    if isinstance(par.pipeline_stages, int) and par.pipeline_stages > 0 and par.pp == 1:
-        par.pp = par.pipeline_stages  # the long name, read as pp before anything builds the mesh
     return cfg
 
 

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import start_gradient_sums, sum_gradients, sum_tokens
+from .parallel.data_parallel import sum_for_update
 from .metrics import Reporter, Window
 
 
@@ -71,51 +71,41 @@ def enable_grad_checkpoint(block: nn.Module) -> None:
     type(block).__call__ = checkpointed
 
 
-def reduce_gradients(grads: Any, tokens: mx.array, mesh: Mesh, *, sync: str = "after_backward",
-                     bucket_mb: float = 25.0) -> Any:
-    """Sum gradients over ranks (bucketed as `sync` says) and divide by the global token count."""
-    if mesh.world_size > 1:
-        # The token count rides in the gradients' buckets (float32 counts exactly to 2^24
-        # tokens a step): one all_sum fewer per step, which is latency on a slow link.
-        if _float32_leaves(grads) and mx.issubdtype(tokens.dtype, mx.integer):
-            summed = sum_gradients({"grads": grads, "tokens": tokens.astype(mx.float32)}, mesh, mode=sync,
-                                   bucket_mb=bucket_mb)
-            grads, tokens = summed["grads"], summed["tokens"]
-        else:
-            grads = sum_gradients(grads, mesh, mode=sync, bucket_mb=bucket_mb)
-            tokens = sum_tokens(tokens, mesh, mode=sync)
-    return tree_map(lambda g: g / tokens.astype(g.dtype), grads)
-
-
-def _float32_leaves(tree: Any) -> bool:
-    leaves = tree_flatten(tree)
-    return bool(leaves) and any(v.dtype == mx.float32 for _, v in leaves)
-
-
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
                compile: bool, sync: str = "after_backward",
                bucket_mb: float = 25.0) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
-    if sync == "overlap" and mesh.world_size > 1 and _split_overlap():
-        return _overlapped_step(model, optimizer, mesh, max_grad_norm=max_grad_norm, compile=compile,
-                                bucket_mb=bucket_mb)
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
+    compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
 
-    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
+    def backward(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
         (ce, n), grads = loss_and_grad(model, tokens, lengths)
-        total = n if acc_tokens is None else acc_tokens + n
         if acc_grads is not None:
             grads = tree_map(mx.add, grads, acc_grads)
-        if not update:
-            return ce, n, grads, total
-        grads = reduce_gradients(grads, total, mesh, sync=sync, bucket_mb=bucket_mb)
+        return ce, n, grads, n if acc_tokens is None else acc_tokens + n
+
+    def apply(grads: Any, tokens: mx.array) -> None:
+        """The update from gradients and token count already summed over the ranks."""
+        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
         if max_grad_norm > 0:
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
         optimizer.update(model, grads)
+
+    split = sync == "overlap" and mesh.world_size > 1 and _split_overlap()
+    if split:
+        # Compiled backward and update; between them each bucket's all_sum is started
+        # as its gradients come due (data_parallel.sum_gradients, start=True).
+        backward, apply = compiled(backward), compiled(apply)
+
+    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
+        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
+        if not update:
+            return ce, n, grads, total
+        apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split))
         return ce, n, None, None
 
-    return partial(mx.compile, inputs=state, outputs=state)(step) if compile else step
+    return step if split else compiled(step)
 
 
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
@@ -134,41 +124,6 @@ def _split_overlap() -> bool:
     if forced in ("split", "graph"):
         return forced == "split"
     return mx.default_device().type == mx.DeviceType.gpu
-
-
-def _overlapped_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
-                     compile: bool, bucket_mb: float) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
-    """build_step's `overlap` mode: compiled backward, bucket all_sums started by hand, compiled update.
-
-    The backward and the update stay compiled; between them start_gradient_sums
-    starts each bucket's reduction as its gradients come due (data_parallel.py).
-    """
-    loss_and_grad = nn.value_and_grad(model, loss_terms)
-    state = [model.state, optimizer.state, mx.random.state]
-    maybe_compile = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
-
-    @maybe_compile
-    def backward(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
-        (ce, n), grads = loss_and_grad(model, tokens, lengths)
-        if acc_grads is not None:
-            grads = tree_map(mx.add, grads, acc_grads)
-        return ce, n, grads, n if acc_tokens is None else acc_tokens + n
-
-    @maybe_compile
-    def update(grads: Any, tokens: mx.array) -> None:
-        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
-        if max_grad_norm > 0:
-            grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
-        optimizer.update(model, grads)
-
-    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, last: bool):
-        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
-        if not last:
-            return ce, n, grads, total
-        update(*start_gradient_sums(grads, total, mesh, bucket_mb=bucket_mb))
-        return ce, n, None, None
-
-    return step
 
 
 @dataclass(kw_only=True)

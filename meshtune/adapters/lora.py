@@ -56,16 +56,27 @@ def while_frozen(module: nn.Module, slot: str, dtype: mx.Dtype, build: Callable[
     return cached[2]
 
 
-class LoRALinear(nn.Module):
+class LowRankAdapter(nn.Module):
+    """What every LoRA class shares: built around a frozen base, fused as W + delta()."""
+
+    @classmethod
+    def _around(cls, base: nn.Module, *dims: int, r: int, dropout: float, scale: float) -> Any:
+        layer = cls(*dims, r=r, dropout=dropout, scale=scale)
+        layer.set_base(base)
+        warm(base)  # the quantized/dense crossover is measured now, not in the first step
+        return layer
+
+    def _merge(self, weight: mx.array) -> mx.array:
+        return weight + self.delta().astype(weight.dtype)
+
+
+class LoRALinear(LowRankAdapter):
     """y = base(x) + scale * (dropout(x) @ lora_a) @ lora_b, base frozen."""
 
     @classmethod
     def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRALinear":
         output_dims, input_dims = logical_dims(linear)
-        layer = cls(input_dims, output_dims, r=r, dropout=dropout, scale=scale)
-        layer.set_base(linear)
-        warm(linear)
-        return layer
+        return cls._around(linear, input_dims, output_dims, r=r, dropout=dropout, scale=scale)
 
     def __init__(self, input_dims: int, output_dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0, bias: bool = False) -> None:
@@ -100,9 +111,6 @@ class LoRALinear(nn.Module):
         """The dense update s * B^T A^T, shaped like the base weight (out, in)."""
         return (self.scale * self.lora_b.T) @ self.lora_a.T
 
-    def _merge(self, weight: mx.array) -> mx.array:
-        return weight + self.delta().astype(weight.dtype)
-
     def fuse(self, dequantize: bool = False) -> nn.Module:
         """The base with the update merged in; requantized like the base unless `dequantize`."""
         base = self.linear
@@ -115,16 +123,12 @@ class LoRALinear(nn.Module):
         return requantize_like(fused, base, dequantize)
 
 
-class LoRAEmbedding(nn.Module):
+class LoRAEmbedding(LowRankAdapter):
     """e = base[x] + scale * lora_a[x] @ lora_b; `as_linear` keeps a tied LM head consistent."""
 
     @classmethod
     def from_base(cls, embedding: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRAEmbedding":
-        num_embeddings, dims = logical_dims(embedding)
-        layer = cls(num_embeddings, dims, r=r, dropout=dropout, scale=scale)
-        layer.set_base(embedding)
-        warm(embedding)
-        return layer
+        return cls._around(embedding, *logical_dims(embedding), r=r, dropout=dropout, scale=scale)
 
     def __init__(self, num_embeddings: int, dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0) -> None:
@@ -157,9 +161,6 @@ class LoRAEmbedding(nn.Module):
     def delta(self) -> mx.array:
         """The dense update s * A B, shaped like the table (num_embeddings, dims)."""
         return (self.scale * self.lora_a) @ self.lora_b
-
-    def _merge(self, weight: mx.array) -> mx.array:
-        return weight + self.delta().astype(weight.dtype)
 
     def fuse(self, dequantize: bool = False) -> nn.Module:
         """The table with the update merged in; requantized like the base unless `dequantize`."""

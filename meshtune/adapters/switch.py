@@ -16,21 +16,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .base_path import dequantized_weight, switch_forward, warm
-from .lora import logical_dims, requantize_like
+from .base_path import dequantized_weight, switch_forward
+from .lora import LowRankAdapter, logical_dims, requantize_like
 
 
-class LoRASwitchLinear(nn.Module):
+class LoRASwitchLinear(LowRankAdapter):
     """y_e = base_e(x) + scale * lora_b[e] @ lora_a[e] @ x for each routed expert e."""
 
     @classmethod
     def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0,
                   scale: float = 20.0) -> "LoRASwitchLinear":
         num_experts, output_dims, input_dims = logical_dims(linear)
-        layer = cls(input_dims, output_dims, num_experts, r=r, dropout=dropout, scale=scale)
-        layer.set_base(linear)
-        warm(linear)
-        return layer
+        return cls._around(linear, input_dims, output_dims, num_experts, r=r, dropout=dropout, scale=scale)
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, r: int = 8,
                  dropout: float = 0.0, scale: float = 20.0, bias: bool = False) -> None:
@@ -63,9 +60,6 @@ class LoRASwitchLinear(nn.Module):
     def delta(self) -> mx.array:
         """The dense update s * B_e A_e per expert, shaped like the base weight (E, out, in)."""
         return (self.scale * self.lora_b) @ self.lora_a
-
-    def _merge(self, weight: mx.array) -> mx.array:
-        return weight + self.delta().astype(weight.dtype)
 
     def fuse(self, dequantize: bool = False) -> nn.Module:
         """A SwitchLinear with the update merged; requantized (to_quantized) unless `dequantize`."""

@@ -22,34 +22,15 @@ short 3-rank runs that must never hang.
 from __future__ import annotations
 
 
+import importlib
+
+# Suite name -> module of this package whose main(argv) runs it.
+SUITES = {"peer": "peer", "adapters": "adapters", "scaling": "scaling", "pipeline": "pipeline",
+          "badinput": "bad_input", "faults": "faults", "soak": "soak"}
+
+
 def run_bench(suite: str, args: list[str]) -> int:
     """Dispatch `meshtune bench <suite> [options]`."""
-    if suite == "peer":
-        from .peer import main
-
-        return main(args)
-    if suite == "adapters":
-        from .adapters import main
-
-        return main(args)
-    if suite == "pipeline":
-        from .pipeline import main
-
-        return main(args)
-    if suite == "badinput":
-        from .bad_input import main
-
-        return main(args)
-    if suite == "faults":
-        from .faults import main
-
-        return main(args)
-    if suite == "soak":
-        from .soak import main
-
-        return main(args)
-    if suite == "scaling":
-        from .scaling import main
-
-        return main(args)
-    raise ValueError(f"unknown bench suite '{suite}'; choose peer, adapters, pipeline, scaling, badinput, faults or soak")
+    if suite not in SUITES:
+        raise ValueError(f"unknown bench suite '{suite}'; choose {', '.join(SUITES)}")
+    return importlib.import_module(f".{SUITES[suite]}", __name__).main(args)

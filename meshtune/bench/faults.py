@@ -99,18 +99,30 @@ def _said(run: FaultRun) -> str:
     return naming[0] if naming else "(none)"
 
 
-def _signal_case(b: Bench, name: str, n: int, victim: int, sig: int, expect_code: int) -> Outcome:
-    out = b.root / name
-    run = FaultRun.launch(n, b.args(out))
+def _through_fault(b: Bench, run: FaultRun, hurt: Callable[[], None], after: int = FAULT_AFTER) -> tuple[int, float]:
+    """Wait for step `after`, `hurt` the run, wait for its end: (exit code, seconds after the fault)."""
     try:
-        run.wait_for(rf"step {FAULT_AFTER}: train loss")
-        run.hurt(victim, sig)
-        code, seconds = run.finish(timeout=b.watchdog_s + 60)
+        run.wait_for(rf"step {after}: train loss")
+        hurt()
+        run.fault_at = run.fault_at or time.monotonic()
+        return run.finish(timeout=b.watchdog_s + 60)
     finally:
         if run.proc.poll() is None:
             run.kill()
+
+
+def _aftermath(b: Bench, out: Path, run: FaultRun, **resume: int) -> tuple[int, str, float | None, str, list[str]]:
+    """(processes left running, the line naming the lost rank, resume's max weight diff, verdict, warnings)."""
     left, message = len(survivors(str(out))), _said(run)
-    diff, verdict, _ = b.resume(out, n=2)
+    diff, verdict, warnings = b.resume(out, n=2, **resume)
+    return left, message, diff, verdict, warnings
+
+
+def _signal_case(b: Bench, name: str, n: int, victim: int, sig: int, expect_code: int) -> Outcome:
+    out = b.root / name
+    run = FaultRun.launch(n, b.args(out))
+    code, seconds = _through_fault(b, run, lambda: run.hurt(victim, sig))
+    left, message, diff, verdict, _ = _aftermath(b, out, run)
     ok = (code == expect_code and f"rank {victim} stopped answering" in message and left == 0
           and seconds < b.watchdog_s + 5 and verdict != "NO")
     return Outcome(name, n, code, seconds, message, left, 2, diff, verdict, ok)
@@ -132,25 +144,18 @@ def kill_during_save(b: Bench) -> Outcome:
     """Checkpoint every step; poll for a save's temp folder and kill the writer inside it."""
     out = b.root / "kill_during_save"
     run = FaultRun.launch(2, b.args(out, save_every=1))
-    caught = False
-    try:
-        run.wait_for(rf"step {FAULT_AFTER - 2}: train loss")
+
+    def kill_inside_a_save() -> None:
         folder, deadline = out / "checkpoints", time.monotonic() + 30
         while time.monotonic() < deadline and run.proc.poll() is None:
             if any(".tmp-" in p.name for p in folder.iterdir()):  # a save is under way
-                run.hurt(0, signal.SIGKILL)
-                caught = True
                 break
             time.sleep(0.0005)
-        if not caught:  # no save window seen: still a kill, said in the note
-            run.hurt(0, signal.SIGKILL)
-        code, seconds = run.finish(timeout=b.watchdog_s + 60)
-    finally:
-        if run.proc.poll() is None:
-            run.kill()
+        run.hurt(0, signal.SIGKILL)  # without a save window seen, still a kill (the note says which)
+
+    code, seconds = _through_fault(b, run, kill_inside_a_save, after=FAULT_AFTER - 2)
     temp_left = [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
-    left, message = len(survivors(str(out))), _said(run)
-    diff, verdict, warnings = b.resume(out, n=2, save_every=1)
+    left, message, diff, verdict, warnings = _aftermath(b, out, run, save_every=1)
     skipped = any("temp folder of an interrupted save" in w for w in warnings)
     note = (f"killed mid-save: temp folder {temp_left[0]} left, resume skipped it" if temp_left and skipped
             else "the kill landed between saves (no temp folder left)")
@@ -187,16 +192,9 @@ def link_cut(b: Bench) -> Outcome:
             f"wrap=lambda r: ['ip', 'netns', 'exec', f'mtbed{{r}}']))")
     with netbed.shaped_link(2, rate="10gbit") as bed:
         run = FaultRun([sys.executable, "-c", code])
-        try:
-            run.wait_for(rf"step {FAULT_AFTER}: train loss")
-            subprocess.run(["ip", "-n", netbed.BRIDGE_NS, "link", "set", "mtp1", "down"], check=True)
-            run.fault_at = time.monotonic()
-            rc, seconds = run.finish(timeout=b.watchdog_s + 60)
-        finally:
-            if run.proc.poll() is None:
-                run.kill()
-    left, message = len(survivors(str(out))), _said(run)
-    diff, verdict, _ = b.resume(out, n=2)
+        rc, seconds = _through_fault(b, run, lambda: subprocess.run(
+            ["ip", "-n", netbed.BRIDGE_NS, "link", "set", "mtp1", "down"], check=True))
+    left, message, diff, verdict, _ = _aftermath(b, out, run)
     ok = rc == 75 and "stopped answering" in message and left == 0 and seconds < b.watchdog_s + 5 and verdict != "NO"
     return Outcome("link_cut", 2, rc, seconds, message, left, 2, diff, verdict, ok,
                    f"{bed.shaping}; no rank is dead or stopped: each rank's watchdog names the other")

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,9 +48,6 @@ def _launch(stages: int, cmd: list[str]) -> tuple[int, str]:
     if not on_gpu():
         log = io.StringIO()
         return launch_local(stages, cmd, pin=True, out=log), log.getvalue()
-    import os
-    import shutil
-
     sibling = Path(sys.executable).with_name("mlx.launch")
     launcher = str(sibling) if sibling.exists() else shutil.which("mlx.launch") or "mlx.launch"
     # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set); ranks see this PYTHONPATH.

@@ -21,6 +21,7 @@ compiled graphs is ~1e-3 in bfloat16, buffers paired wrongly across streams are 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -44,15 +45,14 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     The two are separately compiled graphs, so bfloat16 kernels may round apart (~1e-3);
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
-    from ..parallel.data_parallel import start_gradient_sums, sum_gradients
+    from ..parallel.data_parallel import sum_gradients
     from ..train import _split_overlap, loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     backward = mx.compile(lambda t, l: loss_and_grad(model, t, l))
     after = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, bucket_mb=bucket_mb))
     if _split_overlap():  # the overlap step's own path: bucket sums started by hand on lazy gradients
-        (_, n), lazy = backward(tokens, lengths)
-        over, _ = start_gradient_sums(lazy, n, mesh, bucket_mb=bucket_mb)
+        over = sum_gradients(backward(tokens, lengths)[1], mesh, mode="overlap", bucket_mb=bucket_mb, start=True)
     else:
         over = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode="overlap",
                                                      bucket_mb=bucket_mb))(tokens, lengths)
@@ -165,8 +165,6 @@ def main(a: argparse.Namespace) -> int:
         result.update(_row(kind, r, n, tokens, baseline.get(kind)))
         result[f"overlap_sum_mismatch_{kind}"] = r["overlap_sum_mismatch"]
         result[f"step_ms_{kind}"] = {m: 1e3 * v for m, v in r["step_s"].items()}
-        import gc
-
         gc.collect()
         mx.clear_cache()
     result["exposed_comm_fraction_overlap"] = result["exposed_comm_fraction_overlap_full"]

@@ -74,19 +74,18 @@ def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any = None) -> list[
     return out
 
 
-def sum_tokens(tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward") -> mx.array:
-    """The global token count, on the same stream as `mode`'s gradient buckets.
+def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0,
+                  start: bool = False) -> Any:
+    """The sum over ranks of a gradient tree, bucketed as `mode` says; identity on one rank.
 
-    Every collective of a step must run on one stream: two streams could take their
-    all_sums in a different order on different ranks and pair the wrong buffers.
+    `start` (outside any compiled graph, on gradients not yet computed): each bucket's
+    all_sum is started as soon as it is built (`mx.async_eval`), which enqueues the
+    backward work its gradients need and then the all_sum on the comm stream; the next
+    bucket's backward computes while that all_sum is on the wire. Inside one compiled
+    step MLX orders the evaluation itself, and its first output, the embedding's
+    gradient, needs the whole backward: no all_sum started early (measured 1.0x). The
+    order of all_sums is this loop's, the same on every rank.
     """
-    if mesh.world_size == 1:
-        return tokens
-    return mx.distributed.all_sum(tokens, group=mesh.group, stream=comm_stream(mode, mesh.backend))
-
-
-def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0) -> Any:
-    """The sum over ranks of a gradient tree, bucketed as `mode` says; identity on one rank."""
     if mesh.world_size == 1:
         return grads
     if mode not in SYNC_MODES:
@@ -103,40 +102,24 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     for dtype, idx in by_dtype.items():
         for group in buckets([flat[i][1].size for i in idx], int(bucket_mb * 2**20), dtype.size):
             members = [idx[g] for g in group]
-            for i, arr in zip(members, _sum_bucket([flat[i][1] for i in members], mesh, stream)):
-                summed[i] = arr
+            parts = _sum_bucket([flat[i][1] for i in members], mesh, stream)
+            if start:
+                mx.async_eval(parts)
+            summed.update(zip(members, parts))
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
 
-def start_gradient_sums(grads: Any, tokens: mx.array, mesh: Mesh, *, bucket_mb: float = 25.0) -> tuple[Any, mx.array]:
-    """Overlap proper: each bucket's all_sum is started as soon as it is built, last layers first.
+def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward",
+                   bucket_mb: float = 25.0, start: bool = False) -> tuple[Any, mx.array]:
+    """Gradients and the step's token count summed over ranks, in the same buckets.
 
-    Called outside any compiled graph on gradients that are not yet computed.
-    `mx.async_eval` on a bucket's sum enqueues the backward work its gradients need,
-    then the all_sum on the comm stream; the next bucket's backward then computes on
-    the default stream while that all_sum is on the wire. (Inside one compiled step
-    MLX orders the evaluation itself, and the first output, the embedding's
-    gradient, needs the whole backward: no all_sum started early, measured 1.0x.)
-    The order of all_sums is the same on every rank: this loop's.
+    The count rides in the buckets as float32 (one all_sum fewer per step, which is
+    latency on a slow link; all of a step's collectives also stay on one stream, see
+    above). It only divides the gradients, so float32's rounding above 2^24 tokens a
+    step (6e-8 relative) is harmless.
     """
-    stream = comm_stream("overlap", mesh.backend)
-    with mx.stream(stream or mx.default_stream(mx.default_device())):
-        total_tokens = mx.distributed.all_sum(tokens, group=mesh.group)
-    mx.async_eval(total_tokens)
-    flat = tree_flatten(grads)
-    summed: dict[int, mx.array] = {}
-    run: list[int] = []  # consecutive same-dtype leaves, last layer first
-    order = list(reversed(range(len(flat))))
-    for pos, i in enumerate(order):
-        run.append(i)
-        nxt = order[pos + 1] if pos + 1 < len(order) else None
-        if nxt is not None and flat[nxt][1].dtype == flat[i][1].dtype:
-            continue
-        dtype = flat[i][1].dtype
-        for group in buckets([flat[j][1].size for j in run], int(bucket_mb * 2**20), dtype.size):
-            members = [run[g] for g in group]
-            parts = _sum_bucket([flat[j][1] for j in members], mesh, stream)
-            mx.async_eval(parts)
-            summed.update(zip(members, parts))
-        run = []
-    return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))]), total_tokens
+    if mesh.world_size == 1:
+        return grads, tokens
+    summed = sum_gradients({"grads": grads, "tokens": tokens.astype(mx.float32)}, mesh, mode=mode,
+                           bucket_mb=bucket_mb, start=start)
+    return summed["grads"], summed["tokens"]
