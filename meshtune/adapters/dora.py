@@ -24,6 +24,7 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
+from .adapted_linear import adapted_linear
 from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, switch_forward
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
 from .switch import LoRASwitchLinear
@@ -125,10 +126,12 @@ class DoRALinear(DoRA, LoRALinear):
             # One dense base weight (dequantized once on the dense path) serves both the
             # activations' product and the norm's r-row product.
             dense = dense_weight_for(self.linear, x.size // x.shape[-1])
-            base = x @ dense.T if dense is not None else linear_forward(self.linear, x, bias=False)
-            y = base + self.lora_out(x)
+            if dense is not None:
+                y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
+                                   row_scale=self.row_scale(x.dtype, dense))
+            else:
+                y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
-            y = self.row_scale(x.dtype, dense) * y
         else:
             # Inference: the row scale folded into B, so the branch costs what LoRA's does.
             scale = self.row_scale(x.dtype)

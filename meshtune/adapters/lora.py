@@ -18,7 +18,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base_path import dequantized_weight, is_quantized, linear_forward, warm
+from .adapted_linear import adapted_linear
+from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, warm
 
 
 def logical_dims(layer: nn.Module) -> tuple[int, ...]:
@@ -105,7 +106,12 @@ class LoRALinear(LowRankAdapter):
         return (self.scale * z).astype(x.dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return linear_forward(self.linear, x) + self.lora_out(x)
+        dense = dense_weight_for(self.linear, x.size // x.shape[-1]) if self.training else None
+        if dense is None:
+            return linear_forward(self.linear, x) + self.lora_out(x)
+        # Training on a dense (or dequantized) weight: the product with its own backward.
+        y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x))
+        return y + self.linear["bias"] if "bias" in self.linear else y
 
     def delta(self) -> mx.array:
         """The dense update s * B^T A^T, shaped like the base weight (out, in)."""
