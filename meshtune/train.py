@@ -114,16 +114,13 @@ AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
 def _split_overlap() -> bool:
     """Whether `overlap` starts bucket sums by hand between a compiled backward and update.
 
-    That pays where the backward runs on a GPU and the all_sums elsewhere (NCCL, or a
-    CPU ring thread on a Mac). Where both run on the CPU it cannot (the ring backend
-    busy-polls the cores the backward needs) and the split costs a few ms a step
-    (measured 0.80x on 2 CPU ranks), so there overlap stays one compiled step with
-    reverse-order buckets on the comm stream. MESHTUNE_OVERLAP=split|graph forces one.
+    Off unless MESHTUNE_OVERLAP=split: measured, it costs more than it hides. On 2 CPU
+    ranks the ring backend busy-polls the cores the backward needs (0.80x); on 2 H200s
+    over NCCL the uncompiled glue between the halves cost 0.80x (LoRA) and 0.57x (full)
+    against one compiled step (docs/bench/scaling_2xh200_split.txt). By default overlap
+    is one compiled step with reverse-order buckets on the comm stream (=graph).
     """
-    forced = os.environ.get("MESHTUNE_OVERLAP", "auto")
-    if forced in ("split", "graph"):
-        return forced == "split"
-    return mx.default_device().type == mx.DeviceType.gpu
+    return os.environ.get("MESHTUNE_OVERLAP", "graph") == "split"
 
 
 @dataclass(kw_only=True)

@@ -70,3 +70,32 @@ def test_column_dot_kernel_matches_sum_on_cuda():
     y = mx.random.normal((4100, 6150), key=mx.random.key(2)).astype(mx.bfloat16)
     want = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
     assert mx.allclose(column_dot(g, y, kernel=True), want, rtol=1e-4, atol=1e-2).item()
+
+
+def _norm_case(seed, out=40, inn=70, r=8, dtype=mx.float32):
+    k = mx.random.split(mx.random.key(seed), 3)
+    w = (mx.random.normal((out, inn), key=k[0]) / 8).astype(dtype)
+    a = mx.random.normal((inn, r), key=k[1]) / 8
+    b = mx.random.normal((r, out), key=k[2]) / 8
+    w_sq = (w.astype(mx.float32) ** 2).sum(-1)
+    dense = w.astype(mx.float32) + S * (b.T @ a.T)
+    want = 1 / mx.sqrt((dense * dense).sum(-1))
+    return w, a, b, w_sq, want
+
+
+def test_inverse_row_norm_matches_dense_norm():
+    from meshtune.adapters.kernels import inverse_row_norm
+
+    w, a, b, w_sq, want = _norm_case(0)
+    assert mx.allclose(inverse_row_norm(w, a, b, w_sq, S, kernel=False), want, rtol=1e-4).item()
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernel")
+@pytest.mark.parametrize("r", [1, 8, 16, 64])
+def test_inverse_row_norm_kernel_on_cuda(r):
+    from meshtune.adapters.kernels import inverse_row_norm
+
+    w, a, b, w_sq, want = _norm_case(r, out=1030, inn=2050, r=r, dtype=mx.bfloat16)
+    got = inverse_row_norm(w, a, b, w_sq, S, kernel=True)
+    assert mx.allclose(got, want, rtol=2e-2).item(), mx.abs(got / want - 1).max().item()
+    assert mx.allclose(got, inverse_row_norm(w, a, b, w_sq, S, kernel=False), rtol=2e-2).item()
