@@ -117,7 +117,7 @@ class DoRALinear(DoRA, LoRALinear):
 
     def row_scale(self, dtype: mx.Dtype, dense: mx.array | None = None) -> mx.array:
         if self.training and dense is not None:
-            # One launch for the whole norm chain on CUDA (kernels.inverse_row_norm).
+            # The norm from the weight already in hand (kernels.inverse_row_norm), a constant (section 4.3).
             inv = inverse_row_norm(dense, mx.stop_gradient(self.lora_a), mx.stop_gradient(self.lora_b),
                                    self._w_sq, self.scale)
             return (self.m * mx.stop_gradient(inv)).astype(dtype)

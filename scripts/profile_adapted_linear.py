@@ -1,0 +1,61 @@
+"""Per-layer cost of LoRA vs DoRA through meshtune's adapted_linear, and of DoRA's pieces alone.
+
+Development probe (adapters issue): python scripts/profile_adapted_linear.py  (one 6144 x 2048
+layer at 4096 tokens, bf16; each line a compiled value_and_grad or a lone op, median ms).
+"""
+import time
+
+import mlx.core as mx
+
+from meshtune.adapters.adapted_linear import adapted_linear
+from meshtune.adapters.kernels import column_dot, inverse_row_norm
+
+T, IN, OUT, R, S = 4096, 2048, 6144, 8, 20.0
+dt = mx.bfloat16
+W = (mx.random.normal((OUT, IN)) * IN ** -0.5).astype(dt)
+x = mx.random.normal((T, IN)).astype(dt)
+w_sq = (W.astype(mx.float32) ** 2).sum(-1)
+p = {"a": mx.random.normal((IN, R)) * 0.02, "b": mx.random.normal((R, OUT)) * 0.01, "m": mx.sqrt(w_sq)}
+g = mx.random.normal((T, OUT)).astype(dt)
+rs0 = (p["m"] * inverse_row_norm(W, p["a"], p["b"], w_sq, S)).astype(dt)
+mx.eval(W, x, w_sq, p, g, rs0)
+
+
+def loss(y):
+    return (y * g).astype(mx.float32).sum()
+
+
+def rs_of(p):
+    return (p["m"] * mx.stop_gradient(inverse_row_norm(W, mx.stop_gradient(p["a"]), mx.stop_gradient(p["b"]), w_sq, S))).astype(dt)
+
+
+cases = {
+    "lora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S)))),
+    "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, row_scale=rs_of(p))))),
+    "dora step, const rs": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, row_scale=mx.stop_gradient(rs0))))),
+    "inverse_row_norm": mx.compile(lambda p: inverse_row_norm(W, p["a"], p["b"], w_sq, S)),
+    "inverse_row_norm mlx": mx.compile(lambda p: inverse_row_norm(W, p["a"], p["b"], w_sq, S, kernel=False)),
+    "column_dot kernel": mx.compile(lambda p: column_dot(g, x @ W.T)),
+    "column_dot mlx": mx.compile(lambda p: column_dot(g, x @ W.T, kernel=False)),
+    "x @ W.T alone": mx.compile(lambda p: x @ W.T),
+    "g * rs": mx.compile(lambda p: g * rs0),
+}
+
+
+def timed(fn, n=40):
+    for _ in range(5):
+        mx.eval(fn(p))
+    t = []
+    for _ in range(n):
+        tic = time.perf_counter()
+        mx.eval(fn(p))
+        t.append(time.perf_counter() - tic)
+    return sorted(t)[len(t) // 2] * 1e3
+
+
+res = {k: [] for k in cases}
+for _ in range(3):
+    for k, f in cases.items():
+        res[k].append(timed(f))
+for k, v in res.items():
+    print(f"{k:<24} {sorted(v)[1]:.3f} ms", flush=True)
