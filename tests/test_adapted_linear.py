@@ -8,9 +8,9 @@ from meshtune.adapters.adapted_linear import adapted_linear, column_dot
 T, IN, OUT, R, S = 12, 16, 24, 4, 2.0
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, tokens=T):
     k = mx.random.split(mx.random.key(seed), 6)
-    x = mx.random.normal((3, T // 3, IN), key=k[0])
+    x = mx.random.normal((3, tokens // 3, IN), key=k[0])
     w = mx.random.normal((OUT, IN), key=k[1]) / 4
     a = mx.random.normal((IN, R), key=k[2]) / 4
     b = mx.random.normal((R, OUT), key=k[3]) / 4
@@ -26,9 +26,10 @@ def _reference(x, w, a, b, rs, xl):
 
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("dropout", [False, True])
-def test_gradients_match_autodiff(dora, dropout):
-    x, w, a, b, rs, mask = _inputs()
-    probe = mx.random.normal((3, T // 3, OUT), key=mx.random.key(9))
+@pytest.mark.parametrize("tokens", [T, 2 * T])  # fewer, then more tokens than input features (rs folded into W)
+def test_gradients_match_autodiff(dora, dropout, tokens):
+    x, w, a, b, rs, mask = _inputs(tokens=tokens)
+    probe = mx.random.normal((3, tokens // 3, OUT), key=mx.random.key(9))
 
     def loss(fn, x, a, b, rs):
         xl = x * mask if dropout else x
@@ -51,8 +52,9 @@ def test_gradients_match_autodiff(dora, dropout):
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), (name, mx.abs(g - h).max().item())
 
 
-def test_zero_row_scale_gets_zero_gradient_not_nan():
-    x, w, a, b, rs, _ = _inputs(1)
+@pytest.mark.parametrize("tokens", [T, 2 * T])
+def test_zero_row_scale_gets_zero_gradient_not_nan(tokens):
+    x, w, a, b, rs, _ = _inputs(1, tokens)
     rs = rs.at[0].multiply(0.0)
     g = mx.grad(lambda rs: adapted_linear(x, w, a, b, S, row_scale=rs).sum())(rs)
     assert g[0].item() == 0.0 and mx.isfinite(g).all().item()

@@ -35,30 +35,34 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     two_inputs = x_lora is not None and x_lora is not x
     dt = x.dtype
 
-    def folded(rs: mx.array | None, b: mx.array) -> tuple[mx.array, mx.array]:
-        # rs * (x W^T + s xa B) = x (rs W)^T + s xa (B rs): the row scale rides on W's
-        # out x in rows and B's columns, never on a tokens x out array (half the traffic
-        # at 4096 tokens, none on the cotangent); rebuilt in backward rather than kept.
+    # rs * (x W^T + s xa B) = x (rs W)^T + s xa (B rs): with at least as many tokens as
+    # input features the row scale rides on W's out x in rows and B's columns (rebuilt in
+    # backward, not kept) rather than on the tokens x out output and cotangent.
+    fold = row_scale is not None and x.size // x.shape[-1] >= weight.shape[-1]
+
+    def factors(rs: mx.array | None, b: mx.array) -> tuple[mx.array, mx.array]:
         bc = b.astype(dt)
-        return (weight, bc) if rs is None else (weight * rs[:, None], bc * rs)
+        return (weight * rs[:, None], bc * rs) if fold else (weight, bc)
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, rs: mx.array | None) -> mx.array:
-        w, bc = folded(rs, b)
+        w, bc = factors(rs, b)
         # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
-        return x2 @ w.T + (scale * ((xl @ a.astype(dt)) @ bc)).astype(dt)
+        z = x2 @ w.T + (scale * ((xl @ a.astype(dt)) @ bc)).astype(dt)
+        return rs * z if rs is not None and not fold else z
 
     def backward(primals: list, g: mx.array, y: mx.array) -> list:
         x2, xl, a, b, rs = primals
-        w, bc = folded(rs, b)
+        w, bc = factors(rs, b)
         ac = a.astype(dt)
-        gxa = g @ bc.T  # (T, r)
+        gz = g * rs if rs is not None and not fold else g
+        gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
-        gb = scale * ((xl @ ac).T @ g)
-        gb = (gb if rs is None else gb * rs).astype(b.dtype)
+        gb = scale * ((xl @ ac).T @ gz)
+        gb = (gb * rs if fold else gb).astype(b.dtype)
         if two_inputs:
-            grads = [g @ w, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
+            grads = [gz @ w, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
         else:
-            grads = [mx.addmm(g @ w, gxa, ac.T, alpha=scale), ga, gb]
+            grads = [mx.addmm(gz @ w, gxa, ac.T, alpha=scale), ga, gb]
         if rs is not None:
             # y = rs * z, so d rs = sum_t g z = sum_t g y / rs; a zero row (m = 0) has y = 0 and gets 0.
             safe = mx.where(rs == 0, mx.ones_like(rs), rs).astype(mx.float32)
