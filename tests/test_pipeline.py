@@ -255,10 +255,22 @@ def test_bench_pipeline_prints_table_and_json():
                            "--iters", "3", "--batch-size", "4", "--json"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "gpipe" in proc.stdout and "1f1b" in proc.stdout and "peak GB per stage" in proc.stdout
+    assert "gpipe" in proc.stdout and "1f1b" in proc.stdout and "peak GB per rank" in proc.stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["gpipe_over_naive_m2"] > 0 and result["1f1b_over_naive_m2"] > 0
     assert len(result["peak_gb_1f1b_m2"]) == 2 and result["peak_mem_1f1b_over_gpipe"] > 0
-    assert "activation GB per stage" in proc.stdout and "embedded tiny model" in proc.stdout
+    assert "activation GB per rank" in proc.stdout and "embedded tiny model" in proc.stdout
     acts, peaks = result["act_gb_gpipe_m2"], result["peak_gb_gpipe_m2"]
     assert len(acts) == 2 and all(0 < a < p for a, p in zip(acts, peaks))
+
+
+def test_bench_pipeline_data_parallel_runs_every_rank():
+    # DP2 x PP2: four ranks, each reporting its own peak; the table names the layout.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "pipeline", "--micro-batches", "2",
+                           "--data-parallel", "2", "--iters", "3", "--batch-size", "8", "--json"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2 stages x 2 data-parallel replicas" in proc.stdout
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["peak_gb_1f1b_m2"]) == 4 and result["1f1b_over_naive_m2"] > 0

@@ -49,7 +49,7 @@ class Bed:
         return ["ip", "netns", "exec", f"mtbed{rank}"]
 
 
-def _shape(ns: str, dev: str, rate: str, delay: str) -> str:
+def _shape(ns: str, dev: str, rate: str, delay: str, burst: str) -> str:
     """netem (rate and delay) where the kernel has it, else tbf (rate only); says which."""
     tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
     try:
@@ -57,7 +57,7 @@ def _shape(ns: str, dev: str, rate: str, delay: str) -> str:
         return f"netem rate {rate} delay {delay}"
     except subprocess.CalledProcessError:
         # Seen here: a sandboxed kernel without sch_netem still has tbf.
-        _sh(*tc, "tbf", "rate", rate, "burst", "256kbit", "latency", "50ms")
+        _sh(*tc, "tbf", "rate", rate, "burst", burst, "latency", "50ms")
         return f"tbf rate {rate} (no netem in this kernel: delay {delay} not applied)"
 
 
@@ -67,7 +67,7 @@ def _teardown(n: int) -> None:
 
 
 @contextlib.contextmanager
-def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us") -> Iterator[Bed]:
+def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str = "256kbit") -> Iterator[Bed]:
     """Build the bed for n ranks, yield it, and always tear it down."""
     reason = available()
     if reason:
@@ -87,7 +87,7 @@ def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us") -> Iterato
             for where, dev in ((ns, f"mtv{i}"), (BRIDGE_NS, f"mtp{i}")):
                 _sh("ip", "-n", where, "link", "set", dev, "up")
                 # Shape both directions: rank -> bridge and bridge -> rank.
-                shaping = _shape(where, dev, rate, delay)
+                shaping = _shape(where, dev, rate, delay, burst)
             _sh("ip", "-n", BRIDGE_NS, "link", "set", f"mtp{i}", "master", "br0")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             ips.append(ip)

@@ -70,7 +70,9 @@ def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Pat
            "--fine-tune-type", a.fine_tune_type, "--num-layers", "-1", "--learning-rate", "1e-4",
            "--train.steps_per_report", str(max(a.iters // 3, 1)), "--train.val_batches", "0",
            "--save-every", str(a.iters), "--adapter-path", str(out)]
-    code, log = _launch(stages, cmd)
+    if a.data_parallel > 1:
+        cmd += ["--parallel.dp", str(a.data_parallel)]
+    code, log = _launch(stages * a.data_parallel, cmd)
     if code:
         raise RuntimeError(f"{schedule} M={micro} failed with exit code {code}:\n{log[-3000:]}")
     # Each rank's own last line (launchers differ in how they prefix output).
@@ -96,7 +98,9 @@ def write_text_data(folder: Path, length: int, rows: int) -> Path:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="meshtune bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, default=2, help="Pipeline stages (ranks).")
+    p.add_argument("--stages", type=int, default=2, help="Pipeline stages.")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="Data-parallel replicas of the pipeline (ranks = stages x this), e.g. 2 for DP2 x PP2.")
     p.add_argument("--micro-batches", default="2,4,8", help="Comma-separated micro-batch counts.")
     p.add_argument("--iters", type=int, default=30, help="Optimizer steps per run.")
     p.add_argument("--batch-size", type=int, default=16, help="Global batch (divisible by every M).")
@@ -109,6 +113,8 @@ def main(argv: list[str]) -> int:
                         "data, ~20 tokens a row); long rows make activations, and 1F1B's bound on them, show.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     a = p.parse_args(argv)
+    if a.data_parallel < 1 or a.stages < 1:
+        p.error("--stages and --data-parallel must be >= 1")
     a.model_folder = a.data_folder = None
     ms = [int(m) for m in a.micro_batches.split(",")]
     rows, result = [], {}
@@ -140,10 +146,11 @@ def main(argv: list[str]) -> int:
     result["act_mem_1f1b_over_gpipe"] = max(oa) / max(ga) if ga and oa and max(ga) > 0 else float("nan")
     where = ("mlx.launch --backend nccl (one GPU per rank)" if on_gpu() else
              f"meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
-    print(f"pipeline benchmark: {a.stages} stages, {model_name}, {a.fine_tune_type}, global batch "
+    layout = f"{a.stages} stages" + (f" x {a.data_parallel} data-parallel replicas" if a.data_parallel > 1 else "")
+    print(f"pipeline benchmark: {layout}, {model_name}, {a.fine_tune_type}, global batch "
           f"{a.batch_size}, {a.iters} steps; {where}")
-    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs naive':>10}{'ideal':>8}   peak GB per stage   "
-          f"activation GB per stage")
+    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs naive':>10}{'ideal':>8}   peak GB per rank    "
+          f"activation GB per rank")
     for m, name, rate, speed, peaks, acts in rows:
         ideal = (m / (m + a.stages - 1)) / (1 / a.stages) if name != "naive" else 1.0
         print(f"{m:>3} {name:<8}{rate:>10.2f}{speed:>9.2f}x{ideal:>7.2f}x   {', '.join(f'{x:.4f}' for x in peaks):<18}"
