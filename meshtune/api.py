@@ -27,6 +27,7 @@ from .config import Config
 from .data import BatchIterator, Features, load_datasets
 from .mesh import Mesh
 from .parallel.pipeline import check_stage_layers
+from .parallel.socket_ring import hostfile_ips
 from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
 from .outdir import check_free_space, check_writable
@@ -163,6 +164,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if not Path(data_path).is_dir():  # fail before the (possibly long) model load
         raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
                          "train.jsonl and valid.jsonl (and test.jsonl to test)")
+    if cfg.parallel.transport == "sockets" and mesh.world_size > 1:  # before the load, too
+        if mesh.pp > 1:
+            raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
+                             f"parallel.pp={mesh.pp} set parallel.transport: mlx")
+        hostfile_ips()  # says what to change when there is no ring hostfile
     if mesh.pp > 1 and (declared := _declared_layers(Path(model_path))) is not None:
         check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)  # before the (possibly long) load
     model, tokenizer = _prepare_model(cfg, model_path, say)
@@ -261,7 +267,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
-                            grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb)
+                            grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb,
+                            transport=cfg.parallel.transport)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:

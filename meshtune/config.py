@@ -190,11 +190,6 @@ class ParallelConfig:
     """Pipeline stages the model is split into."""
     pipeline_stages: int = 0
     """The same as pp under its long name (0: unset); give one of the two."""
-
-    def __post_init__(self) -> None:
-        # One name from here on: the long one read as pp before anything builds the mesh.
-        if isinstance(self.pipeline_stages, int) and self.pipeline_stages > 0 and self.pp == 1:
-            self.pp = self.pipeline_stages
     schedule: Literal["naive", "gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule: naive, gpipe or 1f1b."""
     micro_batches: int = 0
@@ -209,6 +204,16 @@ class ParallelConfig:
     run as soon as its gradients exist."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB for the all-reduce."""
+    transport: Literal["mlx", "sockets"] = "mlx"
+    """How gradients travel between data-parallel ranks: mlx (the backend's all_sum) or
+    sockets (ring backend only: meshtune's ring all-reduce over blocking TCP on its own
+    thread; MLX's ring busy-polls a core, which a one-core-per-rank run cannot spare
+    for overlap). Token counts, losses and agreements stay on the MLX group."""
+
+    def __post_init__(self) -> None:
+        # One name from here on: the long one read as pp before anything builds the mesh.
+        if isinstance(self.pipeline_stages, int) and self.pipeline_stages > 0 and self.pp == 1:
+            self.pp = self.pipeline_stages
 
 
 @dataclass(kw_only=True)

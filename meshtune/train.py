@@ -26,7 +26,8 @@ from mlx.utils import tree_map
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import sum_for_update
+from .parallel.data_parallel import sum_for_update, sum_over_sockets
+from .parallel.socket_ring import BucketPump, SocketRing, hostfile_ips
 from .metrics import Reporter, Window
 
 
@@ -73,7 +74,7 @@ def enable_grad_checkpoint(block: nn.Module) -> None:
 
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
                compile: bool, sync: str = "after_backward",
-               bucket_mb: float = 25.0) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+               bucket_mb: float = 25.0, transport: str = "mlx") -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
@@ -92,17 +93,23 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)
         optimizer.update(model, grads)
 
-    split = sync == "overlap" and mesh.world_size > 1 and _split_overlap()
+    sockets = transport == "sockets" and mesh.world_size > 1
+    split = mesh.world_size > 1 and (sockets or (sync == "overlap" and _split_overlap()))
     if split:
-        # Compiled backward and update; between them each bucket's all_sum is started
-        # as its gradients come due (data_parallel.sum_gradients, start=True).
+        # Compiled backward and update; between them each bucket's sum is started as its
+        # gradients come due: an all_sum (data_parallel.sum_gradients, start=True) or a
+        # hand-over to the socket ring's thread (data_parallel.sum_over_sockets).
         backward, apply = compiled(backward), compiled(apply)
+    pump = BucketPump(SocketRing(mesh.rank, hostfile_ips(), mesh.all_ints)) if sockets else None
 
     def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
         if not update:
             return ce, n, grads, total
-        apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split))
+        if pump is not None:
+            apply(*sum_over_sockets(grads, total, pump, mode=sync, bucket_mb=bucket_mb))
+        else:
+            apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split))
         return ce, n, None, None
 
     return step if split else compiled(step)
@@ -136,6 +143,7 @@ class LoopSettings:
     compile: bool = True
     grad_sync: str = "after_backward"
     bucket_mb: float = 25.0
+    transport: str = "mlx"
 
 
 @dataclass(kw_only=True)
@@ -191,7 +199,7 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
     """
     step_fn = None if pipeline is not None else build_step(
         model, optimizer, mesh, max_grad_norm=settings.max_grad_norm, compile=settings.compile,
-        sync=settings.grad_sync, bucket_mb=settings.bucket_mb)
+        sync=settings.grad_sync, bucket_mb=settings.bucket_mb, transport=settings.transport)
     model.train()
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None

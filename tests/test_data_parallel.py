@@ -75,6 +75,10 @@ def _assert_same_run(one: Path, many: Path) -> None:
     # The split overlap (bucket sums started by hand; the GPU default) forced on the CPU.
     (2, "dora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01", "split"]),
     (3, "full", ["--num-layers", "1", "--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2", "split"]),
+    # Gradients over meshtune's socket ring (blocking TCP on its own thread), both sync modes.
+    (2, "lora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
+    (3, "dora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
+    (3, "full", ["--num-layers", "1", "--parallel.transport", "sockets", "--parallel.bucket_mb", "0.05"]),
 ])
 def test_n_ranks_match_one_rank(tmp_path, n, kind, extra, monkeypatch):
     if extra and extra[-1] == "split":
@@ -116,9 +120,11 @@ def test_bench_scaling_prints_table_and_json():
     proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "scaling", "--iters", "4",
                            "--local-batch", "4", "--json"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "weak eff." in proc.stdout and "--pin" in proc.stdout
+    assert "weak-scaling efficiency" in proc.stdout and "--pin" in proc.stdout
+    assert "\nlora  sockets" in proc.stdout and "\nfull  mlx" in proc.stdout  # both transports ran
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("overlap_speedup_full", "overlap_speedup_lora", "weak_scaling_lora", "exposed_comm_fraction_overlap"):
+    for key in ("overlap_speedup_full", "overlap_speedup_lora", "weak_scaling_lora", "exposed_comm_fraction_overlap",
+                "overlap_speedup_full_sockets", "overlap_speedup_lora_mlx"):
         assert key in result and result[key] == result[key]  # present and not NaN
     assert 0 < result["weak_scaling_lora"] < 2
 

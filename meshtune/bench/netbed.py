@@ -49,6 +49,27 @@ class Bed:
         return ["ip", "netns", "exec", f"mtbed{rank}"]
 
 
+def _rate_bits(rate: str) -> float:
+    """tc's rate string ("10gbit", "500mbit", "100kbit", "1000000bit") in bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * factor
+    raise ValueError(f"--link rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit")
+
+
+def burst_bytes(rate: str) -> int:
+    """tbf's bucket: one ms of the rate, at least 128 KiB.
+
+    A bucket smaller than a 64 KiB GSO segment makes tbf cut every segment into
+    MTU-sized packets, which the kernel then handles one by one on the ranks' own
+    cores: with 32 KiB, a 32 MB exchange at 1 Gb/s cost 200 ms of CPU in 320 ms; with
+    128 KiB, 16 ms (scripts/probes/sock_probe.py). A NIC's segmentation offload does
+    that work in hardware on a real cluster, so the bed should not charge it.
+    """
+    return int(max(128 * 1024, _rate_bits(rate) / 8 / 1000))
+
+
 def _shape(ns: str, dev: str, rate: str, delay: str, burst: str) -> str:
     """netem (rate and delay) where the kernel has it, else tbf (rate only); says which."""
     tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
@@ -58,7 +79,7 @@ def _shape(ns: str, dev: str, rate: str, delay: str, burst: str) -> str:
     except subprocess.CalledProcessError:
         # Seen here: a sandboxed kernel without sch_netem still has tbf.
         _sh(*tc, "tbf", "rate", rate, "burst", burst, "latency", "50ms")
-        return f"tbf rate {rate} (no netem in this kernel: delay {delay} not applied)"
+        return f"tbf rate {rate} burst {burst} bytes (no netem in this kernel: delay {delay} not applied)"
 
 
 def _teardown(n: int) -> None:
@@ -67,11 +88,12 @@ def _teardown(n: int) -> None:
 
 
 @contextlib.contextmanager
-def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str = "256kbit") -> Iterator[Bed]:
+def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str = "") -> Iterator[Bed]:
     """Build the bed for n ranks, yield it, and always tear it down."""
     reason = available()
     if reason:
         raise ValueError(reason)
+    burst = burst or str(burst_bytes(rate))
     _teardown(n)  # a crashed earlier run may have left namespaces behind
     try:
         _sh("ip", "netns", "add", BRIDGE_NS)

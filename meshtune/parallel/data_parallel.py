@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..mesh import Mesh
@@ -123,3 +124,37 @@ def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "aft
     summed = sum_gradients({"grads": grads, "tokens": tokens.astype(mx.float32)}, mesh, mode=mode,
                            bucket_mb=bucket_mb, start=start)
     return summed["grads"], summed["tokens"]
+
+
+def sum_over_sockets(grads: Any, tokens: mx.array, pump: Any, *, mode: str = "after_backward",
+                     bucket_mb: float = 25.0) -> tuple[Any, mx.array]:
+    """sum_for_update's result with the buckets summed by the socket ring (socket_ring.py).
+
+    Buckets are built in `mode`'s order and all started at once (`mx.async_eval`);
+    each is handed to the ring's thread as soon as the backward has produced it, so
+    with `overlap` the last layers' sums travel while earlier layers still compute.
+    This thread only waits meanwhile (MLX's eval releases the GIL). Buckets travel as
+    float32 and come back in their own dtypes.
+    """
+    flat = tree_flatten({"grads": grads, "tokens": tokens.astype(mx.float32)})
+    order = list(range(len(flat)))
+    if mode == "overlap":
+        order.reverse()
+    groups = [[order[g] for g in group]
+              for group in buckets([flat[i][1].size for i in order], int(bucket_mb * 2**20), 4)]
+    staged = [mx.concatenate([flat[i][1].reshape(-1).astype(mx.float32) for i in members])
+              for members in groups]
+    mx.async_eval(staged)
+    for k, bucket in enumerate(staged):
+        mx.eval(bucket)
+        pump.submit(k, np.array(bucket))
+    sums = pump.collect(len(staged))
+    summed: dict[int, mx.array] = {}
+    for k, members in enumerate(groups):
+        total, start = mx.array(sums[k]), 0
+        for i in members:
+            a = flat[i][1]
+            summed[i] = total[start:start + a.size].reshape(a.shape).astype(a.dtype)
+            start += a.size
+    tree = tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
+    return tree["grads"], tree["tokens"]

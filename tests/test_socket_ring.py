@@ -1,0 +1,53 @@
+"""meshtune's socket ring all-reduce, as threads on localhost: every rank gets the exact sum."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from meshtune.parallel.socket_ring import BucketPump, SocketRing
+
+
+def _rings(n):
+    """n connected rings on 127.0.0.1, ports exchanged through a barrier (as the MLX all-gather would)."""
+    ports, barrier, rings = [0] * n, threading.Barrier(n), [None] * n
+
+    def make(rank):
+        def exchange(port):
+            ports[rank] = port
+            barrier.wait()
+            return list(ports)
+        rings[rank] = SocketRing(rank, ["127.0.0.1"] * n, exchange)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(rings)
+    return rings
+
+
+@pytest.mark.parametrize("n, size", [(2, 1), (2, 1000), (3, 2), (3, 10007), (4, 5)])
+def test_ring_all_sum_is_the_sum_on_every_rank(n, size):
+    rings = _rings(n)
+    data = [np.random.default_rng(r).standard_normal(size).astype(np.float32) for r in range(n)]
+    want = np.sum(data, axis=0, dtype=np.float64)
+    pumps = [BucketPump(r) for r in rings]
+    for _ in range(2):  # twice: the connections are reused
+        for p, d in zip(pumps, data):
+            p.submit("b", d.copy())
+        for p in pumps:
+            got = p.collect(1)["b"]
+            assert np.allclose(got, want, rtol=1e-5, atol=1e-5)
+    for r in rings:
+        r.close()
+
+
+def test_a_stopped_peer_is_an_error_not_a_hang():
+    rings = _rings(2)
+    rings[1].close()
+    pump = BucketPump(rings[0])
+    pump.submit("b", np.ones(1 << 16, np.float32))
+    with pytest.raises(ConnectionError, match="stopped|failed"):
+        pump.collect(1)
