@@ -130,11 +130,10 @@ def sum_over_sockets(grads: Any, tokens: mx.array, pump: Any, *, mode: str = "af
                      bucket_mb: float = 25.0) -> tuple[Any, mx.array]:
     """sum_for_update's result with the buckets summed by the socket ring (socket_ring.py).
 
-    Buckets are built in `mode`'s order and all started at once (`mx.async_eval`);
-    each is handed to the ring's thread as soon as the backward has produced it, so
-    with `overlap` the last layers' sums travel while earlier layers still compute.
-    This thread only waits meanwhile (MLX's eval releases the GIL). Buckets travel as
-    float32 and come back in their own dtypes.
+    Buckets are built in `mode`'s order, each started (`mx.async_eval`) and handed to
+    the ring's thread, which waits for it to be computed (MLX's wait releases the GIL)
+    and sends it: with `overlap` the last layers' sums travel while earlier layers
+    still compute. Buckets travel as float32 and come back in their own dtypes.
     """
     flat = tree_flatten({"grads": grads, "tokens": tokens.astype(mx.float32)})
     order = list(range(len(flat)))
@@ -144,10 +143,12 @@ def sum_over_sockets(grads: Any, tokens: mx.array, pump: Any, *, mode: str = "af
               for group in buckets([flat[i][1].size for i in order], int(bucket_mb * 2**20), 4)]
     staged = [mx.concatenate([flat[i][1].reshape(-1).astype(mx.float32) for i in members])
               for members in groups]
-    mx.async_eval(staged)
     for k, bucket in enumerate(staged):
-        mx.eval(bucket)
-        pump.submit(k, np.array(bucket))
+        # Started here, waited for on the ring's thread: MLX throttles how much work may
+        # be queued, so a loop that started every bucket before handing any over
+        # would hand the first one over only after several more were computed.
+        mx.async_eval(bucket)
+        pump.submit(k, bucket)
     sums = pump.collect(len(staged))
     summed: dict[int, mx.array] = {}
     for k, members in enumerate(groups):

@@ -144,11 +144,13 @@ class BucketPump:
                 return
             key, buf = item
             try:
-                self._done.put((key, self.ring.all_sum(buf), None))
+                # An mx.array already started by the training thread: np.array waits for it.
+                self._done.put((key, self.ring.all_sum(np.array(buf, dtype=np.float32)), None))
             except Exception as err:  # handed to the training thread, which raises it
                 self._done.put((key, None, err))
 
-    def submit(self, key: Any, buf: np.ndarray) -> None:
+    def submit(self, key: Any, buf: Any) -> None:
+        """Sum `buf` (a float32 numpy array, or an mx.array already given to mx.async_eval)."""
         self._todo.put((key, buf))
 
     def collect(self, count: int) -> dict[Any, np.ndarray]:
