@@ -56,8 +56,12 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     else:
         over = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode="overlap",
                                                      bucket_mb=bucket_mb))(tokens, lengths)
+    # One after the other: evaluated together, the comm stream's all_sums and the default
+    # stream's could run in different orders on different ranks and pair wrong buffers
+    # (seen once in a full test run on the ring backend: an O(1) mismatch).
+    mx.eval(over)
     grads = after(tokens, lengths)
-    mx.eval(grads, over)
+    mx.eval(grads)
     summed = [[g.astype(mx.float32) for _, g in tree_flatten(tree)] for tree in (grads, over)]
     worst = 0.0
     for x, y in zip(*summed):
