@@ -135,13 +135,24 @@ class SocketRing:
 
 
 class BucketPump:
-    """Buckets handed over as the backward finishes them, summed on one communication thread."""
+    """Buckets handed over as the backward finishes them, summed on communication threads.
+
+    With two ranks the link never waits on a round trip: one thread sends each bucket
+    as soon as it is computed, another receives the peer's in the same order and adds
+    (both ranks hand over the same buckets in the same order). With more ranks one
+    thread runs the ring's steps bucket by bucket.
+    """
 
     def __init__(self, ring: SocketRing) -> None:
         self.ring = ring
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, daemon=True, name="meshtune-ring-comm").start()
+        if ring.size == 2:
+            self._sent: queue.Queue = queue.Queue()
+            threading.Thread(target=self._send_pairs, daemon=True, name="meshtune-pair-send").start()
+            threading.Thread(target=self._receive_pairs, daemon=True, name="meshtune-pair-recv").start()
+        else:
+            threading.Thread(target=self._run, daemon=True, name="meshtune-ring-comm").start()
 
     def _run(self) -> None:
         while True:
@@ -153,6 +164,38 @@ class BucketPump:
                 # An mx.array already started by the training thread: np.array waits for it.
                 self._done.put((key, self.ring.all_sum(np.array(buf, dtype=np.float32)), None))
             except Exception as err:  # handed to the training thread, which raises it
+                self._done.put((key, None, err))
+
+    def _send_pairs(self) -> None:
+        failed = None
+        while True:
+            item = self._todo.get()
+            if item is None:
+                self._sent.put(None)
+                return
+            key, buf = item
+            try:
+                buf = np.array(buf, dtype=np.float32)
+                if failed is None:
+                    self.ring.send_sock.sendall(memoryview(buf).cast("B"))
+            except Exception as err:  # raised on the training thread by collect()
+                failed = err if not isinstance(err, OSError) else ConnectionError(
+                    f"sending gradients to the other rank failed: {err}")
+            self._sent.put((key, buf, failed))
+
+    def _receive_pairs(self) -> None:
+        while True:
+            item = self._sent.get()
+            if item is None:
+                return
+            key, buf, err = item
+            try:
+                if err is not None:
+                    raise err
+                other = np.empty_like(buf)
+                _recv_into(self.ring.recv_sock, memoryview(other).cast("B"))
+                self._done.put((key, np.add(buf, other, out=buf), None))  # a + b == b + a: same bits on both
+            except Exception as err:
                 self._done.put((key, None, err))
 
     def submit(self, key: Any, buf: Any) -> None:
