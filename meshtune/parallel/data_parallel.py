@@ -21,6 +21,7 @@ stream (reverse bucket order only).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -43,6 +44,37 @@ def buckets(sizes: list[int], bucket_bytes: int, itemsize: int) -> list[list[int
             groups.append([])
             filled = 0
     return [g for g in groups if g]
+
+
+# Submodules of an mlx-lm block in the order its forward uses them; the backward
+# produces their gradients in the reverse order.
+FORWARD_ORDER = ("input_layernorm", "attention_norm", "ln_1", "self_attn", "attention", "attn", "q_proj", "k_proj",
+                 "v_proj", "o_proj", "q_norm", "k_norm", "post_attention_layernorm", "ffn_norm", "ln_2",
+                 "pre_feedforward_layernorm", "mlp", "feed_forward", "block_sparse_moe", "gate", "switch_mlp",
+                 "gate_proj", "up_proj", "down_proj", "post_feedforward_layernorm")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def backward_order(names: list[str]) -> list[int]:
+    """Indices of parameter `names` (tree_flatten order) in the order the backward produces them.
+
+    Later blocks first; within a block the reverse of its forward (MLP before attention,
+    a block's input norm last); what precedes the blocks in the tree (the embedding)
+    comes last, what follows them (final norm, head) first. Reversing the tree order
+    alone put a block's input norm, whose gradient comes last, in its first bucket
+    (no step-time change measurable on the tiny model's 2-rank shaped-link table).
+    """
+    first = next((i for i, n in enumerate(names) if _LAYER.search(n)), len(names))
+
+    def key(i: int) -> tuple:
+        name = names[i]
+        found = _LAYER.search(name)
+        block = int(found.group(1)) if found else (-1 if i < first else 1 << 30)
+        parts = name.split(".")
+        within = tuple(FORWARD_ORDER.index(p) for p in parts if p in FORWARD_ORDER)
+        return block, within, i
+
+    return sorted(range(len(names)), key=key, reverse=True)
 
 
 _comm_streams: dict[Any, Any] = {}
@@ -94,7 +126,7 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     flat = tree_flatten(grads)
     order = list(range(len(flat)))
     if mode == "overlap":
-        order.reverse()  # the backward produces the last layers' gradients first
+        order = backward_order([k for k, _ in flat])  # first computed, first summed
     stream = comm_stream(mode, mesh.backend)
     summed: dict[int, mx.array] = {}
     by_dtype: dict[Any, list[int]] = {}
@@ -138,7 +170,7 @@ def sum_over_sockets(grads: Any, tokens: mx.array, pump: Any, *, mode: str = "af
     flat = tree_flatten({"grads": grads, "tokens": tokens.astype(mx.float32)})
     order = list(range(len(flat)))
     if mode == "overlap":
-        order.reverse()
+        order = backward_order([k for k, _ in flat])
     groups = [[order[g] for g in group]
               for group in buckets([flat[i][1].size for i in order], int(bucket_mb * 2**20), 4)]
     staged = [mx.concatenate([flat[i][1].reshape(-1).astype(mx.float32) for i in members])
