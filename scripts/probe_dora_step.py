@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from meshtune.adapters import dora as D
 from meshtune.adapters.base_path import dense_weight_for, linear_forward
+from meshtune.adapters.kernels import column_dot
 from meshtune.bench import adapters as B
 from meshtune.bench.models import PRESETS, Shape
 
@@ -66,28 +67,8 @@ def inv_norm_kernel(w, a, bs, gram, w_sq):
                            output_shapes=[(out,)], output_dtypes=[mx.float32])[0]
 
 
-def colsum(g, y, chunk=64):
-    if "colsum" not in _kernels:
-        _kernels["colsum"] = mx.fast.cuda_kernel(
-            name="dora_colsum2", input_names=["g", "y"], output_names=["part"],
-            source="""
-                int i = blockIdx.x * blockDim.x + threadIdx.x;
-                int c = blockIdx.y;
-                if (i < NCOLS) {
-                    int t0 = c * CHUNK;
-                    int t1 = min(t0 + CHUNK, NROWS);
-                    float acc = 0.0f;
-                    for (int t = t0; t < t1; ++t)
-                        acc += static_cast<float>(g[t * NCOLS + i]) * static_cast<float>(y[t * NCOLS + i]);
-                    part[c * NCOLS + i] = acc;
-                }
-            """)
-    rows, cols = g.shape
-    chunks = (rows + chunk - 1) // chunk
-    part = _kernels["colsum"](inputs=[g, y], template=[("NCOLS", cols), ("NROWS", rows), ("CHUNK", chunk)],
-                              grid=(((cols + 255) // 256) * 256, chunks, 1), threadgroup=(256, 1, 1),
-                              output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])[0]
-    return part.sum(axis=0)
+def colsum(g, y):
+    return column_dot(g, y, kernel=True)
 
 
 def _dense_and_base(self, x):

@@ -7,6 +7,7 @@ import time
 import mlx.core as mx
 
 from meshtune.adapters.dora import adapted_row_norm
+from meshtune.adapters.kernels import column_dot
 
 T, IN, OUT, R = 4096, 2048, 6144, 8
 dt = mx.bfloat16
@@ -41,34 +42,9 @@ def scale_rows_vjp(primals, cotangent, output):
     return gs.astype(s.dtype), cotangent * s
 
 
-_colsum_kernel = None
-
-
-def colsum_product(g, y, chunk=64):
-    """sum over rows of g * y (float32), by a custom kernel: one thread per (column, row chunk)."""
-    global _colsum_kernel
-    if _colsum_kernel is None:
-        _colsum_kernel = mx.fast.cuda_kernel(
-            name="dora_colsum", input_names=["g", "y"], output_names=["part"],
-            source="""
-                int i = blockIdx.x * blockDim.x + threadIdx.x;
-                int c = blockIdx.y;
-                if (i < NCOLS) {
-                    int t0 = c * CHUNK;
-                    int t1 = min(t0 + CHUNK, NROWS);
-                    float acc = 0.0f;
-                    for (int t = t0; t < t1; ++t) {
-                        acc += static_cast<float>(g[t * NCOLS + i]) * static_cast<float>(y[t * NCOLS + i]);
-                    }
-                    part[c * NCOLS + i] = acc;
-                }
-            """)
-    rows, cols = g.shape
-    chunks = (rows + chunk - 1) // chunk
-    part = _colsum_kernel(inputs=[g, y], template=[("NCOLS", cols), ("NROWS", rows), ("CHUNK", chunk)],
-                          grid=(((cols + 255) // 256) * 256, chunks, 1), threadgroup=(256, 1, 1),
-                          output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])[0]
-    return part.sum(axis=0)
+def colsum_product(g, y):
+    """sum over rows of g * y (float32), by meshtune's CUDA kernel."""
+    return column_dot(g, y, kernel=True)
 
 
 @mx.custom_function
