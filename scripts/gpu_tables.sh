@@ -3,6 +3,8 @@
 # kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
+#     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
+#     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device notes require.
 set -u
 what=$1
@@ -18,6 +20,19 @@ case $what in
     timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
       python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
       --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
+  four-scaling)
+    # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
+    timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"
+    for n in 2 4; do
+      timeout 240 mlx.launch -n $n --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
+        python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
+        --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_${n}xh200.txt"
+    done ;;
+  four-pipeline)
+    timeout 330 python3 -m meshtune.cli bench pipeline --preset 1b --seq-len 1024 --batch-size 16 --stages 4 \
+      --micro-batches 4,8,16 --iters 6 --json 2>&1 | tee "$out/pipeline_4xh200.txt"
+    timeout 250 python3 -m meshtune.cli bench pipeline --preset 1b --seq-len 1024 --batch-size 16 --stages 2 \
+      --data-parallel 2 --micro-batches 4,8 --iters 6 --json 2>&1 | tee "$out/pipeline_dp2pp2_4xh200.txt" ;;
   pipeline)
     timeout 540 python3 -m meshtune.cli bench pipeline --preset 1b --seq-len 1024 --batch-size 16 \
       --micro-batches 2,4,8 --iters 8 --json 2>&1 | tee "$out/pipeline_2xh200.txt" ;;
