@@ -181,11 +181,10 @@ def sum_over_sockets(grads: Any, tokens: mx.array, pump: Any, *, mode: str = "af
         # would hand the first one over only after several more were computed.
         mx.async_eval(bucket)
         pump.submit(k, bucket)
-    sums = pump.collect(len(staged))
     summed: dict[int, mx.array] = {}
-    for k, members in enumerate(groups):
-        total, start = mx.array(sums[k]), 0
-        for i in members:
+    for k, total in pump.collect(len(staged)):  # copied back while later buckets travel
+        total, start = mx.array(total), 0
+        for i in groups[k]:
             a = flat[i][1]
             summed[i] = total[start:start + a.size].reshape(a.shape).astype(a.dtype)
             start += a.size

@@ -22,7 +22,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -202,11 +202,10 @@ class BucketPump:
         """Sum `buf` (a float32 numpy array, or an mx.array already given to mx.async_eval)."""
         self._todo.put((key, buf))
 
-    def collect(self, count: int) -> dict[Any, np.ndarray]:
-        out = {}
+    def collect(self, count: int) -> Iterator[tuple[Any, np.ndarray]]:
+        """(key, sum) of `count` submitted buckets, as each sum arrives; a failure raises here."""
         for _ in range(count):
             key, buf, err = self._done.get()
             if err is not None:
                 raise err
-            out[key] = buf
-        return out
+            yield key, buf
