@@ -122,7 +122,9 @@ def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -
             continue
         if muted.is_set():  # the launcher has said its one line; the rest is the fallout
             continue
-        if BACKEND_ERROR.search(text):  # "[ring] Socket 4 was closed by the peer" (after a bar redraw), many times
+        # "[ring] Socket 4 was closed by the peer" (after a bar redraw), many times; the
+        # traceback of the failed collective follows, so everything after it is held too.
+        if rank.held or BACKEND_ERROR.search(text):
             rank.held.append(text)
             continue
         out.write(f"[rank {rank.index}] {text}")
