@@ -104,6 +104,18 @@ def test_batch_the_ranks_cannot_share_fails_before_loading(tmp_path):
     assert "nearest valid sizes are 6 or 8" in proc.stderr and "[rank" not in proc.stdout
 
 
+def test_socket_transport_with_pipeline_stages_is_one_line_before_loading(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "meshtune.cli"]
+    proc = subprocess.run([*cmd, "launch", "-n", "2", "--", *cmd, "train", "--batch-size", "4", "--parallel.pp", "2",
+                           "--parallel.transport", "sockets", "--adapter-path", str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "parallel.transport=sockets carries data-parallel gradients only" in said, said[-2000:]
+    assert "set parallel.transport: mlx" in said and "Traceback" not in said
+
+
 def test_launch_stops_everyone_and_fails_when_a_rank_fails():
     code = "import os, sys, time; r = int(os.environ['MLX_RANK']); print('up', r, flush=True); " \
            "sys.exit(3) if r == 1 else time.sleep(120)"
