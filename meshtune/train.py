@@ -26,7 +26,7 @@ from mlx.utils import tree_map
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import sum_for_update, sum_over_sockets
+from .parallel.data_parallel import sum_for_update
 from .parallel.socket_ring import BucketPump, SocketRing, hostfile_ips
 from .metrics import Reporter, Window
 
@@ -98,7 +98,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
     if split:
         # Compiled backward and update; between them each bucket's sum is started as its
         # gradients come due: an all_sum (data_parallel.sum_gradients, start=True) or a
-        # hand-over to the socket ring's thread (data_parallel.sum_over_sockets).
+        # hand-over to the socket ring's threads (data_parallel.sum_for_update with a pump).
         backward, apply = compiled(backward), compiled(apply)
     pump = BucketPump(SocketRing(mesh.rank, hostfile_ips(), mesh.all_ints)) if sockets else None
 
@@ -106,10 +106,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
         if not update:
             return ce, n, grads, total
-        if pump is not None:
-            apply(*sum_over_sockets(grads, total, pump, mode=sync, bucket_mb=bucket_mb))
-        else:
-            apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split))
+        apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split, pump=pump))
         return ce, n, None, None
 
     return step if split else compiled(step)

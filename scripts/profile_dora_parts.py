@@ -3,6 +3,7 @@
 Development probe (adapters issue): python scripts/profile_dora_parts.py
 """
 import time
+from functools import partial
 
 import mlx.core as mx
 
@@ -29,34 +30,24 @@ def norm(p):
     return mx.stop_gradient(adapted_row_norm(w_sq, proj, b.T, a.T @ a, 20.0))
 
 
-@mx.custom_function
-def scale_rows(s, y):
-    return s * y
+def row_scaler(column_sum):
+    """s * y as a custom function whose d/ds is column_sum(cotangent, y)."""
+    @mx.custom_function
+    def scale(s, y):
+        return s * y
+
+    @scale.vjp
+    def scale_vjp(primals, cotangent, output):
+        s, y = primals
+        return column_sum(cotangent, y).reshape(s.shape).astype(s.dtype), cotangent * s
+
+    return scale
 
 
-@scale_rows.vjp
-def scale_rows_vjp(primals, cotangent, output):
-    s, y = primals
-    # d/ds as a matmul over tokens rather than a column reduction
-    gs = (mx.ones((1, cotangent.shape[0]), dtype=cotangent.dtype) @ (cotangent * y)).reshape(s.shape)
-    return gs.astype(s.dtype), cotangent * s
-
-
-def colsum_product(g, y):
-    """sum over rows of g * y (float32), by meshtune's CUDA kernel."""
-    return column_dot(g, y, kernel=True)
-
-
-@mx.custom_function
-def scale_rows_k(s, y):
-    return s * y
-
-
-@scale_rows_k.vjp
-def scale_rows_k_vjp(primals, cotangent, output):
-    s, y = primals
-    gs = colsum_product(cotangent.reshape(-1, cotangent.shape[-1]), y.reshape(-1, y.shape[-1]))
-    return gs.astype(s.dtype), cotangent * s
+# d/ds as a matmul over tokens rather than a column reduction, or by meshtune's CUDA kernel.
+scale_rows = row_scaler(lambda g, y: mx.ones((1, g.shape[0]), dtype=g.dtype) @ (g * y))
+scale_rows_k = row_scaler(lambda g, y: column_dot(g, y, kernel=True))
+colsum_product = partial(column_dot, kernel=True)
 
 
 def lora_concat(p):

@@ -26,16 +26,22 @@ import mlx.nn as nn
 
 from .adapted_linear import adapted_linear
 from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, switch_forward
-from .kernels import inverse_row_norm, row_norm_squared
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
 from .switch import LoRASwitchLinear
 
 
 def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
                      scale: float) -> mx.array:
-    """||w_i + s * coef_i @ V|| per row (kernels.row_norm_squared's terms); float32."""
+    """||w_i + s * coef_i @ V|| per row from ||w_i||^2, proj_i = w_i V^T and gram = V V^T.
+
+    Shapes: w_sq (..., rows), proj and coef (..., rows, r), gram (..., r, r); float32.
+    """
+    # Expand ||w_i + s c_i V||^2: no out x in matrix appears, only rows x r ones.
+    cross = (coef * proj).sum(axis=-1)
+    quad = ((coef @ gram) * coef).sum(axis=-1)
+    sq = w_sq + (2 * scale) * cross + (scale * scale) * quad
     # Rounding can push a near-zero square below zero; a norm cannot be negative.
-    return mx.sqrt(mx.maximum(row_norm_squared(w_sq, proj, coef, gram, scale), 0.0))
+    return mx.sqrt(mx.maximum(sq, 0.0))
 
 
 def compute_dtype(base: nn.Module) -> mx.Dtype:
@@ -114,14 +120,6 @@ class DoRALinear(DoRA, LoRALinear):
             # base(A^T) = A^T W^T = (W A)^T: one product of r rows, however the base is stored.
             proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
         return proj, b.T, a.T @ a
-
-    def row_scale(self, dtype: mx.Dtype, dense: mx.array | None = None) -> mx.array:
-        if self.training and dense is not None:
-            # The norm from the weight already in hand (kernels.inverse_row_norm), a constant (section 4.3).
-            inv = inverse_row_norm(dense, mx.stop_gradient(self.lora_a), mx.stop_gradient(self.lora_b),
-                                   self._w_sq, self.scale)
-            return (self.m * mx.stop_gradient(inv)).astype(dtype)
-        return super().row_scale(dtype, dense)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.training:

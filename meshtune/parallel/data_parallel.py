@@ -25,7 +25,6 @@ import re
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..mesh import Mesh
@@ -97,14 +96,38 @@ def comm_stream(mode: str, backend: str = "") -> Any:
     return _comm_streams[key]
 
 
-def _sum_bucket(arrays: list[mx.array], mesh: Mesh, stream: Any = None) -> list[mx.array]:
-    flat = mx.concatenate([a.reshape(-1) for a in arrays]) if len(arrays) > 1 else arrays[0].reshape(-1)
-    total = mx.distributed.all_sum(flat, group=mesh.group, stream=stream)
+def _bucket_groups(flat: list[tuple[str, mx.array]], mode: str, bucket_mb: float,
+                   wire: mx.Dtype | None = None) -> list[list[int]]:
+    """Indices of `flat` in buckets of about `bucket_mb`, in `mode`'s order, one dtype per bucket.
+
+    `wire` is the one dtype every array travels in (the socket ring's float32); None
+    keeps each array's own, so arrays of different dtypes never share a bucket.
+    """
+    if mode not in SYNC_MODES:
+        raise ValueError(f"parallel.grad_sync={mode!r} is not one of {', '.join(SYNC_MODES)}")
+    order = list(range(len(flat)))
+    if mode == "overlap":
+        order = backward_order([k for k, _ in flat])  # first computed, first summed
+    by_dtype: dict[Any, list[int]] = {}
+    for i in order:
+        by_dtype.setdefault(wire or flat[i][1].dtype, []).append(i)
+    return [[idx[g] for g in group] for dtype, idx in by_dtype.items()
+            for group in buckets([flat[i][1].size for i in idx], int(bucket_mb * 2**20), dtype.size)]
+
+
+def _unpack(total: mx.array, arrays: list[mx.array]) -> list[mx.array]:
+    """A bucket's flat sum cut back into `arrays`' shapes and dtypes."""
     out, start = [], 0
     for a in arrays:
-        out.append(total[start:start + a.size].reshape(a.shape))
+        part = total[start:start + a.size].reshape(a.shape)
+        out.append(part if part.dtype == a.dtype else part.astype(a.dtype))
         start += a.size
     return out
+
+
+def _pack(arrays: list[mx.array], dtype: mx.Dtype | None = None) -> mx.array:
+    flat = [a.reshape(-1) if dtype is None else a.reshape(-1).astype(dtype) for a in arrays]
+    return mx.concatenate(flat) if len(flat) > 1 else flat[0]
 
 
 def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0,
@@ -121,72 +144,57 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     """
     if mesh.world_size == 1:
         return grads
-    if mode not in SYNC_MODES:
-        raise ValueError(f"parallel.grad_sync={mode!r} is not one of {', '.join(SYNC_MODES)}")
     flat = tree_flatten(grads)
-    order = list(range(len(flat)))
-    if mode == "overlap":
-        order = backward_order([k for k, _ in flat])  # first computed, first summed
     stream = comm_stream(mode, mesh.backend)
     summed: dict[int, mx.array] = {}
-    by_dtype: dict[Any, list[int]] = {}
-    for i in order:
-        by_dtype.setdefault(flat[i][1].dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
-        for group in buckets([flat[i][1].size for i in idx], int(bucket_mb * 2**20), dtype.size):
-            members = [idx[g] for g in group]
-            parts = _sum_bucket([flat[i][1] for i in members], mesh, stream)
-            if start:
-                mx.async_eval(parts)
-            summed.update(zip(members, parts))
+    for members in _bucket_groups(flat, mode, bucket_mb):
+        arrays = [flat[i][1] for i in members]
+        parts = _unpack(mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream), arrays)
+        if start:
+            mx.async_eval(parts)
+        summed.update(zip(members, parts))
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
 
-def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward",
-                   bucket_mb: float = 25.0, start: bool = False) -> tuple[Any, mx.array]:
-    """Gradients and the step's token count summed over ranks, in the same buckets.
-
-    The count rides in the buckets as float32 (one all_sum fewer per step, which is
-    latency on a slow link; all of a step's collectives also stay on one stream, see
-    above). It only divides the gradients, so float32's rounding above 2^24 tokens a
-    step (6e-8 relative) is harmless.
-    """
-    if mesh.world_size == 1:
-        return grads, tokens
-    summed = sum_gradients({"grads": grads, "tokens": tokens.astype(mx.float32)}, mesh, mode=mode,
-                           bucket_mb=bucket_mb, start=start)
-    return summed["grads"], summed["tokens"]
-
-
-def sum_over_sockets(grads: Any, tokens: mx.array, pump: Any, *, mode: str = "after_backward",
-                     bucket_mb: float = 25.0) -> tuple[Any, mx.array]:
-    """sum_for_update's result with the buckets summed by the socket ring (socket_ring.py).
+def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any:
+    """sum_gradients with the buckets summed by the socket ring (socket_ring.py).
 
     Buckets are built in `mode`'s order, each started (`mx.async_eval`) and handed to
-    the ring's thread, which waits for it to be computed (MLX's wait releases the GIL)
-    and sends it: with `overlap` the last layers' sums travel while earlier layers
+    the ring's threads, which wait for it to be computed (MLX's wait releases the GIL)
+    and send it: with `overlap` the last layers' sums travel while earlier layers
     still compute. Buckets travel as float32 and come back in their own dtypes.
     """
-    flat = tree_flatten({"grads": grads, "tokens": tokens.astype(mx.float32)})
-    order = list(range(len(flat)))
-    if mode == "overlap":
-        order = backward_order([k for k, _ in flat])
-    groups = [[order[g] for g in group]
-              for group in buckets([flat[i][1].size for i in order], int(bucket_mb * 2**20), 4)]
-    staged = [mx.concatenate([flat[i][1].reshape(-1).astype(mx.float32) for i in members])
-              for members in groups]
-    for k, bucket in enumerate(staged):
+    flat = tree_flatten(grads)
+    groups = _bucket_groups(flat, mode, bucket_mb, wire=mx.float32)
+    for k, members in enumerate(groups):
+        bucket = _pack([flat[i][1] for i in members], mx.float32)
         # Started here, waited for on the ring's thread: MLX throttles how much work may
         # be queued, so a loop that started every bucket before handing any over
         # would hand the first one over only after several more were computed.
         mx.async_eval(bucket)
         pump.submit(k, bucket)
     summed: dict[int, mx.array] = {}
-    for k, total in pump.collect(len(staged)):  # copied back while later buckets travel
-        total, start = mx.array(total), 0
-        for i in groups[k]:
-            a = flat[i][1]
-            summed[i] = total[start:start + a.size].reshape(a.shape).astype(a.dtype)
-            start += a.size
-    tree = tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
-    return tree["grads"], tree["tokens"]
+    for k, total in pump.collect(len(groups)):  # copied back while later buckets travel
+        arrays = [flat[i][1] for i in groups[k]]
+        summed.update(zip(groups[k], _unpack(mx.array(total), arrays)))
+    return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
+
+
+def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward",
+                   bucket_mb: float = 25.0, start: bool = False, pump: Any = None) -> tuple[Any, mx.array]:
+    """Gradients and the step's token count summed over ranks, in the same buckets.
+
+    The count rides in the buckets as float32 (one all_sum fewer per step, which is
+    latency on a slow link; all of a step's collectives also stay on one stream, see
+    above). It only divides the gradients, so float32's rounding above 2^24 tokens a
+    step (6e-8 relative) is harmless. With a socket ring's `pump` the buckets go over
+    its sockets instead of the backend's all_sum.
+    """
+    if mesh.world_size == 1:
+        return grads, tokens
+    tree = {"grads": grads, "tokens": tokens.astype(mx.float32)}
+    if pump is not None:
+        summed = _sum_over_sockets(tree, pump, mode, bucket_mb)
+    else:
+        summed = sum_gradients(tree, mesh, mode=mode, bucket_mb=bucket_mb, start=start)
+    return summed["grads"], summed["tokens"]

@@ -7,10 +7,10 @@ one core, that spin takes the core from the backward it was meant to overlap wit
 waits in the kernel instead: the same 32 MB exchange used 16 ms of CPU, and compute
 beside it finished in 294 ms (scripts/probes/sock_probe.py, on the shaped-link bed).
 
-`parallel.transport: sockets` sends the gradient buckets this way: a ring all-reduce
-(reduce-scatter, then all-gather, n - 1 steps each) between each rank and its
-neighbours, in float32, run by one communication thread per process while the
-compiled backward computes the next bucket. Ring backend only: the hosts come from
+`parallel.transport: sockets` sends the gradient buckets this way, in float32, while
+the compiled backward computes the next bucket: two ranks stream buckets to each other
+(BucketPump), more run a ring all-reduce (reduce-scatter, then all-gather, n - 1 steps
+each) between each rank and its neighbours. Ring backend only: the hosts come from
 its hostfile (MLX_HOSTFILE), the ports from an exchange over the MLX group.
 """
 
@@ -106,12 +106,6 @@ class SocketRing:
         n, r = self.size, self.rank
         if n == 1:
             return buf
-        if n == 2:
-            # Two ranks: swap whole buffers in one step (the same bytes as reduce-scatter
-            # plus all-gather, one round trip fewer); a + b == b + a, so both get the same bits.
-            other = np.empty_like(buf)
-            self._step(buf, other)
-            return np.add(buf, other, out=buf)
         bounds = np.linspace(0, buf.size, n + 1).astype(int)
         chunk = [buf[bounds[i]:bounds[i + 1]] for i in range(n)]
         scratch = np.empty(max(c.size for c in chunk), dtype=buf.dtype)
