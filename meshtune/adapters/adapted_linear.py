@@ -10,9 +10,11 @@ dtype with the adapter factors cast down, as mixed-precision training does (the
 factors, their gradients and the optimizer stay float32); rs rides on W's rows and
 B's columns instead of on tokens x out arrays; and d rs is sum_t g * y / rs from the
 output already kept, one pass (kernels.column_dot). On an H200, `meshtune bench
-adapters --preset 1b` went from 88.9 to 50.9 ms for LoRA's step and from 106.4 to
-74.1 ms for DoRA's before the rs folding; with it, one 6144 x 2048 layer at 4096 tokens
-takes 0.910 ms for DoRA and 0.916 ms for LoRA (scripts/profile_adapted_linear.py).
+adapters --preset 1b` gave 88.9 ms for LoRA's step and 106.4 for DoRA's before this
+product and 50.9 and 74.1 ms with it, before the rs folding (runs a session apart,
+each beside stock mlx-lm); with the folding, one 6144 x 2048 layer at 4096 tokens
+takes 0.910 ms for DoRA and 0.916 ms for LoRA in one run of
+scripts/profile_adapted_linear.py.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
