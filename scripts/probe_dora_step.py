@@ -11,167 +11,31 @@ import sys
 import mlx.core as mx
 
 from meshtune.adapters import dora as D
-from meshtune.adapters.base_path import dense_weight_for, linear_forward
-from meshtune.adapters.kernels import column_dot
+from meshtune.adapters.base_path import dense_weight_for
+from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
 from meshtune.bench.models import PRESETS, Shape
 
 ORIGINAL = D.DoRALinear.__call__
-_kernels = {}
 
-
-def _cuda() -> bool:
-    return getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
-
-
-def inv_norm_kernel(w, a, bs, gram, w_sq):
-    """1 / ||w_i + s b_i A^T|| per row in one kernel: one block per row, A's r columns in registers."""
-    if "inv" not in _kernels:
-        _kernels["inv"] = mx.fast.cuda_kernel(
-            name="dora_inv_norm", input_names=["w", "a", "bs", "gram", "w_sq"], output_names=["inv"],
-            source="""
-                __shared__ float part[R * 256];
-                int row = blockIdx.x;
-                int t = threadIdx.x;
-                float acc[R];
-                for (int k = 0; k < R; ++k) acc[k] = 0.0f;
-                for (int j = t; j < IN; j += 256) {
-                    float wv = static_cast<float>(w[row * IN + j]);
-                    for (int k = 0; k < R; ++k) acc[k] += wv * a[j * R + k];
-                }
-                for (int k = 0; k < R; ++k) part[k * 256 + t] = acc[k];
-                __syncthreads();
-                for (int stride = 128; stride > 0; stride >>= 1) {
-                    if (t < stride) {
-                        for (int k = 0; k < R; ++k) part[k * 256 + t] += part[k * 256 + t + stride];
-                    }
-                    __syncthreads();
-                }
-                if (t == 0) {
-                    float cross = 0.0f, quad = 0.0f;
-                    for (int k = 0; k < R; ++k) {
-                        float ck = bs[k * OUT + row];
-                        cross += ck * part[k * 256];
-                        float gk = 0.0f;
-                        for (int l = 0; l < R; ++l) gk += gram[k * R + l] * bs[l * OUT + row];
-                        quad += ck * gk;
-                    }
-                    float sq = w_sq[row] + 2.0f * cross + quad;
-                    inv[row] = rsqrtf(fmaxf(sq, 1e-30f));
-                }
-            """)
-    out, inn = w.shape
-    r = a.shape[1]
-    return _kernels["inv"](inputs=[w, a, bs, gram, w_sq], template=[("R", r), ("IN", inn), ("OUT", out)],
-                           grid=(256 * out, 1, 1), threadgroup=(256, 1, 1),
-                           output_shapes=[(out,)], output_dtypes=[mx.float32])[0]
-
-
-def colsum(g, y):
-    return column_dot(g, y, kernel=True)
-
-
-def _dense_and_base(self, x):
-    dense = dense_weight_for(self.linear, x.size // x.shape[-1])
-    base = x @ dense.T if dense is not None else linear_forward(self.linear, x, bias=False)
-    return dense, base
-
-
-def _bias(self, y):
-    return y + self.linear["bias"] if "bias" in self.linear else y
 
 
 def v_const(self, x):
-    if not self.training:
-        return ORIGINAL(self, x)
-    dense, base = _dense_and_base(self, x)
-    rs = mx.stop_gradient(self.m / mx.sqrt(self._w_sq)).astype(x.dtype)
-    return _bias(self, rs * (base + self.lora_out(x)))
-
-
-def v_no_mgrad(self, x):
-    if not self.training:
-        return ORIGINAL(self, x)
-    dense, base = _dense_and_base(self, x)
-    rs = (mx.stop_gradient(self.m) / self.row_norm(dense)).astype(x.dtype)
-    return _bias(self, rs * (base + self.lora_out(x)))
-
-
-def v_no_norm(self, x):
-    if not self.training:
-        return ORIGINAL(self, x)
-    dense, base = _dense_and_base(self, x)
-    rs = (self.m / mx.stop_gradient(mx.sqrt(self._w_sq))).astype(x.dtype)
-    return _bias(self, rs * (base + self.lora_out(x)))
-
-
-def _kernel_inv(self, dense):
-    a = mx.stop_gradient(self.lora_a)
-    bs = mx.stop_gradient(self.scale * self.lora_b)
-    return mx.stop_gradient(inv_norm_kernel(dense, a, bs, a.T @ a, self._w_sq))
-
-
-def v_kernel_norm(self, x):
-    if not self.training:
-        return ORIGINAL(self, x)
-    dense, base = _dense_and_base(self, x)
-    rs = (self.m * _kernel_inv(self, dense)).astype(x.dtype)
-    return _bias(self, rs * (base + self.lora_out(x)))
-
-
-def _fused(self, x, rs, dense, use_kernel):
-    """The layer as one custom function: backward keeps x and the output, gives rs its column sum."""
-    s = self.scale
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-
-    @mx.custom_function
-    def layer(x2, a, b, rs):
-        z = x2 @ dense.T + (s * ((x2 @ a) @ b)).astype(x2.dtype)
-        return rs * z
-
-    @layer.vjp
-    def layer_vjp(primals, g, out):
-        x2, a, b, rs = primals
-        gz = g * rs
-        gzb = gz @ b.T.astype(gz.dtype)  # (T, r)
-        gx = gz @ dense + (s * (gzb.astype(mx.float32) @ a.T)).astype(gz.dtype)
-        ga = s * (x2.T @ gzb).astype(mx.float32)
-        gb = s * ((x2 @ a.astype(x2.dtype)).T @ gz).astype(mx.float32)
-        if use_kernel:
-            gsum = colsum(g, out)
-        else:
-            gsum = (g * out).astype(mx.float32).sum(axis=0)
-        safe = mx.where(rs == 0, mx.ones_like(rs), rs).astype(mx.float32)
-        return gx, ga, gb, (gsum / safe).astype(rs.dtype)
-
-    return layer(x2, self.lora_a, self.lora_b, rs).reshape(*shape[:-1], -1)
-
-
-def v_fused(self, x, use_kernel=False, kernel_norm=False):
+    """Bound: LoRA's adapted product times a constant row scale (no norm, no m-gradient)."""
     if not self.training:
         return ORIGINAL(self, x)
     dense = dense_weight_for(self.linear, x.size // x.shape[-1])
     if dense is None:
         return ORIGINAL(self, x)
-    inv = _kernel_inv(self, dense) if kernel_norm else 1.0 / self.row_norm(dense)
-    rs = (self.m * inv).astype(x.dtype)
-    return _bias(self, _fused(self, x, rs, dense, use_kernel))
+    rs = mx.stop_gradient(self.m / mx.sqrt(self._w_sq)).astype(x.dtype)
+    y = rs * adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x))
+    return y + self.linear["bias"] if "bias" in self.linear else y
 
 
 VARIANTS = {
     "current": ORIGINAL,
     "bound: const scale": v_const,
-    "bound: no m-grad": v_no_mgrad,
-    "bound: no norm": v_no_norm,
-    "fused vjp": v_fused,
 }
-if _cuda():
-    VARIANTS.update({
-        "kernel norm": v_kernel_norm,
-        "fused vjp + colsum kernel": lambda s, x: v_fused(s, x, use_kernel=True),
-        "fused vjp + both kernels": lambda s, x: v_fused(s, x, use_kernel=True, kernel_norm=True),
-    })
 
 
 def check_exact(shape, a, dtype):

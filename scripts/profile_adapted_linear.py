@@ -7,8 +7,7 @@ import time
 
 import mlx.core as mx
 
-from meshtune.adapters.adapted_linear import adapted_linear
-from meshtune.adapters.dora import adapted_row_norm
+from meshtune.adapters.adapted_linear import adapted_linear, adapted_row_norm
 from meshtune.adapters.kernels import column_dot
 
 T, IN, OUT, R, S = 4096, 2048, 6144, 8, 20.0
@@ -32,14 +31,9 @@ def loss(y):
     return (y * g).astype(mx.float32).sum()
 
 
-def rs_of(p):
-    return (p["m"] * mx.stop_gradient(inverse_row_norm(p["a"], p["b"]))).astype(dt)
-
-
 cases = {
     "lora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S)))),
-    "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, row_scale=rs_of(p))))),
-    "dora step, const rs": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, row_scale=mx.stop_gradient(rs0))))),
+    "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, magnitude=p["m"], w_sq=w_sq)))),
     "row norm": mx.compile(lambda p: inverse_row_norm(p["a"], p["b"])),
     "column_dot kernel": mx.compile(lambda p: column_dot(g, x @ W.T)),
     "column_dot mlx": mx.compile(lambda p: column_dot(g, x @ W.T, kernel=False)),

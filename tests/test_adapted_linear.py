@@ -14,50 +14,60 @@ def _inputs(seed=0, tokens=T):
     w = mx.random.normal((OUT, IN), key=k[1]) / 4
     a = mx.random.normal((IN, R), key=k[2]) / 4
     b = mx.random.normal((R, OUT), key=k[3]) / 4
-    rs = mx.random.uniform(0.5, 2.0, (OUT,), key=k[4])
+    m = mx.random.uniform(0.5, 2.0, (OUT,), key=k[4])
     mask = (mx.random.uniform(shape=x.shape, key=k[5]) > 0.3).astype(x.dtype) / 0.7
-    return x, w, a, b, rs, mask
+    return x, w, a, b, m, mask
 
 
-def _reference(x, w, a, b, rs, xl):
+def _reference(x, w, a, b, m, xl):
+    """The plain expression, DoRA's norm taken densely on W + s (A B)^T and held constant."""
     z = x @ w.T + S * ((xl @ a) @ b)
-    return z if rs is None else rs * z
+    if m is None:
+        return z
+    dense = w + S * (a @ b).T
+    return m / mx.stop_gradient(mx.sqrt((dense * dense).sum(-1))) * z
 
 
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("tokens", [T, 2 * T])  # fewer, then more tokens than input features (rs folded into W)
 def test_gradients_match_autodiff(dora, dropout, tokens):
-    x, w, a, b, rs, mask = _inputs(tokens=tokens)
+    x, w, a, b, m, mask = _inputs(tokens=tokens)
     probe = mx.random.normal((3, tokens // 3, OUT), key=mx.random.key(9))
 
-    def loss(fn, x, a, b, rs):
+    def loss(fn, x, a, b, m):
         xl = x * mask if dropout else x
-        return (fn(x, a, b, rs if dora else None, xl) * probe).sum()
+        return (fn(x, a, b, m if dora else None, xl) * probe).sum()
 
-    def ours(x, a, b, rs, xl):
-        return adapted_linear(x, w, a, b, S, x_lora=xl, row_scale=rs)
+    def ours(x, a, b, m, xl):
+        return adapted_linear(x, w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w * w).sum(-1))
 
-    def ref(x, a, b, rs, xl):
-        return _reference(x, w, a, b, rs, xl)
+    def ref(x, a, b, m, xl):
+        return _reference(x, w, a, b, m, xl)
 
-    args = (x, a, b, rs)
+    args = (x, a, b, m)
     got_v, got = mx.value_and_grad(lambda *p: loss(ours, *p), argnums=(0, 1, 2, 3))(*args)
     want_v, want = mx.value_and_grad(lambda *p: loss(ref, *p), argnums=(0, 1, 2, 3))(*args)
     assert abs(got_v.item() - want_v.item()) <= 1e-4 * abs(want_v.item())
-    for name, g, h in zip("x a b rs".split(), got, want):
-        if name == "rs" and not dora:
+    for name, g, h in zip("x a b m".split(), got, want):
+        if name == "m" and not dora:
             continue
         assert g.shape == h.shape, name
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), (name, mx.abs(g - h).max().item())
 
 
 @pytest.mark.parametrize("tokens", [T, 2 * T])
-def test_zero_row_scale_gets_zero_gradient_not_nan(tokens):
-    x, w, a, b, rs, _ = _inputs(1, tokens)
-    rs = rs.at[0].multiply(0.0)
-    g = mx.grad(lambda rs: adapted_linear(x, w, a, b, S, row_scale=rs).sum())(rs)
+def test_zero_magnitude_gets_zero_gradient_not_nan(tokens):
+    x, w, a, b, m, _ = _inputs(1, tokens)
+    m = m.at[0].multiply(0.0)
+    g = mx.grad(lambda m: adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1)).sum())(m)
     assert g[0].item() == 0.0 and mx.isfinite(g).all().item()
+
+
+def test_magnitude_without_base_norms_is_an_error():
+    x, w, a, b, m, _ = _inputs()
+    with pytest.raises(ValueError, match="w_sq"):
+        adapted_linear(x, w, a, b, S, magnitude=m)
 
 
 def test_column_dot_matches_sum():

@@ -1,20 +1,21 @@
 """The training product of an adapted linear layer, with a hand-written backward.
 
-    y = rs * (x W^T + s (x_lora A) B)        (rs: DoRA's row scale; None for LoRA)
+    y = rs * (x W^T + s (x_lora A) B),   rs = m / ||W + s (A B)^T||_row   (DoRA; rs = 1 for LoRA)
 
 Autodiff of the plain expression runs the low-rank branch in float32 (A and B are
 float32, so x and the cotangent are upcast: two float32 copies of a tokens x width
-array per layer), multiplies the tokens x out output and cotangent by rs, and takes
-DoRA's d rs as a column reduction MLX runs slowly. Here every product runs in x's
-dtype with the adapter factors cast down, as mixed-precision training does (the
-factors, their gradients and the optimizer stay float32); rs rides on W's rows and
-B's columns instead of on tokens x out arrays; and d rs is sum_t g * y / rs from the
-output already kept, one pass (kernels.column_dot). On an H200, `meshtune bench
-adapters --preset 1b` gave 88.9 ms for LoRA's step and 106.4 for DoRA's before this
-product and 50.9 and 74.1 ms with it, before the rs folding (runs a session apart,
-each beside stock mlx-lm); with the folding, one 6144 x 2048 layer at 4096 tokens
-takes 0.910 ms for DoRA and 0.916 ms for LoRA in one run of
-scripts/profile_adapted_linear.py.
+array per layer) and takes DoRA's d m as a column reduction MLX runs slowly. Here
+every product runs in x's dtype with the adapter factors cast down, as mixed-precision
+training does (the factors, their gradients and the optimizer stay float32).
+
+DoRA's norm needs W A (out x r), the r columns of A through W. Computed on its own
+that is a second pass over W per layer, as long as the base product itself at small
+batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. Here A's
+r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
+once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
+sum_t g * y / m, from the output already kept (kernels.column_dot: one pass). In the
+backward, rs rides on W's rows and B's columns when that is the smaller array (at
+least as many tokens as input features) rather than on the tokens x out cotangent.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
@@ -26,69 +27,95 @@ import mlx.core as mx
 from .kernels import column_dot
 
 
+def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
+                     scale: float) -> mx.array:
+    """||w_i + s * coef_i @ V|| per row from ||w_i||^2, proj_i = w_i V^T and gram = V V^T.
+
+    Shapes: w_sq (..., rows), proj and coef (..., rows, r), gram (..., r, r); float32.
+    """
+    # Expand ||w_i + s c_i V||^2: no out x in matrix appears, only rows x r ones.
+    cross = (coef * proj).sum(axis=-1)
+    quad = ((coef @ gram) * coef).sum(axis=-1)
+    sq = w_sq + (2 * scale) * cross + (scale * scale) * quad
+    # Rounding can push a near-zero square below zero; a norm cannot be negative.
+    return mx.sqrt(mx.maximum(sq, 0.0))
+
+
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
-                   x_lora: mx.array | None = None, row_scale: mx.array | None = None) -> mx.array:
+                   x_lora: mx.array | None = None, magnitude: mx.array | None = None,
+                   w_sq: mx.array | None = None) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
-    `x_lora` is the branch's input when it differs from x (dropout); `row_scale` (out,)
-    in x's dtype is DoRA's m / ||W + s dW||, whose gradient this returns too.
+    `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
+    (DoRA's m, (out,)) and `w_sq` (||w_i||^2 of the frozen base, (out,), float32), rs is
+    m / ||W + s (A B)^T||_row and m gets its gradient; without them rs = 1 (LoRA).
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
+    dora = magnitude is not None
+    if dora and w_sq is None:
+        raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
     dt = x.dtype
+    tokens = x.size // x.shape[-1]
+    fold_backward = dora and tokens >= weight.shape[-1]
 
-    # rs * (x W^T + s xa B) = x (rs W)^T + s xa (B rs): with at least as many tokens as
-    # input features the row scale rides on W's out x in rows and B's columns (rebuilt in
-    # backward, not kept) rather than on the tokens x out output and cotangent.
-    fold = row_scale is not None and x.size // x.shape[-1] >= weight.shape[-1]
+    def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
+        ac, bc = a.astype(dt), b.astype(dt)
+        if not dora:
+            # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
+            return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
+        both = mx.concatenate([x2, ac.T]) @ weight.T  # the tokens' rows, then W A's r columns as rows
+        base, proj = both[:tokens], both[tokens:].T.astype(mx.float32)
+        norm = adapted_row_norm(w_sq, proj, b.T.astype(mx.float32), a.T @ a.astype(mx.float32), scale)
+        rs = (m / norm).astype(dt)
+        return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm]
 
-    def factors(rs: mx.array | None, b: mx.array) -> tuple[mx.array, mx.array]:
-        bc = b.astype(dt)
-        return (weight * rs[:, None], bc * rs) if fold else (weight, bc)
-
-    def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, rs: mx.array | None) -> mx.array:
-        w, bc = factors(rs, b)
-        # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
-        z = x2 @ w.T + (scale * ((xl @ a.astype(dt)) @ bc)).astype(dt)
-        return rs * z if rs is not None and not fold else z
-
-    def backward(primals: list, g: mx.array, y: mx.array) -> list:
-        x2, xl, a, b, rs = primals
-        w, bc = factors(rs, b)
-        ac = a.astype(dt)
-        gz = g * rs if rs is not None and not fold else g
+    def backward(primals: list, g: mx.array, outputs: list) -> list:
+        x2, xl, a, b, m = primals
+        ac, bc = a.astype(dt), b.astype(dt)
+        w, gz = weight, g
+        if dora:
+            rs = (m / outputs[1]).astype(dt)
+            if fold_backward:
+                w, bc = weight * rs[:, None], bc * rs  # g (rs W) = (g rs) W, on out x in, not tokens x out
+            else:
+                gz = g * rs
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
         gb = scale * ((xl @ ac).T @ gz)
-        gb = (gb * rs if fold else gb).astype(b.dtype)
+        gb = (gb * rs if dora and fold_backward else gb).astype(b.dtype)
         if two_inputs:
             grads = [gz @ w, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
         else:
             grads = [mx.addmm(gz @ w, gxa, ac.T, alpha=scale), ga, gb]
-        if rs is not None:
-            # y = rs * z, so d rs = sum_t g z = sum_t g y / rs; a zero row (m = 0) has y = 0 and gets 0.
-            safe = mx.where(rs == 0, mx.ones_like(rs), rs).astype(mx.float32)
-            grads.append((column_dot(g, y) / safe).astype(rs.dtype))
+        if dora:
+            # y = (m / norm) z with the norm a constant: d m = sum_t g z / norm = sum_t g y / m.
+            # A zero magnitude (a zero base row, or m trained to 0) has y = 0 and gets 0.
+            mf = m.astype(mx.float32)
+            safe = mx.where(mf == 0, mx.ones_like(mf), mf)
+            grads.append((column_dot(g, outputs[0]) / safe).astype(m.dtype))
         return grads
 
     # mx.custom_function fixes the arity, so each combination gets its own signature.
     x2 = x.reshape(-1, x.shape[-1])
     xl = x_lora.reshape(-1, x.shape[-1]) if two_inputs else None
-    args = [x2] + ([xl] if two_inputs else []) + [a, b] + ([row_scale] if row_scale is not None else [])
+    args = [x2] + ([xl] if two_inputs else []) + [a, b] + ([magnitude] if dora else [])
 
     def unpack(args: list) -> list:
         args = list(args)
         x2 = args.pop(0)
         xl = args.pop(0) if two_inputs else x2
         a, b = args.pop(0), args.pop(0)
-        return [x2, xl, a, b, args.pop(0) if row_scale is not None else None]
+        return [x2, xl, a, b, args.pop(0) if dora else None]
 
     @mx.custom_function
-    def product(*args: mx.array) -> mx.array:
+    def product(*args: mx.array) -> list[mx.array]:
         return forward(*unpack(args))
 
     @product.vjp
-    def product_vjp(primals: list, cotangent: mx.array, output: mx.array) -> list:
-        return backward(unpack(primals), cotangent, output)
+    def product_vjp(primals: list, cotangents: list, outputs: list) -> list:
+        g = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
+        outs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return backward(unpack(primals), g, outs)
 
-    return product(*args).reshape(*lead, -1)
+    return product(*args)[0].reshape(*lead, -1)

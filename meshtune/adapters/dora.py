@@ -24,24 +24,10 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
-from .adapted_linear import adapted_linear
+from .adapted_linear import adapted_linear, adapted_row_norm
 from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, switch_forward
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
 from .switch import LoRASwitchLinear
-
-
-def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
-                     scale: float) -> mx.array:
-    """||w_i + s * coef_i @ V|| per row from ||w_i||^2, proj_i = w_i V^T and gram = V V^T.
-
-    Shapes: w_sq (..., rows), proj and coef (..., rows, r), gram (..., r, r); float32.
-    """
-    # Expand ||w_i + s c_i V||^2: no out x in matrix appears, only rows x r ones.
-    cross = (coef * proj).sum(axis=-1)
-    quad = ((coef @ gram) * coef).sum(axis=-1)
-    sq = w_sq + (2 * scale) * cross + (scale * scale) * quad
-    # Rounding can push a near-zero square below zero; a norm cannot be negative.
-    return mx.sqrt(mx.maximum(sq, 0.0))
 
 
 def compute_dtype(base: nn.Module) -> mx.Dtype:
@@ -123,12 +109,12 @@ class DoRALinear(DoRA, LoRALinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.training:
-            # One dense base weight (dequantized once on the dense path) serves both the
-            # activations' product and the norm's r-row product.
+            # One dense base weight (dequantized once on the dense path); its product with the
+            # activations carries the norm's r rows of A too (adapted_linear).
             dense = dense_weight_for(self.linear, x.size // x.shape[-1])
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   row_scale=self.row_scale(x.dtype, dense))
+                                   magnitude=self.m, w_sq=self._w_sq)
             else:
                 y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
