@@ -1,0 +1,75 @@
+"""Timeline of the socket ring's buckets in real training steps (data-parallel issue, development probe).
+
+    python scripts/probes/run_shaped.py scripts/probes/pump_trace.py   # 2 pinned ranks, 1gbit shaped link
+
+Runs `meshtune train` (tiny model, full fine-tuning, overlap over sockets, 0.25 MB buckets)
+with BucketPump's hand-overs timed: per bucket, ms from the step's first submit to
+submitted / computed / sent / summed, averaged over steps 10-30. Rank 0 prints.
+"""
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from meshtune.parallel import socket_ring as S
+
+T = defaultdict(list)  # (step, key) -> [submit, computed, sent, summed, collected]
+state = {"step": -1, "t0": 0.0}
+now = time.perf_counter
+
+orig_submit, orig_send, orig_recv_into, orig_collect = S.BucketPump.submit, S.BucketPump._send_pairs, S._recv_into, S.BucketPump.collect
+
+
+def submit(self, key, buf):
+    if key == 0:
+        state["step"] += 1
+        state["t0"] = now()
+    T[(state["step"], key)].append(now() - state["t0"])
+    orig_submit(self, key, buf)
+
+
+def _send_pairs(self):
+    failed = None
+    while True:
+        item = self._todo.get()
+        if item is None:
+            self._sent.put(None)
+            return
+        key, buf = item
+        step = state["step"]
+        buf = np.array(buf, dtype=np.float32)
+        T[(step, key)].append(now() - state["t0"])
+        self.ring.send_sock.sendall(memoryview(buf).cast("B"))
+        T[(step, key)].append(now() - state["t0"])
+        self._sent.put((key, buf, failed))
+
+
+def collect(self, count):
+    for key, buf in orig_collect(self, count):
+        T[(state["step"], key)].append(now() - state["t0"])
+        yield key, buf
+
+
+S.BucketPump.submit, S.BucketPump._send_pairs, S.BucketPump.collect = submit, _send_pairs, collect
+
+from meshtune.cli import main  # noqa: E402
+
+out = tempfile.mkdtemp()
+rank = int(os.environ.get("MLX_RANK", "0"))
+code = main(["train", "--iters", "40", "--batch-size", "32", "--fine-tune-type", os.environ.get("KIND", "full"),
+             "--num-layers", "-1", "--learning-rate", "1e-4", "--train.steps_per_report", "10",
+             "--train.val_batches", "0", "--save-every", "40", "--parallel.grad_sync", os.environ.get("SYNC", "overlap"),
+             "--parallel.bucket_mb", os.environ.get("BUCKET_MB", "0.25"), "--parallel.transport", "sockets",
+             "--adapter-path", out])
+if rank == 0:
+    keys = sorted({k for _, k in T})
+    print("bucket  submit computed   sent  summed(collected)  ms from first submit, mean of steps 10-30")
+    for k in keys:
+        rows = [T[(s, k)] for s in range(10, 30) if len(T[(s, k)]) == 4]
+        if rows:
+            m = np.mean(np.array(rows), axis=0)
+            print(f"{k:6d} " + " ".join(f"{v:8.2f}" for v in m))
+sys.exit(code)
