@@ -10,5 +10,5 @@ import sys
 from meshtune.bench.netbed import shaped_link
 from meshtune.launch import launch_local
 
-with shaped_link(2, rate="1gbit", delay="20us", burst=os.environ.get("BURST", "")) as bed:
+with shaped_link(2, rate=os.environ.get("RATE", "1gbit"), delay="20us", burst=os.environ.get("BURST", "")) as bed:
     sys.exit(launch_local(2, [sys.executable, sys.argv[1]], pin=True, hosts=bed.ips, wrap=bed.wrap))
