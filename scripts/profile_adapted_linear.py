@@ -3,6 +3,7 @@
 Development probe (adapters issue): python scripts/profile_adapted_linear.py  (one 6144 x 2048
 layer at 4096 tokens, bf16; each line a compiled value_and_grad or a lone op, median ms).
 """
+import os
 import time
 
 import mlx.core as mx
@@ -10,8 +11,9 @@ import mlx.core as mx
 from meshtune.adapters.adapted_linear import adapted_linear, adapted_row_norm
 from meshtune.adapters.kernels import column_dot
 
-T, IN, OUT, R, S = 4096, 2048, 6144, 8, 20.0
-dt = mx.bfloat16
+T = int(os.environ.get("TOKENS", 4096))  # TOKENS=128 DTYPE=float32: the CPU 1b bench's batch
+IN, OUT, R, S = 2048, 6144, 8, 20.0
+dt = getattr(mx, os.environ.get("DTYPE", "bfloat16"))
 W = (mx.random.normal((OUT, IN)) * IN ** -0.5).astype(dt)
 x = mx.random.normal((T, IN)).astype(dt)
 w_sq = (W.astype(mx.float32) ** 2).sum(-1)
