@@ -14,7 +14,7 @@ from meshtune.adapters import dora as D
 from meshtune.adapters.base_path import dense_weight_for
 from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
-from meshtune.bench.models import PRESETS, Shape
+from meshtune.bench.models import Shape
 
 ORIGINAL = D.DoRALinear.__call__
 

@@ -1,5 +1,5 @@
 """Development probe for the data-parallel issue (see scripts/probes/run_shaped.py to run it on the shaped link)."""
-import time, os
+import time
 import mlx.core as mx
 g = mx.distributed.init(backend="ring")
 comm = mx.new_stream(mx.cpu)
