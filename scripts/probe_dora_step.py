@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from meshtune.adapters import dora as D
 from meshtune.adapters.base_path import dense_weight_for
+from meshtune.adapters import adapted_linear as AL
 from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
 from meshtune.bench.models import Shape
@@ -32,10 +33,93 @@ def v_const(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
+# Candidate CUDA kernels for DoRA's small per-layer ops (untested on a GPU when written:
+# check_exact below compares each variant's loss and gradients with the current code).
+_NORM = """
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < OUT) {
+        float c[R];
+        float cross = 0.0f;
+        for (int k = 0; k < R; ++k) {
+            c[k] = b[k * OUT + i];
+            cross += c[k] * static_cast<float>(p[k * OUT + i]);
+        }
+        float quad = 0.0f;
+        for (int k = 0; k < R; ++k) {
+            float t = 0.0f;
+            for (int l = 0; l < R; ++l) t += gram[k * R + l] * c[l];
+            quad += c[k] * t;
+        }
+        float sc = s[0];
+        float sq = w_sq[i] + 2.0f * sc * cross + sc * sc * quad;
+        norm[i] = sqrtf(fmaxf(sq, 0.0f));
+    }
+"""
+_MGRAD = """
+    int lane = threadIdx.x & 31;
+    int group = threadIdx.x >> 5;
+    int col = blockIdx.x * 32 + lane;
+    __shared__ float part[8][32];
+    float acc = 0.0f;
+    if (col < NCOLS) {
+        for (int t = group; t < NROWS; t += 8)
+            acc += static_cast<float>(g[t * NCOLS + col]) * static_cast<float>(y[t * NCOLS + col]);
+    }
+    part[group][lane] = acc;
+    __syncthreads();
+    if (group == 0 && col < NCOLS) {
+        float sum = 0.0f;
+        for (int k = 0; k < 8; ++k) sum += part[k][lane];
+        float mm = m[col];
+        out[col] = mm == 0.0f ? 0.0f : sum / mm;
+    }
+"""
+_kernels = {}
+
+
+def _kernel(name, inputs, outputs, source):
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
+    return _kernels[name]
+
+
+def norm_kernel(proj_rows, a, b, w_sq, scale):
+    """AL.dora_norm in one kernel after the r x r Gram: a thread per output row."""
+    r, out = proj_rows.shape
+    gram = a.T @ a.astype(mx.float32)
+    k = _kernel("probe_dora_norm", ["p", "b", "gram", "w_sq", "s"], ["norm"], _NORM)
+    return k(inputs=[proj_rows, b.astype(mx.float32), gram, w_sq, mx.array([scale], dtype=mx.float32)],
+             template=[("R", r), ("OUT", out)], grid=(((out + 255) // 256) * 256, 1, 1),
+             threadgroup=(256, 1, 1), output_shapes=[(out,)], output_dtypes=[mx.float32])[0]
+
+
+def mgrad_kernel(g, y, m):
+    """AL.magnitude_grad in one kernel: 32 columns x 8 row groups a block, summed in shared memory."""
+    rows, cols = g.shape
+    k = _kernel("probe_dora_mgrad", ["g", "y", "m"], ["out"], _MGRAD)
+    return k(inputs=[g, y, m.astype(mx.float32)], template=[("NCOLS", cols), ("NROWS", rows)],
+             grid=(((cols + 31) // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
+             output_shapes=[(cols,)], output_dtypes=[mx.float32])[0].astype(m.dtype)
+
+
+def _with(norm=None, mgrad=None):
+    def variant(self, x):
+        saved = AL.dora_norm, AL.magnitude_grad
+        AL.dora_norm, AL.magnitude_grad = norm or saved[0], mgrad or saved[1]
+        try:
+            return ORIGINAL(self, x)
+        finally:
+            AL.dora_norm, AL.magnitude_grad = saved
+    return variant
+
+
 VARIANTS = {
     "current": ORIGINAL,
     "bound: const scale": v_const,
 }
+if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+    VARIANTS.update({"norm kernel": _with(norm=norm_kernel), "m-grad kernel": _with(mgrad=mgrad_kernel),
+                     "both kernels": _with(norm=norm_kernel, mgrad=mgrad_kernel)})
 
 
 def check_exact(shape, a, dtype):

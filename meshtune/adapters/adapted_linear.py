@@ -41,6 +41,21 @@ def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.ar
     return mx.sqrt(mx.maximum(sq, 0.0))
 
 
+def dora_norm(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, scale: float) -> mx.array:
+    """||W + s (A B)^T||_row (float32) from proj_rows = A^T W^T (r, out), A (in, r) and B (r, out)."""
+    return adapted_row_norm(w_sq, proj_rows.T.astype(mx.float32), b.T.astype(mx.float32),
+                            a.T @ a.astype(mx.float32), scale)
+
+
+def magnitude_grad(g: mx.array, y: mx.array, m: mx.array) -> mx.array:
+    """d m for y = (m / norm) z with the norm held constant: sum_t g z / norm = sum_t g y / m.
+
+    A zero magnitude (a zero base row, or m trained to 0) has y = 0 and gets 0, not NaN.
+    """
+    mf = m.astype(mx.float32)
+    return (column_dot(g, y) / mx.where(mf == 0, mx.ones_like(mf), mf)).astype(m.dtype)
+
+
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
                    w_sq: mx.array | None = None) -> mx.array:
@@ -65,10 +80,9 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
         both = mx.concatenate([x2, ac.T]) @ weight.T  # the tokens' rows, then W A's r columns as rows
-        base, proj = both[:tokens], both[tokens:].T.astype(mx.float32)
-        norm = adapted_row_norm(w_sq, proj, b.T.astype(mx.float32), a.T @ a.astype(mx.float32), scale)
+        norm = dora_norm(both[tokens:], a, b, w_sq, scale)
         rs = (m / norm).astype(dt)
-        return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm]
+        return [rs * (both[:tokens] + (scale * ((xl @ ac) @ bc)).astype(dt)), norm]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
@@ -89,11 +103,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         else:
             grads = [mx.addmm(gz @ w, gxa, ac.T, alpha=scale), ga, gb]
         if dora:
-            # y = (m / norm) z with the norm a constant: d m = sum_t g z / norm = sum_t g y / m.
-            # A zero magnitude (a zero base row, or m trained to 0) has y = 0 and gets 0.
-            mf = m.astype(mx.float32)
-            safe = mx.where(mf == 0, mx.ones_like(mf), mf)
-            grads.append((column_dot(g, outputs[0]) / safe).astype(m.dtype))
+            grads.append(magnitude_grad(g, outputs[0], m))
         return grads
 
     # mx.custom_function fixes the arity, so each combination gets its own signature.

@@ -1,9 +1,9 @@
-"""DoRA's row-scale gradient, a column sum of a product, with a CUDA kernel.
+"""DoRA's magnitude gradient, a column sum of a product, with a CUDA kernel.
 
 MLX's axis-0 sum of a product is slow on CUDA; where CUDA is absent (CPU, Metal) the
 MLX expression runs, and tests compare the two on a GPU (tests/test_adapted_linear.py).
 A one-launch kernel for DoRA's norm chain measured slower than MLX's ops (0.195 vs
-0.135 ms per 6144 x 2048 layer on an H200), so the norm stays dora.adapted_row_norm.
+0.135 ms per 6144 x 2048 layer on an H200), so the norm stays adapted_linear.adapted_row_norm.
 """
 
 from __future__ import annotations
