@@ -70,8 +70,8 @@ _MGRAD = """
     if (group == 0 && col < NCOLS) {
         float sum = 0.0f;
         for (int k = 0; k < 8; ++k) sum += part[k][lane];
-        float mm = m[col];
-        out[col] = mm == 0.0f ? 0.0f : sum / mm;
+        float den = static_cast<float>(rs[col]) * norm[col];
+        out[col] = den == 0.0f ? 0.0f : sum / den;
     }
 """
 _kernels = {}
@@ -93,13 +93,13 @@ def norm_kernel(proj_rows, a, b, w_sq, scale):
              threadgroup=(256, 1, 1), output_shapes=[(out,)], output_dtypes=[mx.float32])[0]
 
 
-def mgrad_kernel(g, y, m):
+def mgrad_kernel(g, y, rs, norm):
     """AL.magnitude_grad in one kernel: 32 columns x 8 row groups a block, summed in shared memory."""
     rows, cols = g.shape
-    k = _kernel("probe_dora_mgrad", ["g", "y", "m"], ["out"], _MGRAD)
-    return k(inputs=[g, y, m.astype(mx.float32)], template=[("NCOLS", cols), ("NROWS", rows)],
+    k = _kernel("probe_dora_mgrad", ["g", "y", "rs", "norm"], ["out"], _MGRAD)
+    return k(inputs=[g, y, rs, norm], template=[("NCOLS", cols), ("NROWS", rows)],
              grid=(((cols + 31) // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
-             output_shapes=[(cols,)], output_dtypes=[mx.float32])[0].astype(m.dtype)
+             output_shapes=[(cols,)], output_dtypes=[mx.float32])[0]
 
 
 def _with(norm=None, mgrad=None):

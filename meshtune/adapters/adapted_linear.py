@@ -47,13 +47,14 @@ def dora_norm(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, sca
                             a.T @ a.astype(mx.float32), scale)
 
 
-def magnitude_grad(g: mx.array, y: mx.array, m: mx.array) -> mx.array:
-    """d m for y = (m / norm) z with the norm held constant: sum_t g z / norm = sum_t g y / m.
+def magnitude_grad(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> mx.array:
+    """d m (float32) for y = rs z, rs = m / norm rounded to y's dtype, the norm held constant.
 
-    A zero magnitude (a zero base row, or m trained to 0) has y = 0 and gets 0, not NaN.
+    d m = sum_t g z / norm, and sum_t g z = sum_t g y / rs from the output already kept.
+    A zero row scale (a zero base row, or m trained to 0) has y = 0 and gets 0, not NaN.
     """
-    mf = m.astype(mx.float32)
-    return (column_dot(g, y) / mx.where(mf == 0, mx.ones_like(mf), mf)).astype(m.dtype)
+    den = rs.astype(mx.float32) * norm
+    return column_dot(g, y) / mx.where(den == 0, mx.ones_like(den), den)
 
 
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
@@ -103,7 +104,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         else:
             grads = [mx.addmm(gz @ w, gxa, ac.T, alpha=scale), ga, gb]
         if dora:
-            grads.append(magnitude_grad(g, outputs[0], m))
+            grads.append(magnitude_grad(g, outputs[0], rs, outputs[1]).astype(m.dtype))
         return grads
 
     # mx.custom_function fixes the arity, so each combination gets its own signature.
