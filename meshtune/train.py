@@ -122,7 +122,9 @@ def _split_overlap() -> bool:
     ranks the ring backend busy-polls the cores the backward needs (0.80x); on 2 H200s
     over NCCL the uncompiled glue between the halves cost 0.80x (LoRA) and 0.57x (full)
     against one compiled step (docs/bench/scaling_2xh200_split.txt). By default overlap
-    is one compiled step with reverse-order buckets on the comm stream (=graph).
+    is one compiled step with reverse-order buckets on the comm stream (=graph);
+    =chain also chains the bucket sums so that the graph issues each one between
+    backward segments (data_parallel._chained_sum; not yet measured on a GPU).
     """
     return os.environ.get("MESHTUNE_OVERLAP", "graph") == "split"
 

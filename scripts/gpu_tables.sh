@@ -2,6 +2,7 @@
 # The two-GPU tables of the data-parallel and pipeline issues, on a device machine of
 # kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL
+#     scripts/gpu_tables.sh scaling-chain "$OUT"  # the 2-rank table again with MESHTUNE_OVERLAP=chain (after scaling)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -20,6 +21,11 @@ case $what in
     timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
       python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
       --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
+  scaling-chain)
+    # Overlap's bucket sums chained (data_parallel._chained_sum), against the same 1-process run.
+    timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env MESHTUNE_OVERLAP=chain \
+      --env "PYTHONPATH=$PYTHONPATH" -- python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
+      --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200_chain.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
     timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"

@@ -146,14 +146,48 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
         return grads
     flat = tree_flatten(grads)
     stream = comm_stream(mode, mesh.backend)
+    chain = mode == "overlap" and stream is not None and not start and chained_overlap()
     summed: dict[int, mx.array] = {}
+    previous = None
     for members in _bucket_groups(flat, mode, bucket_mb):
         arrays = [flat[i][1] for i in members]
-        parts = _unpack(mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream), arrays)
+        if chain:
+            total = _chained_sum(arrays, previous, mesh, stream)
+            previous = total
+        else:
+            total = mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream)
+        parts = _unpack(total, arrays)
         if start:
             mx.async_eval(parts)
         summed.update(zip(members, parts))
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
+
+
+def chained_overlap() -> bool:
+    """Whether overlap inside a compiled step chains its bucket sums (MESHTUNE_OVERLAP=chain).
+
+    Not measured on a GPU yet, hence opt-in: see _chained_sum.
+    """
+    return os.environ.get("MESHTUNE_OVERLAP", "graph") == "chain"
+
+
+def _chained_sum(arrays: list[mx.array], previous: mx.array | None, mesh: Mesh, stream: Any) -> mx.array:
+    """A bucket's all_sum that the graph reaches through the previous bucket's.
+
+    MLX evaluates a graph depth first from its outputs, and a step's first output (the
+    embedding's update) needs the whole backward, so every all_sum was reached only after
+    all of the backward had been issued. Here each bucket's packed input starts with an
+    empty array that depends on the previous bucket's sum: the walk from the last bucket
+    goes back through every earlier sum to the first, and issues the backward bucket by
+    bucket, each sum after the gradients it needs. The pack and the marker run on the
+    comm stream, so the compute stream never waits for a sum.
+    """
+    with mx.stream(stream):
+        flat = [a.reshape(-1) for a in arrays]
+        if previous is not None:
+            flat.insert(0, mx.depends(mx.zeros((0,), dtype=flat[0].dtype), previous))
+        packed = mx.concatenate(flat) if len(flat) > 1 else flat[0]
+        return mx.distributed.all_sum(packed, group=mesh.group)
 
 
 def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any:
