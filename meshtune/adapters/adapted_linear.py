@@ -33,10 +33,9 @@ def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.ar
 
     Shapes: w_sq (..., rows), proj and coef (..., rows, r), gram (..., r, r); float32.
     """
-    # Expand ||w_i + s c_i V||^2: no out x in matrix appears, only rows x r ones.
-    cross = (coef * proj).sum(axis=-1)
-    quad = ((coef @ gram) * coef).sum(axis=-1)
-    sq = w_sq + (2 * scale) * cross + (scale * scale) * quad
+    # ||w_i + s c_i V||^2 = ||w_i||^2 + c_i . (2 s proj_i + s^2 c_i G): no out x in matrix
+    # appears, only rows x r ones, and one reduction.
+    sq = w_sq + (coef * ((2 * scale) * proj + (scale * scale) * (coef @ gram))).sum(axis=-1)
     # Rounding can push a near-zero square below zero; a norm cannot be negative.
     return mx.sqrt(mx.maximum(sq, 0.0))
 
