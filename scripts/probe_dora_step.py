@@ -35,6 +35,7 @@ def v_const(self, x):
 
 # Candidate CUDA kernels for DoRA's small per-layer ops (untested on a GPU when written:
 # check_exact below compares each variant's loss and gradients with the current code).
+# Without CUDA the variants run the kernels' arithmetic in MLX ops instead.
 _NORM = """
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < OUT) {
@@ -102,24 +103,41 @@ def mgrad_kernel(g, y, rs, norm):
              output_shapes=[(cols,)], output_dtypes=[mx.float32])[0]
 
 
+ORIGINAL_NORM, ORIGINAL_MGRAD = AL.dora_norm, AL.magnitude_grad
+
+
 def _with(norm=None, mgrad=None):
+    """The current layer with AL's norm and m-gradient swapped. Left swapped after the call:
+    the backward (where magnitude_grad runs) is traced after the forward returns."""
     def variant(self, x):
-        saved = AL.dora_norm, AL.magnitude_grad
-        AL.dora_norm, AL.magnitude_grad = norm or saved[0], mgrad or saved[1]
-        try:
-            return ORIGINAL(self, x)
-        finally:
-            AL.dora_norm, AL.magnitude_grad = saved
+        AL.dora_norm, AL.magnitude_grad = norm or ORIGINAL_NORM, mgrad or ORIGINAL_MGRAD
+        return ORIGINAL(self, x)
     return variant
 
 
+def norm_like_kernel(proj_rows, a, b, w_sq, scale):
+    """The norm kernel's arithmetic in MLX ops: where CUDA is absent, check_exact tests the swap and the math."""
+    c = b.astype(mx.float32)  # (r, out): c[k, i]
+    cross = (c * proj_rows.astype(mx.float32)).sum(axis=0)
+    quad = (c * ((a.T @ a.astype(mx.float32)) @ c)).sum(axis=0)
+    return mx.sqrt(mx.maximum(w_sq + 2 * scale * cross + scale * scale * quad, 0.0))
+
+
+def mgrad_like_kernel(g, y, rs, norm):
+    den = rs.astype(mx.float32) * norm
+    total = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
+    return mx.where(den == 0, 0.0, total / mx.where(den == 0, 1.0, den))
+
+
+CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
+NORM, MGRAD = (norm_kernel, mgrad_kernel) if CUDA else (norm_like_kernel, mgrad_like_kernel)
 VARIANTS = {
-    "current": ORIGINAL,
+    "current": _with(),
     "bound: const scale": v_const,
+    "norm kernel": _with(norm=NORM),
+    "m-grad kernel": _with(mgrad=MGRAD),
+    "both kernels": _with(norm=NORM, mgrad=MGRAD),
 }
-if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-    VARIANTS.update({"norm kernel": _with(norm=norm_kernel), "m-grad kernel": _with(mgrad=mgrad_kernel),
-                     "both kernels": _with(norm=norm_kernel, mgrad=mgrad_kernel)})
 
 
 def check_exact(shape, a, dtype):
@@ -152,6 +170,7 @@ def check_exact(shape, a, dtype):
         worst = max((mx.abs(got[k] - v).max() / (mx.abs(v).max() + 1e-12)).item() for k, v in ref.items())
         print(f"check {name:<28} loss diff {abs(l.item() - ref_l.item()):.2e}  worst rel grad diff {worst:.2e}", flush=True)
     D.DoRALinear.__call__ = ORIGINAL
+    AL.dora_norm, AL.magnitude_grad = ORIGINAL_NORM, ORIGINAL_MGRAD
 
 
 def main():
