@@ -13,7 +13,7 @@ that is a second pass over W per layer, as long as the base product itself at sm
 batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. Here A's
 r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
-sum_t g * y / m, from the output already kept (kernels.column_dot: one pass). In the
+sum_t g * y / (rs * norm), from the output already kept (kernels.column_dot: one pass). In the
 backward, rs rides on W's rows and B's columns when that is the smaller array (at
 least as many tokens as input features) rather than on the tokens x out cotangent.
 
