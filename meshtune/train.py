@@ -11,7 +11,6 @@ time and buys nothing at a steady shape mix).
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from mlx.utils import tree_map
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import sum_for_update
+from .parallel.data_parallel import overlap_form, sum_for_update
 from .parallel.socket_ring import BucketPump, SocketRing, hostfile_ips
 from .metrics import Reporter, Window
 
@@ -94,7 +93,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         optimizer.update(model, grads)
 
     sockets = transport == "sockets" and mesh.world_size > 1
-    split = mesh.world_size > 1 and (sockets or (sync == "overlap" and _split_overlap()))
+    split = mesh.world_size > 1 and (sockets or (sync == "overlap" and overlap_form() == "split"))
     if split:
         # Compiled backward and update; between them each bucket's sum is started as its
         # gradients come due: an all_sum (data_parallel.sum_gradients, start=True) or a
@@ -113,20 +112,6 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
 
 
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
-
-
-def _split_overlap() -> bool:
-    """Whether `overlap` starts bucket sums by hand between a compiled backward and update.
-
-    Off unless MESHTUNE_OVERLAP=split: measured, it costs more than it hides. On 2 CPU
-    ranks the ring backend busy-polls the cores the backward needs (0.80x); on 2 H200s
-    over NCCL the uncompiled glue between the halves cost 0.80x (LoRA) and 0.57x (full)
-    against one compiled step (docs/bench/scaling_2xh200_split.txt). By default overlap
-    is one compiled step with reverse-order buckets on the comm stream (=graph);
-    =chain also chains the bucket sums so that the graph issues each one between
-    backward segments (data_parallel._chained_sum; not yet measured on a GPU).
-    """
-    return os.environ.get("MESHTUNE_OVERLAP", "graph") == "split"
 
 
 @dataclass(kw_only=True)

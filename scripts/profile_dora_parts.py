@@ -7,7 +7,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from meshtune.adapters.dora import adapted_row_norm
+from meshtune.adapters.adapted_linear import adapted_row_norm
 from meshtune.adapters.kernels import column_dot
 
 T, IN, OUT, R = 4096, 2048, 6144, 8

@@ -85,7 +85,7 @@ def test_column_dot_kernel_matches_sum_on_cuda():
 
 
 def test_row_norm_matches_dense_norm():
-    from meshtune.adapters.dora import adapted_row_norm
+    from meshtune.adapters.adapted_linear import adapted_row_norm
 
     k = mx.random.split(mx.random.key(0), 3)
     w = mx.random.normal((40, 70), key=k[0]) / 8

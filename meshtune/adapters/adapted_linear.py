@@ -124,8 +124,6 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
 
     @product.vjp
     def product_vjp(primals: list, cotangents: list, outputs: list) -> list:
-        g = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
-        outs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-        return backward(unpack(primals), g, outs)
+        return backward(unpack(primals), cotangents[0], outputs)
 
     return product(*args)[0].reshape(*lead, -1)

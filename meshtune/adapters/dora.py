@@ -98,13 +98,11 @@ class DoRALinear(DoRA, LoRALinear):
     """y = m / ||W + s B^T A^T||_row * (x W^T + s (x A) B) + bias."""
 
     def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        # Outside the dense training path (its norm rides on adapted_linear's product):
+        # base(A^T) = A^T W^T = (W A)^T, one product of r rows, however the base is stored.
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
-        if dense is not None:
-            proj = (dense @ a.astype(dense.dtype)).astype(mx.float32)  # W A on the weight already in hand
-        else:
-            # base(A^T) = A^T W^T = (W A)^T: one product of r rows, however the base is stored.
-            proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
+        proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
         return proj, b.T, a.T @ a
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -146,7 +146,7 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
         return grads
     flat = tree_flatten(grads)
     stream = comm_stream(mode, mesh.backend)
-    chain = mode == "overlap" and stream is not None and not start and chained_overlap()
+    chain = mode == "overlap" and stream is not None and not start and overlap_form() == "chain"
     summed: dict[int, mx.array] = {}
     previous = None
     for members in _bucket_groups(flat, mode, bucket_mb):
@@ -163,12 +163,19 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
 
-def chained_overlap() -> bool:
-    """Whether overlap inside a compiled step chains its bucket sums (MESHTUNE_OVERLAP=chain).
+def overlap_form() -> str:
+    """How `overlap` starts its bucket sums (MESHTUNE_OVERLAP; default graph).
 
-    Not measured on a GPU yet, hence opt-in: see _chained_sum.
+    graph: one compiled step with reverse-order buckets on the comm stream.
+    split: a compiled backward and update, each bucket's sum started by hand between
+    them. Measured, it costs more than it hides: on 2 CPU ranks the ring backend
+    busy-polls the cores the backward needs (0.80x); on 2 H200s over NCCL the uncompiled
+    glue between the halves cost 0.80x (LoRA) and 0.57x (full) against one compiled step
+    (docs/bench/scaling_2xh200_split.txt).
+    chain: graph, with the bucket sums chained so the graph issues each one between
+    backward segments (_chained_sum). Not measured on a GPU yet, hence opt-in.
     """
-    return os.environ.get("MESHTUNE_OVERLAP", "graph") == "chain"
+    return os.environ.get("MESHTUNE_OVERLAP", "graph")
 
 
 def _chained_sum(arrays: list[mx.array], previous: mx.array | None, mesh: Mesh, stream: Any) -> mx.array:
@@ -183,11 +190,9 @@ def _chained_sum(arrays: list[mx.array], previous: mx.array | None, mesh: Mesh, 
     comm stream, so the compute stream never waits for a sum.
     """
     with mx.stream(stream):
-        flat = [a.reshape(-1) for a in arrays]
         if previous is not None:
-            flat.insert(0, mx.depends(mx.zeros((0,), dtype=flat[0].dtype), previous))
-        packed = mx.concatenate(flat) if len(flat) > 1 else flat[0]
-        return mx.distributed.all_sum(packed, group=mesh.group)
+            arrays = [mx.depends(mx.zeros((0,), dtype=arrays[0].dtype), previous), *arrays]
+        return mx.distributed.all_sum(_pack(arrays), group=mesh.group)
 
 
 def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any:

@@ -1,5 +1,5 @@
 import time, mlx.core as mx
-from meshtune.adapters.dora import adapted_row_norm
+from meshtune.adapters.adapted_linear import adapted_row_norm
 T, IN, OUT, R, S = 4096, 2048, 6144, 8, 20.0
 dt = mx.bfloat16
 W = (mx.random.normal((OUT, IN)) * IN ** -0.5).astype(dt)

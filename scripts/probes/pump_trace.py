@@ -19,7 +19,7 @@ from meshtune.parallel import socket_ring as S
 import mlx.core as mx
 
 T = defaultdict(list)  # (step, key) -> [async_eval called, submitted, computed, sent, collected]
-state = {"step": -1, "t0": 0.0, "last": 0.0, "called": 0.0}
+state = {"step": -1, "t0": 0.0, "last": 0.0, "called": 0.0, "sends": 0}
 now = time.perf_counter
 _async_eval = mx.async_eval
 
@@ -31,35 +31,45 @@ def async_eval(*args):
 
 mx.async_eval = async_eval
 
-orig_submit, orig_send, orig_recv_into, orig_collect = S.BucketPump.submit, S.BucketPump._send_pairs, S._recv_into, S.BucketPump.collect
+orig_submit, orig_collect, orig_ring_init = S.BucketPump.submit, S.BucketPump.collect, S.SocketRing.__init__
 
 
 def submit(self, key, buf):
     if key == 0:
         state["step"] += 1
         state["t0"] = state["last"]  # the previous step's last sum: its update, this forward and backward follow
+        state["sends"] = 0
     T[(state["step"], key)] += [state["called"] - state["t0"], now() - state["t0"]]
     orig_submit(self, key, buf)
 
 
-def _send_pairs(self):
-    failed = None
-    while True:
-        item = self._todo.get()
-        if item is None:
-            self._sent.put(None)
-            return
-        key, buf = item
-        step = state["step"]
-        buf = np.array(buf, dtype=np.float32)
+class TimedSocket:
+    """The send socket, timed: a bucket is computed when its sendall starts (the pump's
+    thread has just waited for it), sent when sendall returns. NOSEND=1 sends nothing."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def sendall(self, data):
+        step, key = state["step"], state["sends"]
+        state["sends"] += 1
         T[(step, key)].append(now() - state["t0"])
-        if os.environ.get("NOSEND"):  # no network: each bucket is its own "sum"
-            T[(step, key)].append(now() - state["t0"])
-            self._done.put((key, buf, None))
-            continue
-        self.ring.send_sock.sendall(memoryview(buf).cast("B"))
+        if not os.environ.get("NOSEND"):
+            self.sock.sendall(data)
         T[(step, key)].append(now() - state["t0"])
-        self._sent.put((key, buf, failed))
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def ring_init(self, *args, **kwargs):
+    orig_ring_init(self, *args, **kwargs)
+    self.send_sock = TimedSocket(self.send_sock)
+
+
+def recv_zeros(sock, view):
+    """NOSEND=1: the peer's bucket is zeros, received at once (no network)."""
+    view[:] = bytes(len(view))
 
 
 def collect(self, count):
@@ -69,7 +79,9 @@ def collect(self, count):
         yield key, buf
 
 
-S.BucketPump.submit, S.BucketPump._send_pairs, S.BucketPump.collect = submit, _send_pairs, collect
+S.BucketPump.submit, S.BucketPump.collect, S.SocketRing.__init__ = submit, collect, ring_init
+if os.environ.get("NOSEND"):
+    S._recv_into = recv_zeros
 
 from meshtune.cli import main  # noqa: E402
 
