@@ -12,7 +12,6 @@ import mlx.core as mx
 
 from meshtune.adapters import dora as D
 from meshtune.adapters.base_path import dense_weight_for
-from meshtune.adapters import adapted_linear as AL
 from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
 from meshtune.bench.models import Shape
@@ -33,110 +32,24 @@ def v_const(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
-# Candidate CUDA kernels for DoRA's small per-layer ops (untested on a GPU when written:
-# check_exact below compares each variant's loss and gradients with the current code).
-# Without CUDA the variants run the kernels' arithmetic in MLX ops instead.
-_NORM = """
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < OUT) {
-        float c[R];
-        float cross = 0.0f;
-        for (int k = 0; k < R; ++k) {
-            c[k] = b[k * OUT + i];
-            cross += c[k] * static_cast<float>(p[k * OUT + i]);
-        }
-        float quad = 0.0f;
-        for (int k = 0; k < R; ++k) {
-            float t = 0.0f;
-            for (int l = 0; l < R; ++l) t += gram[k * R + l] * c[l];
-            quad += c[k] * t;
-        }
-        float sc = s[0];
-        float sq = w_sq[i] + 2.0f * sc * cross + sc * sc * quad;
-        norm[i] = sqrtf(fmaxf(sq, 0.0f));
-    }
-"""
-_MGRAD = """
-    int lane = threadIdx.x & 31;
-    int group = threadIdx.x >> 5;
-    int col = blockIdx.x * 32 + lane;
-    __shared__ float part[8][32];
-    float acc = 0.0f;
-    if (col < NCOLS) {
-        for (int t = group; t < NROWS; t += 8)
-            acc += static_cast<float>(g[t * NCOLS + col]) * static_cast<float>(y[t * NCOLS + col]);
-    }
-    part[group][lane] = acc;
-    __syncthreads();
-    if (group == 0 && col < NCOLS) {
-        float sum = 0.0f;
-        for (int k = 0; k < 8; ++k) sum += part[k][lane];
-        float den = static_cast<float>(rs[col]) * norm[col];
-        out[col] = den == 0.0f ? 0.0f : sum / den;
-    }
-"""
-_kernels = {}
+from meshtune.adapters import kernels as K
+
+ON_CUDA = K.on_cuda
 
 
-def _kernel(name, inputs, outputs, source):
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
-    return _kernels[name]
-
-
-def norm_kernel(proj_rows, a, b, w_sq, scale):
-    """AL.dora_norm in one kernel after the r x r Gram: a thread per output row."""
-    r, out = proj_rows.shape
-    gram = a.T @ a.astype(mx.float32)
-    k = _kernel("probe_dora_norm", ["p", "b", "gram", "w_sq", "s"], ["norm"], _NORM)
-    return k(inputs=[proj_rows, b.astype(mx.float32), gram, w_sq, mx.array([scale], dtype=mx.float32)],
-             template=[("R", r), ("OUT", out)], grid=(((out + 255) // 256) * 256, 1, 1),
-             threadgroup=(256, 1, 1), output_shapes=[(out,)], output_dtypes=[mx.float32])[0]
-
-
-def mgrad_kernel(g, y, rs, norm):
-    """AL.magnitude_grad in one kernel: 32 columns x 8 row groups a block, summed in shared memory."""
-    rows, cols = g.shape
-    k = _kernel("probe_dora_mgrad", ["g", "y", "rs", "norm"], ["out"], _MGRAD)
-    return k(inputs=[g, y, rs, norm], template=[("NCOLS", cols), ("NROWS", rows)],
-             grid=(((cols + 31) // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
-             output_shapes=[(cols,)], output_dtypes=[mx.float32])[0]
-
-
-ORIGINAL_NORM, ORIGINAL_MGRAD = AL.dora_norm, AL.magnitude_grad
-
-
-def _with(norm=None, mgrad=None):
-    """The current layer with AL's norm and m-gradient swapped. Left swapped after the call:
-    the backward (where magnitude_grad runs) is traced after the forward returns."""
+def _kernels(on):
+    """The current layer with adapted_linear's CUDA kernels on (where CUDA is) or off (MLX ops).
+    Left set after the call: the backward (where the cotangent kernel runs) is traced after the forward returns."""
     def variant(self, x):
-        AL.dora_norm, AL.magnitude_grad = norm or ORIGINAL_NORM, mgrad or ORIGINAL_MGRAD
+        K.on_cuda = ON_CUDA if on else (lambda: False)
         return ORIGINAL(self, x)
     return variant
 
 
-def norm_like_kernel(proj_rows, a, b, w_sq, scale):
-    """The norm kernel's arithmetic in MLX ops: where CUDA is absent, check_exact tests the swap and the math."""
-    c = b.astype(mx.float32)  # (r, out): c[k, i]
-    cross = (c * proj_rows.astype(mx.float32)).sum(axis=0)
-    quad = (c * ((a.T @ a.astype(mx.float32)) @ c)).sum(axis=0)
-    return mx.sqrt(mx.maximum(w_sq + 2 * scale * cross + scale * scale * quad, 0.0))
-
-
-def mgrad_like_kernel(g, y, rs, norm):
-    den = rs.astype(mx.float32) * norm
-    total = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
-    return mx.where(den == 0, 0.0, total / mx.where(den == 0, 1.0, den))
-
-
-CUDA = getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
-NORM, MGRAD = (norm_kernel, mgrad_kernel) if CUDA else (norm_like_kernel, mgrad_like_kernel)
 VARIANTS = {
-    "current": _with(),
+    "current": _kernels(True),
+    "MLX ops, no kernels": _kernels(False),
     "bound: const scale": v_const,
-    "norm kernel": _with(norm=NORM),
-    "m-grad kernel": _with(mgrad=MGRAD),
-    "both kernels": _with(norm=NORM, mgrad=MGRAD),
 }
 
 
@@ -170,7 +83,7 @@ def check_exact(shape, a, dtype):
         worst = max((mx.abs(got[k] - v).max() / (mx.abs(v).max() + 1e-12)).item() for k, v in ref.items())
         print(f"check {name:<28} loss diff {abs(l.item() - ref_l.item()):.2e}  worst rel grad diff {worst:.2e}", flush=True)
     D.DoRALinear.__call__ = ORIGINAL
-    AL.dora_norm, AL.magnitude_grad = ORIGINAL_NORM, ORIGINAL_MGRAD
+    K.on_cuda = ON_CUDA
 
 
 def main():

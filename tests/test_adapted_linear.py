@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from meshtune.adapters.adapted_linear import adapted_linear, column_dot
+from meshtune.adapters.adapted_linear import adapted_linear
 
 T, IN, OUT, R, S = 12, 16, 24, 4, 2.0
 
@@ -30,7 +30,7 @@ def _reference(x, w, a, b, m, xl):
 
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("dropout", [False, True])
-@pytest.mark.parametrize("tokens", [T, 2 * T])  # fewer, then more tokens than input features (rs folded into W)
+@pytest.mark.parametrize("tokens", [T, 2 * T])  # fewer, then more tokens than input features
 def test_gradients_match_autodiff(dora, dropout, tokens):
     x, w, a, b, m, mask = _inputs(tokens=tokens)
     probe = mx.random.normal((3, tokens // 3, OUT), key=mx.random.key(9))
@@ -70,18 +70,27 @@ def test_magnitude_without_base_norms_is_an_error():
         adapted_linear(x, w, a, b, S, magnitude=m)
 
 
-def test_column_dot_matches_sum():
-    g = mx.random.normal((130, 70), key=mx.random.key(1))
-    y = mx.random.normal((130, 70), key=mx.random.key(2))
-    assert mx.allclose(column_dot(g, y, kernel=False), (g * y).sum(axis=0), rtol=1e-5, atol=1e-5).item()
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype):
+    from meshtune.adapters import adapted_linear as AL, kernels
 
-
-@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernel")
-def test_column_dot_kernel_matches_sum_on_cuda():
-    g = mx.random.normal((4100, 6150), key=mx.random.key(1)).astype(mx.bfloat16)
-    y = mx.random.normal((4100, 6150), key=mx.random.key(2)).astype(mx.bfloat16)
-    want = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
-    assert mx.allclose(column_dot(g, y, kernel=True), want, rtol=1e-4, atol=1e-2).item()
+    k = mx.random.split(mx.random.key(4), 6)
+    rows, out, inp, r = 4100, 6150, 300, 8
+    g = mx.random.normal((rows, out), key=k[0]).astype(dtype)
+    y = mx.random.normal((rows, out), key=k[1]).astype(dtype)
+    proj = mx.random.normal((r, out), key=k[2]).astype(dtype)
+    a = mx.random.normal((inp, r), key=k[3]) / 8
+    b = mx.random.normal((r, out), key=k[4]) / 8
+    w_sq = mx.random.uniform(1.0, 2.0, (out,), key=k[5]) * inp
+    m = mx.sqrt(w_sq).at[3].multiply(0.0)  # a zero row scale gets d m = 0
+    got = AL.dora_row_scale(proj, a, b, w_sq, m, S, dtype) + AL.dora_cotangent(g, y, (m / w_sq).astype(dtype), w_sq)
+    monkeypatch.setattr(kernels, "on_cuda", lambda: False)
+    want = AL.dora_row_scale(proj, a, b, w_sq, m, S, dtype) + AL.dora_cotangent(g, y, (m / w_sq).astype(dtype), w_sq)
+    for name, x, w, tol in zip(("norm", "rs", "g*rs", "dm"), got, want, (1e-5, 1e-2, 1e-2, 1e-4)):
+        assert x.dtype == w.dtype and x.shape == w.shape, name
+        assert mx.allclose(x.astype(mx.float32), w.astype(mx.float32), rtol=tol, atol=tol).item(), name
+    assert got[3][3].item() == 0.0
 
 
 def test_row_norm_matches_dense_norm():

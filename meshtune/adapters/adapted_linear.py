@@ -13,9 +13,10 @@ that is a second pass over W per layer, as long as the base product itself at sm
 batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. Here A's
 r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
-sum_t g * y / (rs * norm), from the output already kept (kernels.column_dot: one pass). In the
-backward, rs rides on W's rows and B's columns when that is the smaller array (at
-least as many tokens as input features) rather than on the tokens x out cotangent.
+sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
+cotangent that scales it by rs. On MLX's CUDA build the norm with rs, and the scaled
+cotangent with m's gradient, are one kernel each (kernels.py): there DoRA's cost over
+LoRA was the count of small operations per layer, not their arithmetic.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernels import column_dot
+from . import kernels
 
 
 def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
@@ -40,20 +41,27 @@ def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.ar
     return mx.sqrt(mx.maximum(sq, 0.0))
 
 
-def dora_norm(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, scale: float) -> mx.array:
-    """||W + s (A B)^T||_row (float32) from proj_rows = A^T W^T (r, out), A (in, r) and B (r, out)."""
-    return adapted_row_norm(w_sq, proj_rows.T.astype(mx.float32), b.T.astype(mx.float32),
-                            a.T @ a.astype(mx.float32), scale)
+def dora_row_scale(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
+                   scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(||W + s (A B)^T||_row float32, rs = m / that norm in `dtype`) from proj_rows = A^T W^T (r, out)."""
+    gram = a.T @ a.astype(mx.float32)
+    if kernels.on_cuda():
+        return kernels.row_scale_cuda(proj_rows, b, gram, w_sq, m, scale, dtype)
+    norm = adapted_row_norm(w_sq, proj_rows.T.astype(mx.float32), b.T.astype(mx.float32), gram, scale)
+    return norm, (m / norm).astype(dtype)
 
 
-def magnitude_grad(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> mx.array:
-    """d m (float32) for y = rs z, rs = m / norm rounded to y's dtype, the norm held constant.
+def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
+    """(g * rs, d m float32) for y = rs z with rs = m / norm rounded to y's dtype, the norm constant.
 
     d m = sum_t g z / norm, and sum_t g z = sum_t g y / rs from the output already kept.
     A zero row scale (a zero base row, or m trained to 0) has y = 0 and gets 0, not NaN.
     """
+    if kernels.on_cuda():
+        return kernels.cotangent_cuda(g, y, rs, norm)
     den = rs.astype(mx.float32) * norm
-    return column_dot(g, y) / mx.where(den == 0, mx.ones_like(den), den)
+    dm = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0) / mx.where(den == 0, mx.ones_like(den), den)
+    return g * rs, dm
 
 
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
@@ -72,7 +80,6 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
     dt = x.dtype
     tokens = x.size // x.shape[-1]
-    fold_backward = dora and tokens >= weight.shape[-1]
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
         ac, bc = a.astype(dt), b.astype(dt)
@@ -80,31 +87,21 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
         both = mx.concatenate([x2, ac.T]) @ weight.T  # the tokens' rows, then W A's r columns as rows
-        norm = dora_norm(both[tokens:], a, b, w_sq, scale)
-        rs = (m / norm).astype(dt)
-        return [rs * (both[:tokens] + (scale * ((xl @ ac) @ bc)).astype(dt)), norm]
+        norm, rs = dora_row_scale(both[tokens:], a, b, w_sq, m, scale, dt)
+        return [rs * (both[:tokens] + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
         ac, bc = a.astype(dt), b.astype(dt)
-        w, gz = weight, g
-        if dora:
-            rs = (m / outputs[1]).astype(dt)
-            if fold_backward:
-                w, bc = weight * rs[:, None], bc * rs  # g (rs W) = (g rs) W, on out x in, not tokens x out
-            else:
-                gz = g * rs
+        gz, dm = dora_cotangent(g, outputs[0], outputs[2], outputs[1]) if dora else (g, None)
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
-        gb = scale * ((xl @ ac).T @ gz)
-        gb = (gb * rs if dora and fold_backward else gb).astype(b.dtype)
+        gb = (scale * ((xl @ ac).T @ gz)).astype(b.dtype)
         if two_inputs:
-            grads = [gz @ w, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
+            grads = [gz @ weight, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
         else:
-            grads = [mx.addmm(gz @ w, gxa, ac.T, alpha=scale), ga, gb]
-        if dora:
-            grads.append(magnitude_grad(g, outputs[0], rs, outputs[1]).astype(m.dtype))
-        return grads
+            grads = [mx.addmm(gz @ weight, gxa, ac.T, alpha=scale), ga, gb]
+        return grads + [dm.astype(m.dtype)] if dora else grads
 
     # mx.custom_function fixes the arity, so each combination gets its own signature.
     x2 = x.reshape(-1, x.shape[-1])

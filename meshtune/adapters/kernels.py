@@ -1,28 +1,73 @@
-"""DoRA's magnitude gradient, a column sum of a product, with a CUDA kernel.
+"""DoRA's per-layer small steps as one CUDA kernel each, for MLX's CUDA build.
 
-MLX's axis-0 sum of a product is slow on CUDA; where CUDA is absent (CPU, Metal) the
-MLX expression runs, and tests compare the two on a GPU (tests/test_adapted_linear.py).
-A one-launch kernel for DoRA's norm chain measured slower than MLX's ops (0.195 vs
-0.135 ms per 6144 x 2048 layer on an H200), so the norm stays adapted_linear.adapted_row_norm.
+On an H200 a DoRA training step of a 1B model spent its extra time over LoRA in the
+number of small operations DoRA adds per layer (~15: casts, the r x r products, a
+reduction, the divides, the row scale on W and B, m's column sum), not in their
+arithmetic: its extra time stayed ~19 ms at batch 4 x 1024 and at 8 x 1024
+(scripts/probes/dispatch_cost.py). Two kernels take their place:
+
+- `row_scale_cuda`: from the r rows A^T W^T of the base product, ||W + s (A B)^T||_row
+  and rs = m / that norm in the activations' dtype; a thread per output row.
+- `cotangent_cuda`: the row-scaled cotangent g * rs and m's gradient
+  sum_t g * y / (rs * norm) in one pass over g and y; a block per 32 columns whose
+  32 warps' partial sums are added in a fixed order, so the result does not depend
+  on scheduling.
+
+Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare
+the two on a GPU (tests/test_adapted_linear.py).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-_column_dot_kernel = None
-
-_COLUMN_DOT = """
+_ROW_SCALE = """
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    int c = blockIdx.y;
-    if (i < NCOLS) {
-        int t1 = min((c + 1) * CHUNK, NROWS);
-        float acc = 0.0f;
-        for (int t = c * CHUNK; t < t1; ++t)
-            acc += static_cast<float>(g[t * NCOLS + i]) * static_cast<float>(y[t * NCOLS + i]);
-        part[c * NCOLS + i] = acc;
+    if (i < OUT) {
+        float c[R];
+        float cross = 0.0f;
+        for (int k = 0; k < R; ++k) {
+            c[k] = b[k * OUT + i];
+            cross += c[k] * static_cast<float>(p[k * OUT + i]);
+        }
+        float quad = 0.0f;
+        for (int k = 0; k < R; ++k) {
+            float t = 0.0f;
+            for (int l = 0; l < R; ++l) t += gram[k * R + l] * c[l];
+            quad += c[k] * t;
+        }
+        float sc = s[0];
+        float n = sqrtf(fmaxf(w_sq[i] + 2.0f * sc * cross + sc * sc * quad, 0.0f));
+        norm[i] = n;
+        rs[i] = static_cast<T>(m[i] / n);
     }
 """
+
+_COTANGENT = """
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    int col = blockIdx.x * 32 + lane;
+    __shared__ float part[32][33];
+    float acc = 0.0f;
+    if (col < COLS) {
+        float r = static_cast<float>(rs[col]);
+        for (int t = warp; t < ROWS; t += 32) {
+            float gv = static_cast<float>(g[t * COLS + col]);
+            acc += gv * static_cast<float>(y[t * COLS + col]);
+            gz[t * COLS + col] = static_cast<T>(gv * r);
+        }
+    }
+    part[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0 && col < COLS) {
+        float sum = 0.0f;
+        for (int k = 0; k < 32; ++k) sum += part[k][lane];
+        float den = static_cast<float>(rs[col]) * norm[col];
+        dm[col] = den == 0.0f ? 0.0f : sum / den;
+    }
+"""
+
+_kernels: dict[str, object] = {}
 
 
 def on_cuda() -> bool:
@@ -31,23 +76,29 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
 
 
-def column_dot(g: mx.array, y: mx.array, *, chunk: int = 64, kernel: bool | None = None) -> mx.array:
-    """sum over rows of g * y for (rows, cols) arrays, in float32.
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str):
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
+    return _kernels[name]
 
-    The kernel reads each pair once (a thread per column and chunk of rows, chunks
-    summed after, so the result does not depend on scheduling); MLX's axis-0 sum of
-    the product took ~0.2 ms per 4096 x 6144 layer on an H200.
-    """
-    if not (on_cuda() if kernel is None else kernel):
-        return (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
-    global _column_dot_kernel
-    if _column_dot_kernel is None:
-        _column_dot_kernel = mx.fast.cuda_kernel(name="meshtune_column_dot", input_names=["g", "y"],
-                                                 output_names=["part"], source=_COLUMN_DOT)
+
+def row_scale_cuda(proj_rows: mx.array, b: mx.array, gram: mx.array, w_sq: mx.array, m: mx.array,
+                   scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(norm float32, rs in `dtype`) per output row from proj_rows = A^T W^T (r, out), B (r, out), gram = A^T A."""
+    r, out = proj_rows.shape
+    k = _kernel("meshtune_dora_row_scale", ["p", "b", "gram", "w_sq", "m", "s"], ["norm", "rs"], _ROW_SCALE)
+    norm, rs = k(inputs=[proj_rows, b.astype(mx.float32), gram, w_sq, m.astype(mx.float32),
+                         mx.array([scale], dtype=mx.float32)],
+                 template=[("R", r), ("OUT", out), ("T", dtype)], grid=(((out + 255) // 256) * 256, 1, 1),
+                 threadgroup=(256, 1, 1), output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
+    return norm, rs
+
+
+def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
+    """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
     rows, cols = g.shape
-    chunks = (rows + chunk - 1) // chunk
-    part = _column_dot_kernel(
-        inputs=[g, y], template=[("NCOLS", cols), ("NROWS", rows), ("CHUNK", chunk)],
-        grid=(((cols + 255) // 256) * 256, chunks, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])[0]
-    return part.sum(axis=0)
+    k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs", "norm"], ["gz", "dm"], _COTANGENT)
+    gz, dm = k(inputs=[g, y, rs, norm], template=[("ROWS", rows), ("COLS", cols), ("T", g.dtype)],
+               grid=(((cols + 31) // 32) * 1024, 1, 1), threadgroup=(1024, 1, 1),
+               output_shapes=[(rows, cols), (cols,)], output_dtypes=[g.dtype, mx.float32])
+    return gz, dm
