@@ -60,8 +60,8 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
     if kernels.on_cuda():
         return kernels.cotangent_cuda(g, y, rs, norm)
     den = rs.astype(mx.float32) * norm
-    dm = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0) / mx.where(den == 0, mx.ones_like(den), den)
-    return g * rs, dm
+    total = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
+    return g * rs, mx.where(den == 0, 0.0, total / mx.where(den == 0, 1.0, den))
 
 
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
