@@ -206,3 +206,14 @@ def test_dora_inference_on_4bit_base_folds_the_row_scale_into_the_quantized_base
         assert not mx.array_equal(folded["scales"], base["scales"])
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-3), path
     set_base_path("auto")
+
+
+def test_dora_base_row_norms_are_computed_when_the_base_is_set(monkeypatch):
+    """A lazy ||w_i||^2 closed over by the compiled step would be recomputed on every step."""
+    from meshtune.adapters.dora import DoRALinear
+
+    evaluated = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (evaluated.extend(arrays), real_eval(*arrays))[1])
+    layer = DoRALinear.from_base(nn.Linear(32, 16), r=4)
+    assert any(a is layer._w_sq for a in evaluated)

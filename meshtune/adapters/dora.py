@@ -66,6 +66,9 @@ class DoRA:
         # ||w_i||^2 of the frozen base, once; the leading "_" keeps it out of
         # parameters(), hence out of training and of the saved adapters.
         self._w_sq = (w * w).sum(axis=-1)
+        # Computed now: a lazy array closed over by a compiled step is recomputed on every call
+        # (a pass over every base weight per step), and loading m would leave it lazy.
+        mx.eval(self._w_sq)
         self.m = mx.sqrt(self._w_sq)  # section 4.1: m = ||W||_row, so W' = W at step 0
 
     def _merge(self, weight: mx.array) -> mx.array:
