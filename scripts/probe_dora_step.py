@@ -48,7 +48,7 @@ def _kernels(on):
 
 VARIANTS = {
     "current": _kernels(True),
-    "MLX ops, no kernels": _kernels(False),
+    "MLX ops (no kernels)": _kernels(False),
     "bound: const scale": v_const,
 }
 
