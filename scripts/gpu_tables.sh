@@ -2,7 +2,6 @@
 # The two-GPU tables of the data-parallel and pipeline issues, on a device machine of
 # kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL
-#     scripts/gpu_tables.sh scaling-chain "$OUT"  # the 2-rank table again with MESHTUNE_OVERLAP=chain (after scaling)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the open questions of the adapters and data-parallel issues (~6 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -22,15 +21,8 @@ case $what in
     timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
       python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
       --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
-  scaling-chain)
-    # Overlap's bucket sums chained (data_parallel._chained_sum), against the same 1-process run.
-    timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env MESHTUNE_OVERLAP=chain \
-      --env "PYTHONPATH=$PYTHONPATH" -- python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
-      --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200_chain.txt" ;;
   probes)
-    # Does the graph walk decide when the comm stream starts? Candidate DoRA kernels
-    # (checked against the current code first)? What does packing LoRA gradients cost?
-    timeout 60 python3 scripts/probes/chain_order.py 2>&1 | tee "$out/chain_order.txt"
+    # DoRA's variants (checked against the current code first); what packing LoRA gradients costs.
     timeout 330 python3 scripts/probe_dora_step.py --bases bf16,4bit --steps 20 --rounds 3 2>&1 \
       | tee "$out/probe_dora_step.txt"
     timeout 90 python3 scripts/probes/pack_cost.py 2>&1 | tee "$out/pack_cost.txt" ;;

@@ -146,16 +146,10 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
         return grads
     flat = tree_flatten(grads)
     stream = comm_stream(mode, mesh.backend)
-    chain = mode == "overlap" and stream is not None and not start and overlap_form() == "chain"
     summed: dict[int, mx.array] = {}
-    previous = None
     for members in _bucket_groups(flat, mode, bucket_mb):
         arrays = [flat[i][1] for i in members]
-        if chain:
-            total = _chained_sum(arrays, previous, mesh, stream)
-            previous = total
-        else:
-            total = mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream)
+        total = mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream)
         parts = _unpack(total, arrays)
         if start:
             mx.async_eval(parts)
@@ -172,27 +166,11 @@ def overlap_form() -> str:
     busy-polls the cores the backward needs (0.80x); on 2 H200s over NCCL the uncompiled
     glue between the halves cost 0.80x (LoRA) and 0.57x (full) against one compiled step
     (docs/bench/scaling_2xh200_split.txt).
-    chain: graph, with the bucket sums chained so the graph issues each one between
-    backward segments (_chained_sum). Not measured on a GPU yet, hence opt-in.
+    A third form, each bucket's sum chained to the previous one's so the graph walk
+    would issue it between backward segments, measured 0.81x (LoRA) and 0.96x (full)
+    on 2 H200s (docs/bench/scaling_2xh200_chain.txt) and was removed.
     """
     return os.environ.get("MESHTUNE_OVERLAP", "graph")
-
-
-def _chained_sum(arrays: list[mx.array], previous: mx.array | None, mesh: Mesh, stream: Any) -> mx.array:
-    """A bucket's all_sum that the graph reaches through the previous bucket's.
-
-    MLX evaluates a graph depth first from its outputs, and a step's first output (the
-    embedding's update) needs the whole backward, so every all_sum was reached only after
-    all of the backward had been issued. Here each bucket's packed input starts with an
-    empty array that depends on the previous bucket's sum: the walk from the last bucket
-    goes back through every earlier sum to the first, and issues the backward bucket by
-    bucket, each sum after the gradients it needs. The pack and the marker run on the
-    comm stream, so the compute stream never waits for a sum.
-    """
-    with mx.stream(stream):
-        if previous is not None:
-            arrays = [mx.depends(mx.zeros((0,), dtype=arrays[0].dtype), previous), *arrays]
-        return mx.distributed.all_sum(_pack(arrays), group=mesh.group)
 
 
 def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any:
