@@ -41,14 +41,31 @@ def _kernels(on):
     """The current layer with adapted_linear's CUDA kernels on (where CUDA is) or off (MLX ops).
     Left set after the call: the backward (where the cotangent kernel runs) is traced after the forward returns."""
     def variant(self, x):
+        _reset()
         K.on_cuda = ON_CUDA if on else (lambda: False)
         return ORIGINAL(self, x)
     return variant
 
 
+from meshtune.adapters import adapted_linear as AL
+
+
+def _separate_rows(self, x):
+    """W A as its own r-row product instead of r extra rows on the activations' product."""
+    K.on_cuda = ON_CUDA
+    AL.NORM_ROWS_ON_BASE_PRODUCT = False
+    return ORIGINAL(self, x)
+
+
+def _reset():
+    K.on_cuda = ON_CUDA
+    AL.NORM_ROWS_ON_BASE_PRODUCT = True
+
+
 VARIANTS = {
     "current": _kernels(True),
     "MLX ops (no kernels)": _kernels(False),
+    "separate W A product": _separate_rows,
     "bound: const scale": v_const,
 }
 
@@ -83,7 +100,7 @@ def check_exact(shape, a, dtype):
         worst = max((mx.abs(got[k] - v).max() / (mx.abs(v).max() + 1e-12)).item() for k, v in ref.items())
         print(f"check {name:<28} loss diff {abs(l.item() - ref_l.item()):.2e}  worst rel grad diff {worst:.2e}", flush=True)
     D.DoRALinear.__call__ = ORIGINAL
-    K.on_cuda = ON_CUDA
+    _reset()
 
 
 def main():

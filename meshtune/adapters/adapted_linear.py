@@ -27,6 +27,11 @@ import mlx.core as mx
 
 from . import kernels
 
+# W A's r columns ride on the activations' product ([x; A^T] W^T). False computes them as
+# their own r-row product instead: a second read of W, but no copy of x and no odd row
+# count for the big product. Which wins on a GPU is open (scripts/probe_dora_step.py swaps it).
+NORM_ROWS_ON_BASE_PRODUCT = True
+
 
 def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
                      scale: float) -> mx.array:
@@ -86,9 +91,13 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         if not dora:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
-        both = mx.concatenate([x2, ac.T]) @ weight.T  # the tokens' rows, then W A's r columns as rows
-        norm, rs = dora_row_scale(both[tokens:], a, b, w_sq, m, scale, dt)
-        return [rs * (both[:tokens] + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
+        if NORM_ROWS_ON_BASE_PRODUCT:
+            both = mx.concatenate([x2, ac.T]) @ weight.T  # the tokens' rows, then W A's r columns as rows
+            base, proj_rows = both[:tokens], both[tokens:]
+        else:
+            base, proj_rows = x2 @ weight.T, ac.T @ weight.T
+        norm, rs = dora_row_scale(proj_rows, a, b, w_sq, m, scale, dt)
+        return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
