@@ -8,8 +8,8 @@ import time
 
 import mlx.core as mx
 
-from meshtune.adapters.adapted_linear import adapted_linear, adapted_row_norm
-from meshtune.adapters.kernels import column_dot
+from meshtune.adapters import adapted_linear as AL
+from meshtune.adapters.adapted_linear import adapted_linear, adapted_row_norm, dora_cotangent
 
 T = int(os.environ.get("TOKENS", 4096))  # TOKENS=128 DTYPE=float32: the CPU 1b bench's batch
 IN, OUT, R, S = 2048, 6144, 8, 20.0
@@ -37,8 +37,7 @@ cases = {
     "lora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S)))),
     "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, magnitude=p["m"], w_sq=w_sq)))),
     "row norm": mx.compile(lambda p: inverse_row_norm(p["a"], p["b"])),
-    "column_dot kernel": mx.compile(lambda p: column_dot(g, x @ W.T)),
-    "column_dot mlx": mx.compile(lambda p: column_dot(g, x @ W.T, kernel=False)),
+    "cotangent (g rs, d m)": mx.compile(lambda p: dora_cotangent(g, x @ W.T, rs0, w_sq)),
     "x @ W.T alone": mx.compile(lambda p: x @ W.T),
     "g * rs": mx.compile(lambda p: g * rs0),
 }
@@ -55,6 +54,19 @@ def timed(fn, n=40):
     return sorted(t)[len(t) // 2] * 1e3
 
 
+def unpadded(fn):
+    """fn traced with the extended product's rows left unpadded (ROW_MULTIPLE 1)."""
+    def run(p):
+        AL.ROW_MULTIPLE = 1
+        try:
+            return fn(p)
+        finally:
+            AL.ROW_MULTIPLE = 16
+    return run
+
+
+cases["dora step, rows unpadded"] = unpadded(
+    mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, magnitude=p["m"], w_sq=w_sq)))))
 res = {k: [] for k in cases}
 for _ in range(3):
     for k, f in cases.items():

@@ -31,6 +31,10 @@ from . import kernels
 # their own r-row product instead: a second read of W, but no copy of x and no odd row
 # count for the big product. Which wins on a GPU is open (scripts/probe_dora_step.py swaps it).
 NORM_ROWS_ON_BASE_PRODUCT = True
+# The extended product's rows are zero-padded to a multiple of this. GEMM kernels tile rows
+# (OpenBLAS here: 128 + 8 rows took 17.0 ms, 144 rows 15.5, 128 rows 14.1 for a 6144 x 2048
+# float32 weight, scripts/probes/extended_rows.py); a few zero rows cost less than a ragged tile.
+ROW_MULTIPLE = 16
 
 
 def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.array,
@@ -92,8 +96,12 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
         if NORM_ROWS_ON_BASE_PRODUCT:
-            both = mx.concatenate([x2, ac.T]) @ weight.T  # the tokens' rows, then W A's r columns as rows
-            base, proj_rows = both[:tokens], both[tokens:]
+            rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
+            pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
+            if pad:
+                rows.append(mx.zeros((pad, x2.shape[-1]), dtype=dt))
+            both = mx.concatenate(rows) @ weight.T
+            base, proj_rows = both[:tokens], both[tokens:tokens + ac.shape[-1]]
         else:
             base, proj_rows = x2 @ weight.T, ac.T @ weight.T
         norm, rs = dora_row_scale(proj_rows, a, b, w_sq, m, scale, dt)

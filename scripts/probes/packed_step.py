@@ -1,0 +1,74 @@
+"""Does packing the gradients into buckets make a one-GPU step faster?
+
+Development probe (data-parallel issue). On 2 H200s a full fine-tuning step with its
+gradients summed after the backward (63 ms) beat the same process's step with no sum at
+all (72-79 ms; docs/bench/scaling_2xh200*.txt). Here one process times, for LoRA and
+full fine-tuning, meshtune's step on a one-process mesh ("plain") against the same step
+on a mesh that claims two ranks over a one-process group ("packed"): the gradients go
+through the same buckets, pack, all_sum (an identity on one process) and unpack as on
+two ranks. If "packed" wins here too, the win is the bucketed graph, not communication.
+
+    python scripts/probes/packed_step.py [--preset 1b] [--kinds lora,full] [--steps 10]
+"""
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from meshtune.bench import adapters as B
+from meshtune.bench.models import Shape, add_adapters, build_model
+from meshtune.mesh import Mesh
+from meshtune.train import build_step
+
+
+def runner(kind, mesh, a, shape, dtype):
+    model = build_model(shape, dtype, quantized=False, seed=0)
+    add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
+    model.train()
+    opt = optim.Adam(learning_rate=1e-6)
+    step = build_step(model, opt, mesh, max_grad_norm=0.0, compile=True)
+    state = [model.state, opt.state]
+    tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(1))
+    lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
+    mx.eval(tokens, lengths)
+
+    def run():
+        tic = time.perf_counter()
+        ce, n, _, _ = step(tokens, lengths, None, None, True)
+        mx.eval(state, ce, n)
+        return time.perf_counter() - tic
+
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--kinds", default="lora,full")
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    a = B._settings(["--preset", args.preset])
+    shape = Shape(arch=a.arch, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
+                  heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
+    dtype = mx.float32 if B._on_cpu() else mx.bfloat16
+    group = mx.distributed.init()
+    assert group.size() == 1, "run as one process"
+    packed = Mesh(group=group, world_size=2, rank=0, dp=2, pp=1)
+    for kind in args.kinds.split(","):
+        runs = {"plain": runner(kind, Mesh.single(), a, shape, dtype), "packed": runner(kind, packed, a, shape, dtype)}
+        for r in runs.values():
+            for _ in range(3):
+                r()
+        times = {k: [] for k in runs}
+        for _ in range(2):
+            for k, r in runs.items():
+                times[k] += [r() for _ in range(args.steps // 2)]
+        print(f"{kind}: " + "  ".join(f"{k} {statistics.median(t) * 1e3:.1f} ms" for k, t in times.items()), flush=True)
+        del runs
+        B._release()
+
+
+if __name__ == "__main__":
+    main()
