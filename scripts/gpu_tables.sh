@@ -2,7 +2,7 @@
 # The two-GPU tables of the data-parallel and pipeline issues, on a device machine of
 # kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL
-#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the open questions of the adapters and data-parallel issues (~6 min)
+#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the open questions of the adapters and data-parallel issues (~5 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -22,10 +22,12 @@ case $what in
       python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
       --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
   probes)
-    # DoRA's variants (checked against the current code first); what packing LoRA gradients costs.
-    timeout 330 python3 scripts/probe_dora_step.py --bases bf16,4bit --steps 20 --rounds 3 2>&1 \
-      | tee "$out/probe_dora_step.txt"
-    timeout 90 python3 scripts/probes/pack_cost.py 2>&1 | tee "$out/pack_cost.txt" ;;
+    # One GPU, ~5 min: DoRA's layer piece by piece; DoRA's variants in the whole model (checked
+    # against the current code first); does bucketing the gradients speed up a one-GPU step?
+    timeout 90 python3 scripts/profile_adapted_linear.py 2>&1 | tee "$out/profile_adapted_linear.txt"
+    timeout 200 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
+      --only "current,separate W A product,bound: const scale" 2>&1 | tee "$out/probe_dora_step.txt"
+    timeout 150 python3 scripts/probes/packed_step.py --kinds full,lora 2>&1 | tee "$out/packed_step.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
     timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"

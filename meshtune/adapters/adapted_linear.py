@@ -15,8 +15,7 @@ r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W i
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
 sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
 cotangent that scales it by rs. On MLX's CUDA build the norm with rs, and the scaled
-cotangent with m's gradient, are one kernel each (kernels.py): there DoRA's cost over
-LoRA was the count of small operations per layer, not their arithmetic.
+cotangent with m's gradient, are one kernel each (kernels.py).
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
