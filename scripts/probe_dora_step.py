@@ -73,9 +73,9 @@ _COTANGENT_SPLIT = """
     if (col < COLS) {
         float r = static_cast<float>(rs[col]);
         for (int t = t0 + warp; t < t1; t += 8) {
-            float gv = static_cast<float>(g[t * COLS + col]);
-            acc += gv * static_cast<float>(y[t * COLS + col]);
-            gz[t * COLS + col] = static_cast<T>(gv * r);
+            float gv = static_cast<float>(g[(long long)t * COLS + col]);
+            acc += gv * static_cast<float>(y[(long long)t * COLS + col]);
+            gz[(long long)t * COLS + col] = static_cast<T>(gv * r);
         }
     }
     sums[warp][lane] = acc;

@@ -52,9 +52,9 @@ _COTANGENT = """
     if (col < COLS) {
         float r = static_cast<float>(rs[col]);
         for (int t = warp; t < ROWS; t += 32) {
-            float gv = static_cast<float>(g[t * COLS + col]);
-            acc += gv * static_cast<float>(y[t * COLS + col]);
-            gz[t * COLS + col] = static_cast<T>(gv * r);
+            float gv = static_cast<float>(g[(long long)t * COLS + col]);
+            acc += gv * static_cast<float>(y[(long long)t * COLS + col]);
+            gz[(long long)t * COLS + col] = static_cast<T>(gv * r);
         }
     }
     part[warp][lane] = acc;
