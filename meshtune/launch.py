@@ -3,6 +3,7 @@
     meshtune launch -n 2 -- meshtune train -c run.yaml
     meshtune launch -n 2 --pin -- python my_script.py
     meshtune launch --hostfile hosts.json -- meshtune train -c run.yaml   # one rank per host, over ssh
+    meshtune launch -n 2 --backend nccl -- meshtune train -c run.yaml     # one rank per GPU of this machine
 
 Ranks are started directly (MLX_RANK plus a ring hostfile on 127.0.0.1 that this
 module writes), not through `mlx.launch`, whose per-rank output threads busy-poll
@@ -15,7 +16,10 @@ others are stopped (SIGKILL after a short grace: they sit in a collective) and a
 non-zero code is returned. `--pin` gives rank i its own core and one BLAS thread.
 With `--hostfile` (mlx.launch's format) rank i runs `ssh host 'cd $PWD && env
 MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is seen only through the
-survivors' watchdogs, since its state cannot be read from here.
+survivors' watchdogs, since its state cannot be read from here. With `--backend nccl`
+(MLX's CUDA build) the ranks join NCCL through rank 0 on 127.0.0.1 and rank i sees one
+GPU, entry i of CUDA_VISIBLE_DEVICES when that is set, else GPU i, as mlx.launch does on
+one host; NCCL_NVLS_ENABLE stays as the environment has it.
 """
 
 from __future__ import annotations
@@ -131,11 +135,20 @@ def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -
         out.flush()
 
 
+def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
+    """Per rank, what joins n ranks on this machine over NCCL: rank 0's address and port, one GPU each."""
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    port = str(free_ports(1)[0])
+    return [dict(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=port,
+                 CUDA_VISIBLE_DEVICES=visible[i % len(visible)].strip() if visible else str(i)) for i in range(n)]
+
+
 def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
                  timeout: float | None = None, hosts: list[str] | None = None,
                  wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None,
-                 ssh_hosts: list[dict[str, Any]] | None = None, err: IO[str] | None = None) -> int:
-    """Run `command` as n ring ranks; 0, or the failing rank's code (see `_watch`).
+                 ssh_hosts: list[dict[str, Any]] | None = None, err: IO[str] | None = None,
+                 backend: str = "ring") -> int:
+    """Run `command` as n ranks (ring, or nccl on this machine); 0, or the failing rank's code (see `_watch`).
 
     `hosts` gives each rank's IP and `wrap(rank)` a command prefix (e.g. entering a
     network namespace of the shaped-link bed); both default to plain loopback.
@@ -149,16 +162,24 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
     if ssh_hosts is not None and len(ssh_hosts) != n:
         raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
                          "or leave -n out")
+    if backend not in ("ring", "nccl"):
+        raise ValueError(f"--backend {backend}: meshtune launch starts ring or nccl ranks")
+    if backend == "nccl" and (ssh_hosts or hosts):
+        raise ValueError("--backend nccl: meshtune launch starts NCCL ranks on this machine only; for several "
+                         "hosts use mlx.launch --backend nccl --hostfile ...")
     base = dict(os.environ if env is None else env)
     cores = sorted(os.sched_getaffinity(0)) if pin else []
+    if backend == "nccl":
+        base.pop("MLX_HOSTFILE", None)  # an outer ring launcher's; the ranks must not try it
+    per_rank = nccl_env(n, base) if backend == "nccl" else [{} for _ in range(n)]
     with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
         ips = [h["ips"][0] for h in ssh_hosts] if ssh_hosts else hosts
-        hostfile = write_ring_hostfile(n, Path(tmp), ips) if n > 1 else None
+        hostfile = write_ring_hostfile(n, Path(tmp), ips) if n > 1 and backend == "ring" else None
         beats = Path(tmp) / "heartbeats"
         beats.mkdir()
         ranks, pumps, muted = [], [], threading.Event()
         for i in range(n):
-            rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
+            rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1", **per_rank[i])
             rank_env[HEARTBEAT_ENV] = str(beats)
             if hostfile is not None:
                 rank_env["MLX_HOSTFILE"] = str(hostfile)
@@ -285,6 +306,8 @@ def main(argv: list[str]) -> int:
                         "through ssh.")
     p.add_argument("--pin", action="store_true", help="One core and one BLAS thread per rank (local ranks).")
     p.add_argument("--timeout", type=float, default=None, help="Stop all ranks after this many seconds.")
+    p.add_argument("--backend", choices=["ring", "nccl"], default="ring",
+                   help="ring (CPU, Thunderbolt, Ethernet) or nccl (one rank per GPU of this machine, MLX's CUDA build).")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs.")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -295,7 +318,7 @@ def main(argv: list[str]) -> int:
     if n is None:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
     preflight(n, command)
-    return launch_local(n, command, pin=a.pin, timeout=a.timeout, ssh_hosts=ssh_hosts)
+    return launch_local(n, command, pin=a.pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
 
 
 def preflight(n: int, command: list[str]) -> None:

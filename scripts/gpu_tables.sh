@@ -2,6 +2,7 @@
 # The two-GPU tables of the data-parallel and pipeline issues, on a device machine of
 # kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL
+#     scripts/gpu_tables.sh scaling-own-launch "$OUT"  # the same, ranks started by meshtune launch --backend nccl
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the open questions of the adapters and data-parallel issues (~5 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -21,6 +22,14 @@ case $what in
     timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
       python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
       --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
+  scaling-own-launch)
+    # The 2-rank table with the ranks started by meshtune launch (blocking output threads)
+    # instead of mlx.launch (busy-polling ones): is LoRA's exposed time host contention?
+    timeout 240 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 \
+      | tee "$out/scaling_1xh200.txt"
+    timeout 300 python3 -m meshtune.cli launch -n 2 --backend nccl -- \
+      python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
+      --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200_own_launch.txt" ;;
   probes)
     # One GPU, ~5 min: DoRA's layer piece by piece; DoRA's variants in the whole model (checked
     # against the current code first); does bucketing the gradients speed up a one-GPU step?
