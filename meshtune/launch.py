@@ -137,10 +137,10 @@ def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -
 
 def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
     """Per rank, what joins n ranks on this machine over NCCL: rank 0's address and port, one GPU each."""
-    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     port = str(free_ports(1)[0])
     return [dict(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=port,
-                 CUDA_VISIBLE_DEVICES=visible[i % len(visible)].strip() if visible else str(i)) for i in range(n)]
+                 CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
 
 
 def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,

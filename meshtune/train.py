@@ -25,7 +25,7 @@ from mlx.utils import tree_map
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
-from .parallel.data_parallel import overlap_form, sum_for_update
+from .parallel.data_parallel import split_overlap, sum_for_update
 from .parallel.socket_ring import BucketPump, SocketRing, hostfile_ips
 from .metrics import Reporter, Window
 
@@ -93,7 +93,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         optimizer.update(model, grads)
 
     sockets = transport == "sockets" and mesh.world_size > 1
-    split = mesh.world_size > 1 and (sockets or (sync == "overlap" and overlap_form() == "split"))
+    split = mesh.world_size > 1 and (sockets or (sync == "overlap" and split_overlap()))
     if split:
         # Compiled backward and update; between them each bucket's sum is started as its
         # gradients come due: an all_sum (data_parallel.sum_gradients, start=True) or a

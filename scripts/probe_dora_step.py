@@ -163,8 +163,7 @@ def main():
     p.add_argument("--only", default="")
     args, rest = p.parse_known_args()
     a = B._settings(["--preset", args.preset, *rest])
-    shape = Shape(arch=a.arch, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
-                  heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
+    shape = B.shape_of(a)
     dtype = mx.bfloat16 if not B._on_cpu() else mx.float32
     check_exact(shape, a, dtype)
     variants = {k: v for k, v in VARIANTS.items() if not args.only or k in args.only.split(",")}

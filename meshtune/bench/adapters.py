@@ -95,6 +95,12 @@ def _settings(argv: list[str]) -> argparse.Namespace:
     return a
 
 
+def shape_of(a: argparse.Namespace) -> Shape:
+    """The model dimensions the parsed settings name."""
+    return Shape(arch=a.arch, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
+                 heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
+
+
 def _on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
@@ -306,8 +312,7 @@ def main(argv: list[str]) -> int:
     from ..adapters import set_base_path
 
     set_base_path(a.base_path)
-    shape = Shape(arch=a.arch, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
-                  heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
+    shape = shape_of(a)
     dense = a.dtype if a.dtype != "auto" else ("float32" if _on_cpu() else "bfloat16")
     dtype = DTYPES[dense]
     configs = [(impl, kind, base) for base in BASES for kind in KINDS for impl in IMPLS]

@@ -45,14 +45,13 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     The two are separately compiled graphs, so bfloat16 kernels may round apart (~1e-3);
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
-    from ..parallel.data_parallel import sum_gradients
-    from ..parallel.data_parallel import overlap_form
+    from ..parallel.data_parallel import split_overlap, sum_gradients
     from ..train import loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     backward = mx.compile(lambda t, l: loss_and_grad(model, t, l))
     after = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, bucket_mb=bucket_mb))
-    if overlap_form() == "split":  # the overlap step's own path: bucket sums started by hand on lazy gradients
+    if split_overlap():  # the overlap step's own path: bucket sums started by hand on lazy gradients
         over = sum_gradients(backward(tokens, lengths)[1], mesh, mode="overlap", bucket_mb=bucket_mb, start=True)
     else:
         over = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode="overlap",

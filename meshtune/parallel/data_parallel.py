@@ -149,28 +149,26 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     summed: dict[int, mx.array] = {}
     for members in _bucket_groups(flat, mode, bucket_mb):
         arrays = [flat[i][1] for i in members]
-        total = mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream)
-        parts = _unpack(total, arrays)
+        parts = _unpack(mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream), arrays)
         if start:
             mx.async_eval(parts)
         summed.update(zip(members, parts))
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
 
-def overlap_form() -> str:
-    """How `overlap` starts its bucket sums (MESHTUNE_OVERLAP; default graph).
+def split_overlap() -> bool:
+    """Whether `overlap` starts bucket sums by hand between a compiled backward and update.
 
-    graph: one compiled step with reverse-order buckets on the comm stream.
-    split: a compiled backward and update, each bucket's sum started by hand between
-    them. Measured, it costs more than it hides: on 2 CPU ranks the ring backend
-    busy-polls the cores the backward needs (0.80x); on 2 H200s over NCCL the uncompiled
-    glue between the halves cost 0.80x (LoRA) and 0.57x (full) against one compiled step
-    (docs/bench/scaling_2xh200_split.txt).
-    A third form, each bucket's sum chained to the previous one's so the graph walk
-    would issue it between backward segments, measured 0.81x (LoRA) and 0.96x (full)
-    on 2 H200s (docs/bench/scaling_2xh200_chain.txt) and was removed.
+    Off unless MESHTUNE_OVERLAP=split; by default overlap is one compiled step with
+    reverse-order buckets on the comm stream. Measured, split costs more than it hides:
+    on 2 CPU ranks the ring backend busy-polls the cores the backward needs (0.80x); on
+    2 H200s over NCCL the uncompiled glue between the halves cost 0.80x (LoRA) and 0.57x
+    (full) against one compiled step (docs/bench/scaling_2xh200_split.txt). A third
+    form, each bucket's sum chained to the previous one's so the graph walk would issue
+    it between backward segments, measured 0.81x (LoRA) and 0.96x (full) on 2 H200s
+    (docs/bench/scaling_2xh200_chain.txt) and was removed.
     """
-    return os.environ.get("MESHTUNE_OVERLAP", "graph")
+    return os.environ.get("MESHTUNE_OVERLAP", "graph") == "split"
 
 
 def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any:

@@ -15,24 +15,13 @@ import statistics
 import time
 
 import mlx.core as mx
-import mlx.optimizers as optim
 
+from _steps import meshtune_step
 from meshtune.bench import adapters as B
-from meshtune.bench.models import Shape, add_adapters, build_model
-from meshtune.mesh import Mesh
-from meshtune.train import build_step
 
 
 def runner(kind: str, base: str, a, shape, dtype):
-    model = build_model(shape, dtype, quantized=base == "4bit", seed=0)
-    add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
-    model.train()
-    opt = optim.Adam(learning_rate=1e-5)
-    step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=True)
-    state = [model.state, opt.state, mx.random.state]
-    tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(0))
-    lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
-    mx.eval(tokens, lengths)
+    step, state, tokens, lengths = meshtune_step(kind, a, shape, dtype, quantized=base == "4bit")
 
     def run():
         t0 = time.perf_counter()
@@ -58,8 +47,7 @@ def main():
     args = p.parse_args()
     a = B._settings(["--preset", args.preset] + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
                     + (["--seq-len", str(args.seq_len)] if args.seq_len else []))
-    shape = Shape(arch=a.arch, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
-                  heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
+    shape = B.shape_of(a)
     dtype = mx.float32 if B._on_cpu() else mx.bfloat16
     env = {k: os.environ[k] for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS",
                                       "MLX_CUDA_GRAPH_CACHE_SIZE") if k in os.environ}

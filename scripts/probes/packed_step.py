@@ -15,24 +15,14 @@ import statistics
 import time
 
 import mlx.core as mx
-import mlx.optimizers as optim
 
+from _steps import meshtune_step
 from meshtune.bench import adapters as B
-from meshtune.bench.models import Shape, add_adapters, build_model
 from meshtune.mesh import Mesh
-from meshtune.train import build_step
 
 
 def runner(kind, mesh, a, shape, dtype):
-    model = build_model(shape, dtype, quantized=False, seed=0)
-    add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
-    model.train()
-    opt = optim.Adam(learning_rate=1e-6)
-    step = build_step(model, opt, mesh, max_grad_norm=0.0, compile=True)
-    state = [model.state, opt.state]
-    tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(1))
-    lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
-    mx.eval(tokens, lengths)
+    step, state, tokens, lengths = meshtune_step(kind, a, shape, dtype, mesh=mesh)
 
     def run():
         tic = time.perf_counter()
@@ -50,8 +40,7 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
     a = B._settings(["--preset", args.preset])
-    shape = Shape(arch=a.arch, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate,
-                  heads=a.heads, kv_heads=a.kv_heads, vocab=a.vocab)
+    shape = B.shape_of(a)
     dtype = mx.float32 if B._on_cpu() else mx.bfloat16
     group = mx.distributed.init()
     assert group.size() == 1, "run as one process"

@@ -1,0 +1,21 @@
+"""What the step probes share: meshtune's compiled step on the bench's random model and one fixed batch."""
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from meshtune.bench.models import add_adapters, build_model
+from meshtune.mesh import Mesh
+from meshtune.train import build_step
+
+
+def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None):
+    """(step, state, tokens, lengths): `step(tokens, lengths, None, None, True)` is one optimizer step."""
+    model = build_model(shape, dtype, quantized=quantized, seed=0)
+    add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
+    model.train()
+    opt = optim.Adam(learning_rate=1e-5)
+    step = build_step(model, opt, mesh or Mesh.single(), max_grad_norm=0.0, compile=True)
+    state = [model.state, opt.state, mx.random.state]
+    tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(0))
+    lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
+    mx.eval(tokens, lengths)
+    return step, state, tokens, lengths
