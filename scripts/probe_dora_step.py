@@ -35,6 +35,7 @@ def v_const(self, x):
 from meshtune.adapters import kernels as K
 
 ON_CUDA = K.on_cuda
+GRAM_INSIDE = K.GRAM_INSIDE_MAX_RANK
 
 
 def _kernels(on):
@@ -108,16 +109,34 @@ def _split_cotangent(self, x):
     return ORIGINAL(self, x)
 
 
+
+def _rows_on_base(self, x):
+    """W A's r columns as r extra rows on the activations' product (the CPU's form)."""
+    _reset()
+    AL.NORM_ROWS_ON_BASE_PRODUCT = True
+    return ORIGINAL(self, x)
+
+
+def _gram_by_matmul(self, x):
+    """A's Gram as its own matmul, passed to the row-scale kernel."""
+    _reset()
+    K.GRAM_INSIDE_MAX_RANK = 0
+    return ORIGINAL(self, x)
+
+
 def _reset():
     K.on_cuda = ON_CUDA
     K.cotangent_cuda = ORIGINAL_COTANGENT
-    AL.NORM_ROWS_ON_BASE_PRODUCT = True
+    AL.NORM_ROWS_ON_BASE_PRODUCT = None
+    K.GRAM_INSIDE_MAX_RANK = GRAM_INSIDE
 
 
 VARIANTS = {
     "current": _kernels(True),
     "MLX ops (no kernels)": _kernels(False),
     "separate W A product": _separate_rows,
+    "W A rows on base product": _rows_on_base,
+    "Gram by matmul": _gram_by_matmul,
     "split cotangent kernel": _split_cotangent,
     "bound: const scale": v_const,
 }

@@ -26,10 +26,12 @@ import mlx.core as mx
 
 from . import kernels
 
-# W A's r columns ride on the activations' product ([x; A^T] W^T). False computes them as
-# their own r-row product instead: a second read of W, but no copy of x and no odd row
-# count for the big product. Which wins on a GPU is open (scripts/probe_dora_step.py swaps it).
-NORM_ROWS_ON_BASE_PRODUCT = True
+# Where W A's r columns come from. True: r extra rows on the activations' product
+# ([x; A^T] W^T), W read once; on the CPU that wins (W's read is as long as the base
+# product at small batches: 15.5 ms vs 19.6 ms a layer step, scripts/profile_adapted_linear.py).
+# False: their own r-row product, a second read of W but no copy of x and no slices, fewer
+# operations to dispatch, which is what a GPU step is short of. None: False on CUDA, else True.
+NORM_ROWS_ON_BASE_PRODUCT: bool | None = None
 # The extended product's rows are zero-padded to a multiple of this. GEMM kernels tile rows
 # (OpenBLAS here: 128 + 8 rows took 17.0 ms, 144 rows 15.5, 128 rows 14.1 for a 6144 x 2048
 # float32 weight, scripts/probes/extended_rows.py); a few zero rows cost less than a ragged tile.
@@ -52,9 +54,9 @@ def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.ar
 def dora_row_scale(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
                    scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """(||W + s (A B)^T||_row float32, rs = m / that norm in `dtype`) from proj_rows = A^T W^T (r, out)."""
+    if kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK:
+        return kernels.row_scale_cuda(proj_rows, a, b, w_sq, m, scale, dtype)
     gram = a.T @ a.astype(mx.float32)
-    if kernels.on_cuda():
-        return kernels.row_scale_cuda(proj_rows, b, gram, w_sq, m, scale, dtype)
     norm = adapted_row_norm(w_sq, proj_rows.T.astype(mx.float32), b.T.astype(mx.float32), gram, scale)
     return norm, (m / norm).astype(dtype)
 
@@ -88,13 +90,14 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
     dt = x.dtype
     tokens = x.size // x.shape[-1]
+    rows_on_base = NORM_ROWS_ON_BASE_PRODUCT if NORM_ROWS_ON_BASE_PRODUCT is not None else not kernels.on_cuda()
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
         ac, bc = a.astype(dt), b.astype(dt)
         if not dora:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
-        if NORM_ROWS_ON_BASE_PRODUCT:
+        if rows_on_base:
             rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
             pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
             if pad:

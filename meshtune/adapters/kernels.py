@@ -4,7 +4,8 @@ DoRA adds small operations per layer to LoRA's (casts, the r x r products, a red
 divides, the row scale, m's column sum). Two kernels take the place of most of them:
 
 - `row_scale_cuda`: from the r rows A^T W^T of the base product, ||W + s (A B)^T||_row
-  and rs = m / that norm in the activations' dtype; a thread per output row.
+  and rs = m / that norm in the activations' dtype; a thread per output row, A's
+  r x r Gram summed in each block (no matmul dispatched for it).
 - `cotangent_cuda`: the row-scaled cotangent g * rs and m's gradient
   sum_t g * y / (rs * norm) in one pass over g and y; a block per 32 columns whose
   32 warps' partial sums are added in a fixed order, so the result does not depend
@@ -22,7 +23,32 @@ from __future__ import annotations
 import mlx.core as mx
 
 _ROW_SCALE = """
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    // A's r x r Gram into shared memory: summed here from A (in, r) when GRAM_INSIDE
+    // (each block from the whole A, in segments added in a fixed order), else copied from
+    // a precomputed Gram passed in A's place.
+    __shared__ float part[GRAM_INSIDE ? R * R * SEG : 1];
+    __shared__ float G[R * R];
+    int tid = threadIdx.x;
+    if (GRAM_INSIDE) {
+        for (int e = tid; e < R * R * SEG; e += blockDim.x) {
+            int kl = e / SEG;
+            int k = kl / R;
+            int l = kl - k * R;
+            float acc = 0.0f;
+            for (int j = e - kl * SEG; j < IN; j += SEG) acc += a[j * R + k] * a[j * R + l];
+            part[e] = acc;
+        }
+        __syncthreads();
+        for (int e = tid; e < R * R; e += blockDim.x) {
+            float acc = 0.0f;
+            for (int q = 0; q < SEG; ++q) acc += part[e * SEG + q];
+            G[e] = acc;
+        }
+    } else {
+        for (int e = tid; e < R * R; e += blockDim.x) G[e] = a[e];
+    }
+    __syncthreads();
+    int i = blockIdx.x * blockDim.x + tid;
     if (i < OUT) {
         float c[R];
         float cross = 0.0f;
@@ -33,7 +59,7 @@ _ROW_SCALE = """
         float quad = 0.0f;
         for (int k = 0; k < R; ++k) {
             float t = 0.0f;
-            for (int l = 0; l < R; ++l) t += gram[k * R + l] * c[l];
+            for (int l = 0; l < R; ++l) t += G[k * R + l] * c[l];
             quad += c[k] * t;
         }
         float sc = s[0];
@@ -82,15 +108,29 @@ def _kernel(name: str, inputs: list[str], outputs: list[str], source: str):
     return _kernels[name]
 
 
-def row_scale_cuda(proj_rows: mx.array, b: mx.array, gram: mx.array, w_sq: mx.array, m: mx.array,
+# The row-scale kernel keeps the r x r Gram in shared memory (r <= 64: 16 KiB). Up to
+# GRAM_INSIDE_MAX_RANK it sums the Gram itself (r^2 x in products a block: 512 a thread at
+# r = 8, in = 2048), saving a matmul's dispatch per layer; above, a matmul computes it.
+MAX_RANK = 64
+GRAM_INSIDE_MAX_RANK = 16
+
+
+def row_scale_cuda(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
                    scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """(norm float32, rs in `dtype`) per output row from proj_rows = A^T W^T (r, out), B (r, out), gram = A^T A."""
+    """(norm float32, rs in `dtype`) per output row from proj_rows = A^T W^T (r, out), A (in, r), B (r, out).
+
+    For r <= MAX_RANK (the caller's check).
+    """
     r, out = proj_rows.shape
-    k = _kernel("meshtune_dora_row_scale", ["p", "b", "gram", "w_sq", "m", "s"], ["norm", "rs"], _ROW_SCALE)
-    norm, rs = k(inputs=[proj_rows, b.astype(mx.float32), gram, w_sq, m.astype(mx.float32),
+    a = a.astype(mx.float32)
+    inside = r <= GRAM_INSIDE_MAX_RANK
+    k = _kernel("meshtune_dora_row_scale", ["p", "a", "b", "w_sq", "m", "s"], ["norm", "rs"], _ROW_SCALE)
+    norm, rs = k(inputs=[proj_rows, a if inside else a.T @ a, b.astype(mx.float32), w_sq, m.astype(mx.float32),
                          mx.array([scale], dtype=mx.float32)],
-                 template=[("R", r), ("OUT", out), ("T", dtype)], grid=(((out + 255) // 256) * 256, 1, 1),
-                 threadgroup=(256, 1, 1), output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
+                 template=[("R", r), ("IN", a.shape[0]), ("OUT", out), ("SEG", max(1, 1024 // (r * r))),
+                           ("GRAM_INSIDE", int(inside)), ("T", dtype)],
+                 grid=(((out + 255) // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+                 output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
     return norm, rs
 
 
