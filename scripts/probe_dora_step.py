@@ -57,59 +57,6 @@ def _separate_rows(self, x):
     AL.NORM_ROWS_ON_BASE_PRODUCT = False
     return ORIGINAL(self, x)
 
-
-ORIGINAL_COTANGENT = K.cotangent_cuda
-
-# The cotangent kernel with its rows split over more blocks (a block per 32 columns gives
-# 1024-wide layers only 32 blocks); each block's 8 warps' sums go to a partial row, the
-# partial rows are summed after. Unchecked on a GPU when written: check_exact compares.
-_COTANGENT_SPLIT = """
-    int lane = threadIdx.x & 31;
-    int warp = threadIdx.x >> 5;
-    int col = blockIdx.x * 32 + lane;
-    int t0 = blockIdx.y * CHUNK;
-    int t1 = min(t0 + CHUNK, ROWS);
-    __shared__ float sums[8][33];
-    float acc = 0.0f;
-    if (col < COLS) {
-        float r = static_cast<float>(rs[col]);
-        for (int t = t0 + warp; t < t1; t += 8) {
-            float gv = static_cast<float>(g[(long long)t * COLS + col]);
-            acc += gv * static_cast<float>(y[(long long)t * COLS + col]);
-            gz[(long long)t * COLS + col] = static_cast<T>(gv * r);
-        }
-    }
-    sums[warp][lane] = acc;
-    __syncthreads();
-    if (warp == 0 && col < COLS) {
-        float total = 0.0f;
-        for (int k = 0; k < 8; ++k) total += sums[k][lane];
-        part[blockIdx.y * COLS + col] = total;
-    }
-"""
-
-
-def cotangent_split(g, y, rs, norm):
-    rows, cols = g.shape
-    strips = (cols + 31) // 32
-    splits = max(1, min(rows // 8, -(-528 // strips)))  # ~4 blocks per SM of an H200
-    chunk = -(-rows // splits)
-    splits = -(-rows // chunk)
-    k = K._kernel("probe_dora_cotangent_split", ["g", "y", "rs", "norm"], ["gz", "part"], _COTANGENT_SPLIT)
-    gz, part = k(inputs=[g, y, rs, norm], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("T", g.dtype)],
-                 grid=(strips * 256, splits, 1), threadgroup=(256, 1, 1),
-                 output_shapes=[(rows, cols), (splits, cols)], output_dtypes=[g.dtype, mx.float32])
-    den = rs.astype(mx.float32) * norm
-    return gz, mx.where(den == 0, 0.0, part.sum(axis=0) / mx.where(den == 0, 1.0, den))
-
-
-def _split_cotangent(self, x):
-    _reset()
-    K.cotangent_cuda = cotangent_split
-    return ORIGINAL(self, x)
-
-
-
 def _rows_on_base(self, x):
     """W A's r columns as r extra rows on the activations' product (the CPU's form)."""
     _reset()
@@ -126,7 +73,6 @@ def _gram_by_matmul(self, x):
 
 def _reset():
     K.on_cuda = ON_CUDA
-    K.cotangent_cuda = ORIGINAL_COTANGENT
     AL.NORM_ROWS_ON_BASE_PRODUCT = None
     K.GRAM_INSIDE_MAX_RANK = GRAM_INSIDE
 
@@ -137,7 +83,6 @@ VARIANTS = {
     "separate W A product": _separate_rows,
     "W A rows on base product": _rows_on_base,
     "Gram by matmul": _gram_by_matmul,
-    "split cotangent kernel": _split_cotangent,
     "bound: const scale": v_const,
 }
 

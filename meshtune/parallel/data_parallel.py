@@ -27,7 +27,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..cuda import on_cuda
 from ..mesh import Mesh
+from .pack_kernel import pack_cuda
 
 SYNC_MODES = ("after_backward", "overlap")
 
@@ -126,6 +128,8 @@ def _unpack(total: mx.array, arrays: list[mx.array]) -> list[mx.array]:
 
 
 def _pack(arrays: list[mx.array], dtype: mx.Dtype | None = None) -> mx.array:
+    if len(arrays) > 1 and on_cuda():
+        return pack_cuda(arrays, dtype or arrays[0].dtype)  # one kernel, not a copy kernel per array
     flat = [a.reshape(-1) if dtype is None else a.reshape(-1).astype(dtype) for a in arrays]
     return mx.concatenate(flat) if len(flat) > 1 else flat[0]
 

@@ -7,6 +7,8 @@ full fine-tuning, meshtune's step on a one-process mesh ("plain") against the sa
 on a mesh that claims two ranks over a one-process group ("packed"): the gradients go
 through the same buckets, pack, all_sum (an identity on one process) and unpack as on
 two ranks. If "packed" wins here too, the win is the bucketed graph, not communication.
+"packed" packs each bucket with one kernel on CUDA (parallel/pack_kernel.py); "packed by
+concatenate" with mx.concatenate (a copy kernel per array), as before that kernel.
 
     python scripts/probes/packed_step.py [--preset 1b] [--kinds lora,full] [--steps 10]
 """
@@ -19,12 +21,16 @@ import mlx.core as mx
 from _steps import meshtune_step
 from meshtune.bench import adapters as B
 from meshtune.mesh import Mesh
+from meshtune.parallel import data_parallel as DP
+
+ON_CUDA = DP.on_cuda
 
 
-def runner(kind, mesh, a, shape, dtype):
+def runner(kind, mesh, a, shape, dtype, pack_kernel=True):
     step, state, tokens, lengths = meshtune_step(kind, a, shape, dtype, mesh=mesh)
 
     def run():
+        DP.on_cuda = ON_CUDA if pack_kernel else (lambda: False)  # read when the compiled step is traced
         tic = time.perf_counter()
         ce, n, _, _ = step(tokens, lengths, None, None, True)
         mx.eval(state, ce, n)
@@ -46,7 +52,8 @@ def main():
     assert group.size() == 1, "run as one process"
     packed = Mesh(group=group, world_size=2, rank=0, dp=2, pp=1)
     for kind in args.kinds.split(","):
-        runs = {"plain": runner(kind, Mesh.single(), a, shape, dtype), "packed": runner(kind, packed, a, shape, dtype)}
+        runs = {"plain": runner(kind, Mesh.single(), a, shape, dtype), "packed": runner(kind, packed, a, shape, dtype),
+                "packed by concatenate": runner(kind, packed, a, shape, dtype, pack_kernel=False)}
         for r in runs.values():
             for _ in range(3):
                 r()
