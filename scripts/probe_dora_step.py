@@ -35,7 +35,6 @@ def v_const(self, x):
 from meshtune.adapters import kernels as K
 
 ON_CUDA = K.on_cuda
-GRAM_INSIDE = K.GRAM_INSIDE_MAX_RANK
 
 
 def _kernels(on):
@@ -52,37 +51,22 @@ from meshtune.adapters import adapted_linear as AL
 
 
 def _separate_rows(self, x):
-    """W A as its own r-row product instead of r extra rows on the activations' product."""
+    """MLX ops, W A as its own r-row product instead of r extra rows on the activations' product."""
     _reset()
+    K.on_cuda = lambda: False
     AL.NORM_ROWS_ON_BASE_PRODUCT = False
-    return ORIGINAL(self, x)
-
-def _rows_on_base(self, x):
-    """W A's r columns as r extra rows on the activations' product (the CPU's form)."""
-    _reset()
-    AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    return ORIGINAL(self, x)
-
-
-def _gram_by_matmul(self, x):
-    """A's Gram as its own matmul, passed to the row-scale kernel."""
-    _reset()
-    K.GRAM_INSIDE_MAX_RANK = 0
     return ORIGINAL(self, x)
 
 
 def _reset():
     K.on_cuda = ON_CUDA
-    AL.NORM_ROWS_ON_BASE_PRODUCT = None
-    K.GRAM_INSIDE_MAX_RANK = GRAM_INSIDE
+    AL.NORM_ROWS_ON_BASE_PRODUCT = True
 
 
 VARIANTS = {
     "current": _kernels(True),
     "MLX ops (no kernels)": _kernels(False),
-    "separate W A product": _separate_rows,
-    "W A rows on base product": _rows_on_base,
-    "Gram by matmul": _gram_by_matmul,
+    "MLX ops, separate W A product": _separate_rows,
     "bound: const scale": v_const,
 }
 

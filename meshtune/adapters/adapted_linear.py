@@ -14,8 +14,9 @@ batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. He
 r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
 sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
-cotangent that scales it by rs. On MLX's CUDA build the norm with rs, and the scaled
-cotangent with m's gradient, are one kernel each (kernels.py).
+cotangent that scales it by rs. On MLX's CUDA build, where a step is short of host
+time to dispatch kernels more than of GPU time, W A with the norm and rs is one kernel,
+and the scaled cotangent with m's gradient another (kernels.py).
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
@@ -26,12 +27,11 @@ import mlx.core as mx
 
 from . import kernels
 
-# Where W A's r columns come from. True: r extra rows on the activations' product
-# ([x; A^T] W^T), W read once; on the CPU that wins (W's read is as long as the base
-# product at small batches: 15.5 ms vs 19.6 ms a layer step, scripts/profile_adapted_linear.py).
-# False: their own r-row product, a second read of W but no copy of x and no slices, fewer
-# operations to dispatch, which is what a GPU step is short of. None: False on CUDA, else True.
-NORM_ROWS_ON_BASE_PRODUCT: bool | None = None
+# Where W A's r columns come from in MLX ops (on CUDA one kernel computes them, kernels.py).
+# True: r extra rows on the activations' product ([x; A^T] W^T), W read once; on the CPU
+# that wins (W's read is as long as the base product at small batches: 15.5 ms vs 19.6 ms
+# a layer step, scripts/profile_adapted_linear.py). False: their own r-row product.
+NORM_ROWS_ON_BASE_PRODUCT = True
 # The extended product's rows are zero-padded to a multiple of this. GEMM kernels tile rows
 # (OpenBLAS here: 128 + 8 rows took 17.0 ms, 144 rows 15.5, 128 rows 14.1 for a 6144 x 2048
 # float32 weight, scripts/probes/extended_rows.py); a few zero rows cost less than a ragged tile.
@@ -53,9 +53,7 @@ def adapted_row_norm(w_sq: mx.array, proj: mx.array, coef: mx.array, gram: mx.ar
 
 def dora_row_scale(proj_rows: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
                    scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """(||W + s (A B)^T||_row float32, rs = m / that norm in `dtype`) from proj_rows = A^T W^T (r, out)."""
-    if kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK:
-        return kernels.row_scale_cuda(proj_rows, a, b, w_sq, m, scale, dtype)
+    """(||W + s (A B)^T||_row float32, rs = m / that norm in `dtype`) from proj_rows = A^T W^T (r, out), in MLX ops."""
     gram = a.T @ a.astype(mx.float32)
     norm = adapted_row_norm(w_sq, proj_rows.T.astype(mx.float32), b.T.astype(mx.float32), gram, scale)
     return norm, (m / norm).astype(dtype)
@@ -90,23 +88,28 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
     dt = x.dtype
     tokens = x.size // x.shape[-1]
-    rows_on_base = NORM_ROWS_ON_BASE_PRODUCT if NORM_ROWS_ON_BASE_PRODUCT is not None else not kernels.on_cuda()
+    rows_on_base = NORM_ROWS_ON_BASE_PRODUCT
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
         ac, bc = a.astype(dt), b.astype(dt)
         if not dora:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
-        if rows_on_base:
-            rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
-            pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
-            if pad:
-                rows.append(mx.zeros((pad, x2.shape[-1]), dtype=dt))
-            both = mx.concatenate(rows) @ weight.T
-            base, proj_rows = both[:tokens], both[tokens:tokens + ac.shape[-1]]
+        if kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK:
+            # One kernel: W A (W read again, in place of a skinny matmul), A's Gram, the norm, rs.
+            base = x2 @ weight.T
+            norm, rs = kernels.row_scale_cuda(weight, a, b, w_sq, m, scale, dt)
         else:
-            base, proj_rows = x2 @ weight.T, ac.T @ weight.T
-        norm, rs = dora_row_scale(proj_rows, a, b, w_sq, m, scale, dt)
+            if rows_on_base:
+                rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
+                pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
+                if pad:
+                    rows.append(mx.zeros((pad, x2.shape[-1]), dtype=dt))
+                both = mx.concatenate(rows) @ weight.T
+                base, proj_rows = both[:tokens], both[tokens:tokens + ac.shape[-1]]
+            else:
+                base, proj_rows = x2 @ weight.T, ac.T @ weight.T
+            norm, rs = dora_row_scale(proj_rows, a, b, w_sq, m, scale, dt)
         return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
