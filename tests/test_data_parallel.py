@@ -66,9 +66,12 @@ def _assert_same_run(one: Path, many: Path) -> None:
     (2, "dora", []),
     (2, "full", ["--num-layers", "1"]),
     (2, "lora", ["--grad-accumulation-steps", "2"]),
+    (2, "dora", ["--grad-accumulation-steps", "2"]),
+    (2, "full", ["--num-layers", "1", "--grad-accumulation-steps", "2"]),
     (3, "lora", []),
     # Overlapped sync with tiny buckets (many all_sums, last layers first), with and without accumulation.
     (2, "lora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
+    (2, "lora", ["--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     (2, "full", ["--num-layers", "1", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.05"]),
     (3, "dora", ["--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     (2, "lora", ["--parallel.grad_sync", "overlap", "--train.compile", "false"]),
