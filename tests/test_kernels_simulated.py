@@ -125,7 +125,7 @@ def test_row_scale_kernel(simulated, r, inp, out):
     assert simulated["meshtune_dora_row_scale"].calls == 1
 
 
-@pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16)])
+@pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
 def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels
 
@@ -138,6 +138,7 @@ def test_cotangent_kernel(simulated, rows, cols):
     want_dm = mx.where(rs == 0, 0.0, (g * y).sum(0) / mx.where(rs == 0, 1.0, rs * norm))
     assert mx.allclose(gz, g * rs, rtol=1e-6).item()
     assert mx.allclose(dm, want_dm, rtol=1e-5, atol=1e-6).item() and dm[3].item() == 0.0
+    assert simulated["meshtune_dora_cotangent"].calls == simulated["meshtune_dora_magnitude_grad"].calls == 1
 
 
 def test_pack_kernel(simulated):

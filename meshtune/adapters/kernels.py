@@ -1,19 +1,21 @@
-"""DoRA's per-layer extra work as one CUDA kernel each way, for MLX's CUDA build.
+"""DoRA's per-layer extra work as CUDA kernels, for MLX's CUDA build.
 
-A GPU training step of the 1B bench model spends most of its time dispatching kernels
-from the host (scripts/probes/dispatch_cost.py: ~60%), and each kernel a layer adds
-costs about as much host time as a large matmul: what DoRA adds to LoRA is counted
-in launches more than in bytes. So each direction gets one kernel:
+DoRA adds to each layer's step the norm of the adapted rows (forward) and m's
+gradient with the row-scaled cotangent (backward). Each is a few MLX operations, and
+the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
+~60%), so each gets as few launches as the GPU's time allows:
 
 - `row_scale_cuda` (forward): W A's r columns for the block's rows (W read once, A
   staged through shared memory), A's r x r Gram from the same tiles, then
   ||W + s (A B)^T||_row by the identity in DESIGN.md and rs = m / that norm, in the
   activations' dtype. It takes the place of a skinny matmul, the Gram's matmul and
   the norm's small operations.
-- `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's gradient
-  sum_t g * y / (rs * norm) in one pass over g and y; a block per 16 columns whose
-  64 partial sums are added in a fixed order, so the result does not depend on
-  scheduling.
+- `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
+  sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
+  of rows (enough blocks to fill the GPU: the same pass as one block per column strip
+  took 3.5x as long as g * rs alone on an H200, docs/bench/profile_adapted_linear_h200.txt);
+  a second small kernel adds the chunks' sums in a fixed order, so the result does not
+  depend on scheduling, and divides by rs * norm.
 
 Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare the
 two on a GPU (tests/test_adapted_linear.py).
@@ -111,30 +113,77 @@ _ROW_SCALE = """
 """
 
 _COTANGENT = """
-    // Block: 16 columns x 64 row lanes (two per warp); lane sums are added in a fixed order.
+    // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns (one 16-byte
+    // access where aligned), the warps striding over the block's chunk of rows. Each
+    // block's column sums go to its row of `part`, added in a fixed order.
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    constexpr int CB = 32 * VEC;
+    __shared__ float sums[8][CB];
     int tid = threadIdx.x;
-    int c16 = tid & 15;
-    int rl = tid >> 4;
-    int col = blockIdx.x * 16 + c16;
-    __shared__ float part[64][17];
-    float acc = 0.0f;
-    if (col < COLS) {
-        float r = static_cast<float>(rs[col]);
-        for (int t = rl; t < ROWS; t += 64) {
-            float gv = static_cast<float>(g[(long long)t * COLS + col]);
-            acc += gv * static_cast<float>(y[(long long)t * COLS + col]);
-            gz[(long long)t * COLS + col] = static_cast<T>(gv * r);
+    int lane = tid & 31;
+    int warp = tid >> 5;
+    int c0 = blockIdx.x * CB + lane * VEC;
+    int t0 = blockIdx.y * CHUNK;
+    int t1 = min(t0 + CHUNK, ROWS);
+    bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(g) % sizeof(Vec) == 0)
+        && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0)
+        && (reinterpret_cast<unsigned long long>(gz) % sizeof(Vec) == 0);
+    float acc[VEC];
+    float r[VEC];
+    for (int v = 0; v < VEC; ++v) {
+        acc[v] = 0.0f;
+        r[v] = c0 + v < COLS ? static_cast<float>(rs[c0 + v]) : 0.0f;
+    }
+    if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
+        for (int t = t0 + warp; t < t1; t += 8) {
+            long long off = (long long)t * COLS + c0;
+            Vec gv, yv, out;
+            if (aligned) {
+                gv = *reinterpret_cast<const Vec*>(g + off);
+                yv = *reinterpret_cast<const Vec*>(y + off);
+            } else {
+                for (int v = 0; v < VEC; ++v) {
+                    gv.v[v] = g[off + v];
+                    yv.v[v] = y[off + v];
+                }
+            }
+            for (int v = 0; v < VEC; ++v) {
+                float gf = static_cast<float>(gv.v[v]);
+                acc[v] += gf * static_cast<float>(yv.v[v]);
+                out.v[v] = static_cast<T>(gf * r[v]);
+            }
+            if (aligned) {
+                *reinterpret_cast<Vec*>(gz + off) = out;
+            } else {
+                for (int v = 0; v < VEC; ++v) gz[off + v] = out.v[v];
+            }
         }
     }
-    part[rl][c16] = acc;
+    for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = acc[v];
     __syncthreads();
-    if (tid < 16 && col < COLS) {
+    for (int c = tid; c < CB; c += 256) {
+        int col = blockIdx.x * CB + c;
+        if (col < COLS) {
+            float total = 0.0f;
+            for (int k = 0; k < 8; ++k) total += sums[k][c];
+            part[(long long)blockIdx.y * COLS + col] = total;
+        }
+    }
+"""
+
+# m's gradient from the chunks' column sums: a thread per column, chunks added in order.
+_MAGNITUDE_GRAD = """
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col < COLS) {
         float sum = 0.0f;
-        for (int k = 0; k < 64; ++k) sum += part[k][c16];
+        for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
         float den = static_cast<float>(rs[col]) * norm[col];
         dm[col] = den == 0.0f ? 0.0f : sum / den;
     }
 """
+
+# Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
+_COTANGENT_BLOCKS = 528
 
 # The largest rank the row-scale kernel takes (its accumulators live in registers);
 # adapted_linear computes larger ones in MLX ops.
@@ -160,8 +209,18 @@ def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m
 def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
     """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
     rows, cols = g.shape
-    k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs", "norm"], ["gz", "dm"], _COTANGENT)
-    gz, dm = k(inputs=[g, y, rs, norm], template=[("ROWS", rows), ("COLS", cols), ("T", g.dtype)],
-               grid=(-(-cols // 16) * 1024, 1, 1), threadgroup=(1024, 1, 1),
-               output_shapes=[(rows, cols), (cols,)], output_dtypes=[g.dtype, mx.float32])
+    vec = 16 // g.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    strips = -(-cols // (32 * vec))
+    chunk = -(-rows // max(1, min(-(-_COTANGENT_BLOCKS // strips), rows // 32)))
+    chunks = -(-rows // chunk)
+    k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs"], ["gz", "part"], _COTANGENT)
+    gz, part = k(inputs=[g, y, rs], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                              ("T", g.dtype)],
+                 grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                 output_shapes=[(rows, cols), (chunks, cols)], output_dtypes=[g.dtype, mx.float32])
+    k = _kernel("meshtune_dora_magnitude_grad", ["part", "rs", "norm"], ["dm"], _MAGNITUDE_GRAD)
+    (dm,) = k(inputs=[part, rs, norm], template=[("COLS", cols), ("CHUNKS", chunks)],
+              grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+              output_shapes=[(cols,)], output_dtypes=[mx.float32])
     return gz, dm
