@@ -64,7 +64,8 @@ _ROW_SCALE = """
             }
         }
         if (i < OUT) {
-            for (int j = lane; j < n; j += 32) {
+            #pragma unroll 4
+            for (int j = lane; j < n; j += 32) {  // several loads of W in flight
                 float wv = static_cast<float>(w[(long long)i * IN + j0 + j]);
                 #pragma unroll
                 for (int k = 0; k < R; ++k) acc[k] += wv * sa[k * TJ + j];
@@ -190,6 +191,15 @@ _COTANGENT_BLOCKS = 528
 MAX_RANK = 64
 
 
+def _a_tile_rows(r: int) -> int:
+    """Rows of A a shared-memory tile holds: 32 KiB of float32 (16 KiB at r = 64, beside its
+    16 KiB Gram, under the 48 KiB a block may hold statically), a multiple of 32. Each tile
+    is a global load, a barrier and a pass: few large tiles keep a block's chain short
+    (2 tiles for a 2048-wide input at r = 8)."""
+    floats = 8192 if r <= 32 else 4096
+    return max(32, floats // r // 32 * 32)
+
+
 def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
                    scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
@@ -200,7 +210,7 @@ def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m
     norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), w_sq, m.astype(mx.float32),
                          mx.array([scale], dtype=mx.float32)],
                  template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS),
-                           ("TJ", max(32, 2048 // r)), ("T", dtype)],
+                           ("TJ", _a_tile_rows(r)), ("T", dtype)],
                  grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
                  output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
     return norm, rs
