@@ -2,6 +2,8 @@
 
 Development probe (adapters issue): python scripts/profile_adapted_linear.py  (one 6144 x 2048
 layer at 4096 tokens, bf16; each line a compiled value_and_grad or a lone op, median ms).
+OUT=1024 IN=2048: a k/v-projection's shape. On CUDA "row scale" and "cotangent" are
+kernels.py's kernels, elsewhere the MLX ops; "cotangent" takes an output already computed.
 """
 import os
 import time
@@ -9,10 +11,11 @@ import time
 import mlx.core as mx
 
 from meshtune.adapters import adapted_linear as AL
-from meshtune.adapters.adapted_linear import adapted_linear, adapted_row_norm, dora_cotangent
+from meshtune.adapters import kernels
+from meshtune.adapters.adapted_linear import adapted_linear, adapted_row_norm, dora_cotangent, dora_row_scale
 
 T = int(os.environ.get("TOKENS", 4096))  # TOKENS=128 DTYPE=float32: the CPU 1b bench's batch
-IN, OUT, R, S = 2048, 6144, 8, 20.0
+IN, OUT, R, S = int(os.environ.get("IN", 2048)), int(os.environ.get("OUT", 6144)), 8, 20.0
 dt = getattr(mx, os.environ.get("DTYPE", "bfloat16"))
 W = (mx.random.normal((OUT, IN)) * IN ** -0.5).astype(dt)
 x = mx.random.normal((T, IN)).astype(dt)
@@ -26,7 +29,14 @@ def inverse_row_norm(a, b):
 
 
 rs0 = (p["m"] * inverse_row_norm(p["a"], p["b"])).astype(dt)
-mx.eval(W, x, w_sq, p, g, rs0)
+y0 = x @ W.T
+mx.eval(W, x, w_sq, p, g, rs0, y0)
+
+
+def row_scale(p):
+    if kernels.on_cuda():
+        return kernels.row_scale_cuda(W, p["a"], p["b"], w_sq, p["m"], S, dt)
+    return dora_row_scale(p["a"].astype(dt).T @ W.T, p["a"], p["b"], w_sq, p["m"], S, dt)
 
 
 def loss(y):
@@ -36,8 +46,8 @@ def loss(y):
 cases = {
     "lora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S)))),
     "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, magnitude=p["m"], w_sq=w_sq)))),
-    "row norm": mx.compile(lambda p: inverse_row_norm(p["a"], p["b"])),
-    "cotangent (g rs, d m)": mx.compile(lambda p: dora_cotangent(g, x @ W.T, rs0, w_sq)),
+    "row scale (W A, norm, rs)": mx.compile(row_scale),
+    "cotangent (g rs, d m)": mx.compile(lambda p: dora_cotangent(g, y0, rs0, w_sq)),
     "x @ W.T alone": mx.compile(lambda p: x @ W.T),
     "g * rs": mx.compile(lambda p: g * rs0),
 }
@@ -72,4 +82,4 @@ for _ in range(3):
     for k, f in cases.items():
         res[k].append(timed(f))
 for k, v in res.items():
-    print(f"{k:<24} {sorted(v)[1]:.3f} ms", flush=True)
+    print(f"{k:<26} {sorted(v)[1]:.3f} ms", flush=True)

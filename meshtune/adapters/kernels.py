@@ -12,8 +12,7 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   the norm's small operations.
 - `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
   sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
-  of rows (enough blocks to fill the GPU: the same pass as one block per column strip
-  took 3.5x as long as g * rs alone on an H200, docs/bench/profile_adapted_linear_h200.txt);
+  of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
   a second small kernel adds the chunks' sums in a fixed order, so the result does not
   depend on scheduling, and divides by rs * norm.
 
