@@ -48,13 +48,20 @@ class SimulatedKernel:
     def __init__(self, build_dir: Path, name: str, input_names: list, output_names: list, source: str):
         self.dir, self.name, self.inputs, self.outputs, self.source = build_dir, name, input_names, output_names, source
         self.calls = 0
+        self.seen = {}
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
         assert threadgroup[1:] == (1, 1) and grid[2] == 1, "the simulator takes x blocks and a y grid"
+        # MLX caches a compiled kernel by name and template values only: two calls that share
+        # them must share their inputs' dtypes, or the second runs the first one's kernel.
+        key = (self.name, tuple((n, str(v)) for n, v in template))
+        dtypes = tuple(a.dtype for a in inputs)
+        assert self.seen.setdefault(key, dtypes) == dtypes, f"{self.name}: one cached kernel for inputs {dtypes}"
         consts = []
         for name, value in template:
             if isinstance(value, mx.Dtype):
-                assert name == "T", "the simulator's one element type is T (float)"
+                if name != "T":  # the harness's T; every element type is float here
+                    consts.append(f"typedef float {name};")
             else:
                 consts.append(f"constexpr int {name} = {int(value)};")
         ctypes = ["long long" if a.dtype == mx.int64 else "float" for a in inputs]
@@ -148,6 +155,21 @@ def test_pack_kernel(simulated):
     arrays = [mx.random.normal(s, key=k) for s, k in zip([(3, 5), (1,), (0,), (300,)], keys)]
     got = pack_cuda(arrays, mx.float32)
     assert mx.array_equal(got, mx.concatenate([a.reshape(-1) for a in arrays])).item()
+    # The same count and output dtype from bfloat16 arrays: a kernel of its own (the stand-in checks).
+    half = [a.astype(mx.bfloat16) for a in arrays]
+    assert mx.array_equal(pack_cuda(half, mx.float32), mx.concatenate([a.reshape(-1) for a in half])).item()
+
+
+def test_row_scale_kernel_per_weight_dtype(simulated):
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(1), 3)
+    w = mx.random.normal((9, 40), key=k[0]) / 8
+    a, b = mx.random.normal((40, 4), key=k[1]) / 8, mx.random.normal((4, 9), key=k[2]) / 8
+    w_sq, m = (w * w).sum(-1), mx.ones((9,))
+    for weight in (w, w.astype(mx.bfloat16)):
+        kernels.row_scale_cuda(weight, a, b, w_sq, m, 2.0, mx.float32)
+    assert simulated["meshtune_dora_row_scale"].calls == 2
 
 
 def test_dora_layer_gradients_on_the_cuda_path(simulated):
@@ -190,4 +212,4 @@ def test_gradient_buckets_packed_by_the_kernel(simulated):
     summed = sum_gradients(grads, mesh)
     for (k, v), (k2, v2) in zip(tree_flatten(summed), tree_flatten(grads)):
         assert k == k2 and mx.array_equal(v, v2).item(), k
-    assert simulated["meshtune_pack_3"].calls == 1
+    assert [k.calls for name, k in simulated.items() if name.startswith("meshtune_pack_3_")] == [1]

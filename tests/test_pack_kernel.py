@@ -33,3 +33,13 @@ def test_pack_in_a_compiled_function():
     arrays = [mx.arange(n, dtype=mx.float32) for n in (5, 1, 9)]
     f = mx.compile(lambda *a: pack_cuda(list(a), mx.float32) * 2)
     assert mx.array_equal(f(*arrays), 2 * mx.concatenate(arrays)).item()
+
+
+def test_same_count_from_another_dtype_gets_its_own_kernel():
+    """MLX caches a compiled kernel by name and template values; the inputs' dtypes must be in the name."""
+    from meshtune.parallel.pack_kernel import pack_cuda
+
+    arrays = [mx.arange(5, dtype=mx.float32) + 0.5, mx.arange(3, dtype=mx.float32) - 7.25]
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        inputs = [a.astype(dtype) for a in arrays]
+        assert mx.array_equal(pack_cuda(inputs, mx.float32), mx.concatenate(inputs).astype(mx.float32)).item(), dtype

@@ -204,12 +204,15 @@ def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m
     """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
     out, inp = weight.shape
     r = a.shape[-1]
+    # WT (like YT and RT below), unused in the source, puts an input's dtype in the name MLX
+    # caches the compiled kernel by (the inputs' dtypes are not in it): a float32 W must not
+    # run a bfloat16 W's kernel.
     k = _kernel("meshtune_dora_row_scale", ["w", "a", "b", "w_sq", "m", "s"], ["norm", "rs"], _ROW_SCALE)
     blocks = -(-out // _WARPS)
     norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), w_sq, m.astype(mx.float32),
                          mx.array([scale], dtype=mx.float32)],
                  template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS),
-                           ("TJ", _a_tile_rows(r)), ("T", dtype)],
+                           ("TJ", _a_tile_rows(r)), ("T", dtype), ("WT", weight.dtype)],
                  grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
                  output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
     return norm, rs
@@ -225,11 +228,11 @@ def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
     chunks = -(-rows // chunk)
     k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs"], ["gz", "part"], _COTANGENT)
     gz, part = k(inputs=[g, y, rs], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
-                                              ("T", g.dtype)],
+                                              ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                  output_shapes=[(rows, cols), (chunks, cols)], output_dtypes=[g.dtype, mx.float32])
     k = _kernel("meshtune_dora_magnitude_grad", ["part", "rs", "norm"], ["dm"], _MAGNITUDE_GRAD)
-    (dm,) = k(inputs=[part, rs, norm], template=[("COLS", cols), ("CHUNKS", chunks)],
+    (dm,) = k(inputs=[part, rs, norm], template=[("COLS", cols), ("CHUNKS", chunks), ("RT", rs.dtype)],
               grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
               output_shapes=[(cols,)], output_dtypes=[mx.float32])
     return gz, dm

@@ -10,12 +10,19 @@ over its elements, each cast to the bucket's dtype.
 
 from __future__ import annotations
 
+import hashlib
+
 import mlx.core as mx
 
 from ..cuda import kernel
 
 # Arrays per kernel: each is a pointer argument, and a kernel's arguments are limited (4 KiB).
 MAX_ARRAYS = 256
+
+
+_DTYPE_CODES = {dt: chr(ord("a") + i) for i, dt in enumerate(
+    [mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32, mx.int64,
+     mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64])}
 
 
 def _source(n: int) -> str:
@@ -45,7 +52,11 @@ def pack_cuda(arrays: list[mx.array], dtype: mx.Dtype) -> mx.array:
     for a in arrays:
         offsets.append(offsets[-1] + a.size)
     names = [f"in{k}" for k in range(n)]
-    k = kernel(f"meshtune_pack_{n}", names + ["offs"], ["out"], _source(n))
+    # MLX caches a compiled kernel by its name and template values, not by its inputs' dtypes:
+    # those go into the name, or a bucket of bfloat16 arrays would run float32's kernel.
+    dtypes = "".join(_DTYPE_CODES[a.dtype] for a in arrays)
+    k = kernel(f"meshtune_pack_{n}_{hashlib.sha1(dtypes.encode()).hexdigest()[:12]}", names + ["offs"], ["out"],
+               _source(n))
     blocks = max(1, min(1024, -(-max(a.size for a in arrays) // 256)))
     (out,) = k(inputs=[*arrays, mx.array(offsets, dtype=mx.int64)], template=[("T", dtype)],
                grid=(blocks * 256, n, 1), threadgroup=(256, 1, 1),
