@@ -37,7 +37,8 @@ case $what in
     timeout 90 python3 scripts/profile_adapted_linear.py 2>&1 | tee "$out/profile_adapted_linear.txt"
     timeout 200 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
       --only "current,MLX ops (no kernels),one-launch cotangent,bound: const scale" 2>&1 | tee "$out/probe_dora_step.txt"
-    timeout 150 python3 scripts/probes/packed_step.py --kinds full,lora 2>&1 | tee "$out/packed_step.txt" ;;
+    timeout 150 python3 scripts/probes/packed_step.py --kinds full,lora 2>&1 | tee "$out/packed_step.txt"
+    timeout 100 python3 scripts/probes/packed_step.py --kinds full --cache-limit-gb 64 2>&1 | tee -a "$out/packed_step.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
     timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"

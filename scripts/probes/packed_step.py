@@ -10,7 +10,7 @@ two ranks. If "packed" wins here too, the win is the bucketed graph, not communi
 "packed" packs each bucket with one kernel on CUDA (parallel/pack_kernel.py); "packed by
 concatenate" with mx.concatenate (a copy kernel per array), as before that kernel.
 
-    python scripts/probes/packed_step.py [--preset 1b] [--kinds lora,full] [--steps 10]
+    python scripts/probes/packed_step.py [--preset 1b] [--kinds lora,full] [--steps 10] [--cache-limit-gb 64]
 """
 import argparse
 import statistics
@@ -44,7 +44,11 @@ def main():
     p.add_argument("--preset", default="1b")
     p.add_argument("--kinds", default="lora,full")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--cache-limit-gb", type=float, default=0.0,
+                   help="mx.set_cache_limit first: is the plain full step's loss the allocator giving memory back?")
     args = p.parse_args()
+    if args.cache_limit_gb:
+        mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     a = B._settings(["--preset", args.preset])
     shape = B.shape_of(a)
     dtype = mx.float32 if B._on_cpu() else mx.bfloat16
@@ -61,7 +65,8 @@ def main():
         for _ in range(2):
             for k, r in runs.items():
                 times[k] += [r() for _ in range(args.steps // 2)]
-        print(f"{kind}: " + "  ".join(f"{k} {statistics.median(t) * 1e3:.1f} ms" for k, t in times.items()), flush=True)
+        print(f"{kind}: " + "  ".join(f"{k} {statistics.median(t) * 1e3:.1f} ms" for k, t in times.items())
+              + f"  (peak {mx.get_peak_memory() / 2**30:.1f} GiB, cache {mx.get_cache_memory() / 2**30:.1f} GiB)", flush=True)
         del runs
         B._release()
 
