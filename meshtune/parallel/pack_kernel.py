@@ -2,10 +2,10 @@
 
 `mx.concatenate` on MLX's CUDA build copies each input with its own kernel: a LoRA
 bucket of a 16-layer model holds ~224 small arrays, so packing it dispatched ~224
-copies per step on a step that is already short of host time (scripts/probes/
-packed_step.py measured a one-GPU LoRA step at 54.4 ms, 59.7 ms with its gradients
-packed). Here one kernel copies them all: a block row per array, a grid-stride loop
-over its elements, each cast to the bucket's dtype.
+copies per step on a step that is already short of host time. Here one kernel copies
+them all: a block row per array, a grid-stride loop over its elements, each cast to the
+bucket's dtype. On one H200 (scripts/probes/packed_step.py, one run) a LoRA step took
+54.0 ms, 58.0 ms with its gradients packed by this kernel, 60.9 ms by concatenate.
 """
 
 from __future__ import annotations
@@ -18,12 +18,6 @@ from ..cuda import kernel
 
 # Arrays per kernel: each is a pointer argument, and a kernel's arguments are limited (4 KiB).
 MAX_ARRAYS = 256
-
-
-_DTYPE_CODES = {dt: chr(ord("a") + i) for i, dt in enumerate(
-    [mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32, mx.int64,
-     mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64])}
-
 
 def _source(n: int) -> str:
     cases = "\n".join(f"            case {k}: out[start + i] = static_cast<T>(in{k}[i]); break;" for k in range(n))
@@ -54,7 +48,7 @@ def pack_cuda(arrays: list[mx.array], dtype: mx.Dtype) -> mx.array:
     names = [f"in{k}" for k in range(n)]
     # MLX caches a compiled kernel by its name and template values, not by its inputs' dtypes:
     # those go into the name, or a bucket of bfloat16 arrays would run float32's kernel.
-    dtypes = "".join(_DTYPE_CODES[a.dtype] for a in arrays)
+    dtypes = ",".join(str(a.dtype) for a in arrays)
     k = kernel(f"meshtune_pack_{n}_{hashlib.sha1(dtypes.encode()).hexdigest()[:12]}", names + ["offs"], ["out"],
                _source(n))
     blocks = max(1, min(1024, -(-max(a.size for a in arrays) // 256)))
