@@ -10,14 +10,16 @@ import sys
 
 import mlx.core as mx
 
+from meshtune.adapters import adapted_linear as AL
 from meshtune.adapters import dora as D
+from meshtune.adapters import kernels as K
 from meshtune.adapters.base_path import dense_weight_for
 from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
 from meshtune.bench.models import Shape
 
 ORIGINAL = D.DoRALinear.__call__
-
+ON_CUDA = K.on_cuda
 
 
 def v_const(self, x):
@@ -32,11 +34,6 @@ def v_const(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
-from meshtune.adapters import kernels as K
-
-ON_CUDA = K.on_cuda
-
-
 def _kernels(on):
     """The current layer with adapted_linear's CUDA kernels on (where CUDA is) or off (MLX ops).
     Left set after the call: the backward (where the cotangent kernel runs) is traced after the forward returns."""
@@ -45,9 +42,6 @@ def _kernels(on):
         K.on_cuda = ON_CUDA if on else (lambda: False)
         return ORIGINAL(self, x)
     return variant
-
-
-from meshtune.adapters import adapted_linear as AL
 
 
 def _separate_rows(self, x):

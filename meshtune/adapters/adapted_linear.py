@@ -88,7 +88,6 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
     dt = x.dtype
     tokens = x.size // x.shape[-1]
-    rows_on_base = NORM_ROWS_ON_BASE_PRODUCT
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
         ac, bc = a.astype(dt), b.astype(dt)
@@ -99,17 +98,17 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             # One kernel: W A (W read again, in place of a skinny matmul), A's Gram, the norm, rs.
             base = x2 @ weight.T
             norm, rs = kernels.row_scale_cuda(weight, a, b, w_sq, m, scale, dt)
+        elif NORM_ROWS_ON_BASE_PRODUCT:
+            rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
+            pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
+            if pad:
+                rows.append(mx.zeros((pad, x2.shape[-1]), dtype=dt))
+            both = mx.concatenate(rows) @ weight.T
+            base = both[:tokens]
+            norm, rs = dora_row_scale(both[tokens:tokens + ac.shape[-1]], a, b, w_sq, m, scale, dt)
         else:
-            if rows_on_base:
-                rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
-                pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
-                if pad:
-                    rows.append(mx.zeros((pad, x2.shape[-1]), dtype=dt))
-                both = mx.concatenate(rows) @ weight.T
-                base, proj_rows = both[:tokens], both[tokens:tokens + ac.shape[-1]]
-            else:
-                base, proj_rows = x2 @ weight.T, ac.T @ weight.T
-            norm, rs = dora_row_scale(proj_rows, a, b, w_sq, m, scale, dt)
+            base = x2 @ weight.T
+            norm, rs = dora_row_scale(ac.T @ weight.T, a, b, w_sq, m, scale, dt)
         return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:

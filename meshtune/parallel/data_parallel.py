@@ -128,7 +128,7 @@ def _unpack(total: mx.array, arrays: list[mx.array]) -> list[mx.array]:
 
 
 def _pack(arrays: list[mx.array], dtype: mx.Dtype | None = None) -> mx.array:
-    if len(arrays) > 1 and on_cuda():
+    if on_cuda():
         return pack_cuda(arrays, dtype or arrays[0].dtype)  # one kernel, not a copy kernel per array
     flat = [a.reshape(-1) if dtype is None else a.reshape(-1).astype(dtype) for a in arrays]
     return mx.concatenate(flat) if len(flat) > 1 else flat[0]

@@ -1,4 +1,5 @@
-"""What the step probes share: meshtune's compiled step on the bench's random model and one fixed batch."""
+"""What the step probes share: meshtune's compiled step on the bench's random model and one fixed batch,
+and timing several configurations in interleaved rounds."""
 import mlx.core as mx
 import mlx.optimizers as optim
 
@@ -19,3 +20,16 @@ def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None):
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
     mx.eval(tokens, lengths)
     return step, state, tokens, lengths
+
+
+def interleaved(runs, steps, *, warmup=3, rounds=2):
+    """{name: [what run() returned, per timed call]}: each run warmed up (compiled), then
+    timed in `rounds` rounds over all of them, so drift spreads over every configuration."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    results = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            results[name] += [run() for _ in range(steps // rounds)]
+    return results

@@ -16,7 +16,7 @@ import time
 
 import mlx.core as mx
 
-from _steps import meshtune_step
+from _steps import interleaved, meshtune_step
 from meshtune.bench import adapters as B
 
 
@@ -53,14 +53,7 @@ def main():
                                       "MLX_CUDA_GRAPH_CACHE_SIZE") if k in os.environ}
     print(f"# {args.label} batch {a.batch_size}x{a.seq_len} env {env or 'default'}", flush=True)
     runs = {f"{k} {b}": runner(k, b, a, shape, dtype) for b in args.bases.split(",") for k in ("lora", "dora")}
-    for r in runs.values():
-        for _ in range(3):
-            r()
-    times = {name: [] for name in runs}
-    for _ in range(2):
-        for name, r in runs.items():
-            for _ in range(args.steps // 2):
-                times[name].append(r())
+    times = interleaved(runs, args.steps)
     print(f"{'':12s} {'build ms':>9s} {'dispatch ms':>12s} {'wait ms':>8s} {'step ms':>8s}")
     for name, t in times.items():
         med = [statistics.median(x[i] for x in t) * 1e3 for i in range(4)]

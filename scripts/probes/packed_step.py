@@ -18,7 +18,7 @@ import time
 
 import mlx.core as mx
 
-from _steps import meshtune_step
+from _steps import interleaved, meshtune_step
 from meshtune.bench import adapters as B
 from meshtune.mesh import Mesh
 from meshtune.parallel import data_parallel as DP
@@ -58,13 +58,7 @@ def main():
     for kind in args.kinds.split(","):
         runs = {"plain": runner(kind, Mesh.single(), a, shape, dtype), "packed": runner(kind, packed, a, shape, dtype),
                 "packed by concatenate": runner(kind, packed, a, shape, dtype, pack_kernel=False)}
-        for r in runs.values():
-            for _ in range(3):
-                r()
-        times = {k: [] for k in runs}
-        for _ in range(2):
-            for k, r in runs.items():
-                times[k] += [r() for _ in range(args.steps // 2)]
+        times = interleaved(runs, args.steps)
         print(f"{kind}: " + "  ".join(f"{k} {statistics.median(t) * 1e3:.1f} ms" for k, t in times.items())
               + f"  (peak {mx.get_peak_memory() / 2**30:.1f} GiB, cache {mx.get_cache_memory() / 2**30:.1f} GiB)", flush=True)
         del runs
