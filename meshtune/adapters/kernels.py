@@ -5,11 +5,13 @@ gradient with the row-scaled cotangent (backward). Each is a few MLX operations,
 the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
 ~60%), so each gets as few launches as the GPU's time allows:
 
-- `row_scale_cuda` (forward): W A's r columns for the block's rows (W read once, A
-  staged through shared memory), A's r x r Gram from the same tiles, then
-  ||W + s (A B)^T||_row by the identity in DESIGN.md and rs = m / that norm, in the
-  activations' dtype. It takes the place of a skinny matmul, the Gram's matmul and
-  the norm's small operations.
+- `row_scale_cuda` (forward): W A's r columns for a warp's rows (W read once, 16-byte
+  loads, A staged through shared memory and each value of it used for several rows),
+  A's r x r Gram from the same tiles, then ||W + s (A B)^T||_row by the identity in
+  DESIGN.md and rs = m / that norm, in the activations' dtype. It takes the place of a
+  skinny matmul, the Gram's matmul and the norm's small operations. For the 1B bench
+  model's 112 layers it takes X ms of GPU time a step (scripts/probes/dora_kernel_cost.py;
+  the base products x W^T take 10.4 ms, the first version of this kernel 10.5).
 - `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
   sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
   of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
@@ -26,89 +28,125 @@ import mlx.core as mx
 
 from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
 
-_WARPS = 8  # a row of W per warp, 8 warps a block
+_WARPS = 8  # warps a block
 
 _ROW_SCALE = """
-    // Block: a row of W per warp. Tiles of TJ rows of A (in, R) pass through shared memory,
-    // stored transposed (sa[k][j]) so a warp's lanes read consecutive j. From the same
-    // tiles every block sums A's Gram: SPLIT threads per entry, each over every SPLIT-th j.
-    __shared__ float sa[TJ * R];
-    __shared__ float gpart[WARPS * 32];
-    __shared__ float G[R * R];
+    // Block: WARPS warps, RPW adjacent rows of W each. Tiles of TJ rows of A (in, R) pass
+    // through shared memory transposed (sa[k * TJ + j]); a lane takes VEC consecutive columns
+    // of its RPW rows at a time (one 16-byte load a row) and the VEC values of A's column k
+    // for them (float4 reads, half-swizzled so a quarter-warp's reads hit distinct banks),
+    // so a value of A read from shared memory serves RPW rows.
+    // The block also sums A's Gram from the same tiles: warp w owns rows w, w + WARPS, ...
+    // of it, lanes split j, 8 columns at a time, reduced by a fixed butterfly per tile.
+    struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
     constexpr int NT = WARPS * 32;
-    constexpr int SPLIT = R * R < NT ? NT / (R * R) : 1;
-    constexpr int GPT = (R * R + NT - 1) / NT;  // Gram entries a thread sums (SPLIT == 1)
+    __shared__ float4 sa4[R * TJ / 4];
+    __shared__ float G[R * R];
+    float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
     int lane = tid & 31;
-    int i = blockIdx.x * WARPS + (tid >> 5);
-    float acc[R];
+    int warp = tid >> 5;
+    int row0 = (blockIdx.x * WARPS + warp) * RPW;
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+    float acc[RPW][R];
     #pragma unroll
-    for (int k = 0; k < R; ++k) acc[k] = 0.0f;
-    float gacc[GPT];
-    #pragma unroll
-    for (int e = 0; e < GPT; ++e) gacc[e] = 0.0f;
+    for (int q = 0; q < RPW; ++q)
+        #pragma unroll
+        for (int k = 0; k < R; ++k) acc[q][k] = 0.0f;
+    for (int e = tid; e < R * R; e += NT) G[e] = 0.0f;
     for (int j0 = 0; j0 < IN; j0 += TJ) {
-        int n = min(TJ, IN - j0);
+        int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
         for (int e = tid; e < n * R; e += NT) sa[(e % R) * TJ + e / R] = a[(long long)j0 * R + e];
         __syncthreads();
-        #pragma unroll
-        for (int e = 0; e < GPT; ++e) {
-            int kl = SPLIT > 1 ? tid / SPLIT : tid + e * NT;
-            if (kl < R * R) {
-                int k = kl / R;
-                int l = kl - k * R;
-                float s2 = 0.0f;
-                for (int j = SPLIT > 1 ? tid % SPLIT : 0; j < n; j += SPLIT) s2 += sa[k * TJ + j] * sa[l * TJ + j];
-                gacc[e] += s2;
-            }
-        }
-        if (i < OUT) {
-            #pragma unroll 4
-            for (int j = lane; j < n; j += 32) {  // several loads of W in flight
-                float wv = static_cast<float>(w[(long long)i * IN + j0 + j]);
+        for (int k = warp; k < R; k += WARPS) {
+            for (int l0 = 0; l0 < R; l0 += 8) {
+                float s2[8];
                 #pragma unroll
-                for (int k = 0; k < R; ++k) acc[k] += wv * sa[k * TJ + j];
+                for (int l = 0; l < 8; ++l) s2[l] = 0.0f;
+                for (int j = lane; j < n; j += 32) {
+                    float ak = sa[k * TJ + j];
+                    #pragma unroll
+                    for (int l = 0; l < 8; ++l)
+                        if (l0 + l < R) s2[l] += ak * sa[(l0 + l) * TJ + j];
+                }
+                #pragma unroll
+                for (int l = 0; l < 8; ++l) {
+                    for (int off = 16; off > 0; off >>= 1) s2[l] += __shfl_xor_sync(0xffffffff, s2[l], off);
+                    if (lane == 0 && l0 + l < R) G[k * R + l0 + l] += s2[l];
+                }
+            }
+        }
+        for (int c = lane * VEC; c < n; c += 32 * VEC) {
+            float wv[RPW][VEC];
+            #pragma unroll
+            for (int q = 0; q < RPW; ++q) {
+                long long off = (long long)(row0 + q) * IN + j0 + c;
+                if (row0 + q >= OUT) {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) wv[q][v] = 0.0f;
+                } else if (aligned) {
+                    WVec t = *reinterpret_cast<const WVec*>(w + off);
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) wv[q][v] = static_cast<float>(t.v[v]);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) wv[q][v] = static_cast<float>(w[off + v]);
+                }
+            }
+            #pragma unroll
+            for (int k = 0; k < R; ++k) {
+                float av[VEC];
+                if (VEC >= 4) {
+                    #pragma unroll
+                    for (int h = 0; h < VEC / 4; ++h) {
+                        int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
+                        float4 f = sa4[(k * TJ + c) / 4 + part];
+                        av[part * 4] = f.x;
+                        av[part * 4 + 1] = f.y;
+                        av[part * 4 + 2] = f.z;
+                        av[part * 4 + 3] = f.w;
+                    }
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) av[v] = sa[k * TJ + c + v];
+                }
+                #pragma unroll
+                for (int q = 0; q < RPW; ++q)
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) acc[q][k] += wv[q][v] * av[v];
             }
         }
         __syncthreads();
     }
-    if (SPLIT > 1) {
-        gpart[tid] = gacc[0];
-        __syncthreads();
-        if (tid < R * R) {
-            float g2 = 0.0f;
-            for (int q = 0; q < SPLIT; ++q) g2 += gpart[tid * SPLIT + q];
-            G[tid] = g2;
-        }
-    } else {
-        #pragma unroll
-        for (int e = 0; e < GPT; ++e)
-            if (tid + e * NT < R * R) G[tid + e * NT] = gacc[e];
-    }
-    // The row's R dot products summed over the warp's lanes (a fixed butterfly: deterministic).
+    // Each row's R dot products summed over the warp's lanes (a fixed butterfly: deterministic).
     #pragma unroll
-    for (int k = 0; k < R; ++k)
-        for (int off = 16; off > 0; off >>= 1) acc[k] += __shfl_xor_sync(0xffffffff, acc[k], off);
-    __syncthreads();
-    if (lane == 0 && i < OUT) {
-        float c[R];
-        float cross = 0.0f;
+    for (int q = 0; q < RPW; ++q)
         #pragma unroll
-        for (int k = 0; k < R; ++k) {
-            c[k] = b[k * OUT + i];
-            cross += c[k] * acc[k];
+        for (int k = 0; k < R; ++k)
+            for (int off = 16; off > 0; off >>= 1) acc[q][k] += __shfl_xor_sync(0xffffffff, acc[q][k], off);
+    #pragma unroll
+    for (int q = 0; q < RPW; ++q) {
+        int i = row0 + q;
+        if (lane == q && i < OUT) {
+            float c[R];
+            float cross = 0.0f;
+            #pragma unroll
+            for (int k = 0; k < R; ++k) {
+                c[k] = b[k * OUT + i];
+                cross += c[k] * acc[q][k];
+            }
+            float quad = 0.0f;
+            #pragma unroll
+            for (int k = 0; k < R; ++k) {
+                float t = 0.0f;
+                for (int l = 0; l < R; ++l) t += G[k * R + l] * c[l];
+                quad += c[k] * t;
+            }
+            float sc = s[0];
+            float nrm = sqrtf(fmaxf(w_sq[i] + 2.0f * sc * cross + sc * sc * quad, 0.0f));
+            norm[i] = nrm;
+            rs[i] = static_cast<T>(m[i] / nrm);
         }
-        float quad = 0.0f;
-        #pragma unroll
-        for (int k = 0; k < R; ++k) {
-            float t = 0.0f;
-            for (int l = 0; l < R; ++l) t += G[k * R + l] * c[l];
-            quad += c[k] * t;
-        }
-        float sc = s[0];
-        float nrm = sqrtf(fmaxf(w_sq[i] + 2.0f * sc * cross + sc * sc * quad, 0.0f));
-        norm[i] = nrm;
-        rs[i] = static_cast<T>(m[i] / nrm);
     }
 """
 
@@ -190,13 +228,20 @@ _COTANGENT_BLOCKS = 528
 MAX_RANK = 64
 
 
-def _a_tile_rows(r: int) -> int:
-    """Rows of A a shared-memory tile holds: 32 KiB of float32 (16 KiB at r = 64, beside its
-    16 KiB Gram, under the 48 KiB a block may hold statically), a multiple of 32. Each tile
-    is a global load, a barrier and a pass: few large tiles keep a block's chain short
-    (2 tiles for a 2048-wide input at r = 8)."""
+def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
+    """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds).
+
+    Rows a warp: a value of A read from shared memory serves each of them, as many as the
+    R accumulators a row leaves registers for. Columns: one 16-byte load of W where the
+    input width allows. Tile: 32 KiB of float32 (16 KiB past r = 32, beside the Gram's
+    r x r, under the 48 KiB a block may hold statically), a multiple of a warp's columns.
+    """
+    rows = 4 if r <= 8 else 2 if r <= 32 else 1
     floats = 8192 if r <= 32 else 4096
-    return max(32, floats // r // 32 * 32)
+    vec = 16 // weight_bytes
+    while vec > 1 and (inp % vec or floats // r < 32 * vec):
+        vec //= 2
+    return rows, vec, max(32 * vec, floats // r // (32 * vec) * (32 * vec))
 
 
 def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
@@ -204,15 +249,15 @@ def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m
     """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
     out, inp = weight.shape
     r = a.shape[-1]
-    # WT (like YT and RT below), unused in the source, puts an input's dtype in the name MLX
-    # caches the compiled kernel by (the inputs' dtypes are not in it): a float32 W must not
-    # run a bfloat16 W's kernel.
+    # WT (like YT and RT below) puts an input's dtype in the name MLX caches the compiled
+    # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
     k = _kernel("meshtune_dora_row_scale", ["w", "a", "b", "w_sq", "m", "s"], ["norm", "rs"], _ROW_SCALE)
-    blocks = -(-out // _WARPS)
+    rows, vec, tile = _row_scale_layout(r, inp, weight.dtype.size)
+    blocks = -(-out // (_WARPS * rows))
     norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), w_sq, m.astype(mx.float32),
                          mx.array([scale], dtype=mx.float32)],
-                 template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS),
-                           ("TJ", _a_tile_rows(r)), ("T", dtype), ("WT", weight.dtype)],
+                 template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
+                           ("TJ", tile), ("T", dtype), ("WT", weight.dtype)],
                  grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
                  output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
     return norm, rs

@@ -1,0 +1,73 @@
+"""GPU time of DoRA's kernels over a whole 1B step's layers, against the launch floor.
+
+Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [--tokens 4096]
+For the bench's 1b model (16 blocks of q,k,v,o,gate,up,down) it issues each piece once per
+layer (112 calls) inside one evaluation, several times, and prints the median ms for all
+112: the row-scale kernel, the cotangent kernels, the base product x W^T, g * rs, and a
+one-element add (the per-launch floor). No synchronisation inside a batch, so these are
+GPU + encode times, not round trips.
+"""
+import argparse
+import time
+
+import mlx.core as mx
+
+from meshtune.adapters import kernels as K
+
+p = argparse.ArgumentParser()
+p.add_argument("--tokens", type=int, default=4096)
+p.add_argument("--rank", type=int, default=8)
+p.add_argument("--reps", type=int, default=7)
+args = p.parse_args()
+H, I, KV = 2048, 6144, 1024
+shapes = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)] * 16  # (out, in)
+dt = mx.bfloat16
+uniq = {s: None for s in shapes}
+for out, inp in uniq:
+    W = (mx.random.normal((out, inp)) * inp ** -0.5).astype(dt)
+    w_sq = (W.astype(mx.float32) ** 2).sum(-1)
+    a = mx.random.normal((inp, args.rank)) * 0.02
+    b = mx.random.normal((args.rank, out)) * 0.01
+    x = mx.random.normal((args.tokens, inp)).astype(dt)
+    g = mx.random.normal((args.tokens, out)).astype(dt)
+    y = mx.random.normal((args.tokens, out)).astype(dt)
+    rs = (mx.random.uniform(shape=(out,)) + 0.5).astype(dt)
+    uniq[(out, inp)] = dict(W=W, w_sq=w_sq, a=a, b=b, m=mx.sqrt(w_sq), x=x, g=g, y=y, rs=rs)
+    mx.eval(uniq[(out, inp)])
+one = mx.array([1.0])
+mx.eval(one)
+
+
+def batch(piece):
+    outs = []
+    for s in shapes:
+        d = uniq[s]
+        outs.extend(piece(d))
+    return outs
+
+
+pieces = {
+    "launch floor (1-element add)": lambda d: [one + 1.0],
+    "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["w_sq"], d["m"], 20.0, dt)),
+    "cotangent kernels (2)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
+    "g * rs": lambda d: [d["g"] * d["rs"]],
+    "sum_t g*y (MLX)": lambda d: [(d["g"] * d["y"]).astype(mx.float32).sum(0)],
+    "base product x W^T": lambda d: [d["x"] @ d["W"].T],
+    "W A (skinny matmul)": lambda d: [d["W"] @ d["a"].astype(dt)],
+}
+res = {k: [] for k in pieces}
+for rep in range(args.reps):
+    for k, f in pieces.items():
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = batch(f)
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        t2 = time.perf_counter()
+        res[k].append((t1 - t0, t2 - t1))
+print(f"1b step's 112 adapted layers, tokens {args.tokens}, rank {args.rank}, {mx.default_device()}")
+print(f"{'piece':32s} {'build ms':>9s} {'eval ms':>9s}  (median of {args.reps}, first dropped)")
+for k, v in res.items():
+    v = sorted(v[1:], key=lambda t: t[1])
+    b, e = v[len(v) // 2]
+    print(f"{k:32s} {b * 1e3:9.2f} {e * 1e3:9.2f}", flush=True)
