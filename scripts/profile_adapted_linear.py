@@ -35,7 +35,7 @@ mx.eval(W, x, w_sq, p, g, rs0, y0)
 
 def row_scale(p):
     if kernels.on_cuda():
-        return kernels.row_scale_cuda(W, p["a"], p["b"], w_sq, p["m"], S, dt)
+        return kernels.row_scale_cuda(W, p["a"], p["b"], p["m"], S, dt)
     return dora_row_scale(p["a"].astype(dt).T @ W.T, p["a"], p["b"], w_sq, p["m"], S, dt)
 
 

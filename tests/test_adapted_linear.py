@@ -76,7 +76,7 @@ def test_magnitude_without_base_norms_is_an_error():
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("r", [8, 16, 64])  # the Gram split over 4 threads an entry, 1, then 16 entries a thread
+@pytest.mark.parametrize("r", [8, 16, 64])  # the row scale: 2 rows a warp, 2, then 1 with 4-byte loads of W
 def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype, r):
     from meshtune.adapters import adapted_linear as AL, kernels
 
@@ -92,10 +92,12 @@ def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype, r):
     w_sq = (w32 * w32).sum(-1)
     m = mx.sqrt(w_sq).at[3].multiply(0.0)  # a zero row scale gets d m = 0
     rs = (m / w_sq).astype(dtype)
-    got = kernels.row_scale_cuda(w, a, b, w_sq, m, S, dtype) + kernels.cotangent_cuda(g, y, rs, w_sq)
+    got = (kernels.row_scale_cuda(w, a, b, m, S, dtype) + kernels.cotangent_cuda(g, y, rs, w_sq)
+           + (kernels.scaled_output_cuda(g, y, rs, S),))
     monkeypatch.setattr(kernels, "on_cuda", lambda: False)
-    want = AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype) + AL.dora_cotangent(g, y, rs, w_sq)
-    for name, x, v, tol in zip(("norm", "rs", "g*rs", "dm"), got, want, (1e-4, 1e-2, 1e-2, 1e-4)):
+    want = (AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype) + AL.dora_cotangent(g, y, rs, w_sq)
+            + ((rs.astype(mx.float32) * (g.astype(mx.float32) + S * y.astype(mx.float32))).astype(dtype),))
+    for name, x, v, tol in zip(("norm", "rs", "g*rs", "dm", "rs (base + s u)"), got, want, (1e-4, 1e-2, 1e-2, 1e-4, 1e-2)):
         assert x.dtype == v.dtype and x.shape == v.shape, name
         assert mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol, atol=tol).item(), name
     assert got[3][3].item() == 0.0

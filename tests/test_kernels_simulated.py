@@ -126,7 +126,7 @@ def test_row_scale_kernel(simulated, r, inp, out):
     b = mx.random.normal((r, out), key=k[2]) / 8
     w_sq = (w * w).sum(-1)
     m = mx.random.uniform(0.5, 2.0, (out,), key=k[3])
-    norm, rs = kernels.row_scale_cuda(w, a, b, w_sq, m, 2.0, mx.float32)
+    norm, rs = kernels.row_scale_cuda(w, a, b, m, 2.0, mx.float32)
     want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, w_sq, m, 2.0, mx.float32)
     assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
     assert simulated["meshtune_dora_row_scale"].calls == 1
@@ -148,6 +148,18 @@ def test_cotangent_kernel(simulated, rows, cols):
     assert simulated["meshtune_dora_cotangent"].calls == simulated["meshtune_dora_magnitude_grad"].calls == 1
 
 
+@pytest.mark.parametrize("rows, cols", [(5, 24), (3, 10)])  # 16-byte accesses; 10: a column a thread
+def test_scaled_output_kernel(simulated, rows, cols):
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(cols), 3)
+    base, u = mx.random.normal((rows, cols), key=k[0]), mx.random.normal((rows, cols), key=k[1])
+    rs = mx.random.uniform(0.5, 2.0, (cols,), key=k[2])
+    got = kernels.scaled_output_cuda(base, u, rs, 3.0)
+    assert mx.allclose(got, rs * (base + 3.0 * u), rtol=1e-6, atol=1e-6).item()
+    assert simulated["meshtune_dora_scaled_output"].calls == 1
+
+
 def test_pack_kernel(simulated):
     from meshtune.parallel.pack_kernel import pack_cuda
 
@@ -166,9 +178,9 @@ def test_row_scale_kernel_per_weight_dtype(simulated):
     k = mx.random.split(mx.random.key(1), 3)
     w = mx.random.normal((9, 40), key=k[0]) / 8
     a, b = mx.random.normal((40, 4), key=k[1]) / 8, mx.random.normal((4, 9), key=k[2]) / 8
-    w_sq, m = (w * w).sum(-1), mx.ones((9,))
+    m = mx.ones((9,))
     for weight in (w, w.astype(mx.bfloat16)):
-        kernels.row_scale_cuda(weight, a, b, w_sq, m, 2.0, mx.float32)
+        kernels.row_scale_cuda(weight, a, b, m, 2.0, mx.float32)
     assert simulated["meshtune_dora_row_scale"].calls == 2
 
 
@@ -198,6 +210,7 @@ def test_dora_layer_gradients_on_the_cuda_path(simulated):
     for name, g, h in zip("x a b m".split(), got, want):
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), name
     assert simulated["meshtune_dora_row_scale"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
+    assert simulated["meshtune_dora_scaled_output"].calls == 1
 
 
 def test_gradient_buckets_packed_by_the_kernel(simulated):

@@ -5,13 +5,14 @@ gradient with the row-scaled cotangent (backward). Each is a few MLX operations,
 the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
 ~60%), so each gets as few launches as the GPU's time allows:
 
-- `row_scale_cuda` (forward): W A's r columns for a warp's rows (W read once, 16-byte
-  loads, A staged through shared memory and each value of it used for several rows),
-  A's r x r Gram from the same tiles, then ||W + s (A B)^T||_row by the identity in
-  DESIGN.md and rs = m / that norm, in the activations' dtype. It takes the place of a
-  skinny matmul, the Gram's matmul and the norm's small operations. For the 1B bench
-  model's 112 layers it takes X ms of GPU time a step (scripts/probes/dora_kernel_cost.py;
-  the base products x W^T take 10.4 ms, the first version of this kernel 10.5).
+- `row_scale_cuda` (forward): ||W + s (A B)^T||_row and rs = m / that norm (in the
+  activations' dtype) in one pass over W: each row's adapted elements formed in
+  registers from 16-byte loads of W and A staged in shared memory, squared and summed,
+  never stored (on the CPU and Metal the MLX ops use DESIGN.md's identity instead,
+  where W A is a product already running). It takes the place of a skinny matmul, the
+  Gram's matmul and the norm's small operations. For the 1B bench model's 112 layers
+  the first version of this kernel took 10.5 ms of GPU time a step, as long as all the
+  base products x W^T (scripts/probes/dora_kernel_cost.py).
 - `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
   sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
   of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
@@ -31,119 +32,103 @@ from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_li
 _WARPS = 8  # warps a block
 
 _ROW_SCALE = """
-    // Block: WARPS warps, RPW adjacent rows of W each. Tiles of TJ rows of A (in, R) pass
-    // through shared memory transposed (sa[k * TJ + j]); a lane takes VEC consecutive columns
-    // of its RPW rows at a time (one 16-byte load a row) and the VEC values of A's column k
-    // for them (float4 reads, half-swizzled so a quarter-warp's reads hit distinct banks),
-    // so a value of A read from shared memory serves RPW rows.
-    // The block also sums A's Gram from the same tiles: warp w owns rows w, w + WARPS, ...
-    // of it, lanes split j, 8 columns at a time, reduced by a fixed butterfly per tile.
+    // Block: WARPS warps, RPW adjacent rows of W each. The norm is taken row by row without
+    // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
+    // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
+    // identity's terms). Tiles of TJ rows of A pass through shared memory transposed, padded
+    // (sa[k * SA + j], SA = TJ + 4: staging writes hit distinct banks); a lane takes VEC
+    // consecutive columns per pass (a 16-byte load of each of its rows, all of a tile's loads
+    // issued before its arithmetic) and reads A's values for them as float4s, half-swizzled
+    // so a quarter-warp's reads hit distinct banks; each value read serves RPW rows.
     struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
     constexpr int NT = WARPS * 32;
-    __shared__ float4 sa4[R * TJ / 4];
-    __shared__ float G[R * R];
+    constexpr int SA = TJ + 4;
+    constexpr int P = TJ / (32 * VEC);  // passes over a full tile
+    __shared__ float4 sa4[R * SA / 4];
     float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
     int lane = tid & 31;
-    int warp = tid >> 5;
-    int row0 = (blockIdx.x * WARPS + warp) * RPW;
+    int row0 = (blockIdx.x * WARPS + (tid >> 5)) * RPW;
     bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
-    float acc[RPW][R];
+    float sc = s[0];
+    float cb[RPW][R];  // s * B's column for each of the warp's rows
+    float sq[RPW];
     #pragma unroll
-    for (int q = 0; q < RPW; ++q)
+    for (int q = 0; q < RPW; ++q) {
+        sq[q] = 0.0f;
         #pragma unroll
-        for (int k = 0; k < R; ++k) acc[q][k] = 0.0f;
-    for (int e = tid; e < R * R; e += NT) G[e] = 0.0f;
+        for (int k = 0; k < R; ++k) cb[q][k] = row0 + q < OUT ? sc * b[k * OUT + row0 + q] : 0.0f;
+    }
     for (int j0 = 0; j0 < IN; j0 += TJ) {
         int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
-        for (int e = tid; e < n * R; e += NT) sa[(e % R) * TJ + e / R] = a[(long long)j0 * R + e];
-        __syncthreads();
-        for (int k = warp; k < R; k += WARPS) {
-            for (int l0 = 0; l0 < R; l0 += 8) {
-                float s2[8];
-                #pragma unroll
-                for (int l = 0; l < 8; ++l) s2[l] = 0.0f;
-                for (int j = lane; j < n; j += 32) {
-                    float ak = sa[k * TJ + j];
-                    #pragma unroll
-                    for (int l = 0; l < 8; ++l)
-                        if (l0 + l < R) s2[l] += ak * sa[(l0 + l) * TJ + j];
-                }
-                #pragma unroll
-                for (int l = 0; l < 8; ++l) {
-                    for (int off = 16; off > 0; off >>= 1) s2[l] += __shfl_xor_sync(0xffffffff, s2[l], off);
-                    if (lane == 0 && l0 + l < R) G[k * R + l0 + l] += s2[l];
-                }
-            }
-        }
-        for (int c = lane * VEC; c < n; c += 32 * VEC) {
-            float wv[RPW][VEC];
+        WVec wr[P][RPW];
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int c = p * 32 * VEC + lane * VEC;
             #pragma unroll
             for (int q = 0; q < RPW; ++q) {
                 long long off = (long long)(row0 + q) * IN + j0 + c;
-                if (row0 + q >= OUT) {
+                if (row0 + q >= OUT || c >= n) {
                     #pragma unroll
-                    for (int v = 0; v < VEC; ++v) wv[q][v] = 0.0f;
+                    for (int v = 0; v < VEC; ++v) wr[p][q].v[v] = static_cast<WT>(0.0f);
                 } else if (aligned) {
-                    WVec t = *reinterpret_cast<const WVec*>(w + off);
-                    #pragma unroll
-                    for (int v = 0; v < VEC; ++v) wv[q][v] = static_cast<float>(t.v[v]);
+                    wr[p][q] = *reinterpret_cast<const WVec*>(w + off);
                 } else {
                     #pragma unroll
-                    for (int v = 0; v < VEC; ++v) wv[q][v] = static_cast<float>(w[off + v]);
+                    for (int v = 0; v < VEC; ++v) wr[p][q].v[v] = w[off + v];
                 }
             }
-            #pragma unroll
-            for (int k = 0; k < R; ++k) {
-                float av[VEC];
-                if (VEC >= 4) {
+        }
+        for (int e = tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
+        __syncthreads();
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int c = p * 32 * VEC + lane * VEC;
+            if (c < n) {
+                float t[RPW][VEC];
+                #pragma unroll
+                for (int q = 0; q < RPW; ++q)
                     #pragma unroll
-                    for (int h = 0; h < VEC / 4; ++h) {
-                        int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
-                        float4 f = sa4[(k * TJ + c) / 4 + part];
-                        av[part * 4] = f.x;
-                        av[part * 4 + 1] = f.y;
-                        av[part * 4 + 2] = f.z;
-                        av[part * 4 + 3] = f.w;
+                    for (int v = 0; v < VEC; ++v) t[q][v] = static_cast<float>(wr[p][q].v[v]);
+                #pragma unroll
+                for (int k = 0; k < R; ++k) {
+                    float av[VEC];
+                    if (VEC >= 4) {
+                        #pragma unroll
+                        for (int h = 0; h < VEC / 4; ++h) {
+                            int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
+                            float4 f = sa4[(k * SA + c) / 4 + part];
+                            av[part * 4] = f.x;
+                            av[part * 4 + 1] = f.y;
+                            av[part * 4 + 2] = f.z;
+                            av[part * 4 + 3] = f.w;
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) av[v] = sa[k * SA + c + v];
                     }
-                } else {
                     #pragma unroll
-                    for (int v = 0; v < VEC; ++v) av[v] = sa[k * TJ + c + v];
+                    for (int q = 0; q < RPW; ++q)
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[q][k];
                 }
                 #pragma unroll
                 for (int q = 0; q < RPW; ++q)
                     #pragma unroll
-                    for (int v = 0; v < VEC; ++v) acc[q][k] += wv[q][v] * av[v];
+                    for (int v = 0; v < VEC; ++v) sq[q] += t[q][v] * t[q][v];
             }
         }
         __syncthreads();
     }
-    // Each row's R dot products summed over the warp's lanes (a fixed butterfly: deterministic).
+    // Each row's sum over the warp's lanes by a fixed butterfly (deterministic).
     #pragma unroll
     for (int q = 0; q < RPW; ++q)
-        #pragma unroll
-        for (int k = 0; k < R; ++k)
-            for (int off = 16; off > 0; off >>= 1) acc[q][k] += __shfl_xor_sync(0xffffffff, acc[q][k], off);
+        for (int off = 16; off > 0; off >>= 1) sq[q] += __shfl_xor_sync(0xffffffff, sq[q], off);
     #pragma unroll
     for (int q = 0; q < RPW; ++q) {
         int i = row0 + q;
         if (lane == q && i < OUT) {
-            float c[R];
-            float cross = 0.0f;
-            #pragma unroll
-            for (int k = 0; k < R; ++k) {
-                c[k] = b[k * OUT + i];
-                cross += c[k] * acc[q][k];
-            }
-            float quad = 0.0f;
-            #pragma unroll
-            for (int k = 0; k < R; ++k) {
-                float t = 0.0f;
-                for (int l = 0; l < R; ++l) t += G[k * R + l] * c[l];
-                quad += c[k] * t;
-            }
-            float sc = s[0];
-            float nrm = sqrtf(fmaxf(w_sq[i] + 2.0f * sc * cross + sc * sc * quad, 0.0f));
+            float nrm = sqrtf(sq[q]);
             norm[i] = nrm;
             rs[i] = static_cast<T>(m[i] / nrm);
         }
@@ -220,6 +205,40 @@ _MAGNITUDE_GRAD = """
     }
 """
 
+# DoRA's output from the base product and the branch's: y = rs * (base + s * u), a thread on
+# VEC consecutive columns of a row (16-byte accesses where aligned). MLX's fused kernel for the
+# same expression indexes the broadcast rs generically and took 1.7x the time of LoRA's
+# base + s * u on an H200 (3.5 vs 2.1 ms over the 1B bench step's 112 layers, Nsight Compute).
+_SCALED_OUTPUT = """
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (e < (long long)ROWS * COLS) {
+        int col = (int)(e % COLS);
+        float sc = s[0];
+        bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(base) % sizeof(Vec) == 0)
+            && (reinterpret_cast<unsigned long long>(u) % sizeof(Vec) == 0)
+            && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0);
+        Vec bv, uv, out;
+        if (aligned) {
+            bv = *reinterpret_cast<const Vec*>(base + e);
+            uv = *reinterpret_cast<const Vec*>(u + e);
+        } else {
+            for (int v = 0; v < VEC; ++v) {
+                bv.v[v] = base[e + v];
+                uv.v[v] = u[e + v];
+            }
+        }
+        for (int v = 0; v < VEC; ++v)
+            out.v[v] = static_cast<T>(static_cast<float>(rs[col + v])
+                                      * (static_cast<float>(bv.v[v]) + sc * static_cast<float>(uv.v[v])));
+        if (aligned) {
+            *reinterpret_cast<Vec*>(y + e) = out;
+        } else {
+            for (int v = 0; v < VEC; ++v) y[e + v] = out.v[v];
+        }
+    }
+"""
+
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
 
@@ -231,12 +250,13 @@ MAX_RANK = 64
 def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
     """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds).
 
-    Rows a warp: a value of A read from shared memory serves each of them, as many as the
-    R accumulators a row leaves registers for. Columns: one 16-byte load of W where the
-    input width allows. Tile: 32 KiB of float32 (16 KiB past r = 32, beside the Gram's
-    r x r, under the 48 KiB a block may hold statically), a multiple of a warp's columns.
+    Rows a warp: each value of A read from shared memory serves them all, but they hold r
+    registers each and fewer rows a block means more blocks for narrow layers. Columns:
+    one 16-byte load of W where the input width allows. Tile: about 32 KiB of float32
+    (16 KiB past r = 32), under the 48 KiB a block may hold statically, a multiple of a
+    warp's columns.
     """
-    rows = 4 if r <= 8 else 2 if r <= 32 else 1
+    rows = 2 if r <= 16 else 1
     floats = 8192 if r <= 32 else 4096
     vec = 16 // weight_bytes
     while vec > 1 and (inp % vec or floats // r < 32 * vec):
@@ -244,17 +264,17 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
     return rows, vec, max(32 * vec, floats // r // (32 * vec) * (32 * vec))
 
 
-def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, w_sq: mx.array, m: mx.array,
+def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array,
                    scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
     out, inp = weight.shape
     r = a.shape[-1]
     # WT (like YT and RT below) puts an input's dtype in the name MLX caches the compiled
     # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
-    k = _kernel("meshtune_dora_row_scale", ["w", "a", "b", "w_sq", "m", "s"], ["norm", "rs"], _ROW_SCALE)
+    k = _kernel("meshtune_dora_row_scale", ["w", "a", "b", "m", "s"], ["norm", "rs"], _ROW_SCALE)
     rows, vec, tile = _row_scale_layout(r, inp, weight.dtype.size)
     blocks = -(-out // (_WARPS * rows))
-    norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), w_sq, m.astype(mx.float32),
+    norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
                          mx.array([scale], dtype=mx.float32)],
                  template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
                            ("TJ", tile), ("T", dtype), ("WT", weight.dtype)],
@@ -281,3 +301,18 @@ def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
               grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
               output_shapes=[(cols,)], output_dtypes=[mx.float32])
     return gz, dm
+
+
+def scaled_output_cuda(base: mx.array, u: mx.array, rs: mx.array, scale: float) -> mx.array:
+    """rs * (base + scale * u) for (rows, cols) base and u of one dtype and rs (cols,) of it, in one pass."""
+    rows, cols = base.shape
+    vec = 16 // base.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    threads = -(-rows * cols // vec)
+    k = _kernel("meshtune_dora_scaled_output", ["base", "u", "rs", "s"], ["y"], _SCALED_OUTPUT)
+    (y,) = k(inputs=[base, u, rs, mx.array([scale], dtype=mx.float32)],
+             template=[("ROWS", rows), ("COLS", cols), ("VEC", vec), ("T", base.dtype), ("UT", u.dtype),
+                       ("RT", rs.dtype)],
+             grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+             output_shapes=[(rows, cols)], output_dtypes=[base.dtype])
+    return y

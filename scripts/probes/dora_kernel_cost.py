@@ -34,6 +34,8 @@ for out, inp in uniq:
     rs = (mx.random.uniform(shape=(out,)) + 0.5).astype(dt)
     uniq[(out, inp)] = dict(W=W, w_sq=w_sq, a=a, b=b, m=mx.sqrt(w_sq), x=x, g=g, y=y, rs=rs)
     mx.eval(uniq[(out, inp)])
+scaled_sum = mx.compile(lambda base, u, rs: rs * (base + (20.0 * u).astype(base.dtype)))
+plain_sum = mx.compile(lambda base, u: base + (20.0 * u).astype(base.dtype))
 one = mx.array([1.0])
 mx.eval(one)
 
@@ -48,9 +50,12 @@ def batch(piece):
 
 pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
-    "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["w_sq"], d["m"], 20.0, dt)),
+    "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
     "cotangent kernels (2)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
     "g * rs": lambda d: [d["g"] * d["rs"]],
+    "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
+    "rs (base + s u) MLX, compiled": lambda d: [scaled_sum(d["y"], d["g"], d["rs"])],
+    "base + s u MLX, compiled (LoRA)": lambda d: [plain_sum(d["y"], d["g"])],
     "sum_t g*y (MLX)": lambda d: [(d["g"] * d["y"]).astype(mx.float32).sum(0)],
     "base product x W^T": lambda d: [d["x"] @ d["W"].T],
     "W A (skinny matmul)": lambda d: [d["W"] @ d["a"].astype(dt)],
