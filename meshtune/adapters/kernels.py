@@ -206,9 +206,11 @@ _MAGNITUDE_GRAD = """
 """
 
 # DoRA's output from the base product and the branch's: y = rs * (base + s * u), a thread on
-# VEC consecutive columns of a row (16-byte accesses where aligned). MLX's fused kernel for the
-# same expression indexes the broadcast rs generically and took 1.7x the time of LoRA's
-# base + s * u on an H200 (3.5 vs 2.1 ms over the 1B bench step's 112 layers, Nsight Compute).
+# VEC consecutive columns of a row (16-byte accesses where aligned), in place of MLX's fused
+# kernel for the same expression, which indexes the broadcast rs generically. Over the 1B bench
+# step's 112 layers on an H200: MLX's 3.5 ms against LoRA's base + s * u 2.1 ms from cold caches
+# (Nsight Compute, docs/bench/step_kernels_h200.txt); warm, this kernel 2.74 ms, MLX's 2.88,
+# LoRA's 2.39 (docs/bench/dora_kernel_cost_h200.txt).
 _SCALED_OUTPUT = """
     struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
     long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;

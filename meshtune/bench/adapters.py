@@ -37,6 +37,7 @@ import gc
 import json
 import math
 import statistics
+import sys
 import time
 from functools import partial
 from typing import Any, Callable
@@ -184,16 +185,18 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     return lambda: run(tokens, lengths)
 
 
-def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace) -> dict[str, float]:
+def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
+               progress: Callable[[str], None] = lambda message: None) -> dict[str, float]:
     """Median seconds per step of each configuration, timed in interleaved rounds.
 
     Run-to-run drift on a GPU (clocks, allocator state) moved single-configuration
     medians by 10-20%; timing every configuration in each of --rounds rounds spreads
     the drift over all of them, so the ratios compare like with like.
     """
-    for run in steps.values():
+    for name, run in steps.items():
         for _ in range(a.warmup):  # the first call compiles
             run()
+        progress(f"warmed up {name}")
     per_round = max(1, math.ceil(a.steps / a.rounds))
     times: dict[str, list[float]] = {name: [] for name in steps}
     last: dict[str, mx.array] = {}
@@ -307,6 +310,17 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
         print(f"  {text:<36}{r['stock_' + key]:>13.2f}x{r[key]:>11.2f}x   {target}")
 
 
+class _Progress:
+    """Each stage's result as it comes, with the elapsed time, on stderr: a run cut short
+    (a time limit on a lent GPU) still shows what it measured and where the time went."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[bench adapters +{time.perf_counter() - self.start:.0f}s] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str]) -> int:
     a = _settings(argv)
     from ..adapters import set_base_path
@@ -316,11 +330,16 @@ def main(argv: list[str]) -> int:
     dense = a.dtype if a.dtype != "auto" else ("float32" if _on_cpu() else "bfloat16")
     dtype = DTYPES[dense]
     configs = [(impl, kind, base) for base in BASES for kind in KINDS for impl in IMPLS]
-    step_s = time_steps({f"{i}_{k}_{b}": build_step(i, k, b, a, shape, dtype) for i, k, b in configs}, a)
+    progress = _Progress()
+    steps = {f"{i}_{k}_{b}": build_step(i, k, b, a, shape, dtype) for i, k, b in configs}
+    step_s = time_steps(steps, a, progress)
+    progress("timed the steps: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in step_s.items()))
+    del steps
     _release()
     gen: dict[str, float] = {}
     for impl, kind, base in configs:
         gen[f"{impl}_{kind}_{base}"] = time_generate(impl, kind, base, a, shape, dtype)
+        progress(f"{impl} {kind} {base} generates {gen[f'{impl}_{kind}_{base}']:.1f} tok/s")
         _release()
     r = ratios(step_s, gen)
     crossovers = _crossovers()

@@ -1,0 +1,74 @@
+"""How many operations a compiled meshtune step dispatches, by primitive, LoRA against DoRA.
+
+Development probe (adapters issue), runs on the CPU: the bench's 16-layer model shape at a
+small width (the count does not depend on width), meshtune's step compiled as training
+compiles it, the graph of one call exported with mx.export_to_dot and its nodes counted.
+With --cuda the CUDA code path is traced, each CUDA kernel standing in as one `Negative`
+node (so "Negative" counts the kernels), which is what a GPU would dispatch.
+    python scripts/probes/graph_nodes.py [--cuda] [--layers 16]
+"""
+import argparse
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+class StandIn:
+    """One node per output, depending on every input, in place of an mx.fast.cuda_kernel."""
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, **_):
+        dep = mx.negative(mx.concatenate([mx.sum(x).astype(mx.float32).reshape(1) for x in inputs]))
+        return [mx.broadcast_to(dep[:1], s).astype(d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+def count(kind, layers, cuda):
+    from _steps import meshtune_step
+    from meshtune.bench import adapters as B
+    from meshtune.bench.models import Shape
+
+    a = B._settings(["--preset", "tiny"])
+    shape = Shape(arch="qwen3", layers=layers, hidden=128, intermediate=384, heads=4, kv_heads=2, vocab=512)
+    step, state, tokens, lengths = meshtune_step(kind, a, shape, mx.bfloat16 if cuda else mx.float32)
+    mx.eval(state)
+    out = step(tokens, lengths, None, None, True)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.dot")
+        mx.export_to_dot(path, *[x for x in (out[0], out[1]) if isinstance(x, mx.array)],
+                         *[v for v in _leaves(state)])
+        text = open(path).read()
+    names = re.findall(r'label\s*=\s*"([A-Za-z_]+)', text)
+    return Counter(n for n in names if not n.startswith("array"))
+
+
+def _leaves(tree):
+    from mlx.utils import tree_flatten
+    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--layers", type=int, default=16)
+    args = p.parse_args()
+    if args.cuda:
+        from meshtune.adapters import dora, kernels
+        kernels.on_cuda = lambda: True
+        kernels._kernel = lambda *a, **k: StandIn()
+        import meshtune.adapters.base_path as bp  # noqa: F401
+    res = {k: count(k, args.layers, args.cuda) for k in ("lora", "dora")}
+    keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
+    print(f"compiled step, {args.layers} layers, {'CUDA path (kernels as Negative)' if args.cuda else 'CPU path'}: nodes")
+    print(f"{'primitive':28s} {'lora':>6s} {'dora':>6s}")
+    for k in keys:
+        print(f"{k:28s} {res['lora'][k]:6d} {res['dora'][k]:6d}")
+    print(f"{'total':28s} {sum(res['lora'].values()):6d} {sum(res['dora'].values()):6d}")
+
+
+if __name__ == "__main__":
+    main()
