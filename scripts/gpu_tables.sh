@@ -3,6 +3,7 @@
 # kind nvidia-h200-x2 after `source /root/mlxcuda/install.sh` (see the brief):
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL, started by meshtune launch
 #     scripts/gpu_tables.sh scaling-mlx-launch "$OUT"  # the same, ranks started by mlx.launch
+#     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the open questions of the adapters and data-parallel issues (~5 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -31,6 +32,13 @@ case $what in
     timeout 300 mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --env "PYTHONPATH=$PYTHONPATH" -- \
       python3 -m meshtune.cli bench scaling --in-process --preset 1b --backend nccl \
       --one-rank-json "$out/scaling_1xh200.txt" --json 2>&1 | tee "$out/scaling_2xh200.txt" ;;
+  adapters)
+    # The CUDA kernels' tests first (a wrong kernel makes the table meaningless), then the table;
+    # the bench reports each stage on stderr, so a run cut short still shows what it measured.
+    timeout 100 python3 -m pytest -q -x tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
+    { echo "# python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json  (one H200)"
+      timeout 470 python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json 2>&1; } \
+      | tee "$out/adapters_h200.txt" ;;
   probes)
     # One GPU, ~5 min: DoRA's layer piece by piece; DoRA's variants in the whole model (checked
     # against the current code first); does bucketing the gradients speed up a one-GPU step?
