@@ -44,7 +44,7 @@ case $what in
     # against the current code first); does bucketing the gradients speed up a one-GPU step?
     timeout 90 python3 scripts/profile_adapted_linear.py 2>&1 | tee "$out/profile_adapted_linear.txt"
     timeout 200 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
-      --only "current,MLX ops (no kernels),one-launch cotangent,bound: const scale" 2>&1 | tee "$out/probe_dora_step.txt"
+      --only "current,b4dc394 kernels (4 launches),MLX ops (no kernels),bound: const scale" 2>&1 | tee "$out/probe_dora_step.txt"
     timeout 150 python3 scripts/probes/packed_step.py --kinds full,lora 2>&1 | tee "$out/packed_step.txt"
     timeout 100 python3 scripts/probes/packed_step.py --kinds full --cache-limit-gb 64 2>&1 | tee -a "$out/packed_step.txt" ;;
   four-scaling)

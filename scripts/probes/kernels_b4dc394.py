@@ -1,0 +1,323 @@
+"""Snapshot of meshtune/adapters/kernels.py at b4dc394 (four launches a DoRA layer: row scale, scaled
+output, cotangent, m's gradient), for probes that time it beside the current kernels.
+
+DoRA's per-layer extra work as CUDA kernels, for MLX's CUDA build.
+
+DoRA adds to each layer's step the norm of the adapted rows (forward) and m's
+gradient with the row-scaled cotangent (backward). Each is a few MLX operations, and
+the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
+~60%), so each gets as few launches as the GPU's time allows:
+
+- `row_scale_cuda` (forward): ||W + s (A B)^T||_row and rs = m / that norm (in the
+  activations' dtype) in one pass over W: each row's adapted elements formed in
+  registers from 16-byte loads of W and A staged in shared memory, squared and summed,
+  never stored (on the CPU and Metal the MLX ops use DESIGN.md's identity instead,
+  where W A is a product already running). It takes the place of a skinny matmul, the
+  Gram's matmul and the norm's small operations. For the 1B bench model's 112 layers
+  the first version of this kernel took 10.5 ms of GPU time a step, as long as all the
+  base products x W^T (scripts/probes/dora_kernel_cost.py).
+- `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
+  sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
+  of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
+  a second small kernel adds the chunks' sums in a fixed order, so the result does not
+  depend on scheduling, and divides by rs * norm.
+
+Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare the
+two on a GPU (tests/test_adapted_linear.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from meshtune.cuda import kernel as _kernel, on_cuda  # noqa: F401
+
+_WARPS = 8  # warps a block
+
+_ROW_SCALE = """
+    // Block: WARPS warps, RPW adjacent rows of W each. The norm is taken row by row without
+    // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
+    // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
+    // identity's terms). Tiles of TJ rows of A pass through shared memory transposed, padded
+    // (sa[k * SA + j], SA = TJ + 4: staging writes hit distinct banks); a lane takes VEC
+    // consecutive columns per pass (a 16-byte load of each of its rows, all of a tile's loads
+    // issued before its arithmetic) and reads A's values for them as float4s, half-swizzled
+    // so a quarter-warp's reads hit distinct banks; each value read serves RPW rows.
+    struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
+    constexpr int NT = WARPS * 32;
+    constexpr int SA = TJ + 4;
+    constexpr int P = TJ / (32 * VEC);  // passes over a full tile
+    __shared__ float4 sa4[R * SA / 4];
+    float* sa = reinterpret_cast<float*>(sa4);
+    int tid = threadIdx.x;
+    int lane = tid & 31;
+    int row0 = (blockIdx.x * WARPS + (tid >> 5)) * RPW;
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+    float sc = s[0];
+    float cb[RPW][R];  // s * B's column for each of the warp's rows
+    float sq[RPW];
+    #pragma unroll
+    for (int q = 0; q < RPW; ++q) {
+        sq[q] = 0.0f;
+        #pragma unroll
+        for (int k = 0; k < R; ++k) cb[q][k] = row0 + q < OUT ? sc * b[k * OUT + row0 + q] : 0.0f;
+    }
+    for (int j0 = 0; j0 < IN; j0 += TJ) {
+        int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
+        WVec wr[P][RPW];
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int c = p * 32 * VEC + lane * VEC;
+            #pragma unroll
+            for (int q = 0; q < RPW; ++q) {
+                long long off = (long long)(row0 + q) * IN + j0 + c;
+                if (row0 + q >= OUT || c >= n) {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) wr[p][q].v[v] = static_cast<WT>(0.0f);
+                } else if (aligned) {
+                    wr[p][q] = *reinterpret_cast<const WVec*>(w + off);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) wr[p][q].v[v] = w[off + v];
+                }
+            }
+        }
+        for (int e = tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
+        __syncthreads();
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int c = p * 32 * VEC + lane * VEC;
+            if (c < n) {
+                float t[RPW][VEC];
+                #pragma unroll
+                for (int q = 0; q < RPW; ++q)
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) t[q][v] = static_cast<float>(wr[p][q].v[v]);
+                #pragma unroll
+                for (int k = 0; k < R; ++k) {
+                    float av[VEC];
+                    if (VEC >= 4) {
+                        #pragma unroll
+                        for (int h = 0; h < VEC / 4; ++h) {
+                            int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
+                            float4 f = sa4[(k * SA + c) / 4 + part];
+                            av[part * 4] = f.x;
+                            av[part * 4 + 1] = f.y;
+                            av[part * 4 + 2] = f.z;
+                            av[part * 4 + 3] = f.w;
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) av[v] = sa[k * SA + c + v];
+                    }
+                    #pragma unroll
+                    for (int q = 0; q < RPW; ++q)
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[q][k];
+                }
+                #pragma unroll
+                for (int q = 0; q < RPW; ++q)
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) sq[q] += t[q][v] * t[q][v];
+            }
+        }
+        __syncthreads();
+    }
+    // Each row's sum over the warp's lanes by a fixed butterfly (deterministic).
+    #pragma unroll
+    for (int q = 0; q < RPW; ++q)
+        for (int off = 16; off > 0; off >>= 1) sq[q] += __shfl_xor_sync(0xffffffff, sq[q], off);
+    #pragma unroll
+    for (int q = 0; q < RPW; ++q) {
+        int i = row0 + q;
+        if (lane == q && i < OUT) {
+            float nrm = sqrtf(sq[q]);
+            norm[i] = nrm;
+            rs[i] = static_cast<T>(m[i] / nrm);
+        }
+    }
+"""
+
+_COTANGENT = """
+    // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns (one 16-byte
+    // access where aligned), the warps striding over the block's chunk of rows. Each
+    // block's column sums go to its row of `part`, added in a fixed order.
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    constexpr int CB = 32 * VEC;
+    __shared__ float sums[8][CB];
+    int tid = threadIdx.x;
+    int lane = tid & 31;
+    int warp = tid >> 5;
+    int c0 = blockIdx.x * CB + lane * VEC;
+    int t0 = blockIdx.y * CHUNK;
+    int t1 = min(t0 + CHUNK, ROWS);
+    bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(g) % sizeof(Vec) == 0)
+        && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0)
+        && (reinterpret_cast<unsigned long long>(gz) % sizeof(Vec) == 0);
+    float acc[VEC];
+    float r[VEC];
+    for (int v = 0; v < VEC; ++v) {
+        acc[v] = 0.0f;
+        r[v] = c0 + v < COLS ? static_cast<float>(rs[c0 + v]) : 0.0f;
+    }
+    if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
+        for (int t = t0 + warp; t < t1; t += 8) {
+            long long off = (long long)t * COLS + c0;
+            Vec gv, yv, out;
+            if (aligned) {
+                gv = *reinterpret_cast<const Vec*>(g + off);
+                yv = *reinterpret_cast<const Vec*>(y + off);
+            } else {
+                for (int v = 0; v < VEC; ++v) {
+                    gv.v[v] = g[off + v];
+                    yv.v[v] = y[off + v];
+                }
+            }
+            for (int v = 0; v < VEC; ++v) {
+                float gf = static_cast<float>(gv.v[v]);
+                acc[v] += gf * static_cast<float>(yv.v[v]);
+                out.v[v] = static_cast<T>(gf * r[v]);
+            }
+            if (aligned) {
+                *reinterpret_cast<Vec*>(gz + off) = out;
+            } else {
+                for (int v = 0; v < VEC; ++v) gz[off + v] = out.v[v];
+            }
+        }
+    }
+    for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = acc[v];
+    __syncthreads();
+    for (int c = tid; c < CB; c += 256) {
+        int col = blockIdx.x * CB + c;
+        if (col < COLS) {
+            float total = 0.0f;
+            for (int k = 0; k < 8; ++k) total += sums[k][c];
+            part[(long long)blockIdx.y * COLS + col] = total;
+        }
+    }
+"""
+
+# m's gradient from the chunks' column sums: a thread per column, chunks added in order.
+_MAGNITUDE_GRAD = """
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col < COLS) {
+        float sum = 0.0f;
+        for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
+        float den = static_cast<float>(rs[col]) * norm[col];
+        dm[col] = den == 0.0f ? 0.0f : sum / den;
+    }
+"""
+
+# DoRA's output from the base product and the branch's: y = rs * (base + s * u), a thread on
+# VEC consecutive columns of a row (16-byte accesses where aligned), in place of MLX's fused
+# kernel for the same expression, which indexes the broadcast rs generically. Over the 1B bench
+# step's 112 layers on an H200: MLX's 3.5 ms against LoRA's base + s * u 2.1 ms from cold caches
+# (Nsight Compute, docs/bench/step_kernels_h200.txt); warm, this kernel 2.74 ms, MLX's 2.88,
+# LoRA's 2.39 (docs/bench/dora_kernel_cost_h200.txt).
+_SCALED_OUTPUT = """
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (e < (long long)ROWS * COLS) {
+        int col = (int)(e % COLS);
+        float sc = s[0];
+        bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(base) % sizeof(Vec) == 0)
+            && (reinterpret_cast<unsigned long long>(u) % sizeof(Vec) == 0)
+            && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0);
+        Vec bv, uv, out;
+        if (aligned) {
+            bv = *reinterpret_cast<const Vec*>(base + e);
+            uv = *reinterpret_cast<const Vec*>(u + e);
+        } else {
+            for (int v = 0; v < VEC; ++v) {
+                bv.v[v] = base[e + v];
+                uv.v[v] = u[e + v];
+            }
+        }
+        for (int v = 0; v < VEC; ++v)
+            out.v[v] = static_cast<T>(static_cast<float>(rs[col + v])
+                                      * (static_cast<float>(bv.v[v]) + sc * static_cast<float>(uv.v[v])));
+        if (aligned) {
+            *reinterpret_cast<Vec*>(y + e) = out;
+        } else {
+            for (int v = 0; v < VEC; ++v) y[e + v] = out.v[v];
+        }
+    }
+"""
+
+# Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
+_COTANGENT_BLOCKS = 528
+
+# The largest rank the row-scale kernel takes (its accumulators live in registers);
+# adapted_linear computes larger ones in MLX ops.
+MAX_RANK = 64
+
+
+def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
+    """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds).
+
+    Rows a warp: each value of A read from shared memory serves them all, but they hold r
+    registers each and fewer rows a block means more blocks for narrow layers. Columns:
+    one 16-byte load of W where the input width allows. Tile: about 32 KiB of float32
+    (16 KiB past r = 32), under the 48 KiB a block may hold statically, a multiple of a
+    warp's columns.
+    """
+    rows = 2 if r <= 16 else 1
+    floats = 8192 if r <= 32 else 4096
+    vec = 16 // weight_bytes
+    while vec > 1 and (inp % vec or floats // r < 32 * vec):
+        vec //= 2
+    return rows, vec, max(32 * vec, floats // r // (32 * vec) * (32 * vec))
+
+
+def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array,
+                   scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
+    out, inp = weight.shape
+    r = a.shape[-1]
+    # WT (like YT and RT below) puts an input's dtype in the name MLX caches the compiled
+    # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
+    k = _kernel("b4dc394_dora_row_scale", ["w", "a", "b", "m", "s"], ["norm", "rs"], _ROW_SCALE)
+    rows, vec, tile = _row_scale_layout(r, inp, weight.dtype.size)
+    blocks = -(-out // (_WARPS * rows))
+    norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
+                         mx.array([scale], dtype=mx.float32)],
+                 template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
+                           ("TJ", tile), ("T", dtype), ("WT", weight.dtype)],
+                 grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+                 output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
+    return norm, rs
+
+
+def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
+    """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
+    rows, cols = g.shape
+    vec = 16 // g.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    strips = -(-cols // (32 * vec))
+    chunk = -(-rows // max(1, min(-(-_COTANGENT_BLOCKS // strips), rows // 32)))
+    chunks = -(-rows // chunk)
+    k = _kernel("b4dc394_dora_cotangent", ["g", "y", "rs"], ["gz", "part"], _COTANGENT)
+    gz, part = k(inputs=[g, y, rs], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                              ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+                 grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                 output_shapes=[(rows, cols), (chunks, cols)], output_dtypes=[g.dtype, mx.float32])
+    k = _kernel("b4dc394_dora_magnitude_grad", ["part", "rs", "norm"], ["dm"], _MAGNITUDE_GRAD)
+    (dm,) = k(inputs=[part, rs, norm], template=[("COLS", cols), ("CHUNKS", chunks), ("RT", rs.dtype)],
+              grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+              output_shapes=[(cols,)], output_dtypes=[mx.float32])
+    return gz, dm
+
+
+def scaled_output_cuda(base: mx.array, u: mx.array, rs: mx.array, scale: float) -> mx.array:
+    """rs * (base + scale * u) for (rows, cols) base and u of one dtype and rs (cols,) of it, in one pass."""
+    rows, cols = base.shape
+    vec = 16 // base.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    threads = -(-rows * cols // vec)
+    k = _kernel("b4dc394_dora_scaled_output", ["base", "u", "rs", "s"], ["y"], _SCALED_OUTPUT)
+    (y,) = k(inputs=[base, u, rs, mx.array([scale], dtype=mx.float32)],
+             template=[("ROWS", rows), ("COLS", cols), ("VEC", vec), ("T", base.dtype), ("UT", u.dtype),
+                       ("RT", rs.dtype)],
+             grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+             output_shapes=[(rows, cols)], output_dtypes=[base.dtype])
+    return y
