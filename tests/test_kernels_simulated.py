@@ -160,6 +160,23 @@ def test_cotangent_kernel(simulated, rows, cols, dtype):
     assert simulated["meshtune_dora_cotangent"].calls == 1
 
 
+def test_kernels_with_blocks_of_32_columns(simulated, monkeypatch):
+    """The block width is a setting (scripts/probes/dora_kernel_cost.py times 16 against 32)."""
+    from meshtune.adapters import adapted_linear as AL, kernels
+
+    monkeypatch.setattr(kernels, "_COLUMNS", 32)
+    k = mx.random.split(mx.random.key(9), 5)
+    w, a = mx.random.normal((50, 64), key=k[0]) / 8, mx.random.normal((64, 8), key=k[1]) / 8
+    b, m = mx.random.normal((8, 50), key=k[2]) / 8, mx.random.uniform(0.5, 2.0, (50,), key=k[3])
+    base = mx.random.normal((5, 50), key=k[4])
+    y, norm, rs = kernels.dora_forward_cuda(w, a, b, m, 2.0, base, base)
+    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, mx.float32)
+    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(y, want_rs * 3.0 * base, rtol=1e-5).item()
+    gz, dm = kernels.cotangent_cuda(base, y, rs, norm)
+    assert mx.allclose(gz, base * rs, rtol=1e-6).item()
+    assert mx.allclose(dm, (base * y).sum(0) / (rs * norm), rtol=1e-5, atol=1e-6).item()
+
+
 def test_pack_kernel(simulated):
     from meshtune.parallel.pack_kernel import pack_cuda
 

@@ -45,6 +45,15 @@ one = mx.array([1.0])
 mx.eval(one)
 
 
+def with_columns(c, fn):
+    """fn() with kernels.py's blocks owning c output columns (the kernels read it at each call)."""
+    saved, K._COLUMNS = K._COLUMNS, c
+    try:
+        return fn()
+    finally:
+        K._COLUMNS = saved
+
+
 def batch(piece):
     outs = []
     for s in shapes:
@@ -57,6 +66,10 @@ pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
     "forward kernel (norm, rs, y)": lambda d: list(K.dora_forward_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, d["y"], d["g"])),
     "cotangent kernel (gz, dm)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
+    "forward kernel, 32 columns a block": lambda d: with_columns(32, lambda: list(
+        K.dora_forward_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, d["y"], d["g"]))),
+    "cotangent kernel, 32 columns a block": lambda d: with_columns(32, lambda: list(
+        K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"]))),
     "b4dc394: row scale + output (2)": lambda d: list(OLD.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt))
     + [OLD.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
     "b4dc394: cotangent (2)": lambda d: list(OLD.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
