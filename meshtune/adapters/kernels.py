@@ -30,8 +30,8 @@ import mlx.core as mx
 
 from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
 
-_THREADS = 512  # a block; up to 128 registers a thread
-_COLUMNS = 16  # output columns a block owns
+_THREADS = 512  # a block (up to 128 registers a thread); the forward kernel past rank 32: 256
+_COLUMNS = 16  # output columns a block owns, a multiple of 4
 
 # Over the block's tokens x C columns (both kernels): CPR threads a token row, V2 adjacent
 # columns each (a 4-byte access for 2-byte types where aligned), RL rows at a time.
@@ -71,29 +71,32 @@ _DORA_FORWARD = _STRIP + """
         for (int v = 0; v < VW; ++v)
             #pragma unroll
             for (int k = 0; k < R; ++k) av[v][k] = a[(long long)(j + v) * R + k];
-        WVec wv[C];
         #pragma unroll
-        for (int q = 0; q < C; ++q) {
-            long long off = (long long)(i0 + q) * IN + j;
-            if (i0 + q >= OUT) {
-                #pragma unroll
-                for (int v = 0; v < VW; ++v) wv[q].v[v] = static_cast<WT>(0.0f);
-            } else if (wal) {
-                wv[q] = *reinterpret_cast<const WVec*>(w + off);
-            } else {
-                #pragma unroll
-                for (int v = 0; v < VW; ++v) wv[q].v[v] = w[off + v];
-            }
-        }
-        #pragma unroll
-        for (int q = 0; q < C; ++q)
+        for (int q0 = 0; q0 < C; q0 += 4) {  // 4 rows' loads in flight, few registers held
+            WVec wv[4];
             #pragma unroll
-            for (int v = 0; v < VW; ++v) {
-                float d = static_cast<float>(wv[q].v[v]);
-                #pragma unroll
-                for (int k = 0; k < R; ++k) d += av[v][k] * cs[q * R + k];
-                sq[q] += d * d;
+            for (int g = 0; g < 4; ++g) {
+                long long off = (long long)(i0 + q0 + g) * IN + j;
+                if (i0 + q0 + g >= OUT) {
+                    #pragma unroll
+                    for (int v = 0; v < VW; ++v) wv[g].v[v] = static_cast<WT>(0.0f);
+                } else if (wal) {
+                    wv[g] = *reinterpret_cast<const WVec*>(w + off);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VW; ++v) wv[g].v[v] = w[off + v];
+                }
             }
+            #pragma unroll
+            for (int g = 0; g < 4; ++g)
+                #pragma unroll
+                for (int v = 0; v < VW; ++v) {
+                    float d = static_cast<float>(wv[g].v[v]);
+                    #pragma unroll
+                    for (int k = 0; k < R; ++k) d += av[v][k] * cs[(q0 + g) * R + k];
+                    sq[q0 + g] += d * d;
+                }
+        }
     }
     #pragma unroll
     for (int q = 0; q < C; ++q) {
@@ -217,11 +220,10 @@ def _pair(dtype: mx.Dtype, cols: int) -> int:
 
 def _weight_columns(r: int, inp: int, weight_bytes: int) -> int:
     """Adjacent columns of W a thread takes in the norm pass: up to a 16-byte load a row,
-    while A's values for them (columns x r floats) and the C rows' loads (columns x C
-    elements) stay within ~64 registers (a block of 512 threads may use 128 a thread),
-    the input width a multiple."""
+    while A's values for them (columns x r floats, in registers) stay within 32 floats
+    (a block of 512 threads may use 128 registers a thread), the input width a multiple."""
     vw = 16 // weight_bytes
-    while vw > 1 and (inp % vw or vw * r + _COLUMNS * vw * weight_bytes // 4 > 64):
+    while vw > 1 and (inp % vw or vw * r > 32):
         vw //= 2
     return vw
 
@@ -238,12 +240,13 @@ def dora_forward_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array, s
     # WT and UT (like YT and RT below) put an input's dtype in the name MLX caches the compiled
     # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
     k = _kernel("meshtune_dora_forward", ["w", "a", "b", "m", "s", "base", "u"], ["y", "norm", "rs"], _DORA_FORWARD)
+    threads = _THREADS if r <= 32 else _THREADS // 2  # r floats of A a column in registers
     y, norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
                             mx.array([scale], dtype=mx.float32), base, u],
                     template=[("R", r), ("IN", inp), ("OUT", out), ("ROWS", rows), ("C", _COLUMNS),
-                              ("NT", _THREADS), ("VW", _weight_columns(r, inp, weight.dtype.size)),
+                              ("NT", threads), ("VW", _weight_columns(r, inp, weight.dtype.size)),
                               ("V2", _pair(dt, out)), ("T", dt), ("WT", weight.dtype), ("UT", u.dtype)],
-                    grid=(-(-out // _COLUMNS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+                    grid=(-(-out // _COLUMNS) * threads, 1, 1), threadgroup=(threads, 1, 1),
                     output_shapes=[(rows, out), (out,), (out,)], output_dtypes=[dt, mx.float32, dt])
     return y, norm, rs
 
