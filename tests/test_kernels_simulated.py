@@ -116,23 +116,26 @@ def simulated(build_dir, monkeypatch):
     return made
 
 
-# r, in, out, tokens: W's rows in 2 passes (16-byte loads), 1 pass (8-byte), 2-column and 1-column
-# loads; the last block's columns partly past the output; bfloat16 activations: 4-byte pairs.
-@pytest.mark.parametrize("r, inp, out, tokens, dtype", [(8, 2100, 45, 7, mx.float32), (5, 70, 9, 3, mx.float32),
-                                                         (16, 600, 17, 5, mx.float32), (64, 200, 8, 4, mx.float32),
-                                                         (8, 96, 34, 6, mx.bfloat16)])
-def test_forward_kernel(simulated, r, inp, out, tokens, dtype):
+# r, in, out, tokens, activations' dtype, W's dtype: W's columns 4 a thread (2 passes), 2, 2, 1 (256
+# threads a block), 4 and 8; the last block's columns partly past the output; bfloat16 activations
+# in 4-byte pairs. (The simulator computes in float whatever the dtype; the wrappers choose by it.)
+@pytest.mark.parametrize("r, inp, out, tokens, dtype, wdtype", [
+    (8, 2100, 45, 7, mx.float32, mx.float32), (5, 70, 9, 3, mx.float32, mx.float32),
+    (16, 600, 17, 5, mx.float32, mx.float32), (64, 200, 8, 4, mx.float32, mx.float32),
+    (8, 96, 34, 6, mx.bfloat16, mx.float32), (4, 160, 20, 3, mx.bfloat16, mx.bfloat16)])
+def test_forward_kernel(simulated, r, inp, out, tokens, dtype, wdtype):
     from meshtune.adapters import adapted_linear as AL, kernels
 
     k = mx.random.split(mx.random.key(r), 6)
-    w = mx.random.normal((out, inp), key=k[0]) / 8
+    w = (mx.random.normal((out, inp), key=k[0]) / 8).astype(wdtype)
     a = mx.random.normal((inp, r), key=k[1]) / 8
     b = mx.random.normal((r, out), key=k[2]) / 8
     m = mx.random.uniform(0.5, 2.0, (out,), key=k[3])
     base = mx.random.normal((tokens, out), key=k[4]).astype(dtype)
     u = mx.random.normal((tokens, out), key=k[5]).astype(dtype)
     y, norm, rs = kernels.dora_forward_cuda(w, a, b, m, 2.0, base, u)
-    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, dtype)
+    w32 = w.astype(mx.float32)
+    want_norm, want_rs = AL.dora_row_scale(a.T @ w32.T, a, b, (w32 * w32).sum(-1), m, 2.0, dtype)
     want_y = (want_rs.astype(mx.float32) * (base.astype(mx.float32) + 2.0 * u.astype(mx.float32))).astype(dtype)
     tol = 1e-5 if dtype == mx.float32 else 1e-2
     assert (y.dtype, rs.dtype, norm.dtype) == (dtype, dtype, mx.float32)
