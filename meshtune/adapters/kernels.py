@@ -237,6 +237,7 @@ def dora_forward_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array, s
     rows = base.shape[0]
     r = a.shape[-1]
     dt = base.dtype
+    u = u.astype(dt)  # the kernel reads both as one type (a no-op where they already agree)
     # WT and UT (like YT and RT below) put an input's dtype in the name MLX caches the compiled
     # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
     k = _kernel("meshtune_dora_forward", ["w", "a", "b", "m", "s", "base", "u"], ["y", "norm", "rs"], _DORA_FORWARD)
@@ -254,6 +255,7 @@ def dora_forward_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array, s
 def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
     """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
     rows, cols = g.shape
+    y = y.astype(g.dtype)  # the kernel reads both as one type (a no-op where they already agree)
     k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs", "norm"], ["gz", "dm"], _COTANGENT)
     gz, dm = k(inputs=[g, y, rs, norm],
                template=[("ROWS", rows), ("COLS", cols), ("C", _COLUMNS), ("NT", _THREADS),
