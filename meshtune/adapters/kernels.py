@@ -44,6 +44,51 @@ _STRIP = """
     int rl = tid / CPR;
 """
 
+
+def _token_pass(first: str, second: str, out: str, width: str, setup: str, combine: str) -> str:
+    """C++ for the pass both kernels make over their block's columns and every token row:
+    at each row the V2 adjacent values of `first` and `second` as floats x and z, and `out`'s
+    from `combine` (statements setting float o for column v) after `setup` (run once, for a
+    thread whose columns are inside `width`); 4-byte accesses where all three arrays align."""
+    return f"""
+    int c = blockIdx.x * C + cp * V2;
+    bool al = V2 > 1 && (reinterpret_cast<unsigned long long>({first}) % sizeof(Pair) == 0)
+        && (reinterpret_cast<unsigned long long>({second}) % sizeof(Pair) == 0)
+        && (reinterpret_cast<unsigned long long>({out}) % sizeof(Pair) == 0);
+    if (c < {width}) {{  // {width} is a multiple of V2
+        {setup}
+        #pragma unroll 8
+        for (int t = rl; t < ROWS; t += RL) {{
+            long long off = (long long)t * {width} + c;
+            Pair xv, zv, ov;
+            if (al) {{
+                xv = *reinterpret_cast<const Pair*>({first} + off);
+                zv = *reinterpret_cast<const Pair*>({second} + off);
+            }} else {{
+                #pragma unroll
+                for (int v = 0; v < V2; ++v) {{
+                    xv.v[v] = {first}[off + v];
+                    zv.v[v] = {second}[off + v];
+                }}
+            }}
+            #pragma unroll
+            for (int v = 0; v < V2; ++v) {{
+                float x = static_cast<float>(xv.v[v]);
+                float z = static_cast<float>(zv.v[v]);
+                float o;
+                {combine}
+                ov.v[v] = static_cast<T>(o);
+            }}
+            if (al) {{
+                *reinterpret_cast<Pair*>({out} + off) = ov;
+            }} else {{
+                #pragma unroll
+                for (int v = 0; v < V2; ++v) {out}[off + v] = ov.v[v];
+            }}
+        }}
+    }}
+"""
+
 _DORA_FORWARD = _STRIP + """
     // Norms of the block's C rows of W + s (A B)^T: a thread on VW adjacent columns j of all
     // C rows, d = w_ij + sum_k A_jk (s B_ki), squares summed per row, then over the block.
@@ -118,84 +163,21 @@ _DORA_FORWARD = _STRIP + """
     }
     __syncthreads();
     // y = rs * (base + s u) over the block's columns and every token row.
-    int c = i0 + cp * V2;
-    bool al = V2 > 1 && (reinterpret_cast<unsigned long long>(base) % sizeof(Pair) == 0)
-        && (reinterpret_cast<unsigned long long>(u) % sizeof(Pair) == 0)
-        && (reinterpret_cast<unsigned long long>(y) % sizeof(Pair) == 0);
-    if (c < OUT) {  // OUT is a multiple of V2
-        float r[V2];
+""" + _token_pass("base", "u", "y", "OUT", setup="""float r[V2];
         #pragma unroll
-        for (int v = 0; v < V2; ++v) r[v] = rss[cp * V2 + v];
-        #pragma unroll 8
-        for (int t = rl; t < ROWS; t += RL) {
-            long long off = (long long)t * OUT + c;
-            Pair bv, uv, out;
-            if (al) {
-                bv = *reinterpret_cast<const Pair*>(base + off);
-                uv = *reinterpret_cast<const Pair*>(u + off);
-            } else {
-                #pragma unroll
-                for (int v = 0; v < V2; ++v) {
-                    bv.v[v] = base[off + v];
-                    uv.v[v] = u[off + v];
-                }
-            }
-            #pragma unroll
-            for (int v = 0; v < V2; ++v)
-                out.v[v] = static_cast<T>(r[v] * (static_cast<float>(bv.v[v]) + sc * static_cast<float>(uv.v[v])));
-            if (al) {
-                *reinterpret_cast<Pair*>(y + off) = out;
-            } else {
-                #pragma unroll
-                for (int v = 0; v < V2; ++v) y[off + v] = out.v[v];
-            }
-        }
-    }
-"""
+        for (int v = 0; v < V2; ++v) r[v] = rss[cp * V2 + v];""", combine="o = r[v] * (x + sc * z);")
 
 _COTANGENT = _STRIP + """
     // g * rs and sum_t g * y over the block's columns and every token row; the RL row lanes'
     // sums added in a fixed order, divided by rs * norm.
     __shared__ float red[RL * C];
-    int c = blockIdx.x * C + cp * V2;
-    bool al = V2 > 1 && (reinterpret_cast<unsigned long long>(g) % sizeof(Pair) == 0)
-        && (reinterpret_cast<unsigned long long>(y) % sizeof(Pair) == 0)
-        && (reinterpret_cast<unsigned long long>(gz) % sizeof(Pair) == 0);
     float acc[V2];
     #pragma unroll
     for (int v = 0; v < V2; ++v) acc[v] = 0.0f;
-    if (c < COLS) {  // COLS is a multiple of V2
-        float r[V2];
+""" + _token_pass("g", "y", "gz", "COLS", setup="""float r[V2];
         #pragma unroll
-        for (int v = 0; v < V2; ++v) r[v] = static_cast<float>(rs[c + v]);
-        #pragma unroll 8
-        for (int t = rl; t < ROWS; t += RL) {
-            long long off = (long long)t * COLS + c;
-            Pair gv, yv, out;
-            if (al) {
-                gv = *reinterpret_cast<const Pair*>(g + off);
-                yv = *reinterpret_cast<const Pair*>(y + off);
-            } else {
-                #pragma unroll
-                for (int v = 0; v < V2; ++v) {
-                    gv.v[v] = g[off + v];
-                    yv.v[v] = y[off + v];
-                }
-            }
-            #pragma unroll
-            for (int v = 0; v < V2; ++v) {
-                float gf = static_cast<float>(gv.v[v]);
-                acc[v] += gf * static_cast<float>(yv.v[v]);
-                out.v[v] = static_cast<T>(gf * r[v]);
-            }
-            if (al) {
-                *reinterpret_cast<Pair*>(gz + off) = out;
-            } else {
-                #pragma unroll
-                for (int v = 0; v < V2; ++v) gz[off + v] = out.v[v];
-            }
-        }
-    }
+        for (int v = 0; v < V2; ++v) r[v] = static_cast<float>(rs[c + v]);""", combine="""acc[v] += x * z;
+                o = x * r[v];""") + """
     #pragma unroll
     for (int v = 0; v < V2; ++v) red[rl * C + cp * V2 + v] = acc[v];
     __syncthreads();
@@ -238,15 +220,15 @@ def dora_forward_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array, s
     r = a.shape[-1]
     dt = base.dtype
     u = u.astype(dt)  # the kernel reads both as one type (a no-op where they already agree)
-    # WT and UT (like YT and RT below) put an input's dtype in the name MLX caches the compiled
-    # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
+    # WT (like RT below) puts an input's dtype in the name MLX caches the compiled kernel by
+    # (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
     k = _kernel("meshtune_dora_forward", ["w", "a", "b", "m", "s", "base", "u"], ["y", "norm", "rs"], _DORA_FORWARD)
     threads = _THREADS if r <= 32 else _THREADS // 2  # r floats of A a column in registers
     y, norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
                             mx.array([scale], dtype=mx.float32), base, u],
                     template=[("R", r), ("IN", inp), ("OUT", out), ("ROWS", rows), ("C", _COLUMNS),
                               ("NT", threads), ("VW", _weight_columns(r, inp, weight.dtype.size)),
-                              ("V2", _pair(dt, out)), ("T", dt), ("WT", weight.dtype), ("UT", u.dtype)],
+                              ("V2", _pair(dt, out)), ("T", dt), ("WT", weight.dtype)],
                     grid=(-(-out // _COLUMNS) * threads, 1, 1), threadgroup=(threads, 1, 1),
                     output_shapes=[(rows, out), (out,), (out,)], output_dtypes=[dt, mx.float32, dt])
     return y, norm, rs
@@ -259,7 +241,7 @@ def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
     k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs", "norm"], ["gz", "dm"], _COTANGENT)
     gz, dm = k(inputs=[g, y, rs, norm],
                template=[("ROWS", rows), ("COLS", cols), ("C", _COLUMNS), ("NT", _THREADS),
-                         ("V2", _pair(g.dtype, cols)), ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+                         ("V2", _pair(g.dtype, cols)), ("T", g.dtype), ("RT", rs.dtype)],
                grid=(-(-cols // _COLUMNS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
                output_shapes=[(rows, cols), (cols,)], output_dtypes=[g.dtype, mx.float32])
     return gz, dm

@@ -19,6 +19,7 @@ from ..cuda import kernel
 # Arrays per kernel: each is a pointer argument, and a kernel's arguments are limited (4 KiB).
 MAX_ARRAYS = 256
 
+
 def _source(n: int) -> str:
     cases = "\n".join(f"            case {k}: out[start + i] = static_cast<T>(in{k}[i]); break;" for k in range(n))
     return f"""

@@ -57,10 +57,9 @@ def main():
     p.add_argument("--layers", type=int, default=16)
     args = p.parse_args()
     if args.cuda:
-        from meshtune.adapters import dora, kernels
+        from meshtune.adapters import kernels
         kernels.on_cuda = lambda: True
         kernels._kernel = lambda *a, **k: StandIn()
-        import meshtune.adapters.base_path as bp  # noqa: F401
     res = {k: count(k, args.layers, args.cuda) for k in ("lora", "dora")}
     keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
     print(f"compiled step, {args.layers} layers, {'CUDA path (kernels as Negative)' if args.cuda else 'CPU path'}: nodes")

@@ -1,36 +1,14 @@
 """Snapshot of meshtune/adapters/kernels.py at b4dc394 (four launches a DoRA layer: row scale, scaled
 output, cotangent, m's gradient), for probes that time it beside the current kernels.
 
-DoRA's per-layer extra work as CUDA kernels, for MLX's CUDA build.
-
-DoRA adds to each layer's step the norm of the adapted rows (forward) and m's
-gradient with the row-scaled cotangent (backward). Each is a few MLX operations, and
-the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
-~60%), so each gets as few launches as the GPU's time allows:
-
-- `row_scale_cuda` (forward): ||W + s (A B)^T||_row and rs = m / that norm (in the
-  activations' dtype) in one pass over W: each row's adapted elements formed in
-  registers from 16-byte loads of W and A staged in shared memory, squared and summed,
-  never stored (on the CPU and Metal the MLX ops use DESIGN.md's identity instead,
-  where W A is a product already running). It takes the place of a skinny matmul, the
-  Gram's matmul and the norm's small operations. For the 1B bench model's 112 layers
-  the first version of this kernel took 10.5 ms of GPU time a step, as long as all the
-  base products x W^T (scripts/probes/dora_kernel_cost.py).
-- `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
-  sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
-  of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
-  a second small kernel adds the chunks' sums in a fixed order, so the result does not
-  depend on scheduling, and divides by rs * norm.
-
-Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare the
-two on a GPU (tests/test_adapted_linear.py).
+Its simulator and GPU tests were those of that commit; this copy is not tested.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from meshtune.cuda import kernel as _kernel, on_cuda  # noqa: F401
+from meshtune.cuda import kernel as _kernel
 
 _WARPS = 8  # warps a block
 
@@ -246,10 +224,6 @@ _SCALED_OUTPUT = """
 
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
-
-# The largest rank the row-scale kernel takes (its accumulators live in registers);
-# adapted_linear computes larger ones in MLX ops.
-MAX_RANK = 64
 
 
 def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
