@@ -4,7 +4,8 @@ Development probe (adapters issue), on MLX's CUDA build, under Nsight Compute:
     MLX_USE_CUDA_GRAPHS=0 ncu --profile-from-start off --csv --metrics gpu__time_duration.sum \
         python3 scripts/probes/step_kernels.py dora bf16 > dora.csv
 Warms the compiled step up, then brackets one step with cudaProfilerStart/Stop, so only
-its kernels are profiled; `--summary dora.csv` then prints the launches and GPU time by kernel name.
+its kernels are profiled; `--summary lora.csv dora.csv` then prints both totals and
+every kernel whose launches or GPU time differ between them.
 """
 import argparse
 import csv
@@ -32,32 +33,41 @@ def cudart():
     raise SystemExit("no libcudart found")
 
 
-def summary(path):
+def per_kernel(path):
+    """{kernel name: [launches, GPU microseconds]} from one Nsight Compute CSV."""
     rows = list(csv.reader(line for line in open(path) if line.startswith('"')))
     head = rows[0]
     name_i, unit_i, val_i = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
     agg = defaultdict(lambda: [0, 0.0])
     for r in rows[1:]:
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[unit_i], 1.0)
-        name = r[name_i].split("(")[0].split("<")[0][:60]
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[r[unit_i]]
+        name = r[name_i].split("(")[0][:72]
         agg[name][0] += 1
         agg[name][1] += float(r[val_i].replace(",", "")) * scale
-    total_n = sum(v[0] for v in agg.values())
-    total_t = sum(v[1] for v in agg.values())
-    print(f"{path}: {total_n} kernels, {total_t / 1e3:.2f} ms GPU time")
-    for name, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {n:6d} {t / 1e3:8.3f} ms  {name}")
+    return agg
+
+
+def summary(first, second):
+    """Totals of both profiles, then every kernel whose launches or time differ (> 50 us)."""
+    a, b = per_kernel(first), per_kernel(second)
+    for path, agg in ((first, a), (second, b)):
+        print(f"{path}: {sum(v[0] for v in agg.values())} kernels, {sum(v[1] for v in agg.values()) / 1e3:.2f} ms GPU time")
+    print(f"launches first, second; GPU ms first, second; kernel")
+    for k in sorted(set(a) | set(b), key=lambda k: -(b.get(k, [0, 0])[1] - a.get(k, [0, 0])[1])):
+        x, y = a.get(k, [0, 0.0]), b.get(k, [0, 0.0])
+        if x[0] != y[0] or abs(y[1] - x[1]) > 50:
+            print(f"{x[0]:5d} {y[0]:5d} {x[1] / 1e3:7.3f} {y[1] / 1e3:7.3f}  {k}")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("kind", nargs="?", default="dora")
     p.add_argument("base", nargs="?", default="bf16")
-    p.add_argument("--summary", nargs="*")
+    p.add_argument("--summary", nargs=2, metavar=("FIRST_CSV", "SECOND_CSV"),
+                   help="compare two profiles (e.g. lora.csv dora.csv) instead of running a step")
     args = p.parse_args()
     if args.summary:
-        for f in args.summary:
-            summary(f)
+        summary(*args.summary)
         return
     import mlx.core as mx
 
