@@ -7,7 +7,6 @@ Each variant swaps DoRALinear's training forward; LoRA is the baseline. Timed li
 """
 import argparse
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -53,36 +52,60 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-# b4dc394's kernels: four launches a layer (row scale, scaled output, cotangent, m's gradient)
-# against the current two (probes/kernels_b4dc394.py is that file).
-sys.path.insert(0, str(Path(__file__).parent / "probes"))
-import kernels_b4dc394 as OLD  # noqa: E402
+# The cotangent in one launch (a block per 16 columns, 64 row lanes, m's gradient finished in
+# the block): one launch fewer per layer than kernels.cotangent_cuda, fewer blocks.
+_ONE_LAUNCH_COTANGENT = """
+    int tid = threadIdx.x;
+    int c16 = tid & 15;
+    int rl = tid >> 4;
+    int col = blockIdx.x * 16 + c16;
+    __shared__ float part[64][17];
+    float acc = 0.0f;
+    if (col < COLS) {
+        float r = static_cast<float>(rs[col]);
+        for (int t = rl; t < ROWS; t += 64) {
+            float gv = static_cast<float>(g[(long long)t * COLS + col]);
+            acc += gv * static_cast<float>(y[(long long)t * COLS + col]);
+            gz[(long long)t * COLS + col] = static_cast<T>(gv * r);
+        }
+    }
+    part[rl][c16] = acc;
+    __syncthreads();
+    if (tid < 16 && col < COLS) {
+        float sum = 0.0f;
+        for (int k = 0; k < 64; ++k) sum += part[k][c16];
+        float den = static_cast<float>(rs[col]) * norm[col];
+        dm[col] = den == 0.0f ? 0.0f : sum / den;
+    }
+"""
+ORIGINAL_COTANGENT = K.cotangent_cuda
 
-ORIGINAL_FORWARD, ORIGINAL_COTANGENT = K.dora_forward_cuda, K.cotangent_cuda
+
+def one_launch_cotangent(g, y, rs, norm):
+    rows, cols = g.shape
+    k = K._kernel("probe_dora_cotangent_one_launch", ["g", "y", "rs", "norm"], ["gz", "dm"], _ONE_LAUNCH_COTANGENT)
+    return k(inputs=[g, y, rs, norm], template=[("ROWS", rows), ("COLS", cols), ("T", g.dtype)],
+             grid=(-(-cols // 16) * 1024, 1, 1), threadgroup=(1024, 1, 1),
+             output_shapes=[(rows, cols), (cols,)], output_dtypes=[g.dtype, mx.float32])
 
 
-def four_launch_forward(weight, a, b, m, scale, base, u):
-    norm, rs = OLD.row_scale_cuda(weight, a, b, m, scale, base.dtype)
-    return OLD.scaled_output_cuda(base, u, rs, scale), norm, rs
-
-
-def _four_launches(self, x):
+def _one_launch(self, x):
     _reset()
-    K.dora_forward_cuda, K.cotangent_cuda = four_launch_forward, OLD.cotangent_cuda
+    K.cotangent_cuda = one_launch_cotangent
     return ORIGINAL(self, x)
 
 
 def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    K.dora_forward_cuda, K.cotangent_cuda = ORIGINAL_FORWARD, ORIGINAL_COTANGENT
+    K.cotangent_cuda = ORIGINAL_COTANGENT
 
 
 VARIANTS = {
     "current": _kernels(True),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
-    "b4dc394 kernels (4 launches)": _four_launches,
+    "one-launch cotangent": _one_launch,
     "bound: const scale": v_const,
 }
 

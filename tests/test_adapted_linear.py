@@ -76,13 +76,13 @@ def test_magnitude_without_base_norms_is_an_error():
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("r", [8, 16, 64])  # the norm pass: 4, 2, then 1 column of W a thread (bfloat16)
+@pytest.mark.parametrize("r", [8, 16, 64])  # the row scale: 2 rows a warp, 2, then 1 with 4-byte loads of W
 def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype, r):
     from meshtune.adapters import adapted_linear as AL, kernels
 
     k = mx.random.split(mx.random.key(4), 6)
-    rows, inp = 4100, 1324  # the norm pass over W's columns in 1, 2 and 3 passes (r = 8, 16, 64)
-    out = 6151 if r == 16 else 6144  # odd: a column a thread and a last block part past the output
+    rows, inp = 4100, 1324  # A in 1, 2 and 20 tiles and a part
+    out = 6150 if r == 16 else 6144  # the cotangent a column a thread, else 16-byte accesses
     g = mx.random.normal((rows, out), key=k[0]).astype(dtype)
     y = mx.random.normal((rows, out), key=k[1]).astype(dtype)
     w = (mx.random.normal((out, inp), key=k[2]) / 8).astype(dtype)
@@ -92,16 +92,15 @@ def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype, r):
     w_sq = (w32 * w32).sum(-1)
     m = mx.sqrt(w_sq).at[3].multiply(0.0)  # a zero row scale gets d m = 0
     rs = (m / w_sq).astype(dtype)
-    y_new, norm, rs_new = kernels.dora_forward_cuda(w, a, b, m, S, g, y)  # g, y standing in for base, u
-    got = (norm, rs_new, y_new) + kernels.cotangent_cuda(g, y, rs, w_sq)
+    got = (kernels.row_scale_cuda(w, a, b, m, S, dtype) + kernels.cotangent_cuda(g, y, rs, w_sq)
+           + (kernels.scaled_output_cuda(g, y, rs, S),))
     monkeypatch.setattr(kernels, "on_cuda", lambda: False)
-    want_norm, want_rs = AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype)
-    want_y = (want_rs.astype(mx.float32) * (g.astype(mx.float32) + S * y.astype(mx.float32))).astype(dtype)
-    want = (want_norm, want_rs, want_y) + AL.dora_cotangent(g, y, rs, w_sq)
-    for name, x, v, tol in zip(("norm", "rs", "rs (base + s u)", "g*rs", "dm"), got, want, (1e-4, 1e-2, 1e-2, 1e-2, 1e-4)):
+    want = (AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype) + AL.dora_cotangent(g, y, rs, w_sq)
+            + ((rs.astype(mx.float32) * (g.astype(mx.float32) + S * y.astype(mx.float32))).astype(dtype),))
+    for name, x, v, tol in zip(("norm", "rs", "g*rs", "dm", "rs (base + s u)"), got, want, (1e-4, 1e-2, 1e-2, 1e-4, 1e-2)):
         assert x.dtype == v.dtype and x.shape == v.shape, name
         assert mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol, atol=tol).item(), name
-    assert got[4][3].item() == 0.0  # d m
+    assert got[3][3].item() == 0.0
 
 
 def test_row_norm_matches_dense_norm():

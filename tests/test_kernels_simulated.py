@@ -116,68 +116,48 @@ def simulated(build_dir, monkeypatch):
     return made
 
 
-# r, in, out, tokens, activations' dtype, W's dtype: W's columns 4 a thread (2 passes), 2, 2, 1 (256
-# threads a block), 4 and 8; the last block's columns partly past the output; bfloat16 activations
-# in 4-byte pairs. (The simulator computes in float whatever the dtype; the wrappers choose by it.)
-@pytest.mark.parametrize("r, inp, out, tokens, dtype, wdtype", [
-    (8, 2100, 45, 7, mx.float32, mx.float32), (5, 70, 9, 3, mx.float32, mx.float32),
-    (16, 600, 17, 5, mx.float32, mx.float32), (64, 200, 8, 4, mx.float32, mx.float32),
-    (8, 96, 34, 6, mx.bfloat16, mx.float32), (4, 160, 20, 3, mx.bfloat16, mx.bfloat16)])
-def test_forward_kernel(simulated, r, inp, out, tokens, dtype, wdtype):
+@pytest.mark.parametrize("r, inp, out", [(8, 2100, 45), (5, 70, 9), (16, 600, 17), (64, 200, 8)])  # A in 3, 1, 2, 4 tiles
+def test_row_scale_kernel(simulated, r, inp, out):
     from meshtune.adapters import adapted_linear as AL, kernels
 
-    k = mx.random.split(mx.random.key(r), 6)
-    w = (mx.random.normal((out, inp), key=k[0]) / 8).astype(wdtype)
+    k = mx.random.split(mx.random.key(r), 4)
+    w = mx.random.normal((out, inp), key=k[0]) / 8
     a = mx.random.normal((inp, r), key=k[1]) / 8
     b = mx.random.normal((r, out), key=k[2]) / 8
+    w_sq = (w * w).sum(-1)
     m = mx.random.uniform(0.5, 2.0, (out,), key=k[3])
-    base = mx.random.normal((tokens, out), key=k[4]).astype(dtype)
-    u = mx.random.normal((tokens, out), key=k[5]).astype(dtype)
-    y, norm, rs = kernels.dora_forward_cuda(w, a, b, m, 2.0, base, u)
-    w32 = w.astype(mx.float32)
-    want_norm, want_rs = AL.dora_row_scale(a.T @ w32.T, a, b, (w32 * w32).sum(-1), m, 2.0, dtype)
-    want_y = (want_rs.astype(mx.float32) * (base.astype(mx.float32) + 2.0 * u.astype(mx.float32))).astype(dtype)
-    tol = 1e-5 if dtype == mx.float32 else 1e-2
-    assert (y.dtype, rs.dtype, norm.dtype) == (dtype, dtype, mx.float32)
-    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=tol).item()
-    assert mx.allclose(y, want_y, rtol=tol, atol=tol).item()
-    assert simulated["meshtune_dora_forward"].calls == 1
+    norm, rs = kernels.row_scale_cuda(w, a, b, m, 2.0, mx.float32)
+    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, w_sq, m, 2.0, mx.float32)
+    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
+    assert simulated["meshtune_dora_row_scale"].calls == 1
 
 
-@pytest.mark.parametrize("rows, cols, dtype", [(100, 40, mx.float32), (7, 16, mx.float32), (300, 18, mx.float32),
-                                               (70, 36, mx.bfloat16), (9, 7, mx.bfloat16)])  # 7: no pairs
-def test_cotangent_kernel(simulated, rows, cols, dtype):
+@pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
+def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(rows), 3)
-    g = mx.random.normal((rows, cols), key=k[0]).astype(dtype)
-    y = mx.random.normal((rows, cols), key=k[1]).astype(dtype)
-    rs = mx.random.uniform(0.5, 2.0, (cols,), key=k[2]).at[3].multiply(0.0).astype(dtype)
+    g = mx.random.normal((rows, cols), key=k[0])
+    y = mx.random.normal((rows, cols), key=k[1])
+    rs = mx.random.uniform(0.5, 2.0, (cols,), key=k[2]).at[3].multiply(0.0)
     norm = mx.full((cols,), 2.0)
     gz, dm = kernels.cotangent_cuda(g, y, rs, norm)
-    g32, y32, rs32 = g.astype(mx.float32), y.astype(mx.float32), rs.astype(mx.float32)
-    want_dm = mx.where(rs32 == 0, 0.0, (g32 * y32).sum(0) / mx.where(rs32 == 0, 1.0, rs32 * norm))
-    tol = 1e-6 if dtype == mx.float32 else 1e-2
-    assert gz.dtype == dtype and mx.allclose(gz.astype(mx.float32), g32 * rs32, rtol=tol, atol=tol).item()
-    assert mx.allclose(dm, want_dm, rtol=1e-5, atol=1e-5).item() and dm[3].item() == 0.0
-    assert simulated["meshtune_dora_cotangent"].calls == 1
+    want_dm = mx.where(rs == 0, 0.0, (g * y).sum(0) / mx.where(rs == 0, 1.0, rs * norm))
+    assert mx.allclose(gz, g * rs, rtol=1e-6).item()
+    assert mx.allclose(dm, want_dm, rtol=1e-5, atol=1e-6).item() and dm[3].item() == 0.0
+    assert simulated["meshtune_dora_cotangent"].calls == simulated["meshtune_dora_magnitude_grad"].calls == 1
 
 
-def test_kernels_with_blocks_of_32_columns(simulated, monkeypatch):
-    """The block width is a setting (scripts/probes/dora_kernel_cost.py times 16 against 32)."""
-    from meshtune.adapters import adapted_linear as AL, kernels
+@pytest.mark.parametrize("rows, cols", [(5, 24), (3, 10)])  # 16-byte accesses; 10: a column a thread
+def test_scaled_output_kernel(simulated, rows, cols):
+    from meshtune.adapters import kernels
 
-    monkeypatch.setattr(kernels, "_COLUMNS", 32)
-    k = mx.random.split(mx.random.key(9), 5)
-    w, a = mx.random.normal((50, 64), key=k[0]) / 8, mx.random.normal((64, 8), key=k[1]) / 8
-    b, m = mx.random.normal((8, 50), key=k[2]) / 8, mx.random.uniform(0.5, 2.0, (50,), key=k[3])
-    base = mx.random.normal((5, 50), key=k[4])
-    y, norm, rs = kernels.dora_forward_cuda(w, a, b, m, 2.0, base, base)
-    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, mx.float32)
-    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(y, want_rs * 3.0 * base, rtol=1e-5).item()
-    gz, dm = kernels.cotangent_cuda(base, y, rs, norm)
-    assert mx.allclose(gz, base * rs, rtol=1e-6).item()
-    assert mx.allclose(dm, (base * y).sum(0) / (rs * norm), rtol=1e-5, atol=1e-6).item()
+    k = mx.random.split(mx.random.key(cols), 3)
+    base, u = mx.random.normal((rows, cols), key=k[0]), mx.random.normal((rows, cols), key=k[1])
+    rs = mx.random.uniform(0.5, 2.0, (cols,), key=k[2])
+    got = kernels.scaled_output_cuda(base, u, rs, 3.0)
+    assert mx.allclose(got, rs * (base + 3.0 * u), rtol=1e-6, atol=1e-6).item()
+    assert simulated["meshtune_dora_scaled_output"].calls == 1
 
 
 def test_pack_kernel(simulated):
@@ -192,16 +172,16 @@ def test_pack_kernel(simulated):
     assert mx.array_equal(pack_cuda(half, mx.float32), mx.concatenate([a.reshape(-1) for a in half])).item()
 
 
-def test_forward_kernel_per_weight_dtype(simulated):
+def test_row_scale_kernel_per_weight_dtype(simulated):
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(1), 3)
     w = mx.random.normal((9, 40), key=k[0]) / 8
     a, b = mx.random.normal((40, 4), key=k[1]) / 8, mx.random.normal((4, 9), key=k[2]) / 8
-    m, base = mx.ones((9,)), mx.ones((2, 9))
+    m = mx.ones((9,))
     for weight in (w, w.astype(mx.bfloat16)):
-        kernels.dora_forward_cuda(weight, a, b, m, 2.0, base, base)
-    assert simulated["meshtune_dora_forward"].calls == 2
+        kernels.row_scale_cuda(weight, a, b, m, 2.0, mx.float32)
+    assert simulated["meshtune_dora_row_scale"].calls == 2
 
 
 def test_dora_layer_gradients_on_the_cuda_path(simulated):
@@ -229,7 +209,8 @@ def test_dora_layer_gradients_on_the_cuda_path(simulated):
     assert abs(got_v.item() - want_v.item()) <= 1e-4 * abs(want_v.item())
     for name, g, h in zip("x a b m".split(), got, want):
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), name
-    assert simulated["meshtune_dora_forward"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
+    assert simulated["meshtune_dora_row_scale"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
+    assert simulated["meshtune_dora_scaled_output"].calls == 1
 
 
 def test_gradient_buckets_packed_by_the_kernel(simulated):

@@ -14,9 +14,9 @@ batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. He
 r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
 sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
-cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is a kernel
-each way (kernels.py): the norm, rs and the row-scaled sum of the two products
-forward, the scaled cotangent with m's gradient backward.
+cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is three
+kernels (kernels.py): the norm and rs in one pass over W, the row-scaled sum of the
+two products, and the scaled cotangent with m's gradient.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
@@ -95,8 +95,10 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
         if kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK:
-            # One kernel for the norm, rs and the row-scaled sum (LoRA fuses the sum alone).
-            return list(kernels.dora_forward_cuda(weight, a, b, m, scale, x2 @ weight.T, (xl @ ac) @ bc))
+            # One kernel for the norm and rs (a pass over W), one for the scaled sum.
+            norm, rs = kernels.row_scale_cuda(weight, a, b, m, scale, dt)
+            y = kernels.scaled_output_cuda(x2 @ weight.T, (xl @ ac) @ bc, rs, scale)
+            return [y, norm, rs]
         if NORM_ROWS_ON_BASE_PRODUCT:
             rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
             pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE

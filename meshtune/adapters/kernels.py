@@ -1,27 +1,26 @@
-"""DoRA's per-layer extra work as CUDA kernels, for MLX's CUDA build: one kernel each way.
+"""DoRA's per-layer extra work as CUDA kernels, for MLX's CUDA build.
 
-DoRA adds to each layer's step the norm of the adapted rows and the row scale
-(forward), and m's gradient with the row-scaled cotangent (backward). On an H200 a
-step of the 1B bench model launches ~2300 kernels for LoRA, and each launch costs the
-host ~9 us to encode and the GPU a gap (scripts/probes/launch_cost.py,
-docs/bench/step_kernels_h200.txt); DoRA's work itself is small. So each direction is
-one kernel, in place of the fused elementwise kernel LoRA runs anyway (forward) and of
-nothing (backward): a block owns C adjacent output columns (rows of W) and every token,
-so it needs no other block's result.
+DoRA adds to each layer's step the norm of the adapted rows (forward) and m's
+gradient with the row-scaled cotangent (backward). Each is a few MLX operations, and
+the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
+~60%), so each gets as few launches as the GPU's time allows:
 
-- `dora_forward_cuda`: the block forms its C rows of W + s (A B)^T in registers (a
-  thread on adjacent columns of all C rows: A's values read once, W's rows loaded
-  together), squares and sums them: ||W + s (A B)^T||_row without storing the adapted
-  rows or a Gram (on the CPU and Metal the MLX ops use DESIGN.md's identity instead,
-  where W A rides on a product already running). Then rs = m / norm, rounded to the
-  activations' dtype, and y = rs * (base + s u) over every token of its columns.
-- `cotangent_cuda`: g * rs and sum_t g * y for the block's columns over every token,
-  the row lanes' sums added in a fixed order (no atomics: the result does not depend on
-  scheduling), divided by rs * norm: m's gradient, 0 where rs * norm is 0.
+- `row_scale_cuda` (forward): ||W + s (A B)^T||_row and rs = m / that norm (in the
+  activations' dtype) in one pass over W: each row's adapted elements formed in
+  registers from 16-byte loads of W and A staged in shared memory, squared and summed,
+  never stored (on the CPU and Metal the MLX ops use DESIGN.md's identity instead,
+  where W A is a product already running). It takes the place of a skinny matmul, the
+  Gram's matmul and the norm's small operations. For the 1B bench model's 112 layers
+  the first version of this kernel took 10.5 ms of GPU time a step, as long as all the
+  base products x W^T (scripts/probes/dora_kernel_cost.py).
+- `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
+  sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
+  of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
+  a second small kernel adds the chunks' sums in a fixed order, so the result does not
+  depend on scheduling, and divides by rs * norm.
 
 Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare the
-two on a GPU (tests/test_adapted_linear.py) and run these sources on the CPU through a
-simulator (tests/test_kernels_simulated.py).
+two on a GPU (tests/test_adapted_linear.py).
 """
 
 from __future__ import annotations
@@ -30,218 +29,290 @@ import mlx.core as mx
 
 from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
 
-_THREADS = 512  # a block (up to 128 registers a thread); the forward kernel past rank 32: 256
-_COLUMNS = 16  # output columns a block owns, a multiple of 4
+_WARPS = 8  # warps a block
 
-# Over the block's tokens x C columns (both kernels): CPR threads a token row, V2 adjacent
-# columns each (a 4-byte access for 2-byte types where aligned), RL rows at a time.
-_STRIP = """
-    constexpr int CPR = C / V2;
-    constexpr int RL = NT / CPR;
-    struct alignas(sizeof(T) * V2) Pair { T v[V2]; };
+_ROW_SCALE = """
+    // Block: WARPS warps, RPW adjacent rows of W each. The norm is taken row by row without
+    // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
+    // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
+    // identity's terms). Tiles of TJ rows of A pass through shared memory transposed, padded
+    // (sa[k * SA + j], SA = TJ + 4: staging writes hit distinct banks); a lane takes VEC
+    // consecutive columns per pass (a 16-byte load of each of its rows, all of a tile's loads
+    // issued before its arithmetic) and reads A's values for them as float4s, half-swizzled
+    // so a quarter-warp's reads hit distinct banks; each value read serves RPW rows.
+    struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
+    constexpr int NT = WARPS * 32;
+    constexpr int SA = TJ + 4;
+    constexpr int P = TJ / (32 * VEC);  // passes over a full tile
+    __shared__ float4 sa4[R * SA / 4];
+    float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
-    int cp = tid % CPR;
-    int rl = tid / CPR;
-"""
-
-
-def _token_pass(first: str, second: str, out: str, width: str, setup: str, combine: str) -> str:
-    """C++ for the pass both kernels make over their block's columns and every token row:
-    at each row the V2 adjacent values of `first` and `second` as floats x and z, and `out`'s
-    from `combine` (statements setting float o for column v) after `setup` (run once, for a
-    thread whose columns are inside `width`); 4-byte accesses where all three arrays align."""
-    return f"""
-    int c = blockIdx.x * C + cp * V2;
-    bool al = V2 > 1 && (reinterpret_cast<unsigned long long>({first}) % sizeof(Pair) == 0)
-        && (reinterpret_cast<unsigned long long>({second}) % sizeof(Pair) == 0)
-        && (reinterpret_cast<unsigned long long>({out}) % sizeof(Pair) == 0);
-    if (c < {width}) {{  // {width} is a multiple of V2
-        {setup}
-        #pragma unroll 8
-        for (int t = rl; t < ROWS; t += RL) {{
-            long long off = (long long)t * {width} + c;
-            Pair xv, zv, ov;
-            if (al) {{
-                xv = *reinterpret_cast<const Pair*>({first} + off);
-                zv = *reinterpret_cast<const Pair*>({second} + off);
-            }} else {{
-                #pragma unroll
-                for (int v = 0; v < V2; ++v) {{
-                    xv.v[v] = {first}[off + v];
-                    zv.v[v] = {second}[off + v];
-                }}
-            }}
-            #pragma unroll
-            for (int v = 0; v < V2; ++v) {{
-                float x = static_cast<float>(xv.v[v]);
-                float z = static_cast<float>(zv.v[v]);
-                float o;
-                {combine}
-                ov.v[v] = static_cast<T>(o);
-            }}
-            if (al) {{
-                *reinterpret_cast<Pair*>({out} + off) = ov;
-            }} else {{
-                #pragma unroll
-                for (int v = 0; v < V2; ++v) {out}[off + v] = ov.v[v];
-            }}
-        }}
-    }}
-"""
-
-_DORA_FORWARD = _STRIP + """
-    // Norms of the block's C rows of W + s (A B)^T: a thread on VW adjacent columns j of all
-    // C rows, d = w_ij + sum_k A_jk (s B_ki), squares summed per row, then over the block.
-    struct alignas(sizeof(WT) * VW) WVec { WT v[VW]; };
-    constexpr int NW = NT / 32;
-    __shared__ float cs[C * R];
-    __shared__ float part[NW * C];
-    __shared__ float rss[C];
     int lane = tid & 31;
-    int warp = tid >> 5;
-    int i0 = blockIdx.x * C;
+    int row0 = (blockIdx.x * WARPS + (tid >> 5)) * RPW;
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
     float sc = s[0];
-    for (int e = tid; e < C * R; e += NT) {
-        int q = e / R;
-        cs[e] = i0 + q < OUT ? sc * b[(long long)(e % R) * OUT + i0 + q] : 0.0f;
-    }
-    __syncthreads();
-    bool wal = VW > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
-    float sq[C];
+    float cb[RPW][R];  // s * B's column for each of the warp's rows
+    float sq[RPW];
     #pragma unroll
-    for (int q = 0; q < C; ++q) sq[q] = 0.0f;
-    for (int j = tid * VW; j < IN; j += NT * VW) {  // IN is a multiple of VW
-        float av[VW][R];
+    for (int q = 0; q < RPW; ++q) {
+        sq[q] = 0.0f;
         #pragma unroll
-        for (int v = 0; v < VW; ++v)
-            #pragma unroll
-            for (int k = 0; k < R; ++k) av[v][k] = a[(long long)(j + v) * R + k];
+        for (int k = 0; k < R; ++k) cb[q][k] = row0 + q < OUT ? sc * b[k * OUT + row0 + q] : 0.0f;
+    }
+    for (int j0 = 0; j0 < IN; j0 += TJ) {
+        int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
+        WVec wr[P][RPW];
         #pragma unroll
-        for (int q0 = 0; q0 < C; q0 += 4) {  // 4 rows' loads in flight, few registers held
-            WVec wv[4];
+        for (int p = 0; p < P; ++p) {
+            int c = p * 32 * VEC + lane * VEC;
             #pragma unroll
-            for (int g = 0; g < 4; ++g) {
-                long long off = (long long)(i0 + q0 + g) * IN + j;
-                if (i0 + q0 + g >= OUT) {
+            for (int q = 0; q < RPW; ++q) {
+                long long off = (long long)(row0 + q) * IN + j0 + c;
+                if (row0 + q >= OUT || c >= n) {
                     #pragma unroll
-                    for (int v = 0; v < VW; ++v) wv[g].v[v] = static_cast<WT>(0.0f);
-                } else if (wal) {
-                    wv[g] = *reinterpret_cast<const WVec*>(w + off);
+                    for (int v = 0; v < VEC; ++v) wr[p][q].v[v] = static_cast<WT>(0.0f);
+                } else if (aligned) {
+                    wr[p][q] = *reinterpret_cast<const WVec*>(w + off);
                 } else {
                     #pragma unroll
-                    for (int v = 0; v < VW; ++v) wv[g].v[v] = w[off + v];
+                    for (int v = 0; v < VEC; ++v) wr[p][q].v[v] = w[off + v];
                 }
             }
-            #pragma unroll
-            for (int g = 0; g < 4; ++g)
+        }
+        for (int e = tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
+        __syncthreads();
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int c = p * 32 * VEC + lane * VEC;
+            if (c < n) {
+                float t[RPW][VEC];
                 #pragma unroll
-                for (int v = 0; v < VW; ++v) {
-                    float d = static_cast<float>(wv[g].v[v]);
+                for (int q = 0; q < RPW; ++q)
                     #pragma unroll
-                    for (int k = 0; k < R; ++k) d += av[v][k] * cs[(q0 + g) * R + k];
-                    sq[q0 + g] += d * d;
+                    for (int v = 0; v < VEC; ++v) t[q][v] = static_cast<float>(wr[p][q].v[v]);
+                #pragma unroll
+                for (int k = 0; k < R; ++k) {
+                    float av[VEC];
+                    if (VEC >= 4) {
+                        #pragma unroll
+                        for (int h = 0; h < VEC / 4; ++h) {
+                            int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
+                            float4 f = sa4[(k * SA + c) / 4 + part];
+                            av[part * 4] = f.x;
+                            av[part * 4 + 1] = f.y;
+                            av[part * 4 + 2] = f.z;
+                            av[part * 4 + 3] = f.w;
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) av[v] = sa[k * SA + c + v];
+                    }
+                    #pragma unroll
+                    for (int q = 0; q < RPW; ++q)
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[q][k];
                 }
+                #pragma unroll
+                for (int q = 0; q < RPW; ++q)
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) sq[q] += t[q][v] * t[q][v];
+            }
         }
+        __syncthreads();
     }
+    // Each row's sum over the warp's lanes by a fixed butterfly (deterministic).
     #pragma unroll
-    for (int q = 0; q < C; ++q) {
+    for (int q = 0; q < RPW; ++q)
         for (int off = 16; off > 0; off >>= 1) sq[q] += __shfl_xor_sync(0xffffffff, sq[q], off);
-        if (lane == 0) part[warp * C + q] = sq[q];
-    }
-    __syncthreads();
-    if (tid < C) {
-        int i = i0 + tid;
-        float total = 0.0f;
-        for (int k = 0; k < NW; ++k) total += part[k * C + tid];
-        float nrm = sqrtf(total);
-        T r = static_cast<T>(i < OUT ? m[i] / nrm : 0.0f);
-        rss[tid] = static_cast<float>(r);  // y takes rs as saved, in the activations' dtype
-        if (i < OUT) {
+    #pragma unroll
+    for (int q = 0; q < RPW; ++q) {
+        int i = row0 + q;
+        if (lane == q && i < OUT) {
+            float nrm = sqrtf(sq[q]);
             norm[i] = nrm;
-            rs[i] = r;
+            rs[i] = static_cast<T>(m[i] / nrm);
         }
-    }
-    __syncthreads();
-    // y = rs * (base + s u) over the block's columns and every token row.
-""" + _token_pass("base", "u", "y", "OUT", setup="""float r[V2];
-        #pragma unroll
-        for (int v = 0; v < V2; ++v) r[v] = rss[cp * V2 + v];""", combine="o = r[v] * (x + sc * z);")
-
-_COTANGENT = _STRIP + """
-    // g * rs and sum_t g * y over the block's columns and every token row; the RL row lanes'
-    // sums added in a fixed order, divided by rs * norm.
-    __shared__ float red[RL * C];
-    float acc[V2];
-    #pragma unroll
-    for (int v = 0; v < V2; ++v) acc[v] = 0.0f;
-""" + _token_pass("g", "y", "gz", "COLS", setup="""float r[V2];
-        #pragma unroll
-        for (int v = 0; v < V2; ++v) r[v] = static_cast<float>(rs[c + v]);""", combine="""acc[v] += x * z;
-                o = x * r[v];""") + """
-    #pragma unroll
-    for (int v = 0; v < V2; ++v) red[rl * C + cp * V2 + v] = acc[v];
-    __syncthreads();
-    int col = blockIdx.x * C + tid;
-    if (tid < C && col < COLS) {
-        float total = 0.0f;
-        for (int k = 0; k < RL; ++k) total += red[k * C + tid];
-        float den = static_cast<float>(rs[col]) * norm[col];
-        dm[col] = den == 0.0f ? 0.0f : total / den;
     }
 """
 
-# The largest rank the forward kernel takes (A's values for a thread's columns live in
-# registers); adapted_linear computes larger ones in MLX ops.
+_COTANGENT = """
+    // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns (one 16-byte
+    // access where aligned), the warps striding over the block's chunk of rows. Each
+    // block's column sums go to its row of `part`, added in a fixed order.
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    constexpr int CB = 32 * VEC;
+    __shared__ float sums[8][CB];
+    int tid = threadIdx.x;
+    int lane = tid & 31;
+    int warp = tid >> 5;
+    int c0 = blockIdx.x * CB + lane * VEC;
+    int t0 = blockIdx.y * CHUNK;
+    int t1 = min(t0 + CHUNK, ROWS);
+    bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(g) % sizeof(Vec) == 0)
+        && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0)
+        && (reinterpret_cast<unsigned long long>(gz) % sizeof(Vec) == 0);
+    float acc[VEC];
+    float r[VEC];
+    for (int v = 0; v < VEC; ++v) {
+        acc[v] = 0.0f;
+        r[v] = c0 + v < COLS ? static_cast<float>(rs[c0 + v]) : 0.0f;
+    }
+    if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
+        for (int t = t0 + warp; t < t1; t += 8) {
+            long long off = (long long)t * COLS + c0;
+            Vec gv, yv, out;
+            if (aligned) {
+                gv = *reinterpret_cast<const Vec*>(g + off);
+                yv = *reinterpret_cast<const Vec*>(y + off);
+            } else {
+                for (int v = 0; v < VEC; ++v) {
+                    gv.v[v] = g[off + v];
+                    yv.v[v] = y[off + v];
+                }
+            }
+            for (int v = 0; v < VEC; ++v) {
+                float gf = static_cast<float>(gv.v[v]);
+                acc[v] += gf * static_cast<float>(yv.v[v]);
+                out.v[v] = static_cast<T>(gf * r[v]);
+            }
+            if (aligned) {
+                *reinterpret_cast<Vec*>(gz + off) = out;
+            } else {
+                for (int v = 0; v < VEC; ++v) gz[off + v] = out.v[v];
+            }
+        }
+    }
+    for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = acc[v];
+    __syncthreads();
+    for (int c = tid; c < CB; c += 256) {
+        int col = blockIdx.x * CB + c;
+        if (col < COLS) {
+            float total = 0.0f;
+            for (int k = 0; k < 8; ++k) total += sums[k][c];
+            part[(long long)blockIdx.y * COLS + col] = total;
+        }
+    }
+"""
+
+# m's gradient from the chunks' column sums: a thread per column, chunks added in order.
+_MAGNITUDE_GRAD = """
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col < COLS) {
+        float sum = 0.0f;
+        for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
+        float den = static_cast<float>(rs[col]) * norm[col];
+        dm[col] = den == 0.0f ? 0.0f : sum / den;
+    }
+"""
+
+# DoRA's output from the base product and the branch's: y = rs * (base + s * u), a thread on
+# VEC consecutive columns of a row (16-byte accesses where aligned). MLX's fused kernel for the
+# same expression indexes the broadcast rs generically and took 1.7x the time of LoRA's
+# base + s * u on an H200 (3.5 vs 2.1 ms over the 1B bench step's 112 layers, Nsight Compute).
+_SCALED_OUTPUT = """
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (e < (long long)ROWS * COLS) {
+        int col = (int)(e % COLS);
+        float sc = s[0];
+        bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(base) % sizeof(Vec) == 0)
+            && (reinterpret_cast<unsigned long long>(u) % sizeof(Vec) == 0)
+            && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0);
+        Vec bv, uv, out;
+        if (aligned) {
+            bv = *reinterpret_cast<const Vec*>(base + e);
+            uv = *reinterpret_cast<const Vec*>(u + e);
+        } else {
+            for (int v = 0; v < VEC; ++v) {
+                bv.v[v] = base[e + v];
+                uv.v[v] = u[e + v];
+            }
+        }
+        for (int v = 0; v < VEC; ++v)
+            out.v[v] = static_cast<T>(static_cast<float>(rs[col + v])
+                                      * (static_cast<float>(bv.v[v]) + sc * static_cast<float>(uv.v[v])));
+        if (aligned) {
+            *reinterpret_cast<Vec*>(y + e) = out;
+        } else {
+            for (int v = 0; v < VEC; ++v) y[e + v] = out.v[v];
+        }
+    }
+"""
+
+# Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
+_COTANGENT_BLOCKS = 528
+
+# The largest rank the row-scale kernel takes (its accumulators live in registers);
+# adapted_linear computes larger ones in MLX ops.
 MAX_RANK = 64
 
 
-def _pair(dtype: mx.Dtype, cols: int) -> int:
-    """Adjacent columns a thread takes in the token x column passes: 4 bytes where they fit."""
-    return 2 if dtype.size == 2 and cols % 2 == 0 else 1
+def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
+    """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds).
+
+    Rows a warp: each value of A read from shared memory serves them all, but they hold r
+    registers each and fewer rows a block means more blocks for narrow layers. Columns:
+    one 16-byte load of W where the input width allows. Tile: about 32 KiB of float32
+    (16 KiB past r = 32), under the 48 KiB a block may hold statically, a multiple of a
+    warp's columns.
+    """
+    rows = 2 if r <= 16 else 1
+    floats = 8192 if r <= 32 else 4096
+    vec = 16 // weight_bytes
+    while vec > 1 and (inp % vec or floats // r < 32 * vec):
+        vec //= 2
+    return rows, vec, max(32 * vec, floats // r // (32 * vec) * (32 * vec))
 
 
-def _weight_columns(r: int, inp: int, weight_bytes: int) -> int:
-    """Adjacent columns of W a thread takes in the norm pass: up to a 16-byte load a row,
-    while A's values for them (columns x r floats, in registers) stay within 32 floats
-    (a block of 512 threads may use 128 registers a thread), the input width a multiple."""
-    vw = 16 // weight_bytes
-    while vw > 1 and (inp % vw or vw * r > 32):
-        vw //= 2
-    return vw
-
-
-def dora_forward_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array, scale: float,
-                      base: mx.array, u: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """(y = rs * (base + scale * u), ||W + s (A B)^T||_row float32, rs = m / that norm) for
-    W (out, in), A (in, r), B (r, out), m (out,), and base = x W^T, u = (x A) B (tokens, out)
-    of one dtype, which y and rs take."""
+def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array,
+                   scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
     out, inp = weight.shape
-    rows = base.shape[0]
     r = a.shape[-1]
-    dt = base.dtype
-    u = u.astype(dt)  # the kernel reads both as one type (a no-op where they already agree)
-    # WT (like RT below) puts an input's dtype in the name MLX caches the compiled kernel by
-    # (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
-    k = _kernel("meshtune_dora_forward", ["w", "a", "b", "m", "s", "base", "u"], ["y", "norm", "rs"], _DORA_FORWARD)
-    threads = _THREADS if r <= 32 else _THREADS // 2  # r floats of A a column in registers
-    y, norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
-                            mx.array([scale], dtype=mx.float32), base, u],
-                    template=[("R", r), ("IN", inp), ("OUT", out), ("ROWS", rows), ("C", _COLUMNS),
-                              ("NT", threads), ("VW", _weight_columns(r, inp, weight.dtype.size)),
-                              ("V2", _pair(dt, out)), ("T", dt), ("WT", weight.dtype)],
-                    grid=(-(-out // _COLUMNS) * threads, 1, 1), threadgroup=(threads, 1, 1),
-                    output_shapes=[(rows, out), (out,), (out,)], output_dtypes=[dt, mx.float32, dt])
-    return y, norm, rs
+    # WT (like YT and RT below) puts an input's dtype in the name MLX caches the compiled
+    # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
+    k = _kernel("meshtune_dora_row_scale", ["w", "a", "b", "m", "s"], ["norm", "rs"], _ROW_SCALE)
+    rows, vec, tile = _row_scale_layout(r, inp, weight.dtype.size)
+    blocks = -(-out // (_WARPS * rows))
+    norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
+                         mx.array([scale], dtype=mx.float32)],
+                 template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
+                           ("TJ", tile), ("T", dtype), ("WT", weight.dtype)],
+                 grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+                 output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
+    return norm, rs
 
 
 def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
     """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
     rows, cols = g.shape
-    y = y.astype(g.dtype)  # the kernel reads both as one type (a no-op where they already agree)
-    k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs", "norm"], ["gz", "dm"], _COTANGENT)
-    gz, dm = k(inputs=[g, y, rs, norm],
-               template=[("ROWS", rows), ("COLS", cols), ("C", _COLUMNS), ("NT", _THREADS),
-                         ("V2", _pair(g.dtype, cols)), ("T", g.dtype), ("RT", rs.dtype)],
-               grid=(-(-cols // _COLUMNS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-               output_shapes=[(rows, cols), (cols,)], output_dtypes=[g.dtype, mx.float32])
+    vec = 16 // g.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    strips = -(-cols // (32 * vec))
+    chunk = -(-rows // max(1, min(-(-_COTANGENT_BLOCKS // strips), rows // 32)))
+    chunks = -(-rows // chunk)
+    k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs"], ["gz", "part"], _COTANGENT)
+    gz, part = k(inputs=[g, y, rs], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                              ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+                 grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                 output_shapes=[(rows, cols), (chunks, cols)], output_dtypes=[g.dtype, mx.float32])
+    k = _kernel("meshtune_dora_magnitude_grad", ["part", "rs", "norm"], ["dm"], _MAGNITUDE_GRAD)
+    (dm,) = k(inputs=[part, rs, norm], template=[("COLS", cols), ("CHUNKS", chunks), ("RT", rs.dtype)],
+              grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+              output_shapes=[(cols,)], output_dtypes=[mx.float32])
     return gz, dm
+
+
+def scaled_output_cuda(base: mx.array, u: mx.array, rs: mx.array, scale: float) -> mx.array:
+    """rs * (base + scale * u) for (rows, cols) base and u of one dtype and rs (cols,) of it, in one pass."""
+    rows, cols = base.shape
+    vec = 16 // base.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    threads = -(-rows * cols // vec)
+    k = _kernel("meshtune_dora_scaled_output", ["base", "u", "rs", "s"], ["y"], _SCALED_OUTPUT)
+    (y,) = k(inputs=[base, u, rs, mx.array([scale], dtype=mx.float32)],
+             template=[("ROWS", rows), ("COLS", cols), ("VEC", vec), ("T", base.dtype), ("UT", u.dtype),
+                       ("RT", rs.dtype)],
+             grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+             output_shapes=[(rows, cols)], output_dtypes=[base.dtype])
+    return y

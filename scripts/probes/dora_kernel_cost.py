@@ -1,23 +1,18 @@
-"""GPU time of DoRA's kernels over a whole 1B step's layers, against the launch floor and b4dc394's kernels.
+"""GPU time of DoRA's kernels over a whole 1B step's layers, against the launch floor.
 
 Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [--tokens 4096]
 For the bench's 1b model (16 blocks of q,k,v,o,gate,up,down) it issues each piece once per
 layer (112 calls) inside one evaluation, several times, and prints the median ms for all
-112: the forward and cotangent kernels, b4dc394's four (kernels_b4dc394.py), MLX ops
-for the same, the base product x W^T, and a one-element add (the per-launch floor). No synchronisation inside a batch, so these are
+112: the row-scale kernel, the cotangent kernels, the base product x W^T, g * rs, and a
+one-element add (the per-launch floor). No synchronisation inside a batch, so these are
 GPU + encode times, not round trips.
 """
 import argparse
-import os
-import sys
 import time
 
 import mlx.core as mx
 
 from meshtune.adapters import kernels as K
-
-sys.path.insert(0, os.path.dirname(__file__))
-import kernels_b4dc394 as OLD  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, default=4096)
@@ -45,15 +40,6 @@ one = mx.array([1.0])
 mx.eval(one)
 
 
-def with_columns(c, fn):
-    """fn() with kernels.py's blocks owning c output columns (the kernels read it at each call)."""
-    saved, K._COLUMNS = K._COLUMNS, c
-    try:
-        return fn()
-    finally:
-        K._COLUMNS = saved
-
-
 def batch(piece):
     outs = []
     for s in shapes:
@@ -64,16 +50,10 @@ def batch(piece):
 
 pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
-    "forward kernel (norm, rs, y)": lambda d: list(K.dora_forward_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, d["y"], d["g"])),
-    "cotangent kernel (gz, dm)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
-    "forward kernel, 32 columns a block": lambda d: with_columns(32, lambda: list(
-        K.dora_forward_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, d["y"], d["g"]))),
-    "cotangent kernel, 32 columns a block": lambda d: with_columns(32, lambda: list(
-        K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"]))),
-    "b4dc394: row scale + output (2)": lambda d: list(OLD.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt))
-    + [OLD.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
-    "b4dc394: cotangent (2)": lambda d: list(OLD.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
+    "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
+    "cotangent kernels (2)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
     "g * rs": lambda d: [d["g"] * d["rs"]],
+    "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
     "rs (base + s u) MLX, compiled": lambda d: [scaled_sum(d["y"], d["g"], d["rs"])],
     "base + s u MLX, compiled (LoRA)": lambda d: [plain_sum(d["y"], d["g"])],
     "sum_t g*y (MLX)": lambda d: [(d["g"] * d["y"]).astype(mx.float32).sum(0)],

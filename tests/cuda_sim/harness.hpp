@@ -30,6 +30,7 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
 }
 inline float fmaxf(float a, float b) { return a > b ? a : b; }
 typedef float T;
+struct alignas(16) float4 { float x, y, z, w; };
 
 // grid and block as mx.fast.cuda_kernel takes them: grid in threads, x and y.
 template <class F>
