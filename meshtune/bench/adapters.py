@@ -22,7 +22,8 @@ outputs, `average_gradients`, `optimizer.update`, the same `mx.eval` and its all
 cache clear after every step. meshtune's is `meshtune.train.build_step`. Generation is
 greedy `mlx_lm.generate.generate_step` at batch 1 after a short prompt, tokens/s over
 the tokens after the first (prefill excluded), with random lora_b and a perturbed m so
-the adapter is not an identity. Stock runs as shipped: its 4-bit DoRA dequantizes the
+the adapter is not an identity; per base the four models stay loaded and are decoded in
+turn for max(3, --rounds) rounds, the median reported. Stock runs as shipped: its 4-bit DoRA dequantizes the
 base weight on every call, which is its code.
 
 The dense dtype is bfloat16 on a GPU and float32 on a CPU unless --dtype says otherwise
@@ -225,17 +226,33 @@ def _decode_tok_s(model: nn.Module, prompt: mx.array, tokens: int) -> float:
     return count / (time.perf_counter() - tic)
 
 
-def time_generate(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Shape,
-                  dtype: mx.Dtype) -> float:
-    """Decode tokens/s with this configuration's unfused adapter."""
+def generation_model(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Shape,
+                     dtype: mx.Dtype) -> Callable[[], float]:
+    """This configuration's model with its unfused adapter, as a call that decodes and returns tokens/s."""
     model = build_model(shape, dtype, quantized=base == "4bit", seed=a.seed)
     add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
     perturb_adapters(model, seed=a.seed + 1)
     model.eval()
     prompt = mx.random.randint(0, shape.vocab, (PROMPT_TOKENS,), key=mx.random.key(a.seed + 2))
     _decode_tok_s(model, prompt, 4)  # warm-up: kernel set-up and the allocator's first buffers
-    # Batch-1 decoding is launch-bound and noisy (seen: +-20% run to run): median of three.
-    return statistics.median(_decode_tok_s(model, prompt, a.gen_tokens) for _ in range(3))
+    return lambda: _decode_tok_s(model, prompt, a.gen_tokens)
+
+
+def time_generate(base: str, a: argparse.Namespace, shape: Shape, dtype: mx.Dtype) -> dict[str, float]:
+    """Median decode tokens/s of the four configurations on this base, timed in interleaved rounds.
+
+    Batch-1 decoding is launch-bound, so it moves with the host's load (seen: one
+    configuration's lone burst 27% below the same work's): each of max(3, --rounds)
+    rounds decodes once with each of the four models, all four loaded, so drift falls on
+    all of them and the DoRA / LoRA ratio compares like with like.
+    """
+    runs = {f"{impl}_{kind}_{base}": generation_model(impl, kind, base, a, shape, dtype)
+            for kind in KINDS for impl in IMPLS}
+    tok_s: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(max(3, a.rounds)):
+        for name, run in runs.items():
+            tok_s[name].append(run())
+    return {name: statistics.median(v) for name, v in tok_s.items()}
 
 
 def ratios(step_s: dict[str, float], gen: dict[str, float]) -> dict[str, float]:
@@ -287,7 +304,7 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
             speedup = step_s[f"stock_{kind}_{base}"] / step_s[f"meshtune_{kind}_{base}"]
             print(f"  {LABELS[kind] + ' ' + label[base]:<16}{cells[0]:>22}{cells[1]:>22}{speedup:>15.2f}x")
     print(f"\ngeneration: unfused adapter, greedy, batch 1, {PROMPT_TOKENS}-token prompt, "
-          f"{a.gen_tokens} tokens, decode tokens/s")
+          f"{a.gen_tokens} tokens, decode tokens/s, median of {max(3, a.rounds)} interleaved rounds")
     print(f"  {'':<16}{LABELS['stock']:>22}{LABELS['meshtune']:>22}{'meshtune/stock':>16}")
     for base in reversed(BASES):
         for kind in KINDS:
@@ -337,9 +354,9 @@ def main(argv: list[str]) -> int:
     del steps
     _release()
     gen: dict[str, float] = {}
-    for impl, kind, base in configs:
-        gen[f"{impl}_{kind}_{base}"] = time_generate(impl, kind, base, a, shape, dtype)
-        progress(f"{impl} {kind} {base} generates {gen[f'{impl}_{kind}_{base}']:.1f} tok/s")
+    for base in BASES:
+        gen.update(measured := time_generate(base, a, shape, dtype))
+        progress(f"generation on the {base} base: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in measured.items()))
         _release()
     r = ratios(step_s, gen)
     crossovers = _crossovers()
