@@ -14,9 +14,10 @@ batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. He
 r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
 sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
-cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is three
-kernels (kernels.py): the norm and rs in one pass over W, the row-scaled sum of the
-two products, and the scaled cotangent with m's gradient.
+cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is four
+launches (kernels.py): the norm and rs in one pass over W, the row-scaled sum of the
+two products, and the scaled cotangent with m's gradient by chunks, then the chunks'
+sum.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
