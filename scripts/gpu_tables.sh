@@ -4,7 +4,7 @@
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL, started by meshtune launch
 #     scripts/gpu_tables.sh scaling-mlx-launch "$OUT"  # the same, ranks started by mlx.launch
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
-#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the open questions of the adapters and data-parallel issues (~5 min)
+#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~8 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -40,13 +40,13 @@ case $what in
       timeout 470 python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json 2>&1; } \
       | tee "$out/adapters_h200.txt" ;;
   probes)
-    # One GPU, ~5 min: DoRA's layer piece by piece; DoRA's variants in the whole model (checked
-    # against the current code first); does bucketing the gradients speed up a one-GPU step?
-    timeout 90 python3 scripts/profile_adapted_linear.py 2>&1 | tee "$out/profile_adapted_linear.txt"
-    timeout 200 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
-      --only "current,b4dc394 kernels (4 launches),MLX ops (no kernels),bound: const scale" 2>&1 | tee "$out/probe_dora_step.txt"
-    timeout 150 python3 scripts/probes/packed_step.py --kinds full,lora 2>&1 | tee "$out/packed_step.txt"
-    timeout 100 python3 scripts/probes/packed_step.py --kinds full --cache-limit-gb 64 2>&1 | tee -a "$out/packed_step.txt" ;;
+    # One GPU, ~8 min: DoRA's kernels alone in other block layouts; DoRA's step with each (and
+    # the one-launch cotangent), checked against the current code first; host dispatch vs GPU wait.
+    timeout 120 python3 scripts/probes/dora_kernel_cost.py 2>&1 | tee "$out/dora_kernel_cost.txt"
+    timeout 300 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
+      --only "current,one-launch cotangent (last block sums),row scale 4 warps x 1 row,row scale 8 warps x 1 row,cotangent 1056 blocks,bound: const scale" \
+      2>&1 | tee "$out/probe_dora_step.txt"
+    (cd scripts/probes && timeout 120 python3 dispatch_cost.py --bases bf16 --steps 10 2>&1) | tee "$out/dispatch_cost.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
     timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"

@@ -52,41 +52,53 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-# The cotangent in one launch (a block per 16 columns, 64 row lanes, m's gradient finished in
-# the block): one launch fewer per layer than kernels.cotangent_cuda, fewer blocks.
-_ONE_LAUNCH_COTANGENT = """
-    int tid = threadIdx.x;
-    int c16 = tid & 15;
-    int rl = tid >> 4;
-    int col = blockIdx.x * 16 + c16;
-    __shared__ float part[64][17];
-    float acc = 0.0f;
-    if (col < COLS) {
-        float r = static_cast<float>(rs[col]);
-        for (int t = rl; t < ROWS; t += 64) {
-            float gv = static_cast<float>(g[(long long)t * COLS + col]);
-            acc += gv * static_cast<float>(y[(long long)t * COLS + col]);
-            gz[(long long)t * COLS + col] = static_cast<T>(gv * r);
-        }
-    }
-    part[rl][c16] = acc;
+# The cotangent in one launch: kernels.cotangent_cuda's blocks (column strips by chunks of
+# rows), then the last block of each strip to finish (a ticket from a counter) adds the
+# strip's chunk sums in a fixed order and writes m's gradient, so the separate
+# magnitude-gradient launch goes. The counters are a persistent zeroed array each last
+# block resets; an earlier one-launch form (a block per 16 columns and every row, fewer
+# blocks) lost at 380729a, docs/bench/probe_dora_step_h200.txt.
+_LAST_BLOCK_SUM = """
+    __threadfence();  // this block's row of part is visible to whichever block sums the strip
     __syncthreads();
-    if (tid < 16 && col < COLS) {
-        float sum = 0.0f;
-        for (int k = 0; k < 64; ++k) sum += part[k][c16];
-        float den = static_cast<float>(rs[col]) * norm[col];
-        dm[col] = den == 0.0f ? 0.0f : sum / den;
+    __shared__ unsigned int ticket;
+    if (tid == 0) ticket = atomicAdd(const_cast<unsigned int*>(count) + blockIdx.x, 1u);
+    __syncthreads();
+    if (ticket == gridDim.y - 1) {
+        for (int c = tid; c < CB; c += 256) {
+            int col = blockIdx.x * CB + c;
+            if (col < COLS) {
+                float sum = 0.0f;
+                for (int k = 0; k < (int)gridDim.y; ++k) sum += __ldcg(part + (long long)k * COLS + col);
+                float den = static_cast<float>(rs[col]) * norm[col];
+                dm[col] = den == 0.0f ? 0.0f : sum / den;
+            }
+        }
+        if (tid == 0) const_cast<unsigned int*>(count)[blockIdx.x] = 0u;
     }
 """
 ORIGINAL_COTANGENT = K.cotangent_cuda
+COUNTERS = mx.zeros((4096,), dtype=mx.uint32)  # a strip is >= 32 columns; 4096 strips cover any layer here
+mx.eval(COUNTERS)  # held evaluated: a lazy array closed over by the compiled step would be rebuilt each call
 
 
 def one_launch_cotangent(g, y, rs, norm):
     rows, cols = g.shape
-    k = K._kernel("probe_dora_cotangent_one_launch", ["g", "y", "rs", "norm"], ["gz", "dm"], _ONE_LAUNCH_COTANGENT)
-    return k(inputs=[g, y, rs, norm], template=[("ROWS", rows), ("COLS", cols), ("T", g.dtype)],
-             grid=(-(-cols // 16) * 1024, 1, 1), threadgroup=(1024, 1, 1),
-             output_shapes=[(rows, cols), (cols,)], output_dtypes=[g.dtype, mx.float32])
+    vec = 16 // g.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    strips = -(-cols // (32 * vec))
+    assert strips <= COUNTERS.size
+    chunk = -(-rows // max(1, min(-(-K._COTANGENT_BLOCKS // strips), rows // 32)))
+    chunks = -(-rows // chunk)
+    k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "rs", "norm", "count"], ["gz", "part", "dm"],
+                  K._COTANGENT + _LAST_BLOCK_SUM)
+    gz, _, dm = k(inputs=[g, y, rs, norm, COUNTERS],
+                  template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                            ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                  output_shapes=[(rows, cols), (chunks, cols), (cols,)],
+                  output_dtypes=[g.dtype, mx.float32, mx.float32])
+    return gz, dm
 
 
 def _one_launch(self, x):
@@ -95,17 +107,35 @@ def _one_launch(self, x):
     return ORIGINAL(self, x)
 
 
+ORIGINAL_LAYOUT = K._WARPS, K._row_scale_layout, K._COTANGENT_BLOCKS
+
+
+def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
+    """The current kernels with another row-scale block (warps x rows a warp) and cotangent grid
+    (the defaults: 8 x 2 up to rank 16, 528 blocks); dora_kernel_cost.py times them alone."""
+    def variant(self, x):
+        _reset()
+        K._WARPS, K._COTANGENT_BLOCKS = warps, cotangent_blocks
+        K._row_scale_layout = lambda r, inp, wb: (rows_per_warp, *ORIGINAL_LAYOUT[1](r, inp, wb)[1:])
+        return ORIGINAL(self, x)
+    return variant
+
+
 def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda = ORIGINAL_COTANGENT
+    K._WARPS, K._row_scale_layout, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
 
 
 VARIANTS = {
     "current": _kernels(True),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
-    "one-launch cotangent": _one_launch,
+    "one-launch cotangent (last block sums)": _one_launch,
+    "row scale 4 warps x 1 row": _layout(4, 1),
+    "row scale 8 warps x 1 row": _layout(8, 1),
+    "cotangent 1056 blocks": _layout(8, 2, 1056),
     "bound: const scale": v_const,
 }
 

@@ -64,7 +64,7 @@ class SimulatedKernel:
                     consts.append(f"typedef float {name};")
             else:
                 consts.append(f"constexpr int {name} = {int(value)};")
-        ctypes = ["long long" if a.dtype == mx.int64 else "float" for a in inputs]
+        ctypes = [{mx.int64: "long long", mx.uint32: "unsigned"}.get(a.dtype, "float") for a in inputs]
         params = [f"const {c}* {n}" for c, n in zip(ctypes, self.inputs)] + [f"float* {n}" for n in self.outputs]
         sizes = [int(np.prod(s)) for s in output_shapes]
         reads = "\n".join(f"  auto i{k} = sim_read<{c}>(argv[{k + 1}], {a.size});"
@@ -87,7 +87,7 @@ class SimulatedKernel:
         files_in = []
         for k, (c, a) in enumerate(zip(ctypes, inputs)):
             path = self.dir / f"{tag}_in{k}.bin"
-            np.array(a.astype(mx.int64 if c == "long long" else mx.float32)).tofile(path)
+            np.array(a.astype({"long long": mx.int64, "unsigned": mx.uint32}.get(c, mx.float32))).tofile(path)
             files_in.append(str(path))
         files_out = [str(self.dir / f"{tag}_out{k}.bin") for k in range(len(sizes))]
         ran = subprocess.run([str(exe), *files_in, *files_out], capture_output=True, text=True, timeout=300)
@@ -130,6 +130,26 @@ def test_row_scale_kernel(simulated, r, inp, out):
     want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, w_sq, m, 2.0, mx.float32)
     assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
     assert simulated["meshtune_dora_row_scale"].calls == 1
+
+
+@pytest.mark.parametrize("warps, rows_per_warp", [(4, 1), (4, 2), (2, 1)])
+def test_row_scale_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_warp):
+    """Fewer warps or rows a block (more blocks for a narrow layer, probes/dora_kernel_cost.py
+    times them on a GPU) give the same norms: the block's rows, tile staging and last partial block."""
+    from meshtune.adapters import adapted_linear as AL, kernels
+
+    layout = kernels._row_scale_layout
+    monkeypatch.setattr(kernels, "_WARPS", warps)
+    monkeypatch.setattr(kernels, "_row_scale_layout", lambda r, inp, wb: (rows_per_warp, *layout(r, inp, wb)[1:]))
+    k = mx.random.split(mx.random.key(7), 4)
+    r, inp, out = 8, 1100, 13  # 2 tiles of A, the last block part past the output
+    w = mx.random.normal((out, inp), key=k[0]) / 8
+    a = mx.random.normal((inp, r), key=k[1]) / 8
+    b = mx.random.normal((r, out), key=k[2]) / 8
+    m = mx.random.uniform(0.5, 2.0, (out,), key=k[3])
+    norm, rs = kernels.row_scale_cuda(w, a, b, m, 2.0, mx.float32)
+    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, mx.float32)
+    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
 
 
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread

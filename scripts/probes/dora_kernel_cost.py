@@ -3,9 +3,9 @@
 Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [--tokens 4096]
 For the bench's 1b model (16 blocks of q,k,v,o,gate,up,down) it issues each piece once per
 layer (112 calls) inside one evaluation, several times, and prints the median ms for all
-112: the row-scale kernel, the cotangent kernels, the base product x W^T, g * rs, and a
-one-element add (the per-launch floor). No synchronisation inside a batch, so these are
-GPU + encode times, not round trips.
+112: the row-scale kernel (and its block layouts), the cotangent kernels (and their block
+counts), the base product x W^T, g * rs, and a one-element add (the per-launch floor).
+No synchronisation inside a batch, so these are GPU + encode times, not round trips.
 """
 import argparse
 import time
@@ -48,10 +48,38 @@ def batch(piece):
     return outs
 
 
+def row_scale_layout(warps, rows_per_warp):
+    """The row-scale kernel with `warps` warps a block and `rows_per_warp` rows a warp (the
+    default: 8 and 2 up to rank 16; fewer give a narrow layer more blocks)."""
+    def piece(d):
+        saved = K._WARPS, K._row_scale_layout
+        K._WARPS = warps
+        K._row_scale_layout = lambda r, inp, wb: (rows_per_warp, *saved[1](r, inp, wb)[1:])
+        try:
+            return list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt))
+        finally:
+            K._WARPS, K._row_scale_layout = saved
+    return piece
+
+
+def cotangent_blocks(blocks):
+    """The cotangent kernels aiming at `blocks` blocks (default K._COTANGENT_BLOCKS = 528)."""
+    def piece(d):
+        saved = K._COTANGENT_BLOCKS
+        K._COTANGENT_BLOCKS = blocks
+        try:
+            return list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"]))
+        finally:
+            K._COTANGENT_BLOCKS = saved
+    return piece
+
+
 pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
     "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
+    **{f"row scale, {w} warps x {q} rows": row_scale_layout(w, q) for w, q in ((8, 1), (4, 2), (4, 1), (2, 1))},
     "cotangent kernels (2)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
+    **{f"cotangent, {n} blocks": cotangent_blocks(n) for n in (264, 1056, 2112)},
     "g * rs": lambda d: [d["g"] * d["rs"]],
     "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
     "rs (base + s u) MLX, compiled": lambda d: [scaled_sum(d["y"], d["g"], d["rs"])],
