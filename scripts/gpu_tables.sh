@@ -44,7 +44,7 @@ case $what in
     # the one-launch cotangent), checked against the current code first; host dispatch vs GPU wait.
     timeout 120 python3 scripts/probes/dora_kernel_cost.py 2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 300 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
-      --only "current,one-launch cotangent (last block sums),row scale 4 warps x 1 row,row scale 8 warps x 1 row,cotangent 1056 blocks,bound: const scale" \
+      --only "current,one-launch cotangent (last block sums),row scale 4 warps x 1 row,row scale split by tiles,row scale split by 256-column tiles,bound: const scale" \
       2>&1 | tee "$out/probe_dora_step.txt"
     (cd scripts/probes && timeout 120 python3 dispatch_cost.py --bases bf16 --steps 10 2>&1) | tee "$out/dispatch_cost.txt" ;;
   four-scaling)

@@ -7,6 +7,7 @@ Each variant swaps DoRALinear's training forward; LoRA is the baseline. Timed li
 """
 import argparse
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -17,6 +18,9 @@ from meshtune.adapters.base_path import dense_weight_for
 from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
 from meshtune.bench.models import Shape
+
+sys.path.insert(0, str(Path(__file__).parent / "probes"))
+import dora_variants as V  # noqa: E402
 
 ORIGINAL = D.DoRALinear.__call__
 ON_CUDA = K.on_cuda
@@ -52,59 +56,21 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-# The cotangent in one launch: kernels.cotangent_cuda's blocks (column strips by chunks of
-# rows), then the last block of each strip to finish (a ticket from a counter) adds the
-# strip's chunk sums in a fixed order and writes m's gradient, so the separate
-# magnitude-gradient launch goes. The counters are a persistent zeroed array each last
-# block resets; an earlier one-launch form (a block per 16 columns and every row, fewer
-# blocks) lost at 380729a, docs/bench/probe_dora_step_h200.txt.
-_LAST_BLOCK_SUM = """
-    __threadfence();  // this block's row of part is visible to whichever block sums the strip
-    __syncthreads();
-    __shared__ unsigned int ticket;
-    if (tid == 0) ticket = atomicAdd(const_cast<unsigned int*>(count) + blockIdx.x, 1u);
-    __syncthreads();
-    if (ticket == gridDim.y - 1) {
-        for (int c = tid; c < CB; c += 256) {
-            int col = blockIdx.x * CB + c;
-            if (col < COLS) {
-                float sum = 0.0f;
-                for (int k = 0; k < (int)gridDim.y; ++k) sum += __ldcg(part + (long long)k * COLS + col);
-                float den = static_cast<float>(rs[col]) * norm[col];
-                dm[col] = den == 0.0f ? 0.0f : sum / den;
-            }
-        }
-        if (tid == 0) const_cast<unsigned int*>(count)[blockIdx.x] = 0u;
-    }
-"""
-ORIGINAL_COTANGENT = K.cotangent_cuda
-COUNTERS = mx.zeros((4096,), dtype=mx.uint32)  # a strip is >= 32 columns; 4096 strips cover any layer here
-mx.eval(COUNTERS)  # held evaluated: a lazy array closed over by the compiled step would be rebuilt each call
-
-
-def one_launch_cotangent(g, y, rs, norm):
-    rows, cols = g.shape
-    vec = 16 // g.dtype.size
-    vec = vec if cols % vec == 0 else 1
-    strips = -(-cols // (32 * vec))
-    assert strips <= COUNTERS.size
-    chunk = -(-rows // max(1, min(-(-K._COTANGENT_BLOCKS // strips), rows // 32)))
-    chunks = -(-rows // chunk)
-    k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "rs", "norm", "count"], ["gz", "part", "dm"],
-                  K._COTANGENT + _LAST_BLOCK_SUM)
-    gz, _, dm = k(inputs=[g, y, rs, norm, COUNTERS],
-                  template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
-                            ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
-                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
-                  output_shapes=[(rows, cols), (chunks, cols), (cols,)],
-                  output_dtypes=[g.dtype, mx.float32, mx.float32])
-    return gz, dm
+ORIGINAL_COTANGENT, ORIGINAL_ROW_SCALE = K.cotangent_cuda, K.row_scale_cuda
 
 
 def _one_launch(self, x):
     _reset()
-    K.cotangent_cuda = one_launch_cotangent
+    K.cotangent_cuda = V.one_launch_cotangent
     return ORIGINAL(self, x)
+
+
+def _split_row_scale(tile):
+    def variant(self, x):
+        _reset()
+        K.row_scale_cuda = V.split_row_scale(tile)
+        return ORIGINAL(self, x)
+    return variant
 
 
 ORIGINAL_LAYOUT = K._WARPS, K._row_scale_layout, K._COTANGENT_BLOCKS
@@ -124,7 +90,7 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
 def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    K.cotangent_cuda = ORIGINAL_COTANGENT
+    K.cotangent_cuda, K.row_scale_cuda = ORIGINAL_COTANGENT, ORIGINAL_ROW_SCALE
     K._WARPS, K._row_scale_layout, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
 
 
@@ -136,6 +102,8 @@ VARIANTS = {
     "row scale 4 warps x 1 row": _layout(4, 1),
     "row scale 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
+    "row scale split by tiles": _split_row_scale(None),
+    "row scale split by 256-column tiles": _split_row_scale(256),
     "bound: const scale": v_const,
 }
 

@@ -152,6 +152,32 @@ def test_row_scale_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_
     assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
 
 
+def test_probe_kernel_variants(simulated, monkeypatch):
+    """The candidate kernels the GPU probes time (scripts/probes/dora_variants.py: one launch
+    each, the last block of a group adding the partials) give the current kernels' results."""
+    import sys
+
+    from meshtune.adapters import adapted_linear as AL, kernels
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    sys.modules.pop("dora_variants", None)
+    import dora_variants as V
+
+    monkeypatch.setattr(kernels, "_COTANGENT_BLOCKS", 8)  # 3 chunks of rows: partials to add
+    k = mx.random.split(mx.random.key(5), 8)
+    g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
+    rs = mx.random.uniform(0.5, 2, (40,), key=k[2]).at[3].multiply(0.0)
+    norm = mx.random.uniform(0.5, 2, (40,), key=k[3])
+    for got, want in zip(V.one_launch_cotangent(g, y, rs, norm), AL.dora_cotangent(g, y, rs, norm)):
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-6).item()
+    w, a = mx.random.normal((17, 600), key=k[4]) / 8, mx.random.normal((600, 16), key=k[5]) / 8
+    b, m = mx.random.normal((16, 17), key=k[6]) / 8, mx.random.uniform(0.5, 2.0, (17,), key=k[7])
+    want = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, mx.float32)
+    for tile in (None, 128):  # 1 tile, then 5 (the last part-filled)
+        for got, ref in zip(V.split_row_scale(tile)(w, a, b, m, 2.0, mx.float32), want):
+            assert mx.allclose(got, ref, rtol=1e-5).item()
+
+
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
 def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels

@@ -4,15 +4,21 @@ Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [-
 For the bench's 1b model (16 blocks of q,k,v,o,gate,up,down) it issues each piece once per
 layer (112 calls) inside one evaluation, several times, and prints the median ms for all
 112: the row-scale kernel (and its block layouts), the cotangent kernels (and their block
-counts), the base product x W^T, g * rs, and a one-element add (the per-launch floor).
+counts, and dora_variants.py's forms), the base product x W^T, g * rs, and a one-element
+add (the per-launch floor).
 No synchronisation inside a batch, so these are GPU + encode times, not round trips.
 """
 import argparse
+import os
+import sys
 import time
 
 import mlx.core as mx
 
 from meshtune.adapters import kernels as K
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dora_variants as V  # noqa: E402  (candidate kernels, beside the current ones)
 
 p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, default=4096)
@@ -78,8 +84,11 @@ pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
     "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
     **{f"row scale, {w} warps x {q} rows": row_scale_layout(w, q) for w, q in ((8, 1), (4, 2), (4, 1), (2, 1))},
+    "row scale split by tiles": lambda d: list(V.split_row_scale()(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
+    "row scale split, 256 columns": lambda d: list(V.split_row_scale(256)(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
     "cotangent kernels (2)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
     **{f"cotangent, {n} blocks": cotangent_blocks(n) for n in (264, 1056, 2112)},
+    "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["rs"], d["w_sq"])),
     "g * rs": lambda d: [d["g"] * d["rs"]],
     "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
     "rs (base + s u) MLX, compiled": lambda d: [scaled_sum(d["y"], d["g"], d["rs"])],

@@ -1,0 +1,113 @@
+"""Candidate forms of DoRA's CUDA kernels, for the probes to time beside meshtune/adapters/kernels.py.
+
+Development code (adapters issue): not used by meshtune. Each keeps the current kernel's
+body and adds the same finishing step: the blocks that share a result write partial sums,
+and the last of them to finish (a ticket from a per-group counter) adds the partials in a
+fixed order, so the result does not depend on scheduling and no second launch is needed.
+The counters are one persistent zeroed array; each last block resets its own.
+Checked on the CPU by the kernel simulator (tests/cuda_sim), and against the current code
+on a GPU by probe_dora_step.py before it times them.
+
+- `one_launch_cotangent`: kernels.cotangent_cuda's blocks (column strips by chunks of
+  rows); the last block of a strip writes m's gradient: the magnitude-gradient launch goes.
+- `split_row_scale(tile)`: the row-scale kernel with each block on one tile of A's rows
+  (columns of W) instead of all of them, so a layer gets (in / tile) times the blocks
+  (128 for a 2048-row layer before); the last block of a row group takes the square root.
+"""
+
+import mlx.core as mx
+
+from meshtune.adapters import kernels as K
+
+COUNTERS = mx.zeros((8192,), dtype=mx.uint32)  # one per strip or row group: enough for any layer here
+mx.eval(COUNTERS)  # held evaluated: a lazy array closed over by a compiled step would be rebuilt each call
+
+# After a block's partials are written: fence, take a ticket; the last block runs FINISH.
+_LAST_BLOCK = """
+    __threadfence();
+    __syncthreads();
+    __shared__ unsigned int ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(const_cast<unsigned int*>(count) + blockIdx.x, 1u);
+    __syncthreads();
+    if (ticket == gridDim.y - 1) {
+        FINISH
+        if (threadIdx.x == 0) const_cast<unsigned int*>(count)[blockIdx.x] = 0u;
+    }
+"""
+
+_COTANGENT_FINISH = """
+        for (int c = tid; c < CB; c += 256) {
+            int col = blockIdx.x * CB + c;
+            if (col < COLS) {
+                float sum = 0.0f;
+                for (int k = 0; k < (int)gridDim.y; ++k) sum += __ldcg(part + (long long)k * COLS + col);
+                float den = static_cast<float>(rs[col]) * norm[col];
+                dm[col] = den == 0.0f ? 0.0f : sum / den;
+            }
+        }
+"""
+
+
+def one_launch_cotangent(g, y, rs, norm):
+    rows, cols = g.shape
+    vec = 16 // g.dtype.size
+    vec = vec if cols % vec == 0 else 1
+    strips = -(-cols // (32 * vec))
+    assert strips <= COUNTERS.size
+    chunk = -(-rows // max(1, min(-(-K._COTANGENT_BLOCKS // strips), rows // 32)))
+    chunks = -(-rows // chunk)
+    k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "rs", "norm", "count"], ["gz", "part", "dm"],
+                  K._COTANGENT + _LAST_BLOCK.replace("FINISH", _COTANGENT_FINISH))
+    gz, _, dm = k(inputs=[g, y, rs, norm, COUNTERS],
+                  template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                            ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                  output_shapes=[(rows, cols), (chunks, cols), (cols,)],
+                  output_dtypes=[g.dtype, mx.float32, mx.float32])
+    return gz, dm
+
+
+_ROW_LOOP = "for (int j0 = 0; j0 < IN; j0 += TJ) {"
+_ROW_END = K._ROW_SCALE[K._ROW_SCALE.index("    #pragma unroll\n    for (int q = 0; q < RPW; ++q) {\n        int i = row0 + q;"):]
+_ROW_PARTIAL = """
+    #pragma unroll
+    for (int q = 0; q < RPW; ++q) {
+        int i = row0 + q;
+        if (lane == q && i < OUT) part[(long long)blockIdx.y * OUT + i] = sq[q];
+    }
+"""
+_ROW_FINISH = """
+        int i = blockIdx.x * WARPS * RPW + tid;
+        if (tid < WARPS * RPW && i < OUT) {
+            float total = 0.0f;
+            for (int k = 0; k < (int)gridDim.y; ++k) total += __ldcg(part + (long long)k * OUT + i);
+            float nrm = sqrtf(total);
+            norm[i] = nrm;
+            rs[i] = static_cast<T>(m[i] / nrm);
+        }
+"""
+assert K._ROW_SCALE.count(_ROW_LOOP) == 1 and K._ROW_SCALE.endswith(_ROW_END)
+_SPLIT_ROW_SCALE = (K._ROW_SCALE[:-len(_ROW_END)].replace(_ROW_LOOP, "for (int j0 = blockIdx.y * TJ; j0 < IN && j0 < ((int)blockIdx.y + 1) * TJ; j0 += TJ) {")
+                    + _ROW_PARTIAL + _LAST_BLOCK.replace("FINISH", _ROW_FINISH))
+
+
+def split_row_scale(tile=None):
+    """kernels.row_scale_cuda with a block per (row group, tile of `tile` columns; None: the kernel's own)."""
+    def row_scale(weight, a, b, m, scale, dtype):
+        out, inp = weight.shape
+        r = a.shape[-1]
+        rows, vec, own = K._row_scale_layout(r, inp, weight.dtype.size)
+        tj = own if tile is None else min(own, max(32 * vec, tile // (32 * vec) * (32 * vec)))
+        groups = -(-out // (K._WARPS * rows))
+        assert groups <= COUNTERS.size
+        k = K._kernel("probe_dora_row_scale_split", ["w", "a", "b", "m", "s", "count"], ["norm", "rs", "part"],
+                      _SPLIT_ROW_SCALE)
+        norm, rs, _ = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
+                                mx.array([scale], dtype=mx.float32), COUNTERS],
+                        template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", K._WARPS), ("RPW", rows),
+                                  ("VEC", vec), ("TJ", tj), ("T", dtype), ("WT", weight.dtype)],
+                        grid=(groups * K._WARPS * 32, -(-inp // tj), 1), threadgroup=(K._WARPS * 32, 1, 1),
+                        output_shapes=[(out,), (out,), (-(-inp // tj), out)],
+                        output_dtypes=[mx.float32, dtype, mx.float32])
+        return norm, rs
+    return row_scale
