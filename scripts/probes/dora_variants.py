@@ -4,7 +4,10 @@ Development code (adapters issue): not used by meshtune. Each keeps the current 
 body and adds the same finishing step: the blocks that share a result write partial sums,
 and the last of them to finish (a ticket from a per-group counter) adds the partials in a
 fixed order, so the result does not depend on scheduling and no second launch is needed.
-The counters are one persistent zeroed array; each last block resets its own.
+The counters are slices of one persistent zeroed array, each call its own slice (MLX's
+CUDA graphs order kernels only by data dependence, so two calls that only read one buffer
+may run at once: a shared counter would mix their tickets); each last block resets its
+counter, so a slice is zero again when it comes round.
 Checked on the CPU by the kernel simulator (tests/cuda_sim), and against the current code
 on a GPU by probe_dora_step.py before it times them.
 
@@ -19,8 +22,19 @@ import mlx.core as mx
 
 from meshtune.adapters import kernels as K
 
-COUNTERS = mx.zeros((8192,), dtype=mx.uint32)  # one per strip or row group: enough for any layer here
+COUNTERS = mx.zeros((1 << 20,), dtype=mx.uint32)  # ~5000 calls' worth of strips or row groups
 mx.eval(COUNTERS)  # held evaluated: a lazy array closed over by a compiled step would be rebuilt each call
+_next_counter = 0
+
+
+def counters(n: int) -> mx.array:
+    """A slice of n counters no other call in the same step uses (a compiled step takes its
+    slices once, when traced; eager calls go round the pool, thousands of calls apart)."""
+    global _next_counter
+    if _next_counter + n > COUNTERS.size:
+        _next_counter = 0
+    start, _next_counter = _next_counter, _next_counter + n
+    return COUNTERS[start:start + n]
 
 # After a block's partials are written: fence, take a ticket; the last block runs FINISH.
 _LAST_BLOCK = """
@@ -53,12 +67,11 @@ def one_launch_cotangent(g, y, rs, norm):
     vec = 16 // g.dtype.size
     vec = vec if cols % vec == 0 else 1
     strips = -(-cols // (32 * vec))
-    assert strips <= COUNTERS.size
     chunk = -(-rows // max(1, min(-(-K._COTANGENT_BLOCKS // strips), rows // 32)))
     chunks = -(-rows // chunk)
     k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "rs", "norm", "count"], ["gz", "part", "dm"],
                   K._COTANGENT + _LAST_BLOCK.replace("FINISH", _COTANGENT_FINISH))
-    gz, _, dm = k(inputs=[g, y, rs, norm, COUNTERS],
+    gz, _, dm = k(inputs=[g, y, rs, norm, counters(strips)],
                   template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
                             ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
                   grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
@@ -99,11 +112,10 @@ def split_row_scale(tile=None):
         rows, vec, own = K._row_scale_layout(r, inp, weight.dtype.size)
         tj = own if tile is None else min(own, max(32 * vec, tile // (32 * vec) * (32 * vec)))
         groups = -(-out // (K._WARPS * rows))
-        assert groups <= COUNTERS.size
         k = K._kernel("probe_dora_row_scale_split", ["w", "a", "b", "m", "s", "count"], ["norm", "rs", "part"],
                       _SPLIT_ROW_SCALE)
         norm, rs, _ = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
-                                mx.array([scale], dtype=mx.float32), COUNTERS],
+                                mx.array([scale], dtype=mx.float32), counters(groups)],
                         template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", K._WARPS), ("RPW", rows),
                                   ("VEC", vec), ("TJ", tj), ("T", dtype), ("WT", weight.dtype)],
                         grid=(groups * K._WARPS * 32, -(-inp // tj), 1), threadgroup=(K._WARPS * 32, 1, 1),
