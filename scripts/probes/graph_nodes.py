@@ -3,8 +3,9 @@
 Development probe (adapters issue), runs on the CPU: the bench's 16-layer model shape at a
 small width (the count does not depend on width), meshtune's step compiled as training
 compiles it, the graph of one call exported with mx.export_to_dot and its nodes counted.
-With --cuda the CUDA code path is traced, each CUDA kernel standing in as one `Negative`
-node (so "Negative" counts the kernels), which is what a GPU would dispatch.
+With --cuda the CUDA code path is traced, each CUDA kernel standing in as one
+`CustomTransforms` node (adapted_linear's own custom function is one more a layer, for
+LoRA too), which is what a GPU would dispatch.
     python scripts/probes/graph_nodes.py [--cuda] [--layers 16]
 """
 import argparse
@@ -20,11 +21,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 class StandIn:
-    """One node per output, depending on every input, in place of an mx.fast.cuda_kernel."""
+    """One node per call in place of an mx.fast.cuda_kernel: a custom function (one
+    CustomTransforms node, depending on every input) whose outputs are constants."""
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, **_):
-        dep = mx.negative(mx.concatenate([mx.sum(x).astype(mx.float32).reshape(1) for x in inputs]))
-        return [mx.broadcast_to(dep[:1], s).astype(d) for s, d in zip(output_shapes, output_dtypes)]
+        @mx.custom_function
+        def kernel(*xs):
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        @kernel.vjp
+        def kernel_vjp(primals, cotangents, outputs):
+            return [mx.zeros_like(x) for x in primals]
+
+        return kernel(*inputs)
 
 
 def count(kind, layers, cuda):
@@ -62,7 +71,7 @@ def main():
         kernels._kernel = lambda *a, **k: StandIn()
     res = {k: count(k, args.layers, args.cuda) for k in ("lora", "dora")}
     keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
-    print(f"compiled step, {args.layers} layers, {'CUDA path (kernels as Negative)' if args.cuda else 'CPU path'}: nodes")
+    print(f"compiled step, {args.layers} layers, {'CUDA path (a kernel: one CustomTransforms)' if args.cuda else 'CPU path'}: nodes")
     print(f"{'primitive':28s} {'lora':>6s} {'dora':>6s}")
     for k in keys:
         print(f"{k:28s} {res['lora'][k]:6d} {res['dora'][k]:6d}")
