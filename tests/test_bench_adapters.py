@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 
 import pytest
 
@@ -90,3 +91,29 @@ def test_table_shows_all_eight_step_configurations_and_generation_rows(bench):
     ratios = _section(table, "ratios")
     assert any("4-bit LoRA" in l for l in ratios) and sum("DoRA / LoRA" in l for l in ratios) == 4
     assert any(l.startswith("BLAS:") for l in table)
+
+
+def test_generation_is_timed_in_interleaved_rounds(monkeypatch):
+    """Each round decodes once with each of the base's four models, all loaded at once, and
+    the median of the rounds is reported: drift in the host's speed falls on all four."""
+    from meshtune.bench import adapters as B
+
+    calls: list[str] = []
+    rates = iter(range(1, 1000))
+
+    def fake_model(impl, kind, base, a, shape, dtype):
+        name = f"{impl}_{kind}_{base}"
+        calls.append("load " + name)
+
+        def decode():
+            calls.append(name)
+            return float(next(rates))
+        return decode
+
+    monkeypatch.setattr(B, "generation_model", fake_model)
+    a = B._settings(["--preset", "tiny", "--rounds", "4"])
+    got = B.time_generate("4bit", a, B.shape_of(a), None)
+    names = [f"{i}_{k}_4bit" for k in B.KINDS for i in B.IMPLS]
+    assert calls == ["load " + n for n in names] + names * 4
+    # Decode calls return 1, 2, 3, ... in call order: model j's rounds return j+1, j+5, j+9, j+13.
+    assert got == {n: statistics.median([j + 1, j + 5, j + 9, j + 13]) for j, n in enumerate(names)}
