@@ -3,8 +3,7 @@
 Development probe (adapters issue): python scripts/profile_adapted_linear.py  (one 6144 x 2048
 layer at 4096 tokens, bf16; each line a compiled value_and_grad or a lone op, median ms).
 OUT=1024 IN=2048: a k/v-projection's shape. On CUDA "row scale" and "cotangent" are
-kernels.py's kernels (the forward one also forms y), elsewhere the MLX ops; both take an
-output already computed.
+kernels.py's kernels, elsewhere the MLX ops; "cotangent" takes an output already computed.
 """
 import os
 import time
@@ -35,9 +34,8 @@ mx.eval(W, x, w_sq, p, g, rs0, y0)
 
 
 def row_scale(p):
-    """The norm and rs (on CUDA the forward kernel, with y from the output already computed)."""
     if kernels.on_cuda():
-        return kernels.dora_forward_cuda(W, p["a"], p["b"], p["m"], S, y0, y0)
+        return kernels.row_scale_cuda(W, p["a"], p["b"], p["m"], S, dt)
     return dora_row_scale(p["a"].astype(dt).T @ W.T, p["a"], p["b"], w_sq, p["m"], S, dt)
 
 
@@ -48,7 +46,7 @@ def loss(y):
 cases = {
     "lora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S)))),
     "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, magnitude=p["m"], w_sq=w_sq)))),
-    "row scale (norm, rs; CUDA: + y)": mx.compile(row_scale),
+    "row scale (norm, rs)": mx.compile(row_scale),
     "cotangent (g rs, d m)": mx.compile(lambda p: dora_cotangent(g, y0, rs0, w_sq)),
     "x @ W.T alone": mx.compile(lambda p: x @ W.T),
     "g * rs": mx.compile(lambda p: g * rs0),
