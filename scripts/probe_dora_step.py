@@ -73,7 +73,7 @@ def _split_row_scale(tile):
     return variant
 
 
-ORIGINAL_LAYOUT = K._WARPS, K._row_scale_layout, K._COTANGENT_BLOCKS
+ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
@@ -81,8 +81,7 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
     (the defaults: 8 x 2 up to rank 16, 528 blocks); dora_kernel_cost.py times them alone."""
     def variant(self, x):
         _reset()
-        K._WARPS, K._COTANGENT_BLOCKS = warps, cotangent_blocks
-        K._row_scale_layout = lambda r, inp, wb: (rows_per_warp, *ORIGINAL_LAYOUT[1](r, inp, wb)[1:])
+        K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS = warps, rows_per_warp, cotangent_blocks
         return ORIGINAL(self, x)
     return variant
 
@@ -91,7 +90,7 @@ def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, K.row_scale_cuda = ORIGINAL_COTANGENT, ORIGINAL_ROW_SCALE
-    K._WARPS, K._row_scale_layout, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
+    K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
 
 
 VARIANTS = {

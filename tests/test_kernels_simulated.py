@@ -138,9 +138,8 @@ def test_row_scale_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_
     times them on a GPU) give the same norms: the block's rows, tile staging and last partial block."""
     from meshtune.adapters import adapted_linear as AL, kernels
 
-    layout = kernels._row_scale_layout
     monkeypatch.setattr(kernels, "_WARPS", warps)
-    monkeypatch.setattr(kernels, "_row_scale_layout", lambda r, inp, wb: (rows_per_warp, *layout(r, inp, wb)[1:]))
+    monkeypatch.setattr(kernels, "_ROWS_PER_WARP", rows_per_warp)
     k = mx.random.split(mx.random.key(7), 4)
     r, inp, out = 8, 1100, 13  # 2 tiles of A, the last block part past the output
     w = mx.random.normal((out, inp), key=k[0]) / 8

@@ -30,6 +30,7 @@ import mlx.core as mx
 from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
 
 _WARPS = 8  # warps a block
+_ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1
 
 _ROW_SCALE = """
     // Block: WARPS warps, RPW adjacent rows of W each. The norm is taken row by row without
@@ -256,7 +257,7 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
     (16 KiB past r = 32), under the 48 KiB a block may hold statically, a multiple of a
     warp's columns.
     """
-    rows = 2 if r <= 16 else 1
+    rows = _ROWS_PER_WARP or (2 if r <= 16 else 1)
     floats = 8192 if r <= 32 else 4096
     vec = 16 // weight_bytes
     while vec > 1 and (inp % vec or floats // r < 32 * vec):
@@ -283,14 +284,19 @@ def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array,
     return norm, rs
 
 
-def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
-    """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
-    rows, cols = g.shape
-    vec = 16 // g.dtype.size
+def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
+    """(columns a thread takes, column strips, rows a chunk, chunks) of the cotangent kernel's blocks."""
+    vec = 16 // dtype.size
     vec = vec if cols % vec == 0 else 1
     strips = -(-cols // (32 * vec))
     chunk = -(-rows // max(1, min(-(-_COTANGENT_BLOCKS // strips), rows // 32)))
-    chunks = -(-rows // chunk)
+    return vec, strips, chunk, -(-rows // chunk)
+
+
+def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
+    """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
+    rows, cols = g.shape
+    vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
     k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs"], ["gz", "part"], _COTANGENT)
     gz, part = k(inputs=[g, y, rs], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
                                               ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],

@@ -23,8 +23,8 @@ cache clear after every step. meshtune's is `meshtune.train.build_step`. Generat
 greedy `mlx_lm.generate.generate_step` at batch 1 after a short prompt, tokens/s over
 the tokens after the first (prefill excluded), with random lora_b and a perturbed m so
 the adapter is not an identity; per base the four models stay loaded and are decoded in
-turn for max(3, --rounds) rounds, the median reported. Stock runs as shipped: its 4-bit DoRA dequantizes the
-base weight on every call, which is its code.
+turn for max(3, --rounds) rounds, the median reported. Stock runs as shipped: its 4-bit
+DoRA dequantizes the base weight on every call, which is its code.
 
 The dense dtype is bfloat16 on a GPU and float32 on a CPU unless --dtype says otherwise
 (MLX's CPU bfloat16 matmul bypasses BLAS and runs ~17x slower than float32 here). JSON
@@ -95,6 +95,16 @@ def _settings(argv: list[str]) -> argparse.Namespace:
     if a.steps < 1 or a.gen_tokens < 2 or a.rounds < 1:
         raise ValueError("--steps and --rounds must be >= 1 and --gen-tokens >= 2 (decode speed needs two tokens)")
     return a
+
+
+def dense_dtype_name(a: argparse.Namespace) -> str:
+    """--dtype, or for auto bfloat16 on a GPU and float32 on a CPU."""
+    return a.dtype if a.dtype != "auto" else ("float32" if _on_cpu() else "bfloat16")
+
+
+def generation_rounds(a: argparse.Namespace) -> int:
+    """Decoding rounds per model: --rounds, at least three (batch-1 decoding is noisy)."""
+    return max(3, a.rounds)
 
 
 def shape_of(a: argparse.Namespace) -> Shape:
@@ -242,14 +252,14 @@ def time_generate(base: str, a: argparse.Namespace, shape: Shape, dtype: mx.Dtyp
     """Median decode tokens/s of the four configurations on this base, timed in interleaved rounds.
 
     Batch-1 decoding is launch-bound, so it moves with the host's load (seen: one
-    configuration's lone burst 27% below the same work's): each of max(3, --rounds)
+    configuration's lone burst 27% below the same work's): each of generation_rounds(a)
     rounds decodes once with each of the four models, all four loaded, so drift falls on
     all of them and the DoRA / LoRA ratio compares like with like.
     """
     runs = {f"{impl}_{kind}_{base}": generation_model(impl, kind, base, a, shape, dtype)
             for kind in KINDS for impl in IMPLS}
     tok_s: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(max(3, a.rounds)):
+    for _ in range(generation_rounds(a)):
         for name, run in runs.items():
             tok_s[name].append(run())
     return {name: statistics.median(v) for name, v in tok_s.items()}
@@ -304,7 +314,7 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
             speedup = step_s[f"stock_{kind}_{base}"] / step_s[f"meshtune_{kind}_{base}"]
             print(f"  {LABELS[kind] + ' ' + label[base]:<16}{cells[0]:>22}{cells[1]:>22}{speedup:>15.2f}x")
     print(f"\ngeneration: unfused adapter, greedy, batch 1, {PROMPT_TOKENS}-token prompt, "
-          f"{a.gen_tokens} tokens, decode tokens/s, median of {max(3, a.rounds)} interleaved rounds")
+          f"{a.gen_tokens} tokens, decode tokens/s, median of {generation_rounds(a)} interleaved rounds")
     print(f"  {'':<16}{LABELS['stock']:>22}{LABELS['meshtune']:>22}{'meshtune/stock':>16}")
     for base in reversed(BASES):
         for kind in KINDS:
@@ -344,7 +354,7 @@ def main(argv: list[str]) -> int:
 
     set_base_path(a.base_path)
     shape = shape_of(a)
-    dense = a.dtype if a.dtype != "auto" else ("float32" if _on_cpu() else "bfloat16")
+    dense = dense_dtype_name(a)
     dtype = DTYPES[dense]
     configs = [(impl, kind, base) for base in BASES for kind in KINDS for impl in IMPLS]
     progress = _Progress()

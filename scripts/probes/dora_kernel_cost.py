@@ -54,40 +54,38 @@ def batch(piece):
     return outs
 
 
-def row_scale_layout(warps, rows_per_warp):
-    """The row-scale kernel with `warps` warps a block and `rows_per_warp` rows a warp (the
-    default: 8 and 2 up to rank 16; fewer give a narrow layer more blocks)."""
-    def piece(d):
-        saved = K._WARPS, K._row_scale_layout
-        K._WARPS = warps
-        K._row_scale_layout = lambda r, inp, wb: (rows_per_warp, *saved[1](r, inp, wb)[1:])
-        try:
-            return list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt))
-        finally:
-            K._WARPS, K._row_scale_layout = saved
-    return piece
+def row_scale(d):
+    return list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt))
 
 
-def cotangent_blocks(blocks):
-    """The cotangent kernels aiming at `blocks` blocks (default K._COTANGENT_BLOCKS = 528)."""
-    def piece(d):
-        saved = K._COTANGENT_BLOCKS
-        K._COTANGENT_BLOCKS = blocks
+def cotangent(d):
+    return list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"]))
+
+
+def patched(piece, **constants):
+    """`piece` with kernels.py's block constants set for the call (_WARPS, _ROWS_PER_WARP:
+    the row scale's block, default 8 x 2 up to rank 16; _COTANGENT_BLOCKS, default 528)."""
+    def run(d):
+        saved = {name: getattr(K, name) for name in constants}
+        for name, value in constants.items():
+            setattr(K, name, value)
         try:
-            return list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"]))
+            return piece(d)
         finally:
-            K._COTANGENT_BLOCKS = saved
-    return piece
+            for name, value in saved.items():
+                setattr(K, name, value)
+    return run
 
 
 pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
-    "row scale kernel": lambda d: list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
-    **{f"row scale, {w} warps x {q} rows": row_scale_layout(w, q) for w, q in ((8, 1), (4, 2), (4, 1), (2, 1))},
+    "row scale kernel": row_scale,
+    **{f"row scale, {w} warps x {q} rows": patched(row_scale, _WARPS=w, _ROWS_PER_WARP=q)
+       for w, q in ((8, 1), (4, 2), (4, 1), (2, 1))},
     "row scale split by tiles": lambda d: list(V.split_row_scale()(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
     "row scale split, 256 columns": lambda d: list(V.split_row_scale(256)(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
-    "cotangent kernels (2)": lambda d: list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"])),
-    **{f"cotangent, {n} blocks": cotangent_blocks(n) for n in (264, 1056, 2112)},
+    "cotangent kernels (2)": cotangent,
+    **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
     "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["rs"], d["w_sq"])),
     "g * rs": lambda d: [d["g"] * d["rs"]],
     "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],

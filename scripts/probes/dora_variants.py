@@ -64,11 +64,7 @@ _COTANGENT_FINISH = """
 
 def one_launch_cotangent(g, y, rs, norm):
     rows, cols = g.shape
-    vec = 16 // g.dtype.size
-    vec = vec if cols % vec == 0 else 1
-    strips = -(-cols // (32 * vec))
-    chunk = -(-rows // max(1, min(-(-K._COTANGENT_BLOCKS // strips), rows // 32)))
-    chunks = -(-rows // chunk)
+    vec, strips, chunk, chunks = K.cotangent_grid(rows, cols, g.dtype)
     k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "rs", "norm", "count"], ["gz", "part", "dm"],
                   K._COTANGENT + _LAST_BLOCK.replace("FINISH", _COTANGENT_FINISH))
     gz, _, dm = k(inputs=[g, y, rs, norm, counters(strips)],

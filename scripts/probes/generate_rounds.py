@@ -10,9 +10,9 @@ import sys
 from meshtune.bench import adapters as B
 
 a = B._settings(sys.argv[1:])
-dense = a.dtype if a.dtype != "auto" else ("float32" if B._on_cpu() else "bfloat16")
+dense = B.dense_dtype_name(a)
 shape = B.shape_of(a)
-print(f"{B.describe_device()}; {shape.describe()}; {a.gen_tokens} tokens, median of {max(3, a.rounds)} rounds")
+print(f"{B.describe_device()}; {shape.describe()}; {a.gen_tokens} tokens, median of {B.generation_rounds(a)} rounds")
 for base in B.BASES:
     tok_s = B.time_generate(base, a, shape, B.DTYPES[dense])
     for impl in B.IMPLS:
