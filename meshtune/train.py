@@ -22,6 +22,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
+from .adapters.step_norms import step_row_norms
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
 from .mesh import Mesh
@@ -80,7 +81,9 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
     compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
 
     def backward(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
-        (ce, n), grads = loss_and_grad(model, tokens, lengths)
+        # DoRA's row norms for the whole step first (a few launches on CUDA, none elsewhere).
+        with step_row_norms(model, tokens[:, :-1].size):
+            (ce, n), grads = loss_and_grad(model, tokens, lengths)
         if acc_grads is not None:
             grads = tree_map(mx.add, grads, acc_grads)
         return ce, n, grads, n if acc_tokens is None else acc_tokens + n

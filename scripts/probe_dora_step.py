@@ -14,6 +14,7 @@ import mlx.core as mx
 from meshtune.adapters import adapted_linear as AL
 from meshtune.adapters import dora as D
 from meshtune.adapters import kernels as K
+from meshtune.adapters import step_norms
 from meshtune.adapters.base_path import dense_weight_for
 from meshtune.adapters.adapted_linear import adapted_linear
 from meshtune.bench import adapters as B
@@ -56,7 +57,14 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-ORIGINAL_COTANGENT, ORIGINAL_ROW_SCALE = K.cotangent_cuda, K.row_scale_cuda
+ORIGINAL_COTANGENT, ORIGINAL_LOOKUP = K.cotangent_cuda, step_norms.lookup
+
+
+def _norm_per_layer(self, x):
+    """The current kernels with each layer's norm in its own launch (the step's batched norms unused)."""
+    _reset()
+    step_norms.lookup = lambda layer, tokens: None
+    return ORIGINAL(self, x)
 
 
 def _one_launch(self, x):
@@ -65,19 +73,11 @@ def _one_launch(self, x):
     return ORIGINAL(self, x)
 
 
-def _split_row_scale(tile):
-    def variant(self, x):
-        _reset()
-        K.row_scale_cuda = V.split_row_scale(tile)
-        return ORIGINAL(self, x)
-    return variant
-
-
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
-    """The current kernels with another row-scale block (warps x rows a warp) and cotangent grid
+    """The current kernels with another row-norm block (warps x rows a warp) and cotangent grid
     (the defaults: 8 x 2 up to rank 16, 528 blocks); dora_kernel_cost.py times them alone."""
     def variant(self, x):
         _reset()
@@ -89,7 +89,7 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
 def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    K.cotangent_cuda, K.row_scale_cuda = ORIGINAL_COTANGENT, ORIGINAL_ROW_SCALE
+    K.cotangent_cuda, step_norms.lookup = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
 
 
@@ -97,12 +97,10 @@ VARIANTS = {
     "current": _kernels(True),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
+    "norm a launch a layer": _norm_per_layer,
     "one-launch cotangent (last block sums)": _one_launch,
-    "row scale 4 warps x 1 row": _layout(4, 1),
-    "row scale 8 warps x 1 row": _layout(8, 1),
+    "row norm 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
-    "row scale split by tiles": _split_row_scale(None),
-    "row scale split by 256-column tiles": _split_row_scale(256),
     "bound: const scale": v_const,
 }
 
@@ -124,15 +122,19 @@ def check_exact(shape, a, dtype):
         logits = model(tok[:, :-1]).astype(mx.float32)
         return nn.losses.cross_entropy(logits, tok[:, 1:]).mean()
 
+    def value_and_grad():  # as the training step takes it: every layer's norm first
+        with step_norms.step_row_norms(model, tok[:, :-1].size):
+            return nn.value_and_grad(model, loss)(model)
+
     D.DoRALinear.__call__ = ORIGINAL
-    ref_l, ref_g = nn.value_and_grad(model, loss)(model)
+    ref_l, ref_g = value_and_grad()
     from mlx.utils import tree_flatten
     ref = dict(tree_flatten(ref_g))
     for name, fn in VARIANTS.items():
         if name.startswith("bound") or name == "current":
             continue
         D.DoRALinear.__call__ = fn
-        l, g = nn.value_and_grad(model, loss)(model)
+        l, g = value_and_grad()
         got = dict(tree_flatten(g))
         worst = max((mx.abs(got[k] - v).max() / (mx.abs(v).max() + 1e-12)).item() for k, v in ref.items())
         print(f"check {name:<28} loss diff {abs(l.item() - ref_l.item()):.2e}  worst rel grad diff {worst:.2e}", flush=True)

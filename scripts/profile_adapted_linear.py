@@ -35,7 +35,8 @@ mx.eval(W, x, w_sq, p, g, rs0, y0)
 
 def row_scale(p):
     if kernels.on_cuda():
-        return kernels.row_scale_cuda(W, p["a"], p["b"], p["m"], S, dt)
+        norm = kernels.row_norms_cuda([W], [p["a"]], [p["b"]], [S])[0]
+        return norm, (p["m"] / norm).astype(dt)
     return dora_row_scale(p["a"].astype(dt).T @ W.T, p["a"], p["b"], w_sq, p["m"], S, dt)
 
 
@@ -47,7 +48,8 @@ cases = {
     "lora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S)))),
     "dora step": mx.compile(mx.value_and_grad(lambda p: loss(adapted_linear(x, W, p["a"], p["b"], S, magnitude=p["m"], w_sq=w_sq)))),
     "row scale (norm, rs)": mx.compile(row_scale),
-    "cotangent (g rs, d m)": mx.compile(lambda p: dora_cotangent(g, y0, rs0, w_sq)),
+    "cotangent (g rs, d m)": mx.compile(lambda p: kernels.cotangent_cuda(g, y0, p["m"], w_sq) if kernels.on_cuda()
+                                        else dora_cotangent(g, y0, rs0, w_sq)),
     "x @ W.T alone": mx.compile(lambda p: x @ W.T),
     "g * rs": mx.compile(lambda p: g * rs0),
 }

@@ -77,7 +77,7 @@ def test_magnitude_without_base_norms_is_an_error():
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("r", [8, 16, 64])  # the row scale: 2 rows a warp, 2, then 1 with 4-byte loads of W
-def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype, r):
+def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
     from meshtune.adapters import adapted_linear as AL, kernels
 
     k = mx.random.split(mx.random.key(4), 6)
@@ -92,15 +92,22 @@ def test_dora_kernels_match_mlx_ops_on_cuda(monkeypatch, dtype, r):
     w_sq = (w32 * w32).sum(-1)
     m = mx.sqrt(w_sq).at[3].multiply(0.0)  # a zero row scale gets d m = 0
     rs = (m / w_sq).astype(dtype)
-    got = (kernels.row_scale_cuda(w, a, b, m, S, dtype) + kernels.cotangent_cuda(g, y, rs, w_sq)
-           + (kernels.scaled_output_cuda(g, y, rs, S),))
-    monkeypatch.setattr(kernels, "on_cuda", lambda: False)
-    want = (AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype) + AL.dora_cotangent(g, y, rs, w_sq)
-            + ((rs.astype(mx.float32) * (g.astype(mx.float32) + S * y.astype(mx.float32))).astype(dtype),))
-    for name, x, v, tol in zip(("norm", "rs", "g*rs", "dm", "rs (base + s u)"), got, want, (1e-4, 1e-2, 1e-2, 1e-4, 1e-2)):
+    # Three layers in one launch, the second with the first's factors at another scale.
+    norms = kernels.row_norms_cuda([w, w, w * 0.5], [a, a, a], [b, b, b], [S, 2 * S, S])
+    got = (norms[0], kernels.row_norms_cuda([w], [a], [b], [S])[0], norms[1], norms[2],
+           *kernels.cotangent_cuda(g, y, m, w_sq), kernels.scaled_output_cuda(g, y, m, w_sq, S))
+    want_norm = AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype)[0]
+    w2 = (w * 0.5).astype(mx.float32)
+    want = (want_norm, want_norm, AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, 2 * S, dtype)[0],
+            AL.dora_row_scale(a.T @ w2.T, a, b, (w2 * w2).sum(-1), m, S, dtype)[0],
+            *AL.dora_cotangent(g, y, rs, w_sq),
+            (rs.astype(mx.float32) * (g.astype(mx.float32) + S * y.astype(mx.float32))).astype(dtype))
+    names = ("norm", "norm alone", "norm, 2nd layer", "norm, 3rd layer", "g*rs", "dm", "rs (base + s u)")
+    for name, x, v, tol in zip(names, got, want, (1e-4, 1e-4, 1e-4, 1e-4, 1e-2, 1e-4, 1e-2)):
         assert x.dtype == v.dtype and x.shape == v.shape, name
         assert mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol, atol=tol).item(), name
-    assert got[3][3].item() == 0.0
+    assert mx.array_equal(got[0], got[1]).item()  # a layer's norm does not depend on its launch
+    assert got[5][3].item() == 0.0
 
 
 def test_row_norm_matches_dense_norm():

@@ -117,7 +117,7 @@ def simulated(build_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("r, inp, out", [(8, 2100, 45), (5, 70, 9), (16, 600, 17), (64, 200, 8)])  # A in 3, 1, 2, 4 tiles
-def test_row_scale_kernel(simulated, r, inp, out):
+def test_row_norm_kernel(simulated, r, inp, out):
     from meshtune.adapters import adapted_linear as AL, kernels
 
     k = mx.random.split(mx.random.key(r), 4)
@@ -125,30 +125,58 @@ def test_row_scale_kernel(simulated, r, inp, out):
     a = mx.random.normal((inp, r), key=k[1]) / 8
     b = mx.random.normal((r, out), key=k[2]) / 8
     w_sq = (w * w).sum(-1)
-    m = mx.random.uniform(0.5, 2.0, (out,), key=k[3])
-    norm, rs = kernels.row_scale_cuda(w, a, b, m, 2.0, mx.float32)
-    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, w_sq, m, 2.0, mx.float32)
-    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
-    assert simulated["meshtune_dora_row_scale"].calls == 1
+    (norm,) = kernels.row_norms_cuda([w], [a], [b], [2.0])
+    want_norm, _ = AL.dora_row_scale(a.T @ w.T, a, b, w_sq, mx.ones((out,)), 2.0, mx.float32)
+    assert mx.allclose(norm, want_norm, rtol=1e-5).item()
+    assert simulated["meshtune_dora_row_norm_1"].calls == 1
+
+
+@pytest.mark.parametrize("most", [32, 2])  # one launch for the three layers; then two
+def test_row_norms_of_several_layers_share_a_launch(simulated, monkeypatch, most):
+    """Layers of one shape, each with its own W, A, B and scale: each gets its own norms."""
+    from meshtune.adapters import adapted_linear as AL, kernels
+
+    monkeypatch.setattr(kernels, "MAX_LAYERS_A_LAUNCH", most)
+    r, inp, out = 4, 300, 21
+    k = mx.random.split(mx.random.key(11), 9)
+    ws = [mx.random.normal((out, inp), key=k[i]) / 8 for i in range(3)]
+    as_ = [mx.random.normal((inp, r), key=k[3 + i]) / 8 for i in range(3)]
+    bs = [mx.random.normal((r, out), key=k[6 + i]) / 8 for i in range(3)]
+    scales = [2.0, 0.5, 7.0]
+    got = kernels.row_norms_cuda(ws, as_, bs, scales)
+    assert len(got) == 3
+    for w, a, b, s, norm in zip(ws, as_, bs, scales, got):
+        want, _ = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), mx.ones((out,)), s, mx.float32)
+        assert mx.allclose(norm, want, rtol=1e-5).item()
+    launches = {n: kern.calls for n, kern in simulated.items() if n.startswith("meshtune_dora_row_norm")}
+    assert launches == ({"meshtune_dora_row_norm_3": 1} if most == 32 else
+                        {"meshtune_dora_row_norm_2": 1, "meshtune_dora_row_norm_1": 1})
+
+
+def test_row_norms_take_layers_of_one_shape_only(simulated):
+    from meshtune.adapters import kernels
+
+    w, a, b = mx.zeros((8, 16)), mx.zeros((16, 2)), mx.zeros((2, 8))
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.row_norms_cuda([w, mx.zeros((9, 16))], [a, a], [b, mx.zeros((2, 9))], [1.0, 1.0])
 
 
 @pytest.mark.parametrize("warps, rows_per_warp", [(4, 1), (4, 2), (2, 1)])
-def test_row_scale_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_warp):
+def test_row_norm_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_warp):
     """Fewer warps or rows a block (more blocks for a narrow layer, probes/dora_kernel_cost.py
     times them on a GPU) give the same norms: the block's rows, tile staging and last partial block."""
     from meshtune.adapters import adapted_linear as AL, kernels
 
     monkeypatch.setattr(kernels, "_WARPS", warps)
     monkeypatch.setattr(kernels, "_ROWS_PER_WARP", rows_per_warp)
-    k = mx.random.split(mx.random.key(7), 4)
+    k = mx.random.split(mx.random.key(7), 3)
     r, inp, out = 8, 1100, 13  # 2 tiles of A, the last block part past the output
     w = mx.random.normal((out, inp), key=k[0]) / 8
     a = mx.random.normal((inp, r), key=k[1]) / 8
     b = mx.random.normal((r, out), key=k[2]) / 8
-    m = mx.random.uniform(0.5, 2.0, (out,), key=k[3])
-    norm, rs = kernels.row_scale_cuda(w, a, b, m, 2.0, mx.float32)
-    want_norm, want_rs = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, mx.float32)
-    assert mx.allclose(norm, want_norm, rtol=1e-5).item() and mx.allclose(rs, want_rs, rtol=1e-5).item()
+    (norm,) = kernels.row_norms_cuda([w], [a], [b], [2.0])
+    want_norm, _ = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), mx.ones((out,)), 2.0, mx.float32)
+    assert mx.allclose(norm, want_norm, rtol=1e-5).item()
 
 
 def test_probe_kernel_variants(simulated, monkeypatch):
@@ -163,18 +191,12 @@ def test_probe_kernel_variants(simulated, monkeypatch):
     import dora_variants as V
 
     monkeypatch.setattr(kernels, "_COTANGENT_BLOCKS", 8)  # 3 chunks of rows: partials to add
-    k = mx.random.split(mx.random.key(5), 8)
+    k = mx.random.split(mx.random.key(5), 4)
     g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
-    rs = mx.random.uniform(0.5, 2, (40,), key=k[2]).at[3].multiply(0.0)
+    m = mx.random.uniform(0.5, 2, (40,), key=k[2]).at[3].multiply(0.0)
     norm = mx.random.uniform(0.5, 2, (40,), key=k[3])
-    for got, want in zip(V.one_launch_cotangent(g, y, rs, norm), AL.dora_cotangent(g, y, rs, norm)):
+    for got, want in zip(V.one_launch_cotangent(g, y, m, norm), AL.dora_cotangent(g, y, m / norm, norm)):
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-6).item()
-    w, a = mx.random.normal((17, 600), key=k[4]) / 8, mx.random.normal((600, 16), key=k[5]) / 8
-    b, m = mx.random.normal((16, 17), key=k[6]) / 8, mx.random.uniform(0.5, 2.0, (17,), key=k[7])
-    want = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), m, 2.0, mx.float32)
-    for tile in (None, 128):  # 1 tile, then 5 (the last part-filled)
-        for got, ref in zip(V.split_row_scale(tile)(w, a, b, m, 2.0, mx.float32), want):
-            assert mx.allclose(got, ref, rtol=1e-5).item()
 
 
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
@@ -184,9 +206,10 @@ def test_cotangent_kernel(simulated, rows, cols):
     k = mx.random.split(mx.random.key(rows), 3)
     g = mx.random.normal((rows, cols), key=k[0])
     y = mx.random.normal((rows, cols), key=k[1])
-    rs = mx.random.uniform(0.5, 2.0, (cols,), key=k[2]).at[3].multiply(0.0)
+    m = mx.random.uniform(1.0, 4.0, (cols,), key=k[2]).at[3].multiply(0.0)
     norm = mx.full((cols,), 2.0)
-    gz, dm = kernels.cotangent_cuda(g, y, rs, norm)
+    rs = m / norm
+    gz, dm = kernels.cotangent_cuda(g, y, m, norm)
     want_dm = mx.where(rs == 0, 0.0, (g * y).sum(0) / mx.where(rs == 0, 1.0, rs * norm))
     assert mx.allclose(gz, g * rs, rtol=1e-6).item()
     assert mx.allclose(dm, want_dm, rtol=1e-5, atol=1e-6).item() and dm[3].item() == 0.0
@@ -199,8 +222,10 @@ def test_scaled_output_kernel(simulated, rows, cols):
 
     k = mx.random.split(mx.random.key(cols), 3)
     base, u = mx.random.normal((rows, cols), key=k[0]), mx.random.normal((rows, cols), key=k[1])
-    rs = mx.random.uniform(0.5, 2.0, (cols,), key=k[2])
-    got = kernels.scaled_output_cuda(base, u, rs, 3.0)
+    m = mx.random.uniform(0.5, 2.0, (cols,), key=k[2])
+    norm = mx.full((cols,), 0.5)
+    got = kernels.scaled_output_cuda(base, u, m, norm, 3.0)
+    rs = m / norm
     assert mx.allclose(got, rs * (base + 3.0 * u), rtol=1e-6, atol=1e-6).item()
     assert simulated["meshtune_dora_scaled_output"].calls == 1
 
@@ -217,16 +242,15 @@ def test_pack_kernel(simulated):
     assert mx.array_equal(pack_cuda(half, mx.float32), mx.concatenate([a.reshape(-1) for a in half])).item()
 
 
-def test_row_scale_kernel_per_weight_dtype(simulated):
+def test_row_norm_kernel_per_weight_dtype(simulated):
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(1), 3)
     w = mx.random.normal((9, 40), key=k[0]) / 8
     a, b = mx.random.normal((40, 4), key=k[1]) / 8, mx.random.normal((4, 9), key=k[2]) / 8
-    m = mx.ones((9,))
     for weight in (w, w.astype(mx.bfloat16)):
-        kernels.row_scale_cuda(weight, a, b, m, 2.0, mx.float32)
-    assert simulated["meshtune_dora_row_scale"].calls == 2
+        kernels.row_norms_cuda([weight], [a], [b], [2.0])
+    assert simulated["meshtune_dora_row_norm_1"].calls == 2
 
 
 def test_dora_layer_gradients_on_the_cuda_path(simulated):
@@ -254,7 +278,7 @@ def test_dora_layer_gradients_on_the_cuda_path(simulated):
     assert abs(got_v.item() - want_v.item()) <= 1e-4 * abs(want_v.item())
     for name, g, h in zip("x a b m".split(), got, want):
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), name
-    assert simulated["meshtune_dora_row_scale"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
+    assert simulated["meshtune_dora_row_norm_1"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
     assert simulated["meshtune_dora_scaled_output"].calls == 1
 
 
@@ -271,3 +295,82 @@ def test_gradient_buckets_packed_by_the_kernel(simulated):
     for (k, v), (k2, v2) in zip(tree_flatten(summed), tree_flatten(grads)):
         assert k == k2 and mx.array_equal(v, v2).item(), k
     assert [k.calls for name, k in simulated.items() if name.startswith("meshtune_pack_3_")] == [1]
+
+
+def _dora_layers(quantize: bool):
+    """DoRA layers of three shapes (two share one), one on a 4-bit base, with nonzero B."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import DoRALinear
+
+    mx.random.seed(3)
+    bases = [nn.Linear(64, out, bias=False) for out in (16, 16, 24, 32)]
+    if quantize:
+        bases[3] = nn.QuantizedLinear.from_linear(bases[3], group_size=32, bits=4)
+    layers = [DoRALinear.from_base(base, r=4, scale=s) for base, s in zip(bases, (2.0, 0.5, 2.0, 1.0))]
+    for layer in layers:
+        layer.lora_b = mx.random.normal(layer.lora_b.shape) / 4
+    mx.eval([layer.parameters() for layer in layers])
+    return layers
+
+
+def test_step_row_norms_take_every_layer_at_once(simulated):
+    """Under step_row_norms a training step launches one norm kernel per shape of layer, not
+    one per layer, and gets the loss and gradients it gets layer by layer."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import base_path
+    from meshtune.adapters.step_norms import lookup, step_row_norms
+
+    class Fan(nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = layers
+
+        def __call__(self, x):
+            return sum((layer(x) * (i + 1)).sum() for i, layer in enumerate(self.layers))
+
+    base_path.set_base_path("dequantized")  # the 4-bit base takes the dense path, as at training sizes
+    try:
+        model = Fan(_dora_layers(quantize=True))
+        model.train()
+        x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+        loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
+        want_v, want = loss_and_grad(x)
+        mx.eval(want_v, want)
+        assert simulated["meshtune_dora_row_norm_1"].calls == 4  # a launch a layer
+        with step_row_norms(model, 10):
+            assert lookup(model.layers[0], 10) is not None and lookup(model.layers[0], 11) is None
+            got_v, got = loss_and_grad(x)
+            mx.eval(got_v, got)
+        assert lookup(model.layers[0], 10) is None  # nothing left behind
+        assert simulated["meshtune_dora_row_norm_2"].calls == 1  # the two 16-row layers together
+        assert simulated["meshtune_dora_row_norm_1"].calls == 4 + 2  # the 24- and 32-row layers
+    finally:
+        base_path.set_base_path("auto")
+    assert mx.allclose(got_v, want_v, rtol=1e-6).item()
+    from mlx.utils import tree_flatten
+    for (name, g), (_, h) in zip(tree_flatten(got), tree_flatten(want)):
+        assert mx.allclose(g, h, rtol=1e-5, atol=1e-6).item(), name
+
+
+def test_training_step_takes_dora_norms_before_the_forward(simulated, model_factory):
+    """meshtune's step (train.build_step) on a model with DoRA: one norm launch per shape."""
+    import mlx.optimizers as optim
+
+    from meshtune.adapters import apply_adapters
+    from meshtune.mesh import Mesh
+    from meshtune.train import build_step
+
+    model = model_factory(layers=2, dim=32)
+    apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "self_attn.v_proj"],
+                   rank=4, scale=2.0, dropout=0.0)
+    model.train()
+    step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
+    tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
+    lengths = mx.array([[0, 9], [0, 9]])
+    ce, n, _, _ = step(tokens, lengths, None, None, True)
+    mx.eval(ce, n, model.parameters())
+    # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
+    assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {"meshtune_dora_row_norm_2": 2}
+    assert simulated["meshtune_dora_cotangent"].calls == 4

@@ -14,10 +14,10 @@ batches (CPU, decode-sized steps) and a poorly shaped skinny matmul on a GPU. He
 r columns ride as r extra rows on the activations' product, [x; A^T] W^T, so W is read
 once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
 sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
-cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is four
-launches (kernels.py): the norm and rs in one pass over W, the row-scaled sum of the
-two products, and the scaled cotangent with m's gradient by chunks, then the chunks'
-sum.
+cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is kernels
+(kernels.py): the norm in one pass over W (in a training step, every layer's at once
+before the forward: step_norms.py), the row-scaled sum of the two products, and the
+scaled cotangent with m's gradient by chunks, then the chunks' sum.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
@@ -66,8 +66,6 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
     d m = sum_t g z / norm, and sum_t g z = sum_t g y / rs from the output already kept.
     A zero row scale (a zero base row, or m trained to 0) has y = 0 and gets 0, not NaN.
     """
-    if kernels.on_cuda():
-        return kernels.cotangent_cuda(g, y, rs, norm)
     den = rs.astype(mx.float32) * norm
     total = (g.astype(mx.float32) * y.astype(mx.float32)).sum(axis=0)
     return g * rs, mx.where(den == 0, 0.0, total / mx.where(den == 0, 1.0, den))
@@ -75,12 +73,14 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
 
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
-                   w_sq: mx.array | None = None) -> mx.array:
+                   w_sq: mx.array | None = None, norm: mx.array | None = None) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
     `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
     (DoRA's m, (out,)) and `w_sq` (||w_i||^2 of the frozen base, (out,), float32), rs is
     m / ||W + s (A B)^T||_row and m gets its gradient; without them rs = 1 (LoRA).
+    `norm` is that row norm when the caller has it already (a training step takes every
+    layer's at once on CUDA, step_norms.py); it is a constant, as the norm always is here.
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
@@ -89,18 +89,26 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
     dt = x.dtype
     tokens = x.size // x.shape[-1]
+    given_norm = None if norm is None else mx.stop_gradient(norm)
+    # On CUDA the norm, the scaled output and the cotangent are kernels (kernels.py), rs is
+    # formed inside them; elsewhere MLX ops, rs an array.
+    on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
         ac, bc = a.astype(dt), b.astype(dt)
         if not dora:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
-        if kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK:
-            # One kernel for the norm and rs (a pass over W), one for the scaled sum.
-            norm, rs = kernels.row_scale_cuda(weight, a, b, m, scale, dt)
-            y = kernels.scaled_output_cuda(x2 @ weight.T, (xl @ ac) @ bc, rs, scale)
-            return [y, norm, rs]
-        if NORM_ROWS_ON_BASE_PRODUCT:
+        if on_kernels:
+            # One kernel for the norm (a pass over W) unless given, one for the scaled sum.
+            if given_norm is not None:
+                return [kernels.scaled_output_cuda(x2 @ weight.T, (xl @ ac) @ bc, m, given_norm, scale)]
+            norm = kernels.row_norms_cuda([weight], [a], [b], [scale])[0]
+            return [kernels.scaled_output_cuda(x2 @ weight.T, (xl @ ac) @ bc, m, norm, scale), norm]
+        if given_norm is not None:
+            base = x2 @ weight.T
+            norm, rs = given_norm, (m / given_norm).astype(dt)
+        elif NORM_ROWS_ON_BASE_PRODUCT:
             rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
             pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
             if pad:
@@ -116,7 +124,12 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
         ac, bc = a.astype(dt), b.astype(dt)
-        gz, dm = dora_cotangent(g, outputs[0], outputs[2], outputs[1]) if dora else (g, None)
+        if not dora:
+            gz, dm = g, None
+        elif on_kernels:
+            gz, dm = kernels.cotangent_cuda(g, outputs[0], m, outputs[1] if given_norm is None else given_norm)
+        else:
+            gz, dm = dora_cotangent(g, outputs[0], outputs[2], outputs[1])
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
         gb = (scale * ((xl @ ac).T @ gz)).astype(b.dtype)

@@ -24,6 +24,7 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import step_norms
 from .adapted_linear import adapted_linear, adapted_row_norm
 from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, switch_forward
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
@@ -112,10 +113,12 @@ class DoRALinear(DoRA, LoRALinear):
         if self.training:
             # One dense base weight (dequantized once on the dense path); its product with the
             # activations carries the norm's r rows of A too (adapted_linear).
-            dense = dense_weight_for(self.linear, x.size // x.shape[-1])
+            tokens = x.size // x.shape[-1]
+            # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
+            dense, norm = step_norms.lookup(self, tokens) or (dense_weight_for(self.linear, tokens), None)
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq)
+                                   magnitude=self.m, w_sq=self._w_sq, norm=norm)
             else:
                 y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).

@@ -5,19 +5,24 @@ gradient with the row-scaled cotangent (backward). Each is a few MLX operations,
 the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.py:
 ~60%), so each gets as few launches as the GPU's time allows:
 
-- `row_scale_cuda` (forward): ||W + s (A B)^T||_row and rs = m / that norm (in the
-  activations' dtype) in one pass over W: each row's adapted elements formed in
-  registers from 16-byte loads of W and A staged in shared memory, squared and summed,
-  never stored (on the CPU and Metal the MLX ops use DESIGN.md's identity instead,
-  where W A is a product already running). It takes the place of a skinny matmul, the
-  Gram's matmul and the norm's small operations. For the 1B bench model's 112 layers
-  the first version of this kernel took 10.5 ms of GPU time a step, as long as all the
-  base products x W^T (scripts/probes/dora_kernel_cost.py).
+- `row_norms_cuda` (before the forward): ||W + s (A B)^T||_row in one pass over W:
+  each row's adapted elements formed in registers from 16-byte loads of W and A staged
+  in shared memory, squared and summed, never stored (on the CPU and Metal the MLX ops
+  use DESIGN.md's identity instead, where W A is a product already running). It takes
+  the place of a skinny matmul, the Gram's matmul and the norm's small operations. The
+  norm depends on the parameters only, so a training step takes every layer's at once
+  (adapters/step_norms.py): one launch for all the layers of a shape, instead of one
+  small launch a layer (1B bench model: 112 launches of 3.1 ms GPU time in all,
+  scripts/probes/dora_kernel_cost.py).
+- `scaled_output_cuda` (forward): y = rs * (base + s u), rs = m / norm formed in place.
 - `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
   sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
   of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
   a second small kernel adds the chunks' sums in a fixed order, so the result does not
   depend on scheduling, and divides by rs * norm.
+
+rs = m / norm is never an array of its own: each kernel forms it, rounded to the
+activations' dtype as the MLX ops round it, where it is used.
 
 Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare the
 two on a GPU (tests/test_adapted_linear.py).
@@ -32,8 +37,10 @@ from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_li
 _WARPS = 8  # warps a block
 _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1
 
-_ROW_SCALE = """
-    // Block: WARPS warps, RPW adjacent rows of W each. The norm is taken row by row without
+_ROW_NORM = """
+    // Block: WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the launch takes
+    // L layers of one shape, and a switch (written by row_norms_cuda) points w, a, b, norm
+    // and sc at that layer's arrays and scale. The norm is taken row by row without
     // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
     // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
     // identity's terms). Tiles of TJ rows of A pass through shared memory transposed, padded
@@ -50,8 +57,13 @@ _ROW_SCALE = """
     int tid = threadIdx.x;
     int lane = tid & 31;
     int row0 = (blockIdx.x * WARPS + (tid >> 5)) * RPW;
+    const WT* w;
+    const float* a;
+    const float* b;
+    float* norm;
+    @SELECT@
+    float sc = s[blockIdx.y];
     bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
-    float sc = s[0];
     float cb[RPW][R];  // s * B's column for each of the warp's rows
     float sq[RPW];
     #pragma unroll
@@ -128,11 +140,7 @@ _ROW_SCALE = """
     #pragma unroll
     for (int q = 0; q < RPW; ++q) {
         int i = row0 + q;
-        if (lane == q && i < OUT) {
-            float nrm = sqrtf(sq[q]);
-            norm[i] = nrm;
-            rs[i] = static_cast<T>(m[i] / nrm);
-        }
+        if (lane == q && i < OUT) norm[i] = sqrtf(sq[q]);
     }
 """
 
@@ -140,6 +148,7 @@ _COTANGENT = """
     // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns (one 16-byte
     // access where aligned), the warps striding over the block's chunk of rows. Each
     // block's column sums go to its row of `part`, added in a fixed order.
+    RS_FROM_M
     struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
     constexpr int CB = 32 * VEC;
     __shared__ float sums[8][CB];
@@ -156,7 +165,7 @@ _COTANGENT = """
     float r[VEC];
     for (int v = 0; v < VEC; ++v) {
         acc[v] = 0.0f;
-        r[v] = c0 + v < COLS ? static_cast<float>(rs[c0 + v]) : 0.0f;
+        r[v] = c0 + v < COLS ? row_scale(c0 + v) : 0.0f;
     }
     if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
         for (int t = t0 + warp; t < t1; t += 8) {
@@ -197,11 +206,12 @@ _COTANGENT = """
 
 # m's gradient from the chunks' column sums: a thread per column, chunks added in order.
 _MAGNITUDE_GRAD = """
+    RS_FROM_M
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col < COLS) {
         float sum = 0.0f;
         for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
-        float den = static_cast<float>(rs[col]) * norm[col];
+        float den = row_scale(col) * norm[col];
         dm[col] = den == 0.0f ? 0.0f : sum / den;
     }
 """
@@ -211,6 +221,7 @@ _MAGNITUDE_GRAD = """
 # same expression indexes the broadcast rs generically and took 1.7x the time of LoRA's
 # base + s * u on an H200 (3.5 vs 2.1 ms over the 1B bench step's 112 layers, Nsight Compute).
 _SCALED_OUTPUT = """
+    RS_FROM_M
     struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
     long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (e < (long long)ROWS * COLS) {
@@ -230,7 +241,7 @@ _SCALED_OUTPUT = """
             }
         }
         for (int v = 0; v < VEC; ++v)
-            out.v[v] = static_cast<T>(static_cast<float>(rs[col + v])
+            out.v[v] = static_cast<T>(row_scale(col + v)
                                       * (static_cast<float>(bv.v[v]) + sc * static_cast<float>(uv.v[v])));
         if (aligned) {
             *reinterpret_cast<Vec*>(y + e) = out;
@@ -239,6 +250,13 @@ _SCALED_OUTPUT = """
         }
     }
 """
+
+# DoRA's row scale rs = m / norm, rounded to the activations' dtype T as the MLX ops round it,
+# computed where it is used (no launch of its own, no rs array).
+_RS_FROM_M = "auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };"
+_COTANGENT = _COTANGENT.replace("RS_FROM_M", _RS_FROM_M)
+_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M)
+_SCALED_OUTPUT = _SCALED_OUTPUT.replace("RS_FROM_M", _RS_FROM_M)
 
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
@@ -265,23 +283,44 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
     return rows, vec, max(32 * vec, floats // r // (32 * vec) * (32 * vec))
 
 
-def row_scale_cuda(weight: mx.array, a: mx.array, b: mx.array, m: mx.array,
-                   scale: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """(||W + s (A B)^T||_row float32, rs = m / that in `dtype`) for W (out, in), A (in, r), B (r, out)."""
-    out, inp = weight.shape
-    r = a.shape[-1]
-    # WT (like YT and RT below) puts an input's dtype in the name MLX caches the compiled
-    # kernel by (the inputs' dtypes are not in it): a float32 W must not run a bfloat16 W's kernel.
-    k = _kernel("meshtune_dora_row_scale", ["w", "a", "b", "m", "s"], ["norm", "rs"], _ROW_SCALE)
-    rows, vec, tile = _row_scale_layout(r, inp, weight.dtype.size)
+# Layers one row-norm launch takes at most (each adds four pointers to the kernel's parameters).
+MAX_LAYERS_A_LAUNCH = 32
+
+
+def _row_norm_source(layers: int) -> str:
+    select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i}; break;" for i in range(layers))
+    return _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+
+
+def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],
+                   scales: list[float]) -> list[mx.array]:
+    """||W + s (A B)^T||_row float32 of each layer, for layers of one shape: W (out, in), A (in, r), B (r, out).
+
+    One launch takes up to MAX_LAYERS_A_LAUNCH layers (a layer per row of blocks), so a
+    model's layers of one shape cost a launch or two, not one each.
+    """
+    if len(weights) > MAX_LAYERS_A_LAUNCH:
+        cut = MAX_LAYERS_A_LAUNCH
+        return (row_norms_cuda(weights[:cut], a[:cut], b[:cut], scales[:cut])
+                + row_norms_cuda(weights[cut:], a[cut:], b[cut:], scales[cut:]))
+    n = len(weights)
+    out, inp = weights[0].shape
+    r = a[0].shape[-1]
+    if any(w.shape != (out, inp) or w.dtype != weights[0].dtype or x.shape != (inp, r) or y.shape != (r, out)
+           for w, x, y in zip(weights, a, b)):
+        raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
+    names = [f"{p}{i}" for p in ("w", "a", "b") for i in range(n)]
+    # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
+    # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T, YT and UT below.
+    k = _kernel(f"meshtune_dora_row_norm_{n}", names + ["s"], [f"norm{i}" for i in range(n)], _row_norm_source(n))
+    rows, vec, tile = _row_scale_layout(r, inp, weights[0].dtype.size)
     blocks = -(-out // (_WARPS * rows))
-    norm, rs = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
-                         mx.array([scale], dtype=mx.float32)],
-                 template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                           ("TJ", tile), ("T", dtype), ("WT", weight.dtype)],
-                 grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-                 output_shapes=[(out,), (out,)], output_dtypes=[mx.float32, dtype])
-    return norm, rs
+    return k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
+                     mx.array(scales, dtype=mx.float32)],
+             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
+                       ("TJ", tile), ("WT", weights[0].dtype)],
+             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
+             output_shapes=[(out,)] * n, output_dtypes=[mx.float32] * n)
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
@@ -293,32 +332,34 @@ def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int
     return vec, strips, chunk, -(-rows // chunk)
 
 
-def cotangent_cuda(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
-    """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y."""
+def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
+    """(g * rs in g's dtype, sum_t g * y / (rs * norm) float32, 0 where rs * norm is 0) for (rows, cols) g, y.
+
+    rs = m / norm rounded to g's dtype; m and norm are float32 (cols,).
+    """
     rows, cols = g.shape
     vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
-    k = _kernel("meshtune_dora_cotangent", ["g", "y", "rs"], ["gz", "part"], _COTANGENT)
-    gz, part = k(inputs=[g, y, rs], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
-                                              ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+    k = _kernel("meshtune_dora_cotangent", ["g", "y", "m", "norm"], ["gz", "part"], _COTANGENT)
+    gz, part = k(inputs=[g, y, m.astype(mx.float32), norm], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                                   ("T", g.dtype), ("YT", y.dtype)],
                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                  output_shapes=[(rows, cols), (chunks, cols)], output_dtypes=[g.dtype, mx.float32])
-    k = _kernel("meshtune_dora_magnitude_grad", ["part", "rs", "norm"], ["dm"], _MAGNITUDE_GRAD)
-    (dm,) = k(inputs=[part, rs, norm], template=[("COLS", cols), ("CHUNKS", chunks), ("RT", rs.dtype)],
+    k = _kernel("meshtune_dora_magnitude_grad", ["part", "m", "norm"], ["dm"], _MAGNITUDE_GRAD)
+    (dm,) = k(inputs=[part, m.astype(mx.float32), norm], template=[("COLS", cols), ("CHUNKS", chunks), ("T", g.dtype)],
               grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
               output_shapes=[(cols,)], output_dtypes=[mx.float32])
     return gz, dm
 
 
-def scaled_output_cuda(base: mx.array, u: mx.array, rs: mx.array, scale: float) -> mx.array:
-    """rs * (base + scale * u) for (rows, cols) base and u of one dtype and rs (cols,) of it, in one pass."""
+def scaled_output_cuda(base: mx.array, u: mx.array, m: mx.array, norm: mx.array, scale: float) -> mx.array:
+    """rs * (base + scale * u) for (rows, cols) base and u of one dtype, rs = m / norm rounded to it, in one pass."""
     rows, cols = base.shape
     vec = 16 // base.dtype.size
     vec = vec if cols % vec == 0 else 1
     threads = -(-rows * cols // vec)
-    k = _kernel("meshtune_dora_scaled_output", ["base", "u", "rs", "s"], ["y"], _SCALED_OUTPUT)
-    (y,) = k(inputs=[base, u, rs, mx.array([scale], dtype=mx.float32)],
-             template=[("ROWS", rows), ("COLS", cols), ("VEC", vec), ("T", base.dtype), ("UT", u.dtype),
-                       ("RT", rs.dtype)],
+    k = _kernel("meshtune_dora_scaled_output", ["base", "u", "m", "norm", "s"], ["y"], _SCALED_OUTPUT)
+    (y,) = k(inputs=[base, u, m.astype(mx.float32), norm, mx.array([scale], dtype=mx.float32)],
+             template=[("ROWS", rows), ("COLS", cols), ("VEC", vec), ("T", base.dtype), ("UT", u.dtype)],
              grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
              output_shapes=[(rows, cols)], output_dtypes=[base.dtype])
     return y

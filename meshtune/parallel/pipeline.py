@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..mesh import Mesh
+from ..adapters.step_norms import step_row_norms
 from ..losses import masked_ce_sum, target_mask
 from .p2p import Links
 from .peers import peer_groups, sum_on_peers
@@ -194,10 +195,12 @@ class PipelineStage:
                 return self.loss(h, targets, lengths)
             return (h * mx.stop_gradient(dy)).sum()  # seeds the reverse pass with the received cotangent
 
-        if self.first:  # token ids have no gradient
-            value, grads = mx.value_and_grad(fn)(model.trainable_parameters(), x)
-            return value, grads, None
-        value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
+        # DoRA's row norms for the stage's layers first (a few launches on CUDA, none elsewhere).
+        with step_row_norms(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
+            if self.first:  # token ids have no gradient
+                value, grads = mx.value_and_grad(fn)(model.trainable_parameters(), x)
+                return value, grads, None
+            value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
         return value, grads, dx
 
     def hidden_spec(self, tokens: mx.array) -> tuple[tuple[int, ...], mx.Dtype]:

@@ -3,9 +3,10 @@
 Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [--tokens 4096]
 For the bench's 1b model (16 blocks of q,k,v,o,gate,up,down) it issues each piece once per
 layer (112 calls) inside one evaluation, several times, and prints the median ms for all
-112: the row-scale kernel (and its block layouts), the cotangent kernels (and their block
-counts, and dora_variants.py's forms), the base product x W^T, g * rs, and a one-element
-add (the per-launch floor).
+112: the row-norm kernel a launch a layer (and its block layouts) and a launch per shape of
+layer (7 launches, as a training step takes them: step_norms.py), the cotangent kernels (and
+their block counts, and dora_variants.py's forms), the base product x W^T, g * rs, and a
+one-element add (the per-launch floor).
 No synchronisation inside a batch, so these are GPU + encode times, not round trips.
 """
 import argparse
@@ -47,6 +48,8 @@ mx.eval(one)
 
 
 def batch(piece):
+    if getattr(piece, "whole_step", False):
+        return piece()
     outs = []
     for s in shapes:
         d = uniq[s]
@@ -54,12 +57,25 @@ def batch(piece):
     return outs
 
 
-def row_scale(d):
-    return list(K.row_scale_cuda(d["W"], d["a"], d["b"], d["m"], 20.0, dt))
+def row_norm(d):
+    return K.row_norms_cuda([d["W"]], [d["a"]], [d["b"]], [20.0])
+
+
+def row_norms_by_shape():
+    """Every layer's norm, the layers of a shape in one launch (each layer its own W, A, B)."""
+    outs = []
+    for s in uniq:
+        layers = [uniq[t] for t in shapes if t == s]
+        outs.extend(K.row_norms_cuda([d["W"] for d in layers], [d["a"] for d in layers],
+                                     [d["b"] for d in layers], [20.0] * len(layers)))
+    return outs
+
+
+row_norms_by_shape.whole_step = True
 
 
 def cotangent(d):
-    return list(K.cotangent_cuda(d["g"], d["y"], d["rs"], d["w_sq"]))
+    return list(K.cotangent_cuda(d["g"], d["y"], d["m"], d["w_sq"]))
 
 
 def patched(piece, **constants):
@@ -79,16 +95,15 @@ def patched(piece, **constants):
 
 pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
-    "row scale kernel": row_scale,
-    **{f"row scale, {w} warps x {q} rows": patched(row_scale, _WARPS=w, _ROWS_PER_WARP=q)
-       for w, q in ((8, 1), (4, 2), (4, 1), (2, 1))},
-    "row scale split by tiles": lambda d: list(V.split_row_scale()(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
-    "row scale split, 256 columns": lambda d: list(V.split_row_scale(256)(d["W"], d["a"], d["b"], d["m"], 20.0, dt)),
+    "row norms, a launch a layer": row_norm,
+    **{f"row norm, {w} warps x {q} rows": patched(row_norm, _WARPS=w, _ROWS_PER_WARP=q)
+       for w, q in ((8, 1), (4, 1))},
+    "row norms, a launch a shape (7)": row_norms_by_shape,
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
-    "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["rs"], d["w_sq"])),
+    "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["m"], d["w_sq"])),
     "g * rs": lambda d: [d["g"] * d["rs"]],
-    "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["rs"], 20.0)],
+    "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["m"], d["w_sq"], 20.0)],
     "rs (base + s u) MLX, compiled": lambda d: [scaled_sum(d["y"], d["g"], d["rs"])],
     "base + s u MLX, compiled (LoRA)": lambda d: [plain_sum(d["y"], d["g"])],
     "sum_t g*y (MLX)": lambda d: [(d["g"] * d["y"]).astype(mx.float32).sum(0)],

@@ -13,9 +13,6 @@ on a GPU by probe_dora_step.py before it times them.
 
 - `one_launch_cotangent`: kernels.cotangent_cuda's blocks (column strips by chunks of
   rows); the last block of a strip writes m's gradient: the magnitude-gradient launch goes.
-- `split_row_scale(tile)`: the row-scale kernel with each block on one tile of A's rows
-  (columns of W) instead of all of them, so a layer gets (in / tile) times the blocks
-  (128 for a 2048-row layer before); the last block of a row group takes the square root.
 """
 
 import mlx.core as mx
@@ -55,67 +52,22 @@ _COTANGENT_FINISH = """
             if (col < COLS) {
                 float sum = 0.0f;
                 for (int k = 0; k < (int)gridDim.y; ++k) sum += __ldcg(part + (long long)k * COLS + col);
-                float den = static_cast<float>(rs[col]) * norm[col];
+                float den = row_scale(col) * norm[col];
                 dm[col] = den == 0.0f ? 0.0f : sum / den;
             }
         }
 """
 
 
-def one_launch_cotangent(g, y, rs, norm):
+def one_launch_cotangent(g, y, m, norm):
     rows, cols = g.shape
     vec, strips, chunk, chunks = K.cotangent_grid(rows, cols, g.dtype)
-    k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "rs", "norm", "count"], ["gz", "part", "dm"],
+    k = K._kernel("probe_dora_cotangent_last_block", ["g", "y", "m", "norm", "count"], ["gz", "part", "dm"],
                   K._COTANGENT + _LAST_BLOCK.replace("FINISH", _COTANGENT_FINISH))
-    gz, _, dm = k(inputs=[g, y, rs, norm, counters(strips)],
+    gz, _, dm = k(inputs=[g, y, m.astype(mx.float32), norm, counters(strips)],
                   template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
-                            ("T", g.dtype), ("YT", y.dtype), ("RT", rs.dtype)],
+                            ("T", g.dtype), ("YT", y.dtype)],
                   grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                   output_shapes=[(rows, cols), (chunks, cols), (cols,)],
                   output_dtypes=[g.dtype, mx.float32, mx.float32])
     return gz, dm
-
-
-_ROW_LOOP = "for (int j0 = 0; j0 < IN; j0 += TJ) {"
-_ROW_END = K._ROW_SCALE[K._ROW_SCALE.index("    #pragma unroll\n    for (int q = 0; q < RPW; ++q) {\n        int i = row0 + q;"):]
-_ROW_PARTIAL = """
-    #pragma unroll
-    for (int q = 0; q < RPW; ++q) {
-        int i = row0 + q;
-        if (lane == q && i < OUT) part[(long long)blockIdx.y * OUT + i] = sq[q];
-    }
-"""
-_ROW_FINISH = """
-        int i = blockIdx.x * WARPS * RPW + tid;
-        if (tid < WARPS * RPW && i < OUT) {
-            float total = 0.0f;
-            for (int k = 0; k < (int)gridDim.y; ++k) total += __ldcg(part + (long long)k * OUT + i);
-            float nrm = sqrtf(total);
-            norm[i] = nrm;
-            rs[i] = static_cast<T>(m[i] / nrm);
-        }
-"""
-assert K._ROW_SCALE.count(_ROW_LOOP) == 1 and K._ROW_SCALE.endswith(_ROW_END)
-_SPLIT_ROW_SCALE = (K._ROW_SCALE[:-len(_ROW_END)].replace(_ROW_LOOP, "for (int j0 = blockIdx.y * TJ; j0 < IN && j0 < ((int)blockIdx.y + 1) * TJ; j0 += TJ) {")
-                    + _ROW_PARTIAL + _LAST_BLOCK.replace("FINISH", _ROW_FINISH))
-
-
-def split_row_scale(tile=None):
-    """kernels.row_scale_cuda with a block per (row group, tile of `tile` columns; None: the kernel's own)."""
-    def row_scale(weight, a, b, m, scale, dtype):
-        out, inp = weight.shape
-        r = a.shape[-1]
-        rows, vec, own = K._row_scale_layout(r, inp, weight.dtype.size)
-        tj = own if tile is None else min(own, max(32 * vec, tile // (32 * vec) * (32 * vec)))
-        groups = -(-out // (K._WARPS * rows))
-        k = K._kernel("probe_dora_row_scale_split", ["w", "a", "b", "m", "s", "count"], ["norm", "rs", "part"],
-                      _SPLIT_ROW_SCALE)
-        norm, rs, _ = k(inputs=[weight, a.astype(mx.float32), b.astype(mx.float32), m.astype(mx.float32),
-                                mx.array([scale], dtype=mx.float32), counters(groups)],
-                        template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", K._WARPS), ("RPW", rows),
-                                  ("VEC", vec), ("TJ", tj), ("T", dtype), ("WT", weight.dtype)],
-                        grid=(groups * K._WARPS * 32, -(-inp // tj), 1), threadgroup=(K._WARPS * 32, 1, 1),
-                        output_shapes=[(out,), (out,), (-(-inp // tj), out)],
-                        output_dtypes=[mx.float32, dtype, mx.float32])
-        return norm, rs
-    return row_scale
