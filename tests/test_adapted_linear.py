@@ -60,6 +60,30 @@ def test_gradients_match_autodiff(dora, dropout, tokens, rows_on_base, monkeypat
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), (name, mx.abs(g - h).max().item())
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_given_norm_is_the_constant_norm(dropout):
+    """A step's batched norm (step_norms.py) in place of the layer's own: the same value and
+    gradients as autodiff of the plain expression, and the norm given is the one used."""
+    x, w, a, b, m, mask = _inputs(2)
+    probe = mx.random.normal((3, T // 3, OUT), key=mx.random.key(8))
+    dense = w + S * (a @ b).T
+    norm = mx.sqrt((dense * dense).sum(-1))
+
+    def loss(fn, x, a, b, m):
+        return (fn(x, a, b, m, x * mask if dropout else x) * probe).sum()
+
+    def ours(x, a, b, m, xl, norm=norm):
+        return adapted_linear(x, w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w * w).sum(-1), norm=norm)
+
+    got_v, got = mx.value_and_grad(lambda *p: loss(ours, *p), argnums=(0, 1, 2, 3))(x, a, b, m)
+    want_v, want = mx.value_and_grad(lambda *p: loss(lambda x, a, b, m, xl: _reference(x, w, a, b, m, xl), *p), argnums=(0, 1, 2, 3))(x, a, b, m)
+    assert abs(got_v.item() - want_v.item()) <= 1e-4 * abs(want_v.item())
+    for name, g, h in zip("x a b m".split(), got, want):
+        assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), (name, mx.abs(g - h).max().item())
+    doubled = adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), norm=2 * norm)
+    assert mx.allclose(2 * doubled, ours(x, a, b, m, x), rtol=1e-5, atol=1e-6).item()
+
+
 @pytest.mark.parametrize("tokens", [T, 2 * T])
 def test_zero_magnitude_gets_zero_gradient_not_nan(tokens):
     x, w, a, b, m, _ = _inputs(1, tokens)
@@ -95,15 +119,14 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
     # Three layers in one launch, the second with the first's factors at another scale.
     norms = kernels.row_norms_cuda([w, w, w * 0.5], [a, a, a], [b, b, b], [S, 2 * S, S])
     got = (norms[0], kernels.row_norms_cuda([w], [a], [b], [S])[0], norms[1], norms[2],
-           *kernels.cotangent_cuda(g, y, m, w_sq), kernels.scaled_output_cuda(g, y, m, w_sq, S))
+           *kernels.cotangent_cuda(g, y, m, w_sq))
     want_norm = AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, S, dtype)[0]
     w2 = (w * 0.5).astype(mx.float32)
     want = (want_norm, want_norm, AL.dora_row_scale(a.T @ w32.T, a, b, w_sq, m, 2 * S, dtype)[0],
             AL.dora_row_scale(a.T @ w2.T, a, b, (w2 * w2).sum(-1), m, S, dtype)[0],
-            *AL.dora_cotangent(g, y, rs, w_sq),
-            (rs.astype(mx.float32) * (g.astype(mx.float32) + S * y.astype(mx.float32))).astype(dtype))
-    names = ("norm", "norm alone", "norm, 2nd layer", "norm, 3rd layer", "g*rs", "dm", "rs (base + s u)")
-    for name, x, v, tol in zip(names, got, want, (1e-4, 1e-4, 1e-4, 1e-4, 1e-2, 1e-4, 1e-2)):
+            *AL.dora_cotangent(g, y, rs, w_sq))
+    names = ("norm", "norm alone", "norm, 2nd layer", "norm, 3rd layer", "g*rs", "dm")
+    for name, x, v, tol in zip(names, got, want, (1e-4, 1e-4, 1e-4, 1e-4, 1e-2, 1e-4)):
         assert x.dtype == v.dtype and x.shape == v.shape, name
         assert mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol, atol=tol).item(), name
     assert mx.array_equal(got[0], got[1]).item()  # a layer's norm does not depend on its launch

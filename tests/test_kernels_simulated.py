@@ -216,20 +216,6 @@ def test_cotangent_kernel(simulated, rows, cols):
     assert simulated["meshtune_dora_cotangent"].calls == simulated["meshtune_dora_magnitude_grad"].calls == 1
 
 
-@pytest.mark.parametrize("rows, cols", [(5, 24), (3, 10)])  # 16-byte accesses; 10: a column a thread
-def test_scaled_output_kernel(simulated, rows, cols):
-    from meshtune.adapters import kernels
-
-    k = mx.random.split(mx.random.key(cols), 3)
-    base, u = mx.random.normal((rows, cols), key=k[0]), mx.random.normal((rows, cols), key=k[1])
-    m = mx.random.uniform(0.5, 2.0, (cols,), key=k[2])
-    norm = mx.full((cols,), 0.5)
-    got = kernels.scaled_output_cuda(base, u, m, norm, 3.0)
-    rs = m / norm
-    assert mx.allclose(got, rs * (base + 3.0 * u), rtol=1e-6, atol=1e-6).item()
-    assert simulated["meshtune_dora_scaled_output"].calls == 1
-
-
 def test_pack_kernel(simulated):
     from meshtune.parallel.pack_kernel import pack_cuda
 
@@ -279,7 +265,6 @@ def test_dora_layer_gradients_on_the_cuda_path(simulated):
     for name, g, h in zip("x a b m".split(), got, want):
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), name
     assert simulated["meshtune_dora_row_norm_1"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
-    assert simulated["meshtune_dora_scaled_output"].calls == 1
 
 
 def test_gradient_buckets_packed_by_the_kernel(simulated):

@@ -16,8 +16,9 @@ once. The norm is a constant (DoRA paper, section 4.3): m's gradient is
 sum_t g * y / (rs * norm), from the output already kept, in the same pass over the
 cotangent that scales it by rs. On MLX's CUDA build DoRA's extra work is kernels
 (kernels.py): the norm in one pass over W (in a training step, every layer's at once
-before the forward: step_norms.py), the row-scaled sum of the two products, and the
-scaled cotangent with m's gradient by chunks, then the chunks' sum.
+before the forward: step_norms.py), and the scaled cotangent with m's gradient by
+chunks, then the chunks' sum; the row-scaled sum of the two products is MLX's fused
+elementwise kernel, as LoRA's sum is.
 
 W is frozen: it is closed over, not an input, so no gradient is formed for it.
 """
@@ -90,8 +91,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     dt = x.dtype
     tokens = x.size // x.shape[-1]
     given_norm = None if norm is None else mx.stop_gradient(norm)
-    # On CUDA the norm, the scaled output and the cotangent are kernels (kernels.py), rs is
-    # formed inside them; elsewhere MLX ops, rs an array.
+    # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
@@ -99,15 +99,10 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         if not dora:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
-        if on_kernels:
-            # One kernel for the norm (a pass over W) unless given, one for the scaled sum.
-            if given_norm is not None:
-                return [kernels.scaled_output_cuda(x2 @ weight.T, (xl @ ac) @ bc, m, given_norm, scale)]
-            norm = kernels.row_norms_cuda([weight], [a], [b], [scale])[0]
-            return [kernels.scaled_output_cuda(x2 @ weight.T, (xl @ ac) @ bc, m, norm, scale), norm]
-        if given_norm is not None:
-            base = x2 @ weight.T
-            norm, rs = given_norm, (m / given_norm).astype(dt)
+        if given_norm is not None or on_kernels:
+            # The norm given (a step's batched norms) or from one kernel, a pass over W (CUDA).
+            norm = given_norm if given_norm is not None else kernels.row_norms_cuda([weight], [a], [b], [scale])[0]
+            base, rs = x2 @ weight.T, (m / norm).astype(dt)
         elif NORM_ROWS_ON_BASE_PRODUCT:
             rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
             pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
@@ -119,17 +114,24 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         else:
             base = x2 @ weight.T
             norm, rs = dora_row_scale(ac.T @ weight.T, a, b, w_sq, m, scale, dt)
+        # rs * (base + s u) is one fused elementwise kernel where MLX compiles the step, in the
+        # place of LoRA's base + s u (on an H200 it beat a custom kernel for it in the 1B step:
+        # 75.1 vs 77.2 ms bf16, docs/bench/step_norms_h200.txt). A given norm stays outside the
+        # outputs: the backward takes it from here.
+        y = rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt))
+        return [y, rs] if given_norm is not None else [y, rs, norm]
         return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
         ac, bc = a.astype(dt), b.astype(dt)
+        norm = given_norm if given_norm is not None else outputs[-1]
         if not dora:
             gz, dm = g, None
         elif on_kernels:
-            gz, dm = kernels.cotangent_cuda(g, outputs[0], m, outputs[1] if given_norm is None else given_norm)
+            gz, dm = kernels.cotangent_cuda(g, outputs[0], m, norm)
         else:
-            gz, dm = dora_cotangent(g, outputs[0], outputs[2], outputs[1])
+            gz, dm = dora_cotangent(g, outputs[0], outputs[1], norm)
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
         gb = (scale * ((xl @ ac).T @ gz)).astype(b.dtype)

@@ -12,17 +12,17 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   the place of a skinny matmul, the Gram's matmul and the norm's small operations. The
   norm depends on the parameters only, so a training step takes every layer's at once
   (adapters/step_norms.py): one launch for all the layers of a shape, instead of one
-  small launch a layer (1B bench model: 112 launches of 3.1 ms GPU time in all,
-  scripts/probes/dora_kernel_cost.py).
-- `scaled_output_cuda` (forward): y = rs * (base + s u), rs = m / norm formed in place.
+  small launch a layer. For the 1B bench model on an H200 that is 7 launches for 112
+  layers, and the bf16 step went from 80.6 to 73.5 ms (LoRA 54.1 ms;
+  docs/bench/step_norms_h200.txt).
 - `cotangent_cuda` (backward): the row-scaled cotangent g * rs and m's column sums
   sum_t g * y in one pass over g and y, 16-byte accesses, blocks of columns by chunks
   of rows (a block per column strip gave a 1024-wide layer 32 blocks for 132 SMs);
   a second small kernel adds the chunks' sums in a fixed order, so the result does not
   depend on scheduling, and divides by rs * norm.
 
-rs = m / norm is never an array of its own: each kernel forms it, rounded to the
-activations' dtype as the MLX ops round it, where it is used.
+The forward's rs * (base + s u) is left to MLX's fused elementwise kernel (a kernel of
+ours for it lost in the 1B step on an H200: 77.2 vs 75.1 ms, docs/bench/step_norms_h200.txt).
 
 Elsewhere (CPU, Metal) adapted_linear computes the same in MLX ops; tests compare the
 two on a GPU (tests/test_adapted_linear.py).
@@ -216,47 +216,11 @@ _MAGNITUDE_GRAD = """
     }
 """
 
-# DoRA's output from the base product and the branch's: y = rs * (base + s * u), a thread on
-# VEC consecutive columns of a row (16-byte accesses where aligned). MLX's fused kernel for the
-# same expression indexes the broadcast rs generically and took 1.7x the time of LoRA's
-# base + s * u on an H200 (3.5 vs 2.1 ms over the 1B bench step's 112 layers, Nsight Compute).
-_SCALED_OUTPUT = """
-    RS_FROM_M
-    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
-    long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (e < (long long)ROWS * COLS) {
-        int col = (int)(e % COLS);
-        float sc = s[0];
-        bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(base) % sizeof(Vec) == 0)
-            && (reinterpret_cast<unsigned long long>(u) % sizeof(Vec) == 0)
-            && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0);
-        Vec bv, uv, out;
-        if (aligned) {
-            bv = *reinterpret_cast<const Vec*>(base + e);
-            uv = *reinterpret_cast<const Vec*>(u + e);
-        } else {
-            for (int v = 0; v < VEC; ++v) {
-                bv.v[v] = base[e + v];
-                uv.v[v] = u[e + v];
-            }
-        }
-        for (int v = 0; v < VEC; ++v)
-            out.v[v] = static_cast<T>(row_scale(col + v)
-                                      * (static_cast<float>(bv.v[v]) + sc * static_cast<float>(uv.v[v])));
-        if (aligned) {
-            *reinterpret_cast<Vec*>(y + e) = out;
-        } else {
-            for (int v = 0; v < VEC; ++v) y[e + v] = out.v[v];
-        }
-    }
-"""
-
 # DoRA's row scale rs = m / norm, rounded to the activations' dtype T as the MLX ops round it,
 # computed where it is used (no launch of its own, no rs array).
 _RS_FROM_M = "auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };"
 _COTANGENT = _COTANGENT.replace("RS_FROM_M", _RS_FROM_M)
 _MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M)
-_SCALED_OUTPUT = _SCALED_OUTPUT.replace("RS_FROM_M", _RS_FROM_M)
 
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
@@ -311,7 +275,7 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
     names = [f"{p}{i}" for p in ("w", "a", "b") for i in range(n)]
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
-    # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T, YT and UT below.
+    # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
     k = _kernel(f"meshtune_dora_row_norm_{n}", names + ["s"], [f"norm{i}" for i in range(n)], _row_norm_source(n))
     rows, vec, tile = _row_scale_layout(r, inp, weights[0].dtype.size)
     blocks = -(-out // (_WARPS * rows))
@@ -349,17 +313,3 @@ def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tup
               grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
               output_shapes=[(cols,)], output_dtypes=[mx.float32])
     return gz, dm
-
-
-def scaled_output_cuda(base: mx.array, u: mx.array, m: mx.array, norm: mx.array, scale: float) -> mx.array:
-    """rs * (base + scale * u) for (rows, cols) base and u of one dtype, rs = m / norm rounded to it, in one pass."""
-    rows, cols = base.shape
-    vec = 16 // base.dtype.size
-    vec = vec if cols % vec == 0 else 1
-    threads = -(-rows * cols // vec)
-    k = _kernel("meshtune_dora_scaled_output", ["base", "u", "m", "norm", "s"], ["y"], _SCALED_OUTPUT)
-    (y,) = k(inputs=[base, u, m.astype(mx.float32), norm, mx.array([scale], dtype=mx.float32)],
-             template=[("ROWS", rows), ("COLS", cols), ("VEC", vec), ("T", base.dtype), ("UT", u.dtype)],
-             grid=(-(-threads // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-             output_shapes=[(rows, cols)], output_dtypes=[base.dtype])
-    return y

@@ -103,7 +103,6 @@ pieces = {
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
     "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["m"], d["w_sq"])),
     "g * rs": lambda d: [d["g"] * d["rs"]],
-    "rs (base + s u) kernel": lambda d: [K.scaled_output_cuda(d["y"], d["g"], d["m"], d["w_sq"], 20.0)],
     "rs (base + s u) MLX, compiled": lambda d: [scaled_sum(d["y"], d["g"], d["rs"])],
     "base + s u MLX, compiled (LoRA)": lambda d: [plain_sum(d["y"], d["g"])],
     "sum_t g*y (MLX)": lambda d: [(d["g"] * d["y"]).astype(mx.float32).sum(0)],
