@@ -116,16 +116,17 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             norm, rs = dora_row_scale(ac.T @ weight.T, a, b, w_sq, m, scale, dt)
         # rs * (base + s u) is one fused elementwise kernel where MLX compiles the step, in the
         # place of LoRA's base + s u (on an H200 it beat a custom kernel for it in the 1B step:
-        # 75.1 vs 77.2 ms bf16, docs/bench/step_norms_h200.txt). A given norm stays outside the
-        # outputs: the backward takes it from here.
+        # 75.1 vs 77.2 ms bf16, docs/bench/step_norms_h200.txt). Kept for the backward: rs for
+        # the MLX ops only (an output is an array of its own, a launch; the CUDA kernel forms
+        # rs from m / norm), the norm unless given (the backward takes a given one from here).
         y = rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt))
-        return [y, rs] if given_norm is not None else [y, rs, norm]
+        return [y] + ([] if on_kernels else [rs]) + ([] if given_norm is not None else [norm])
         return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
         ac, bc = a.astype(dt), b.astype(dt)
-        norm = given_norm if given_norm is not None else outputs[-1]
+        norm = None if not dora else given_norm if given_norm is not None else outputs[-1]
         if not dora:
             gz, dm = g, None
         elif on_kernels:
