@@ -41,12 +41,12 @@ case $what in
       | tee "$out/adapters_h200.txt" ;;
   probes)
     # One GPU, ~9 min: the CUDA kernels' tests; DoRA's kernels alone (the row norms a launch a
-    # layer and a launch a shape); DoRA's step with each variant, checked against the current
-    # code first; host dispatch vs GPU wait.
+    # layer and a launch a shape, with 1, 2, 4, 8 row groups a block); DoRA's step with each
+    # variant, checked against the current code first; host dispatch vs GPU wait.
     timeout 100 python3 -m pytest -q -x tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
     timeout 100 python3 scripts/probes/dora_kernel_cost.py --reps 5 2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 260 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
-      --only "current,norm a launch a layer,one-launch cotangent (last block sums),bound: const scale" \
+      --only "current,row norm 4 groups a block,row norm 8 groups a block,bound: const scale" \
       2>&1 | tee "$out/probe_dora_step.txt"
     (cd scripts/probes && timeout 100 python3 dispatch_cost.py --bases bf16 --steps 10 2>&1) | tee "$out/dispatch_cost.txt" ;;
   four-scaling)

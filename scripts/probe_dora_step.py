@@ -57,7 +57,7 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-ORIGINAL_COTANGENT, ORIGINAL_LOOKUP = K.cotangent_cuda, step_norms.lookup
+ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_NORMS = K.cotangent_cuda, step_norms.lookup, K.row_norms_cuda
 
 
 def _norm_per_layer(self, x):
@@ -65,6 +65,15 @@ def _norm_per_layer(self, x):
     _reset()
     step_norms.lookup = lambda layer, tokens: None
     return ORIGINAL(self, x)
+
+
+def _grouped(groups):
+    """The current kernels with dora_variants.py's row norms, `groups` groups of rows a block."""
+    def variant(self, x):
+        _reset()
+        K.row_norms_cuda = V.grouped_row_norms(groups)
+        return ORIGINAL(self, x)
+    return variant
 
 
 def _one_launch(self, x):
@@ -89,7 +98,7 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
 def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    K.cotangent_cuda, step_norms.lookup = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP
+    K.cotangent_cuda, step_norms.lookup, K.row_norms_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_NORMS
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
 
 
@@ -101,6 +110,8 @@ VARIANTS = {
     "one-launch cotangent (last block sums)": _one_launch,
     "row norm 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
+    "row norm 4 groups a block": _grouped(4),
+    "row norm 8 groups a block": _grouped(8),
     "bound: const scale": v_const,
 }
 

@@ -179,6 +179,27 @@ def test_row_norm_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_w
     assert mx.allclose(norm, want_norm, rtol=1e-5).item()
 
 
+def test_probe_row_norms_by_groups_of_rows(simulated, monkeypatch):
+    """dora_variants.grouped_row_norms (a block on groups of rows, each staged tile of A serving
+    them all): the same sums in the same order as kernels.row_norms_cuda, so the same bits."""
+    import sys
+
+    from meshtune.adapters import kernels
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    sys.modules.pop("dora_variants", None)
+    import dora_variants as V
+
+    k = mx.random.split(mx.random.key(12), 6)
+    ws = [mx.random.normal((37, 700), key=k[i]) / 8 for i in range(2)]  # 2 tiles of A; the last block part-filled
+    as_ = [mx.random.normal((700, 8), key=k[2 + i]) / 8 for i in range(2)]
+    bs = [mx.random.normal((8, 37), key=k[4 + i]) / 8 for i in range(2)]
+    want = kernels.row_norms_cuda(ws, as_, bs, [2.0, 0.5])
+    for groups in (1, 3):
+        for got, ref in zip(V.grouped_row_norms(groups)(ws, as_, bs, [2.0, 0.5]), want):
+            assert mx.array_equal(got, ref).item(), groups
+
+
 def test_probe_kernel_variants(simulated, monkeypatch):
     """The candidate kernels the GPU probes time (scripts/probes/dora_variants.py: one launch
     each, the last block of a group adding the partials) give the current kernels' results."""

@@ -251,9 +251,10 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
 MAX_LAYERS_A_LAUNCH = 32
 
 
-def _row_norm_source(layers: int) -> str:
+def _row_norm_source(layers: int, body: str = _ROW_NORM) -> str:
+    """`body` with its @SELECT@ pointing w, a, b and norm at layer blockIdx.y's arrays."""
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i}; break;" for i in range(layers))
-    return _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+    return body.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
 
 
 def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],

@@ -61,17 +61,17 @@ def row_norm(d):
     return K.row_norms_cuda([d["W"]], [d["a"]], [d["b"]], [20.0])
 
 
-def row_norms_by_shape():
-    """Every layer's norm, the layers of a shape in one launch (each layer its own W, A, B)."""
-    outs = []
-    for s in uniq:
-        layers = [uniq[t] for t in shapes if t == s]
-        outs.extend(K.row_norms_cuda([d["W"] for d in layers], [d["a"] for d in layers],
-                                     [d["b"] for d in layers], [20.0] * len(layers)))
-    return outs
-
-
-row_norms_by_shape.whole_step = True
+def by_shape(row_norms):
+    """Every layer's norm by `row_norms`, the layers of a shape in one launch (each its own W, A, B)."""
+    def run():
+        outs = []
+        for s in uniq:
+            layers = [uniq[t] for t in shapes if t == s]
+            outs.extend(row_norms([d["W"] for d in layers], [d["a"] for d in layers],
+                                  [d["b"] for d in layers], [20.0] * len(layers)))
+        return outs
+    run.whole_step = True
+    return run
 
 
 def cotangent(d):
@@ -98,7 +98,8 @@ pieces = {
     "row norms, a launch a layer": row_norm,
     **{f"row norm, {w} warps x {q} rows": patched(row_norm, _WARPS=w, _ROWS_PER_WARP=q)
        for w, q in ((8, 1), (4, 1))},
-    "row norms, a launch a shape (7)": row_norms_by_shape,
+    "row norms, a launch a shape (7)": by_shape(K.row_norms_cuda),
+    **{f"  the same, {g} row groups a block": by_shape(V.grouped_row_norms(g)) for g in (2, 4, 8)},
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
     "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["m"], d["w_sq"])),
