@@ -51,11 +51,12 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
             groups.setdefault((dense.shape, dense.dtype, layer.lora_a.shape[-1]), []).append((layer, dense))
     taken = {}
     for members in groups.values():
-        norms = kernels.row_norms_cuda([d for _, d in members],
-                                       [mx.stop_gradient(l.lora_a) for l, _ in members],
-                                       [mx.stop_gradient(l.lora_b) for l, _ in members],
-                                       [float(l.scale) for l, _ in members])
-        taken.update({id(l): (tokens, d, n) for (l, d), n in zip(members, norms)})
+        layers = [layer for layer, _ in members]
+        norms = kernels.row_norms_cuda([dense for _, dense in members],
+                                       [mx.stop_gradient(layer.lora_a) for layer in layers],
+                                       [mx.stop_gradient(layer.lora_b) for layer in layers],
+                                       [float(layer.scale) for layer in layers])
+        taken.update({id(layer): (tokens, dense, norm) for (layer, dense), norm in zip(members, norms)})
     _active.update(taken)
     try:
         yield
