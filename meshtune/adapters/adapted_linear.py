@@ -121,18 +121,16 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         # rs from m / norm), the norm unless given (the backward takes a given one from here).
         y = rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt))
         return [y] + ([] if on_kernels else [rs]) + ([] if given_norm is not None else [norm])
-        return [rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt)), norm, rs]
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
         ac, bc = a.astype(dt), b.astype(dt)
-        norm = None if not dora else given_norm if given_norm is not None else outputs[-1]
         if not dora:
             gz, dm = g, None
-        elif on_kernels:
-            gz, dm = kernels.cotangent_cuda(g, outputs[0], m, norm)
         else:
-            gz, dm = dora_cotangent(g, outputs[0], outputs[1], norm)
+            norm = given_norm if given_norm is not None else outputs[-1]
+            gz, dm = (kernels.cotangent_cuda(g, outputs[0], m, norm) if on_kernels
+                      else dora_cotangent(g, outputs[0], outputs[1], norm))
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
         gb = (scale * ((xl @ ac).T @ gz)).astype(b.dtype)
