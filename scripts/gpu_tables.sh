@@ -46,7 +46,7 @@ case $what in
     timeout 100 python3 -m pytest -q -x tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
     timeout 100 python3 scripts/probes/dora_kernel_cost.py --reps 5 2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 260 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
-      --only "current,row norm 4 groups a block,row norm 8 groups a block,bound: const scale" \
+      --only "current,row norm 4 groups a block,row norm 8 groups a block,Adam on m packed,bound: const scale" \
       2>&1 | tee "$out/probe_dora_step.txt"
     (cd scripts/probes && timeout 100 python3 dispatch_cost.py --bases bf16 --steps 10 2>&1) | tee "$out/dispatch_cost.txt" ;;
   four-scaling)

@@ -1,9 +1,10 @@
 """Where DoRA's extra step time goes in the whole 1B model, and which rewrite removes it.
 
 Development probe (adapters issue): python scripts/probe_dora_step.py [--preset 1b] [--bases bf16,4bit]
-Each variant swaps DoRALinear's training forward; LoRA is the baseline. Timed like
-`meshtune bench adapters` (interleaved rounds, median). The bound variants drop work
-(no norm, no m-gradient) and are not DoRA: they only show what each part costs.
+Each variant swaps DoRALinear's training forward (and its optimizer, where it names one);
+LoRA is the baseline. Timed like `meshtune bench adapters` (interleaved rounds, median).
+The bound variants drop work (no norm, no m-gradient) and are not DoRA: they only show
+what each part costs.
 """
 import argparse
 import sys
@@ -22,6 +23,7 @@ from meshtune.bench.models import Shape
 
 sys.path.insert(0, str(Path(__file__).parent / "probes"))
 import dora_variants as V  # noqa: E402
+from packed_magnitudes import PackedMagnitudesAdam  # noqa: E402
 
 ORIGINAL = D.DoRALinear.__call__
 ON_CUDA = K.on_cuda
@@ -76,6 +78,15 @@ def _grouped(groups):
     return variant
 
 
+def _packed_magnitudes(self, x):
+    """The current code, its optimizer updating every layer's m as one packed vector (built with it)."""
+    _reset()
+    return ORIGINAL(self, x)
+
+
+_packed_magnitudes.optimizer = PackedMagnitudesAdam
+
+
 def _one_launch(self, x):
     _reset()
     K.cotangent_cuda = V.one_launch_cotangent
@@ -110,6 +121,7 @@ VARIANTS = {
     "one-launch cotangent (last block sums)": _one_launch,
     "row norm 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
+    "Adam on m packed": _packed_magnitudes,
     "row norm 4 groups a block": _grouped(4),
     "row norm 8 groups a block": _grouped(8),
     "bound: const scale": v_const,
@@ -169,7 +181,11 @@ def main():
         for name, fn in variants.items():
             # Each variant's model traces its compiled step with its own forward at first call.
             D.DoRALinear.__call__ = fn
-            run = B.build_step("meshtune", "dora", base, a, shape, dtype)
+            adam, B.optim.Adam = B.optim.Adam, getattr(fn, "optimizer", B.optim.Adam)  # the variant's optimizer, if any
+            try:
+                run = B.build_step("meshtune", "dora", base, a, shape, dtype)
+            finally:
+                B.optim.Adam = adam
             run()
 
             def bound(run=run, fn=fn):
