@@ -320,13 +320,9 @@ def _dora_layers(quantize: bool):
     return layers
 
 
-def test_step_row_norms_take_every_layer_at_once(simulated):
-    """Under step_row_norms a training step launches one norm kernel per shape of layer, not
-    one per layer, and gets the loss and gradients it gets layer by layer."""
+def _fan(layers):
+    """A module that sums its layers' outputs on one input, each weighted by its place."""
     import mlx.nn as nn
-
-    from meshtune.adapters import base_path
-    from meshtune.adapters.step_norms import lookup, step_row_norms
 
     class Fan(nn.Module):
         def __init__(self, layers):
@@ -336,9 +332,20 @@ def test_step_row_norms_take_every_layer_at_once(simulated):
         def __call__(self, x):
             return sum((layer(x) * (i + 1)).sum() for i, layer in enumerate(self.layers))
 
+    return Fan(layers)
+
+
+def test_step_row_norms_take_every_layer_at_once(simulated):
+    """Under step_row_norms a training step launches one norm kernel per shape of layer, not
+    one per layer, and gets the loss and gradients it gets layer by layer."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import base_path
+    from meshtune.adapters.step_norms import lookup, step_row_norms
+
     base_path.set_base_path("dequantized")  # the 4-bit base takes the dense path, as at training sizes
     try:
-        model = Fan(_dora_layers(quantize=True))
+        model = _fan(_dora_layers(quantize=True))
         model.train()
         x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
         loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
@@ -380,3 +387,37 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
     assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {"meshtune_dora_row_norm_2": 2}
     assert simulated["meshtune_dora_cotangent"].calls == 4
+
+
+def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monkeypatch):
+    """Where blocks are recomputed in the backward (gradient checkpointing), a 4-bit layer is
+    handed its norm but dequantizes its own weight (one handed over would live for the whole
+    step); a dense layer is handed its own weight either way; the loss and gradients do not change."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import base_path
+    from meshtune.adapters.step_norms import lookup, step_row_norms
+
+    base_path.set_base_path("dequantized")
+    try:
+        model = _fan(_dora_layers(quantize=True))
+        model.train()
+        x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+        loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
+        results = {}
+        for recomputed in (False, True):
+            monkeypatch.setattr(type(model).__call__, "recomputes_in_backward", recomputed, raising=False)
+            with step_row_norms(model, 10):
+                dense_q, _ = lookup(model.layers[3], 10)  # the 4-bit layer
+                dense_d, _ = lookup(model.layers[0], 10)
+                assert (dense_q is None) == recomputed
+                assert dense_d is model.layers[0].linear.weight
+                results[recomputed] = loss_and_grad(x)
+                mx.eval(results[recomputed])
+    finally:
+        base_path.set_base_path("auto")
+    (v0, g0), (v1, g1) = results[False], results[True]
+    assert mx.allclose(v0, v1, rtol=1e-6).item()
+    for (name, a), (_, b) in zip(tree_flatten(g0), tree_flatten(g1)):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item(), name

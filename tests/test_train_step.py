@@ -68,3 +68,18 @@ def test_clipping_bounds_the_update(model_factory):
     moved = lambda p: sum(((p[k] - start[k]) ** 2).sum().item() for k in p) ** 0.5  # noqa: E731
     assert moved(clipped) == pytest.approx(0.1 * 1e-3, rel=1e-3)
     assert moved(free) > 10 * moved(clipped)
+
+
+def test_grad_checkpoint_marks_the_blocks_it_recomputes():
+    """adapters/step_norms.py leaves dequantizing to recomputed blocks: it needs to tell them."""
+    import mlx.nn as nn
+
+    from meshtune.train import enable_grad_checkpoint
+
+    class Block(nn.Module):
+        def __call__(self, x):
+            return x
+
+    assert not getattr(Block.__call__, "recomputes_in_backward", False)
+    enable_grad_checkpoint(Block())
+    assert Block.__call__.recomputes_in_backward

@@ -115,7 +115,8 @@ class DoRALinear(DoRA, LoRALinear):
             # activations carries the norm's r rows of A too (adapted_linear).
             tokens = x.size // x.shape[-1]
             # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
-            dense, norm = step_norms.lookup(self, tokens) or (dense_weight_for(self.linear, tokens), None)
+            shared, norm = step_norms.lookup(self, tokens) or (None, None)
+            dense = shared if shared is not None else dense_weight_for(self.linear, tokens)
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
                                    magnitude=self.m, w_sq=self._w_sq, norm=norm)

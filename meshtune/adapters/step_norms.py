@@ -13,6 +13,11 @@ Inside, each DoRA layer finds its norm (and the dense base weight the norm was t
 of, dequantized once where the base is quantized) by `lookup`; outside, or for a layer
 the step did not cover, the layer computes its own as before. Nothing is stored on the
 modules, so the model's parameter and state trees do not change.
+
+A dequantized weight handed to a layer lives for the whole step. Where blocks are
+recomputed in the backward (train.enable_grad_checkpoint) a layer's own lives for its
+block only, so there the layers dequantize their own: 16 GB of bfloat16 for an 8B
+4-bit model's adapted layers is what checkpointing is there to save.
 """
 
 from __future__ import annotations
@@ -24,9 +29,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels
-from .base_path import dense_weight_for
+from .base_path import dense_weight_for, is_quantized
 
 _active: dict[int, tuple[int, mx.array, mx.array]] = {}  # id(layer) -> (tokens, dense weight, norm)
+
+
+def _recomputed(parts: list[nn.Module]) -> bool:
+    """Whether any block of `parts` is recomputed in the backward (train.enable_grad_checkpoint)."""
+    return any(getattr(type(m).__call__, "recomputes_in_backward", False) for part in parts for m in part.modules())
 
 
 def _covered(layer: nn.Module) -> bool:
@@ -42,8 +52,10 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     if not kernels.on_cuda():
         yield
         return
+    parts = model if isinstance(model, list) else [model]
+    share_dequantized = not _recomputed(parts)
     groups: dict[tuple, list[tuple[nn.Module, mx.array]]] = {}
-    for layer in (m for part in (model if isinstance(model, list) else [model]) for m in part.modules()):
+    for layer in (m for part in parts for m in part.modules()):
         if not _covered(layer):
             continue
         dense = dense_weight_for(layer.linear, tokens)
@@ -56,7 +68,9 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
                                        [mx.stop_gradient(layer.lora_a) for layer in layers],
                                        [mx.stop_gradient(layer.lora_b) for layer in layers],
                                        [float(layer.scale) for layer in layers])
-        taken.update({id(layer): (tokens, dense, norm) for (layer, dense), norm in zip(members, norms)})
+        for (layer, dense), norm in zip(members, norms):
+            shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
+            taken[id(layer)] = (tokens, dense if shared else None, norm)
     _active.update(taken)
     try:
         yield
@@ -65,7 +79,10 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
             _active.pop(key, None)
 
 
-def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
-    """(dense base weight, row norm) the current step took for `layer` on `tokens` rows, or None."""
+def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | None:
+    """(dense base weight, row norm) the current step took for `layer` on `tokens` rows, or None.
+
+    The weight is None where the layer is to dequantize its own (blocks recomputed in the backward).
+    """
     hit = _active.get(id(layer))
     return hit[1:] if hit is not None and hit[0] == tokens else None
