@@ -16,7 +16,7 @@ modules, so the model's parameter and state trees do not change.
 
 A dequantized weight handed to a layer lives for the whole step. Where blocks are
 recomputed in the backward (train.enable_grad_checkpoint) a layer's own lives for its
-block only, so there the layers dequantize their own: 16 GB of bfloat16 for an 8B
+block only, so there the layers dequantize their own: about 14 GB of bfloat16 for an 8B
 4-bit model's adapted layers is what checkpointing is there to save.
 """
 
