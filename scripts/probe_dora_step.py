@@ -59,7 +59,7 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_NORMS = K.cotangent_cuda, step_norms.lookup, K.row_norms_cuda
+ORIGINAL_COTANGENT, ORIGINAL_LOOKUP = K.cotangent_cuda, step_norms.lookup
 
 
 def _norm_per_layer(self, x):
@@ -67,15 +67,6 @@ def _norm_per_layer(self, x):
     _reset()
     step_norms.lookup = lambda layer, tokens: None
     return ORIGINAL(self, x)
-
-
-def _grouped(groups):
-    """The current kernels with dora_variants.py's row norms, `groups` groups of rows a block."""
-    def variant(self, x):
-        _reset()
-        K.row_norms_cuda = V.grouped_row_norms(groups)
-        return ORIGINAL(self, x)
-    return variant
 
 
 def _packed_magnitudes(self, x):
@@ -93,15 +84,17 @@ def _one_launch(self, x):
     return ORIGINAL(self, x)
 
 
-ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS
+ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 
 
-def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
-    """The current kernels with another row-norm block (warps x rows a warp) and cotangent grid
-    (the defaults: 8 x 2 up to rank 16, 528 blocks); dora_kernel_cost.py times them alone."""
+def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
+    """The current kernels with another row-norm block (warps x rows a warp, groups of those a
+    block) and cotangent grid (the defaults: 8 x 2 up to rank 16, 1 group, 528 blocks);
+    dora_kernel_cost.py times them alone."""
     def variant(self, x):
         _reset()
-        K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS = warps, rows_per_warp, cotangent_blocks
+        K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = (warps, rows_per_warp, cotangent_blocks,
+                                                                           row_groups)
         return ORIGINAL(self, x)
     return variant
 
@@ -109,8 +102,8 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2]):
 def _reset():
     K.on_cuda = ON_CUDA
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    K.cotangent_cuda, step_norms.lookup, K.row_norms_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_NORMS
-    K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS = ORIGINAL_LAYOUT
+    K.cotangent_cuda, step_norms.lookup = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP
+    K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
 
 
 VARIANTS = {
@@ -122,8 +115,8 @@ VARIANTS = {
     "row norm 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
     "Adam on m packed": _packed_magnitudes,
-    "row norm 4 groups a block": _grouped(4),
-    "row norm 8 groups a block": _grouped(8),
+    "row norm 4 groups a block": _layout(8, None, row_groups=4),
+    "row norm 8 groups a block": _layout(8, None, row_groups=8),
     "bound: const scale": v_const,
 }
 

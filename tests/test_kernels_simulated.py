@@ -179,16 +179,10 @@ def test_row_norm_kernel_block_layouts(simulated, monkeypatch, warps, rows_per_w
     assert mx.allclose(norm, want_norm, rtol=1e-5).item()
 
 
-def test_probe_row_norms_by_groups_of_rows(simulated, monkeypatch):
-    """dora_variants.grouped_row_norms (a block on groups of rows, each staged tile of A serving
-    them all): the same sums in the same order as kernels.row_norms_cuda, so the same bits."""
-    import sys
-
+def test_row_norms_by_groups_of_rows(simulated, monkeypatch):
+    """A block on groups of rows (kernels._ROW_GROUPS, each staged tile of A serving them all):
+    the same sums in the same order as one group, so the same bits."""
     from meshtune.adapters import kernels
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
-    sys.modules.pop("dora_variants", None)
-    import dora_variants as V
 
     k = mx.random.split(mx.random.key(12), 6)
     ws = [mx.random.normal((37, 700), key=k[i]) / 8 for i in range(2)]  # 2 tiles of A; the last block part-filled
@@ -196,7 +190,8 @@ def test_probe_row_norms_by_groups_of_rows(simulated, monkeypatch):
     bs = [mx.random.normal((8, 37), key=k[4 + i]) / 8 for i in range(2)]
     want = kernels.row_norms_cuda(ws, as_, bs, [2.0, 0.5])
     for groups in (1, 3):
-        for got, ref in zip(V.grouped_row_norms(groups)(ws, as_, bs, [2.0, 0.5]), want):
+        monkeypatch.setattr(kernels, "_ROW_GROUPS", groups)
+        for got, ref in zip(kernels.row_norms_cuda(ws, as_, bs, [2.0, 0.5]), want):
             assert mx.array_equal(got, ref).item(), groups
 
 

@@ -36,10 +36,14 @@ from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_li
 
 _WARPS = 8  # warps a block
 _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1
+# Groups of _WARPS x rows-a-warp rows a block takes, each staged tile of A serving them all.
+# With 1, A is staged once per 16 rows: as many bytes of A through shared memory as of W.
+# scripts/probes/dora_kernel_cost.py and probe_dora_step.py time 2, 4 and 8 (not yet on a GPU).
+_ROW_GROUPS = 1
 
 _ROW_NORM = """
-    // Block: WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the launch takes
-    // L layers of one shape, and a switch (written by row_norms_cuda) points w, a, b, norm
+    // Block: G groups of WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the
+    // launch takes L layers of one shape, and a switch (written by row_norms_cuda) points w, a, b, norm
     // and sc at that layer's arrays and scale. The norm is taken row by row without
     // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
     // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
@@ -56,7 +60,6 @@ _ROW_NORM = """
     float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
     int lane = tid & 31;
-    int row0 = (blockIdx.x * WARPS + (tid >> 5)) * RPW;
     const WT* w;
     const float* a;
     const float* b;
@@ -64,17 +67,16 @@ _ROW_NORM = """
     @SELECT@
     float sc = s[blockIdx.y];
     bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
-    float cb[RPW][R];  // s * B's column for each of the warp's rows
-    float sq[RPW];
+    // The block's rows: G groups of WARPS * RPW, a warp's RPW adjacent rows in each; every
+    // staged tile of A serves all G groups (one group: A staged once for WARPS * RPW rows).
+    auto first_row = [&](int g) { return ((blockIdx.x * G + g) * WARPS + (tid >> 5)) * RPW; };
+    float sq[G][RPW];
     #pragma unroll
-    for (int q = 0; q < RPW; ++q) {
-        sq[q] = 0.0f;
+    for (int g = 0; g < G; ++g)
         #pragma unroll
-        for (int k = 0; k < R; ++k) cb[q][k] = row0 + q < OUT ? sc * b[k * OUT + row0 + q] : 0.0f;
-    }
-    for (int j0 = 0; j0 < IN; j0 += TJ) {
-        int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
-        WVec wr[P][RPW];
+        for (int q = 0; q < RPW; ++q) sq[g][q] = 0.0f;
+    WVec wr[P][RPW];
+    auto load_w = [&](int row0, int j0, int n) {
         #pragma unroll
         for (int p = 0; p < P; ++p) {
             int c = p * 32 * VEC + lane * VEC;
@@ -92,56 +94,70 @@ _ROW_NORM = """
                 }
             }
         }
+    };
+    for (int j0 = 0; j0 < IN; j0 += TJ) {
+        int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
+        load_w(first_row(0), j0, n);  // the first group's loads in flight while A is staged
         for (int e = tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
         __syncthreads();
         #pragma unroll
-        for (int p = 0; p < P; ++p) {
-            int c = p * 32 * VEC + lane * VEC;
-            if (c < n) {
-                float t[RPW][VEC];
+        for (int g = 0; g < G; ++g) {
+            int row0 = first_row(g);
+            if (g > 0) load_w(row0, j0, n);
+            float cb[RPW][R];  // s * B's column for each of the warp's rows in this group
+            #pragma unroll
+            for (int q = 0; q < RPW; ++q)
                 #pragma unroll
-                for (int q = 0; q < RPW; ++q)
+                for (int k = 0; k < R; ++k) cb[q][k] = row0 + q < OUT ? sc * b[k * OUT + row0 + q] : 0.0f;
+            #pragma unroll
+            for (int p = 0; p < P; ++p) {
+                int c = p * 32 * VEC + lane * VEC;
+                if (c < n) {
+                    float t[RPW][VEC];
                     #pragma unroll
-                    for (int v = 0; v < VEC; ++v) t[q][v] = static_cast<float>(wr[p][q].v[v]);
-                #pragma unroll
-                for (int k = 0; k < R; ++k) {
-                    float av[VEC];
-                    if (VEC >= 4) {
+                    for (int q = 0; q < RPW; ++q)
                         #pragma unroll
-                        for (int h = 0; h < VEC / 4; ++h) {
-                            int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
-                            float4 f = sa4[(k * SA + c) / 4 + part];
-                            av[part * 4] = f.x;
-                            av[part * 4 + 1] = f.y;
-                            av[part * 4 + 2] = f.z;
-                            av[part * 4 + 3] = f.w;
+                        for (int v = 0; v < VEC; ++v) t[q][v] = static_cast<float>(wr[p][q].v[v]);
+                    #pragma unroll
+                    for (int k = 0; k < R; ++k) {
+                        float av[VEC];
+                        if (VEC >= 4) {
+                            #pragma unroll
+                            for (int h = 0; h < VEC / 4; ++h) {
+                                int part = VEC == 8 ? h ^ ((lane >> 2) & 1) : h;
+                                float4 f = sa4[(k * SA + c) / 4 + part];
+                                av[part * 4] = f.x;
+                                av[part * 4 + 1] = f.y;
+                                av[part * 4 + 2] = f.z;
+                                av[part * 4 + 3] = f.w;
+                            }
+                        } else {
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) av[v] = sa[k * SA + c + v];
                         }
-                    } else {
                         #pragma unroll
-                        for (int v = 0; v < VEC; ++v) av[v] = sa[k * SA + c + v];
+                        for (int q = 0; q < RPW; ++q)
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[q][k];
                     }
                     #pragma unroll
                     for (int q = 0; q < RPW; ++q)
                         #pragma unroll
-                        for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[q][k];
+                        for (int v = 0; v < VEC; ++v) sq[g][q] += t[q][v] * t[q][v];
                 }
-                #pragma unroll
-                for (int q = 0; q < RPW; ++q)
-                    #pragma unroll
-                    for (int v = 0; v < VEC; ++v) sq[q] += t[q][v] * t[q][v];
             }
         }
         __syncthreads();
     }
     // Each row's sum over the warp's lanes by a fixed butterfly (deterministic).
     #pragma unroll
-    for (int q = 0; q < RPW; ++q)
-        for (int off = 16; off > 0; off >>= 1) sq[q] += __shfl_xor_sync(0xffffffff, sq[q], off);
-    #pragma unroll
-    for (int q = 0; q < RPW; ++q) {
-        int i = row0 + q;
-        if (lane == q && i < OUT) norm[i] = sqrtf(sq[q]);
-    }
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int q = 0; q < RPW; ++q) {
+            for (int off = 16; off > 0; off >>= 1) sq[g][q] += __shfl_xor_sync(0xffffffff, sq[g][q], off);
+            int i = first_row(g) + q;
+            if (lane == q && i < OUT) norm[i] = sqrtf(sq[g][q]);
+        }
 """
 
 _COTANGENT = """
@@ -251,10 +267,10 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
 MAX_LAYERS_A_LAUNCH = 32
 
 
-def _row_norm_source(layers: int, body: str = _ROW_NORM) -> str:
-    """`body` with its @SELECT@ pointing w, a, b and norm at layer blockIdx.y's arrays."""
+def _row_norm_source(layers: int) -> str:
+    """The row-norm kernel with its @SELECT@ pointing w, a, b and norm at layer blockIdx.y's arrays."""
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i}; break;" for i in range(layers))
-    return body.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+    return _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
 
 
 def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],
@@ -279,11 +295,11 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
     k = _kernel(f"meshtune_dora_row_norm_{n}", names + ["s"], [f"norm{i}" for i in range(n)], _row_norm_source(n))
     rows, vec, tile = _row_scale_layout(r, inp, weights[0].dtype.size)
-    blocks = -(-out // (_WARPS * rows))
+    blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
     return k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
                      mx.array(scales, dtype=mx.float32)],
              template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                       ("TJ", tile), ("WT", weights[0].dtype)],
+                       ("TJ", tile), ("G", _ROW_GROUPS), ("WT", weights[0].dtype)],
              grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
              output_shapes=[(out,)] * n, output_dtypes=[mx.float32] * n)
 

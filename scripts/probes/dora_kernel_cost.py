@@ -79,17 +79,19 @@ def cotangent(d):
 
 
 def patched(piece, **constants):
-    """`piece` with kernels.py's block constants set for the call (_WARPS, _ROWS_PER_WARP:
-    the row scale's block, default 8 x 2 up to rank 16; _COTANGENT_BLOCKS, default 528)."""
-    def run(d):
+    """`piece` with kernels.py's block constants set for the call (_WARPS, _ROWS_PER_WARP,
+    _ROW_GROUPS: the row norm's block, default 8 x 2 up to rank 16, 1 group; _COTANGENT_BLOCKS,
+    default 528)."""
+    def run(*d):
         saved = {name: getattr(K, name) for name in constants}
         for name, value in constants.items():
             setattr(K, name, value)
         try:
-            return piece(d)
+            return piece(*d)
         finally:
             for name, value in saved.items():
                 setattr(K, name, value)
+    run.whole_step = getattr(piece, "whole_step", False)
     return run
 
 
@@ -99,7 +101,7 @@ pieces = {
     **{f"row norm, {w} warps x {q} rows": patched(row_norm, _WARPS=w, _ROWS_PER_WARP=q)
        for w, q in ((8, 1), (4, 1))},
     "row norms, a launch a shape (7)": by_shape(K.row_norms_cuda),
-    **{f"  the same, {g} row groups a block": by_shape(V.grouped_row_norms(g)) for g in (2, 4, 8)},
+    **{f"  the same, {g} row groups a block": patched(by_shape(K.row_norms_cuda), _ROW_GROUPS=g) for g in (2, 4, 8)},
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
     "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["m"], d["w_sq"])),
