@@ -45,9 +45,8 @@ case $what in
     # with each variant, checked against the current code first. The dispatch probe
     # (scripts/probes/dispatch_cost.py) runs on its own when wanted.
     timeout 100 python3 -m pytest -q -x tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
-    timeout 100 python3 scripts/probes/dora_kernel_cost.py --reps 5 2>&1 | tee "$out/dora_kernel_cost.txt"
-    timeout 360 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
-      --only "current,row norm 4 groups a block,row norm 8 groups a block,Adam on m packed,bound: const scale" \
+    timeout 450 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 \
+      --only "${PROBE_VARIANTS:-current,row norm 4 groups a block,bound: m frozen,bound: constant norm,bound: MLX g*rs and dm 0,bound: const scale}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.

@@ -41,6 +41,41 @@ def v_const(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
+def _m_frozen(self, x):
+    """Bound: the current code with m frozen (no m gradient kept, no Adam on m): what training m costs."""
+    _reset()
+    return ORIGINAL(self, x)
+
+
+_m_frozen.prepare = lambda model: model.freeze(keys=["m"], strict=False)
+
+
+def _constant_norm(self, x):
+    """Bound: the current code with each layer's norm a constant held from the start,
+    ||W||_row (no norm launches): what the step's batched norms cost."""
+    _reset()
+    step_norms.lookup = lambda layer, tokens: ((ORIGINAL_LOOKUP(layer, tokens) or (None,))[0], layer._probe_norm)
+    return ORIGINAL(self, x)
+
+
+def _hold_norms(model):
+    for layer in model.modules():
+        if isinstance(layer, D.DoRALinear):
+            layer._probe_norm = mx.sqrt(layer._w_sq)
+            mx.eval(layer._probe_norm)
+
+
+_constant_norm.prepare = _hold_norms
+
+
+def _mlx_scaled_cotangent(self, x):
+    """Bound: the current code with the backward's g * rs by MLX and m's gradient left 0
+    (no cotangent kernels): what they cost beside one MLX multiply."""
+    _reset()
+    K.cotangent_cuda = lambda g, y, m, norm: (g * (m / norm).astype(g.dtype), mx.zeros_like(m))
+    return ORIGINAL(self, x)
+
+
 def _kernels(on):
     """The current layer with adapted_linear's CUDA kernels on (where CUDA is) or off (MLX ops).
     Left set after the call: the backward (where the cotangent kernel runs) is traced after the forward returns."""
@@ -118,6 +153,9 @@ VARIANTS = {
     "row norm 4 groups a block": _layout(8, None, row_groups=4),
     "row norm 8 groups a block": _layout(8, None, row_groups=8),
     "bound: const scale": v_const,
+    "bound: m frozen": _m_frozen,
+    "bound: constant norm": _constant_norm,
+    "bound: MLX g*rs and dm 0": _mlx_scaled_cotangent,
 }
 
 
@@ -175,10 +213,14 @@ def main():
             # Each variant's model traces its compiled step with its own forward at first call.
             D.DoRALinear.__call__ = fn
             adam, B.optim.Adam = B.optim.Adam, getattr(fn, "optimizer", B.optim.Adam)  # the variant's optimizer, if any
+            add = B.add_adapters
+            if getattr(fn, "prepare", None):  # the variant's change to the model (frozen parameters), if any
+                B.add_adapters = lambda model, *args, add=add, prepare=fn.prepare, **kw: (
+                    add(model, *args, **kw), prepare(model))
             try:
                 run = B.build_step("meshtune", "dora", base, a, shape, dtype)
             finally:
-                B.optim.Adam = adam
+                B.optim.Adam, B.add_adapters = adam, add
             run()
 
             def bound(run=run, fn=fn):
