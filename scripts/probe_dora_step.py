@@ -113,16 +113,6 @@ def _packed_magnitudes(self, x):
 _packed_magnitudes.optimizer = PackedMagnitudesAdam
 
 
-def _one_launch_packed(self, x):
-    """The one-launch cotangent and the packed Adam on m together."""
-    _reset()
-    K.cotangent_cuda = V.one_launch_cotangent
-    return ORIGINAL(self, x)
-
-
-_one_launch_packed.optimizer = PackedMagnitudesAdam
-
-
 def _one_launch(self, x):
     _reset()
     K.cotangent_cuda = V.one_launch_cotangent
@@ -160,7 +150,6 @@ VARIANTS = {
     "row norm 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
     "Adam on m packed": _packed_magnitudes,
-    "one-launch cotangent and Adam on m packed": _one_launch_packed,
     "row norm 4 groups a block": _layout(8, None, row_groups=4),
     "row norm 8 groups a block": _layout(8, None, row_groups=8),
     "bound: const scale": v_const,

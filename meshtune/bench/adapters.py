@@ -49,7 +49,6 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from ..blas import describe_blas
-from ..optimizers import build_optimizer
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
 IMPLS = ("stock", "meshtune")
@@ -188,9 +187,7 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     model = build_model(shape, dtype, quantized=base == "4bit", seed=a.seed)
     add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
     model.train()
-    # Stock mlx-lm's Adam; meshtune's as its config builds it (small parameters' updates packed).
-    optimizer = (optim.Adam(learning_rate=1e-5) if impl == "stock"
-                 else build_optimizer(name="adam", learning_rate=1e-5, weight_decay=None, options={}))
+    optimizer = optim.Adam(learning_rate=1e-5)
     run = (_stock_runner if impl == "stock" else _meshtune_runner)(model, optimizer)
     # One fixed batch of full-length rows: lengths are (prompt offset 0, length), as mlx-lm's.
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))

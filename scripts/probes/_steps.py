@@ -1,10 +1,10 @@
 """What the step probes share: meshtune's compiled step on the bench's random model and one fixed batch,
 and timing several configurations in interleaved rounds."""
 import mlx.core as mx
+import mlx.optimizers as optim
 
 from meshtune.bench.models import add_adapters, build_model
 from meshtune.mesh import Mesh
-from meshtune.optimizers import build_optimizer
 from meshtune.train import build_step
 
 
@@ -13,7 +13,7 @@ def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None):
     model = build_model(shape, dtype, quantized=quantized, seed=0)
     add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
     model.train()
-    opt = build_optimizer(name="adam", learning_rate=1e-5, weight_decay=None, options={})  # as training builds it
+    opt = optim.Adam(learning_rate=1e-5)
     step = build_step(model, opt, mesh or Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, opt.state, mx.random.state]
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(0))
