@@ -38,7 +38,8 @@ _WARPS = 8  # warps a block
 _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1
 # Groups of _WARPS x rows-a-warp rows a block takes, each staged tile of A serving them all.
 # With 1, A is staged once per 16 rows: as many bytes of A through shared memory as of W.
-# scripts/probes/dora_kernel_cost.py and probe_dora_step.py time 2, 4 and 8 (not yet on a GPU).
+# In the 1B step on an H200, 4 and 8 groups were within the host's drift of 1 (faster by
+# 2.0 ms in one invocation, slower by 2.3 ms in the next: docs/bench/dora_step_parts_h200.txt).
 _ROW_GROUPS = 1
 
 _ROW_NORM = """
