@@ -1,6 +1,6 @@
 """GPU time of DoRA's kernels over a whole 1B step's layers, against the launch floor.
 
-Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [--tokens 4096]
+Development probe (adapters issue): python scripts/probes/dora_kernel_cost.py [--tokens 4096] [--only "launch|row norms|cotangent"] [--shared]
 For the bench's 1b model (16 blocks of q,k,v,o,gate,up,down) it issues each piece once per
 layer (112 calls) inside one evaluation, several times, and prints the median ms for all
 112: the row-norm kernel a launch a layer (and its block layouts) and a launch per shape of
@@ -25,12 +25,17 @@ p = argparse.ArgumentParser()
 p.add_argument("--tokens", type=int, default=4096)
 p.add_argument("--rank", type=int, default=8)
 p.add_argument("--reps", type=int, default=7)
+p.add_argument("--only", default="", help="|-separated starts of the piece names to time (default: all)")
+p.add_argument("--shared", action="store_true",
+               help="one set of arrays per shape, as before: the 16 layers of a shape then read the same W, g and y, "
+                    "much of it from the L2 cache, so the times undercount a step's (every layer its own arrays)")
 args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 shapes = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)] * 16  # (out, in)
 dt = mx.bfloat16
-uniq = {s: None for s in shapes}
-for out, inp in uniq:
+
+
+def layer_arrays(out, inp):
     W = (mx.random.normal((out, inp)) * inp ** -0.5).astype(dt)
     w_sq = (W.astype(mx.float32) ** 2).sum(-1)
     a = mx.random.normal((inp, args.rank)) * 0.02
@@ -39,8 +44,14 @@ for out, inp in uniq:
     g = mx.random.normal((args.tokens, out)).astype(dt)
     y = mx.random.normal((args.tokens, out)).astype(dt)
     rs = (mx.random.uniform(shape=(out,)) + 0.5).astype(dt)
-    uniq[(out, inp)] = dict(W=W, w_sq=w_sq, a=a, b=b, m=mx.sqrt(w_sq), x=x, g=g, y=y, rs=rs)
-    mx.eval(uniq[(out, inp)])
+    d = dict(W=W, w_sq=w_sq, a=a, b=b, m=mx.sqrt(w_sq), x=x, g=g, y=y, rs=rs)
+    mx.eval(d)
+    return d
+
+
+uniq = {s: layer_arrays(*s) for s in dict.fromkeys(shapes)}
+# Every layer its own arrays (as in a step: W, g and y come from memory, not the L2 cache), or one set a shape.
+layers = [uniq[s] for s in shapes] if args.shared else [layer_arrays(*s) for s in shapes]
 scaled_sum = mx.compile(lambda base, u, rs: rs * (base + (20.0 * u).astype(base.dtype)))
 plain_sum = mx.compile(lambda base, u: base + (20.0 * u).astype(base.dtype))
 one = mx.array([1.0])
@@ -51,8 +62,7 @@ def batch(piece):
     if getattr(piece, "whole_step", False):
         return piece()
     outs = []
-    for s in shapes:
-        d = uniq[s]
+    for d in layers:
         outs.extend(piece(d))
     return outs
 
@@ -66,9 +76,9 @@ def by_shape(row_norms):
     def run():
         outs = []
         for s in uniq:
-            layers = [uniq[t] for t in shapes if t == s]
-            outs.extend(row_norms([d["W"] for d in layers], [d["a"] for d in layers],
-                                  [d["b"] for d in layers], [20.0] * len(layers)))
+            group = [d for t, d in zip(shapes, layers) if t == s]
+            outs.extend(row_norms([d["W"] for d in group], [d["a"] for d in group],
+                                  [d["b"] for d in group], [20.0] * len(group)))
         return outs
     run.whole_step = True
     return run
@@ -112,6 +122,8 @@ pieces = {
     "base product x W^T": lambda d: [d["x"] @ d["W"].T],
     "W A (skinny matmul)": lambda d: [d["W"] @ d["a"].astype(dt)],
 }
+if args.only:
+    pieces = {k: f for k, f in pieces.items() if any(k.strip().startswith(w) for w in args.only.split("|"))}
 res = {k: [] for k in pieces}
 for rep in range(args.reps):
     for k, f in pieces.items():
@@ -122,7 +134,8 @@ for rep in range(args.reps):
         mx.eval(outs)
         t2 = time.perf_counter()
         res[k].append((t1 - t0, t2 - t1))
-print(f"1b step's 112 adapted layers, tokens {args.tokens}, rank {args.rank}, {mx.default_device()}")
+print(f"1b step's 112 adapted layers, tokens {args.tokens}, rank {args.rank}, {mx.default_device()}, "
+      f"{'one set of arrays a shape' if args.shared else 'every layer its own arrays'}")
 print(f"{'piece':32s} {'build ms':>9s} {'eval ms':>9s}  (median of {args.reps}, first dropped)")
 for k, v in res.items():
     v = sorted(v[1:], key=lambda t: t[1])
