@@ -25,6 +25,7 @@ from .checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safete
                          list_checkpoints, load_checkpoint, resumable_checkpoint, save_checkpoint, write_error)
 from .config import Config
 from .data import BatchIterator, Features, load_datasets
+from .heap import keep_freed_memory
 from .mesh import Mesh
 from .parallel.pipeline import check_stage_layers
 from .parallel.socket_ring import hostfile_ips
@@ -120,6 +121,8 @@ def _check_output_folder(cfg: Config, out: Path) -> None:
 
 def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> tuple[nn.Module, Any]:
     """Load the base, pick the CPU activation and base path, freeze and add adapters."""
+    if cfg.runtime.keep_freed_memory:
+        keep_freed_memory()  # before the model's arrays: they and every step's reuse kept pages
     say(f"loading model {model_path}")
     model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
     if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:

@@ -228,6 +228,10 @@ class RuntimeConfig:
     fast_cpu_activations: bool = True
     """On the CPU, compute SwiGLU's SiLU with a vectorised exp (float32, ~1e-7 relative)
     instead of MLX's element-by-element one; false keeps mlx-lm's activation."""
+    keep_freed_memory: bool = True
+    """On Linux (glibc), keep freed memory in the process so each step's large arrays
+    reuse the previous step's pages instead of page-faulting fresh ones (meshtune/heap.py);
+    the process then holds its peak memory. False leaves malloc's defaults."""
 
 
 SECTIONS: dict[str, type] = {

@@ -49,6 +49,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from ..blas import describe_blas
+from ..heap import keep_freed_memory
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
 IMPLS = ("stock", "meshtune")
@@ -82,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3,
                    help="Timed steps are split into this many rounds over all configurations (interleaved).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model weights and the batch.")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="Keep freed memory in the process, as training does (runtime.keep_freed_memory, "
+                        "meshtune/heap.py; Linux with glibc): stock and meshtune both run under it.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 
@@ -298,7 +302,8 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
     print(f"adapters benchmark: {shape.describe()}")
     print(f"device {describe_device()}; dense base {dense}; 4-bit base: nn.quantize group {GROUP_SIZE}, "
           f"built from the dense one's seed")
-    print(describe_blas())
+    print(f"{describe_blas()}; malloc: " + ("freed memory kept in the process (meshtune/heap.py)" if a.keep_freed_memory
+                                            else "defaults"))
     layers = "all" if a.num_layers < 0 else f"the last {a.num_layers}"
     measured = ", ".join(f"{k}: {'never' if v is None else v}" for k, v in crossovers.items())
     print(f"adapters: rank {a.rank}, scale {a.scale:g}, every linear layer of {layers} blocks; meshtune base "
@@ -350,6 +355,7 @@ class _Progress:
 
 def main(argv: list[str]) -> int:
     a = _settings(argv)
+    a.keep_freed_memory = a.keep_freed_memory and keep_freed_memory()  # before any model exists
     from ..adapters import set_base_path
 
     set_base_path(a.base_path)
@@ -380,7 +386,7 @@ def main(argv: list[str]) -> int:
             "generate_tok_s": gen,
             "targets": {k: f"{op} {b}" for k, b, op in TARGETS},
             "targets_met": {k: _met(r[k], b, op) for k, b, op in TARGETS},
-            "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
+            "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(), "keep_freed_memory": a.keep_freed_memory,
             "base_path": a.base_path, "crossovers": crossovers, "preset": a.preset,
             "shape": {**vars(shape), "params": shape.params()},
             "batch_size": a.batch_size, "seq_len": a.seq_len, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
