@@ -41,13 +41,13 @@ def v_const(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
-def _m_frozen(self, x):
-    """Bound: the current code with m frozen (no m gradient kept, no Adam on m): what training m costs."""
-    _reset()
-    return ORIGINAL(self, x)
-
-
-_m_frozen.prepare = lambda model: model.freeze(keys=["m"], strict=False)
+def _with(variant, **built_with):
+    """`variant`, its step built with `optimizer` (an optimizer class in place of Adam) or
+    `prepare` (a change to the model before the step is built)."""
+    def built(self, x):
+        return variant(self, x)
+    built.__dict__.update(built_with)
+    return built
 
 
 def _constant_norm(self, x):
@@ -104,15 +104,6 @@ def _norm_per_layer(self, x):
     return ORIGINAL(self, x)
 
 
-def _packed_magnitudes(self, x):
-    """The current code, its optimizer updating every layer's m as one packed vector (built with it)."""
-    _reset()
-    return ORIGINAL(self, x)
-
-
-_packed_magnitudes.optimizer = PackedMagnitudesAdam
-
-
 def _one_launch(self, x):
     _reset()
     K.cotangent_cuda = V.one_launch_cotangent
@@ -149,11 +140,12 @@ VARIANTS = {
     "one-launch cotangent (last block sums)": _one_launch,
     "row norm 8 warps x 1 row": _layout(8, 1),
     "cotangent 1056 blocks": _layout(8, 2, 1056),
-    "Adam on m packed": _packed_magnitudes,
+    "Adam on m packed": _with(_kernels(True), optimizer=PackedMagnitudesAdam),
+    "one-launch cotangent and Adam on m packed": _with(_one_launch, optimizer=PackedMagnitudesAdam),
     "row norm 4 groups a block": _layout(8, None, row_groups=4),
     "row norm 8 groups a block": _layout(8, None, row_groups=8),
     "bound: const scale": v_const,
-    "bound: m frozen": _m_frozen,
+    "bound: m frozen": _with(_kernels(True), prepare=lambda model: model.freeze(keys=["m"], strict=False)),
     "bound: constant norm": _constant_norm,
     "bound: MLX g*rs and dm 0": _mlx_scaled_cotangent,
 }

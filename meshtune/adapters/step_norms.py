@@ -34,9 +34,9 @@ from .base_path import dense_weight_for, is_quantized
 _active: dict[int, tuple[int, mx.array, mx.array]] = {}  # id(layer) -> (tokens, dense weight, norm)
 
 
-def _recomputed(parts: list[nn.Module]) -> bool:
-    """Whether any block of `parts` is recomputed in the backward (train.enable_grad_checkpoint)."""
-    return any(getattr(type(m).__call__, "recomputes_in_backward", False) for part in parts for m in part.modules())
+def _recomputed(module: nn.Module) -> bool:
+    """Whether `module` is a block recomputed in the backward (train.enable_grad_checkpoint)."""
+    return getattr(type(module).__call__, "recomputes_in_backward", False)
 
 
 def _covered(layer: nn.Module) -> bool:
@@ -52,10 +52,10 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     if not kernels.on_cuda():
         yield
         return
-    parts = model if isinstance(model, list) else [model]
-    share_dequantized = not _recomputed(parts)
+    modules = [m for part in (model if isinstance(model, list) else [model]) for m in part.modules()]
+    share_dequantized = not any(_recomputed(m) for m in modules)
     groups: dict[tuple, list[tuple[nn.Module, mx.array]]] = {}
-    for layer in (m for part in parts for m in part.modules()):
+    for layer in modules:
         if not _covered(layer):
             continue
         dense = dense_weight_for(layer.linear, tokens)

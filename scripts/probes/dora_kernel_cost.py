@@ -49,9 +49,12 @@ def layer_arrays(out, inp):
     return d
 
 
-uniq = {s: layer_arrays(*s) for s in dict.fromkeys(shapes)}
 # Every layer its own arrays (as in a step: W, g and y come from memory, not the L2 cache), or one set a shape.
-layers = [uniq[s] for s in shapes] if args.shared else [layer_arrays(*s) for s in shapes]
+if args.shared:
+    one_set = {s: layer_arrays(*s) for s in set(shapes)}
+    layers = [one_set[s] for s in shapes]
+else:
+    layers = [layer_arrays(*s) for s in shapes]
 scaled_sum = mx.compile(lambda base, u, rs: rs * (base + (20.0 * u).astype(base.dtype)))
 plain_sum = mx.compile(lambda base, u: base + (20.0 * u).astype(base.dtype))
 one = mx.array([1.0])
@@ -75,7 +78,7 @@ def by_shape(row_norms):
     """Every layer's norm by `row_norms`, the layers of a shape in one launch (each its own W, A, B)."""
     def run():
         outs = []
-        for s in uniq:
+        for s in dict.fromkeys(shapes):
             group = [d for t, d in zip(shapes, layers) if t == s]
             outs.extend(row_norms([d["W"] for d in group], [d["a"] for d in group],
                                   [d["b"] for d in group], [20.0] * len(group)))
