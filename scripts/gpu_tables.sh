@@ -4,7 +4,7 @@
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL, started by meshtune launch
 #     scripts/gpu_tables.sh scaling-mlx-launch "$OUT"  # the same, ranks started by mlx.launch
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
-#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~6 min)
+#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~7 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -40,17 +40,18 @@ case $what in
       timeout 470 python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json 2>&1; } \
       | tee "$out/adapters_h200.txt" ;;
   probes)
-    # One GPU, ~6 min: the CUDA kernels' tests; DoRA's kernels alone, every layer its own
-    # arrays (as in a step); DoRA's step with each variant (PROBE_VARIANTS), checked against the
-    # current code first, 120 steps in 12 interleaved rounds (20 in 2 moved a configuration by
-    # up to 20 ms between invocations: docs/bench/dora_step_parts_h200.txt). The dispatch probe
-    # (scripts/probes/dispatch_cost.py) runs on its own when wanted.
-    timeout 100 python3 -m pytest -q -x tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
+    # One GPU, ~7 min: whether a second stream runs beside the default one; DoRA's kernels alone,
+    # every layer its own arrays (as in a step); DoRA's step with each variant (PROBE_VARIANTS),
+    # checked against the current code first, 120 steps in 12 interleaved rounds (20 in 2 moved a
+    # configuration by up to 20 ms between invocations: docs/bench/dora_step_parts_h200.txt).
+    # The kernels' tests run with `adapters`; the dispatch probe (scripts/probes/dispatch_cost.py)
+    # runs on its own when wanted.
+    timeout 90 python3 scripts/probes/stream_overlap.py 2>&1 | tee "$out/stream_overlap.txt"
     timeout 120 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
       --only "launch|row norms, a launch a shape|cotangent kernels|g * rs|rs (base|base + s u|sum_t|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 360 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 \
-      --only "${PROBE_VARIANTS:-current,bound: m frozen,bound: constant norm,bound: MLX g*rs and dm 0,bound: const scale}" \
+      --only "${PROBE_VARIANTS:-current,MLX cotangent,MLX cotangent with m's sums on a second stream,norms on a second stream,norms and m's sums on a second stream,bound: MLX g*rs and dm 0,bound: constant norm}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.

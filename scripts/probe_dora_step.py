@@ -42,8 +42,9 @@ def v_const(self, x):
 
 
 def _with(variant, **built_with):
-    """`variant`, its step built with `optimizer` (an optimizer class in place of Adam) or
-    `prepare` (a change to the model before the step is built)."""
+    """`variant`, its step built with `optimizer` (an optimizer class in place of Adam),
+    `prepare` (a change to the model before the step is built) or `row_norms` (in place of
+    kernels.row_norms_cuda, which the step calls before the forward)."""
     def built(self, x):
         return variant(self, x)
     built.__dict__.update(built_with)
@@ -110,6 +111,36 @@ def _one_launch(self, x):
     return ORIGINAL(self, x)
 
 
+ORIGINAL_ROW_NORMS = K.row_norms_cuda
+# A second GPU stream: DoRA's memory-bound work there may run beside the products (stream_overlap.py).
+SIDE = mx.new_stream(mx.gpu) if ON_CUDA() else None
+
+
+def _on_side(fn):
+    def wrapped(*args, **kw):
+        with mx.stream(SIDE):
+            return fn(*args, **kw)
+    return wrapped
+
+
+def _mlx_cotangent(side):
+    """g * rs by MLX (which may fuse it into g's producer) and m's column sums by MLX,
+    on the second stream where `side`."""
+    def cotangent(g, y, m, norm):
+        rs = (m / norm).astype(g.dtype)
+        gz = g * rs
+        if side:
+            with mx.stream(SIDE):
+                return gz, AL.dora_cotangent(g, y, rs, norm)[1]
+        return gz, AL.dora_cotangent(g, y, rs, norm)[1]
+
+    def variant(self, x):
+        _reset()
+        K.cotangent_cuda = cotangent
+        return ORIGINAL(self, x)
+    return variant
+
+
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 
 
@@ -144,6 +175,10 @@ VARIANTS = {
     "one-launch cotangent and Adam on m packed": _with(_one_launch, optimizer=PackedMagnitudesAdam),
     "row norm 4 groups a block": _layout(8, None, row_groups=4),
     "row norm 8 groups a block": _layout(8, None, row_groups=8),
+    "MLX cotangent": _mlx_cotangent(False),
+    "MLX cotangent with m's sums on a second stream": _mlx_cotangent(True),
+    "norms on a second stream": _with(_kernels(True), row_norms=_on_side(ORIGINAL_ROW_NORMS)),
+    "norms and m's sums on a second stream": _with(_mlx_cotangent(True), row_norms=_on_side(ORIGINAL_ROW_NORMS)),
     "bound: const scale": v_const,
     "bound: m frozen": _with(_kernels(True), prepare=lambda model: model.freeze(keys=["m"], strict=False)),
     "bound: constant norm": _constant_norm,
@@ -180,7 +215,9 @@ def check_exact(shape, a, dtype):
         if name.startswith("bound") or name == "current":
             continue
         D.DoRALinear.__call__ = fn
+        K.row_norms_cuda = getattr(fn, "row_norms", ORIGINAL_ROW_NORMS)  # taken before the forward
         l, g = value_and_grad()
+        K.row_norms_cuda = ORIGINAL_ROW_NORMS
         got = dict(tree_flatten(g))
         worst = max((mx.abs(got[k] - v).max() / (mx.abs(v).max() + 1e-12)).item() for k, v in ref.items())
         print(f"check {name:<28} loss diff {abs(l.item() - ref_l.item()):.2e}  worst rel grad diff {worst:.2e}", flush=True)
@@ -209,11 +246,15 @@ def main():
             if getattr(fn, "prepare", None):  # the variant's change to the model (frozen parameters), if any
                 B.add_adapters = lambda model, *args, add=add, prepare=fn.prepare, **kw: (
                     add(model, *args, **kw), prepare(model))
+            # The step's norms are taken before the forward, so the variant's form of them is set
+            # before its step is traced (at its first call), and put back after.
+            K.row_norms_cuda = getattr(fn, "row_norms", ORIGINAL_ROW_NORMS)
             try:
                 run = B.build_step("meshtune", "dora", base, a, shape, dtype)
+                run()
             finally:
                 B.optim.Adam, B.add_adapters = adam, add
-            run()
+                K.row_norms_cuda = ORIGINAL_ROW_NORMS
 
             def bound(run=run, fn=fn):
                 D.DoRALinear.__call__ = fn
