@@ -32,7 +32,7 @@ from .parallel.socket_ring import hostfile_ips
 from .metrics import METRICS_FILE, Reporter
 from .optimizers import build_optimizer, build_schedule
 from .outdir import check_free_space, check_writable
-from .train import LoopSettings, enable_grad_checkpoint, evaluate, train
+from .train import LoopSettings, enable_grad_checkpoint, evaluate, overlaps_steps, train
 from .watchdog import Watchdog, heartbeat_folder
 
 # Sections that must match between a checkpoint and the run resuming it.
@@ -271,7 +271,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
                             grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb,
-                            transport=cfg.parallel.transport)
+                            transport=cfg.parallel.transport,
+                            overlap_steps=overlaps_steps(cfg.runtime.overlap_steps))
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:

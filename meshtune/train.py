@@ -132,6 +132,12 @@ class LoopSettings:
     grad_sync: str = "after_backward"
     bucket_mb: float = 25.0
     transport: str = "mlx"
+    overlap_steps: bool = False
+
+
+def overlaps_steps(setting: str) -> bool:
+    """runtime.overlap_steps as the loop takes it: "auto" is on where arrays live on a GPU."""
+    return setting == "on" or (setting == "auto" and mx.default_device().type == mx.DeviceType.gpu)
 
 
 @dataclass(kw_only=True)
@@ -192,6 +198,20 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
     step = start.step
+    in_flight: list[mx.array] = []  # the last micro-batch's loss terms while the device still computes them
+
+    def run_micro_batch(outputs: list[Any]) -> None:
+        """Evaluate one micro-batch's outputs; overlapped, dispatch them and then wait for the
+        previous micro-batch's, so the host builds this one while the device runs that one.
+        The wait is on that micro-batch's own loss arrays (the state's containers are updated
+        in place, so they already hold this micro-batch's arrays); MLX signals a dispatch's
+        arrays together, at its end."""
+        if not settings.overlap_steps:
+            mx.eval(outputs)
+            return
+        mx.async_eval(outputs)
+        mx.eval(in_flight)
+        in_flight[:] = [window.loss_sum, window.tokens]
 
     def run_eval(at: int) -> float:
         tic = time.perf_counter()
@@ -215,7 +235,8 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
                 last = micro == settings.grad_accumulation_steps - 1
                 ce, n, grads, ntoks = step_fn(batch.tokens, batch.lengths, grads, ntoks, last)
                 window.add(ce, n)
-                mx.eval(model.state, optimizer.state, mx.random.state, window.loss_sum, window.tokens, grads, ntoks)
+                run_micro_batch([model.state, optimizer.state, mx.random.state, window.loss_sum, window.tokens,
+                                 grads, ntoks])
             window.end_step(time.perf_counter() - tic)
             step += 1
             beat(step)

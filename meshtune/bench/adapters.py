@@ -50,6 +50,7 @@ from mlx.utils import tree_map
 
 from ..blas import describe_blas
 from ..heap import keep_freed_memory
+from ..train import overlaps_steps
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
 IMPLS = ("stock", "meshtune")
@@ -86,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="Keep freed memory in the process, as training does (runtime.keep_freed_memory, "
                         "meshtune/heap.py; Linux with glibc): stock and meshtune both run under it.")
+    p.add_argument("--overlap-steps", choices=["auto", "on", "off"], default="auto",
+                   help="meshtune's steps as its training loop takes them (runtime.overlap_steps): each one "
+                        "dispatched while the device runs the one before (auto: on a GPU). Stock mlx-lm's loop "
+                        "waits for each step, as mlx_lm.lora does.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 
@@ -163,19 +168,35 @@ def _stock_runner(model: nn.Module, optimizer: optim.Optimizer) -> StepRunner:
     return run
 
 
-def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer) -> StepRunner:
-    """One optimizer step of meshtune's loop (one micro-batch, one process)."""
+def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False) -> StepRunner:
+    """One optimizer step of meshtune's loop (one micro-batch, one process).
+
+    Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
+    for the previous call's, as train.train does; `run.finish()` waits for the last one.
+    """
     from ..mesh import Mesh
     from ..train import build_step
 
     step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, optimizer.state, mx.random.state]
+    in_flight: list[mx.array] = []
 
     def run(tokens: mx.array, lengths: mx.array) -> mx.array:
         ce, n, _, _ = step(tokens, lengths, None, None, True)
-        mx.eval(state, ce, n)
-        return ce / n
+        loss = ce / n
+        if not overlap:
+            mx.eval(state, loss)
+            return loss
+        mx.async_eval(state, loss)
+        finish()
+        in_flight.append(loss)
+        return loss
 
+    def finish() -> None:
+        mx.eval(in_flight)
+        in_flight.clear()
+
+    run.finish = finish
     return run
 
 
@@ -192,12 +213,20 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
     model.train()
     optimizer = optim.Adam(learning_rate=1e-5)
-    run = (_stock_runner if impl == "stock" else _meshtune_runner)(model, optimizer)
+    if impl == "stock":
+        run = _stock_runner(model, optimizer)
+    else:
+        run = _meshtune_runner(model, optimizer, overlap=overlaps_steps(a.overlap_steps))
     # One fixed batch of full-length rows: lengths are (prompt offset 0, length), as mlx-lm's.
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
     mx.eval(tokens, lengths)
-    return lambda: run(tokens, lengths)
+
+    def one_step() -> mx.array:
+        return run(tokens, lengths)
+
+    one_step.finish = getattr(run, "finish", lambda: None)  # waits for a step still in flight
+    return one_step
 
 
 def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
@@ -208,9 +237,13 @@ def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
     medians by 10-20%; timing every configuration in each of --rounds rounds spreads
     the drift over all of them, so the ratios compare like with like.
     """
+    def finish(name: str) -> None:
+        getattr(steps[name], "finish", lambda: None)()
+
     for name, run in steps.items():
         for _ in range(a.warmup):  # the first call compiles
             run()
+        finish(name)
         progress(f"warmed up {name}")
     per_round = max(1, math.ceil(a.steps / a.rounds))
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -221,6 +254,11 @@ def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
                 tic = time.perf_counter()
                 last[name] = run()
                 times[name].append(time.perf_counter() - tic)
+            # An overlapped step still in flight is waited for inside its own configuration's
+            # time (its last step's), never the next configuration's.
+            tic = time.perf_counter()
+            finish(name)
+            times[name][-1] += time.perf_counter() - tic
     for name, loss in last.items():
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{name}: the loss is {loss.item()}; the timing would mean nothing")
@@ -304,6 +342,10 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
           f"built from the dense one's seed")
     print(f"{describe_blas()}; malloc: " + ("freed memory kept in the process (meshtune/heap.py)" if a.keep_freed_memory
                                             else "defaults"))
+    print("meshtune's steps: " + ("each dispatched while the device runs the one before, as its loop takes them "
+                                  "(runtime.overlap_steps)" if overlaps_steps(a.overlap_steps)
+                                  else "each waited for before the next (runtime.overlap_steps off)")
+          + "; stock mlx-lm's: each waited for, as mlx_lm.lora's loop")
     layers = "all" if a.num_layers < 0 else f"the last {a.num_layers}"
     measured = ", ".join(f"{k}: {'never' if v is None else v}" for k, v in crossovers.items())
     print(f"adapters: rank {a.rank}, scale {a.scale:g}, every linear layer of {layers} blocks; meshtune base "
@@ -387,7 +429,7 @@ def main(argv: list[str]) -> int:
             "targets": {k: f"{op} {b}" for k, b, op in TARGETS},
             "targets_met": {k: _met(r[k], b, op) for k, b, op in TARGETS},
             "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
-            "keep_freed_memory": a.keep_freed_memory,
+            "keep_freed_memory": a.keep_freed_memory, "overlap_steps": overlaps_steps(a.overlap_steps),
             "base_path": a.base_path, "crossovers": crossovers, "preset": a.preset,
             "shape": {**vars(shape), "params": shape.params()},
             "batch_size": a.batch_size, "seq_len": a.seq_len, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
