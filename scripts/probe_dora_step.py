@@ -86,6 +86,25 @@ def _mlx_scaled_cotangent(self, x):
     return ORIGINAL(self, x)
 
 
+def _no_cotangent(self, x):
+    """Bound: the current code with LoRA's backward (g itself for g * rs, m's gradient 0):
+    what the cotangent costs in the step, launches and memory traffic together."""
+    _reset()
+    K.cotangent_cuda = lambda g, y, m, norm: (g, mx.zeros_like(m))
+    return ORIGINAL(self, x)
+
+
+def _constant_norm_no_cotangent(self, x):
+    """Bound: both of the above: what is left of DoRA is the forward's row scale and m's Adam."""
+    _reset()
+    step_norms.lookup = lambda layer, tokens: ((ORIGINAL_LOOKUP(layer, tokens) or (None,))[0], layer._probe_norm)
+    K.cotangent_cuda = lambda g, y, m, norm: (g, mx.zeros_like(m))
+    return ORIGINAL(self, x)
+
+
+_constant_norm_no_cotangent.prepare = _hold_norms
+
+
 def _kernels(on):
     """The current layer with adapted_linear's CUDA kernels on (where CUDA is) or off (MLX ops).
     Left set after the call: the backward (where the cotangent kernel runs) is traced after the forward returns."""
@@ -191,6 +210,8 @@ VARIANTS = {
     "w_sq out of the state": _with(_kernels(True), prepare=_w_sq_outside_state),
     "packed m and one-launch cotangent and w_sq out": _with(_one_launch, optimizer=PackedMagnitudesAdam,
                                                        prepare=_w_sq_outside_state),
+    "bound: no cotangent": _no_cotangent,
+    "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,
     "bound: m frozen": _with(_kernels(True), prepare=lambda model: model.freeze(keys=["m"], strict=False)),
     "bound: constant norm": _constant_norm,
