@@ -135,9 +135,11 @@ class LoopSettings:
     overlap_steps: bool = False
 
 
-def overlaps_steps(setting: str) -> bool:
+def overlaps_steps(setting: bool | str) -> bool:
     """runtime.overlap_steps as the loop takes it: "auto" is on where arrays live on a GPU."""
-    return setting == "on" or (setting == "auto" and mx.default_device().type == mx.DeviceType.gpu)
+    if setting == "auto":
+        return mx.default_device().type == mx.DeviceType.gpu
+    return setting is True
 
 
 @dataclass(kw_only=True)

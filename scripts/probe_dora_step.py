@@ -297,7 +297,7 @@ def main():
         ms = B.time_steps(steps, a)
         lora = ms["lora"]
         print(f"{base}: batch {a.batch_size} x {a.seq_len}, {a.steps} steps in {a.rounds} rounds, steps "
-              + ("overlapped" if B.overlaps_steps(a.overlap_steps) else "one after another"))
+              + ("overlapped" if B.overlaps_steps(B._overlap_setting(a)) else "one after another"))
         for k, v in ms.items():
             print(f"  {base} {k:<28} {v * 1e3:8.2f} ms  {v / lora:5.3f}x LoRA", flush=True)
         del steps

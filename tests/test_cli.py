@@ -265,3 +265,27 @@ def test_dora_on_a_quantized_base_fuses_and_stock_loads(tmp_path, cli):
     assert cli("fuse", "--adapter-path", str(run), "--save-path", str(fused), "--dequantize").returncode == 0
     merged, _ = load(str(fused))
     assert mx.allclose(merged(tokens), ours(tokens), atol=1e-3)
+
+
+def test_overlapped_steps_train_exactly_as_steps_waited_for(tmp_path, cli):
+    """runtime.overlap_steps dispatches each micro-batch while the one before still runs;
+    the run's losses and adapters are those of a run that waits for every step (DoRA,
+    dropout's random draws, two micro-batches a step, a save and an eval in between)."""
+    args = [*QUICK, "--fine-tune-type", "dora", "--adapter.dropout", "0.1", "--train.grad_accumulation_steps", "2"]
+    runs = {}
+    for mode in ("true", "false"):
+        runs[mode] = tmp_path / mode
+        proc = cli("train", "--iters", "6", *args, "--runtime.overlap_steps", mode, "--adapter-path", str(runs[mode]))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    strip = lambda rs: [{k: v for k, v in r.items() if k in ("type", "step", "loss", "val_loss")} for r in rs]  # noqa: E731
+    assert strip(_records(runs["true"])) == strip(_records(runs["false"]))
+    assert len([r for r in _records(runs["true"]) if r["type"] == "train"]) == 3
+    for name in ("adapters.safetensors", "checkpoints/0000003/optimizer.safetensors"):
+        assert (runs["true"] / name).read_bytes() == (runs["false"] / name).read_bytes(), name
+
+
+def test_overlap_steps_takes_auto_true_or_false(tmp_path, cli):
+    proc = cli("train", "--iters", "2", *QUICK, "--runtime.overlap_steps", "always", "--adapter-path", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert "overlap_steps" in proc.stderr and "auto" in proc.stderr and "bool" in proc.stderr
+    assert not (tmp_path / "r").exists()

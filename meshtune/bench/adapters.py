@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="Keep freed memory in the process, as training does (runtime.keep_freed_memory, "
                         "meshtune/heap.py; Linux with glibc): stock and meshtune both run under it.")
-    p.add_argument("--overlap-steps", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--overlap-steps", choices=["auto", "true", "false"], default="auto",
                    help="meshtune's steps as its training loop takes them (runtime.overlap_steps): each one "
                         "dispatched while the device runs the one before (auto: on a GPU). Stock mlx-lm's loop "
                         "waits for each step, as mlx_lm.lora does.")
@@ -104,6 +104,11 @@ def _settings(argv: list[str]) -> argparse.Namespace:
     if a.steps < 1 or a.gen_tokens < 2 or a.rounds < 1:
         raise ValueError("--steps and --rounds must be >= 1 and --gen-tokens >= 2 (decode speed needs two tokens)")
     return a
+
+
+def _overlap_setting(a: argparse.Namespace) -> bool | str:
+    """--overlap-steps as runtime.overlap_steps takes it."""
+    return {"true": True, "false": False}.get(a.overlap_steps, a.overlap_steps)
 
 
 def dense_dtype_name(a: argparse.Namespace) -> str:
@@ -216,7 +221,7 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     if impl == "stock":
         run = _stock_runner(model, optimizer)
     else:
-        run = _meshtune_runner(model, optimizer, overlap=overlaps_steps(a.overlap_steps))
+        run = _meshtune_runner(model, optimizer, overlap=overlaps_steps(_overlap_setting(a)))
     # One fixed batch of full-length rows: lengths are (prompt offset 0, length), as mlx-lm's.
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
@@ -343,7 +348,7 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
     print(f"{describe_blas()}; malloc: " + ("freed memory kept in the process (meshtune/heap.py)" if a.keep_freed_memory
                                             else "defaults"))
     print("meshtune's steps: " + ("each dispatched while the device runs the one before, as its loop takes them "
-                                  "(runtime.overlap_steps)" if overlaps_steps(a.overlap_steps)
+                                  "(runtime.overlap_steps)" if overlaps_steps(_overlap_setting(a))
                                   else "each waited for before the next (runtime.overlap_steps off)")
           + "; stock mlx-lm's: each waited for, as mlx_lm.lora's loop")
     layers = "all" if a.num_layers < 0 else f"the last {a.num_layers}"
@@ -429,7 +434,7 @@ def main(argv: list[str]) -> int:
             "targets": {k: f"{op} {b}" for k, b, op in TARGETS},
             "targets_met": {k: _met(r[k], b, op) for k, b, op in TARGETS},
             "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
-            "keep_freed_memory": a.keep_freed_memory, "overlap_steps": overlaps_steps(a.overlap_steps),
+            "keep_freed_memory": a.keep_freed_memory, "overlap_steps": overlaps_steps(_overlap_setting(a)),
             "base_path": a.base_path, "crossovers": crossovers, "preset": a.preset,
             "shape": {**vars(shape), "params": shape.params()},
             "batch_size": a.batch_size, "seq_len": a.seq_len, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
