@@ -1,6 +1,6 @@
 """Does building and dispatching step N+1 while the GPU runs step N shorten the step?
 
-Development probe (adapters issue): python scripts/probes/overlapped_steps.py [--bases bf16,4bit] [--steps 60]
+Development probe (adapters issue): python scripts/probes/overlapped_steps.py [--bases bf16,4bit] [--steps 60] [--batch-size 8]
 A step waited for before the next is built leaves the GPU idle while the host builds and
 dispatches the next one (scripts/probes/dispatch_cost.py: a 1B LoRA step is ~5 ms of
 building and ~30 ms of dispatch beside ~50 ms in all). Overlapped, a step takes the longer
@@ -51,8 +51,9 @@ def main():
     p.add_argument("--bases", default="bf16,4bit")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=None, help="Default: the preset's.")
     args = p.parse_args()
-    a = B._settings(["--preset", args.preset])
+    a = B._settings(["--preset", args.preset] + (["--batch-size", str(args.batch_size)] if args.batch_size else []))
     shape = B.shape_of(a)
     dtype = mx.float32 if B._on_cpu() else mx.bfloat16
     configs = {f"{k} {b}": runners(k, b, a, shape, dtype) for b in args.bases.split(",") for k in ("lora", "dora")}
