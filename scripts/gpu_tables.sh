@@ -5,6 +5,7 @@
 #     scripts/gpu_tables.sh scaling-mlx-launch "$OUT"  # the same, ranks started by mlx.launch
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~7 min)
+#     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's overlapped steps under nsys, GPU time per kernel (~3 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -53,6 +54,22 @@ case $what in
     timeout 360 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 \
       --only "${PROBE_VARIANTS:-current,MLX cotangent,MLX cotangent with m's sums on a second stream,norms on a second stream,norms and m's sums on a second stream,bound: MLX g*rs and dm 0,bound: constant norm}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
+  profile)
+    # DoRA's GPU time a step, kernel by kernel beside LoRA's (docs/bench/overlapped_batches_h200.txt leaves
+    # ~4.8 ms per 4096 tokens unattributed). Needs nsys; without it, says which profilers the machine has.
+    command -v nsys ncu || echo "no nsys or ncu on PATH"
+    ls -d /usr/local/cuda*/bin /opt/nvidia/nsight-systems* 2>/dev/null
+    find / -xdev \( -name "libcupti.so*" -o -name nsys \) 2>/dev/null | head -5
+    nsys=$(command -v nsys || find / -xdev -name nsys -type f -perm -u+x 2>/dev/null | head -1)
+    if [ -n "$nsys" ]; then
+      for kind in lora dora; do
+        (cd scripts/probes && timeout 200 "$nsys" profile -t cuda,nvtx --cuda-graph-trace=node --capture-range=cudaProfilerApi \
+          -o "$out/step_$kind" --force-overwrite true python3 profile_step.py --kind "$kind" --steps 10 2>&1 | tail -3)
+        "$nsys" stats --report cuda_gpu_kern_sum --format csv -o "$out/kernels_$kind" "$out/step_$kind.nsys-rep" >/dev/null 2>&1
+        ls "$out"/kernels_"$kind"*
+      done
+      python3 scripts/probes/kernel_diff.py "$out"/kernels_lora*.csv "$out"/kernels_dora*.csv --steps 10 | tee "$out/kernel_diff.txt"
+    fi ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
     timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"

@@ -1,0 +1,56 @@
+"""LoRA's and DoRA's GPU time per kernel, side by side, from `nsys stats --report cuda_gpu_kern_sum --format csv`.
+
+Development probe (adapters issue): python kernel_diff.py kernels_lora.csv kernels_dora.csv [--steps 10]
+Kernels are grouped by name with template arguments and launch details cut off; rows are
+sorted by DoRA's extra time a step, largest first, and the totals close the table.
+"""
+import argparse
+import csv
+import io
+import re
+from collections import defaultdict
+
+
+def _rows(path):
+    text = open(path, encoding="utf-8", errors="replace").read()
+    start = text.find("Time")  # nsys may print notes before the CSV header
+    for row in csv.DictReader(io.StringIO(text[start:] if start >= 0 else text)):
+        yield row
+
+
+def _group(name):
+    name = re.sub(r"<.*", "", name)  # template arguments
+    name = re.sub(r"\(.*", "", name)  # parameter lists
+    return name.strip().split("::")[-1][:70] or "?"
+
+
+def totals(path):
+    out = defaultdict(lambda: [0.0, 0])
+    for row in _rows(path):
+        ns = float(str(row.get("Total Time (ns)", "0")).replace(",", "") or 0)
+        count = int(float(str(row.get("Instances", row.get("Count", "0"))).replace(",", "") or 0))
+        key = _group(row.get("Name", "?"))
+        out[key][0] += ns
+        out[key][1] += count
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("lora")
+    p.add_argument("dora")
+    p.add_argument("--steps", type=int, default=10, help="Steps in the profiled range (per-step figures).")
+    args = p.parse_args()
+    lora, dora = totals(args.lora), totals(args.dora)
+    keys = sorted(set(lora) | set(dora), key=lambda k: -(dora[k][0] - lora[k][0]))
+    print(f"{'kernel':72s} {'LoRA ms':>9s} {'DoRA ms':>9s} {'extra ms':>9s} {'LoRA n':>7s} {'DoRA n':>7s}  (a step)")
+    for k in keys:
+        lo, do = lora[k][0] / args.steps / 1e6, dora[k][0] / args.steps / 1e6
+        print(f"{k:72s} {lo:9.3f} {do:9.3f} {do - lo:9.3f} {lora[k][1] // args.steps:7d} {dora[k][1] // args.steps:7d}")
+    tl = sum(v[0] for v in lora.values()) / args.steps / 1e6
+    td = sum(v[0] for v in dora.values()) / args.steps / 1e6
+    print(f"{'total GPU kernel time':72s} {tl:9.3f} {td:9.3f} {td - tl:9.3f}")
+
+
+if __name__ == "__main__":
+    main()
