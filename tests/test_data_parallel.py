@@ -82,6 +82,13 @@ def _assert_same_run(one: Path, many: Path) -> None:
     (2, "lora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
     (3, "dora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     (3, "full", ["--num-layers", "1", "--parallel.transport", "sockets", "--parallel.bucket_mb", "0.05"]),
+    # Steps overlapped (runtime.overlap_steps, the GPU's default) forced on the CPU: all_sums in the
+    # compiled step, bucket sums started by hand, and the socket ring's threads.
+    (2, "dora", ["--runtime.overlap_steps", "true", "--grad-accumulation-steps", "2"]),
+    (2, "lora", ["--runtime.overlap_steps", "true", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01",
+                 "split"]),
+    (2, "dora", ["--runtime.overlap_steps", "true", "--parallel.transport", "sockets", "--parallel.grad_sync",
+                 "overlap", "--parallel.bucket_mb", "0.01"]),
 ])
 def test_n_ranks_match_one_rank(tmp_path, n, kind, extra, monkeypatch):
     if extra and extra[-1] == "split":
