@@ -4,7 +4,7 @@
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL, started by meshtune launch
 #     scripts/gpu_tables.sh scaling-mlx-launch "$OUT"  # the same, ranks started by mlx.launch
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
-#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~7 min)
+#     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's overlapped steps under nsys, GPU time per kernel (~3 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -41,19 +41,17 @@ case $what in
       timeout 470 python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json 2>&1; } \
       | tee "$out/adapters_h200.txt" ;;
   probes)
-    # One GPU, ~7 min: whether a second stream runs beside the default one; DoRA's kernels alone,
-    # every layer its own arrays (as in a step); DoRA's step with each variant (PROBE_VARIANTS),
-    # checked against the current code first, 120 steps in 12 interleaved rounds (20 in 2 moved a
-    # configuration by up to 20 ms between invocations: docs/bench/dora_step_parts_h200.txt).
-    # The kernels' tests run with `adapters`; the dispatch probe (scripts/probes/dispatch_cost.py)
-    # runs on its own when wanted.
-    timeout 90 python3 scripts/probes/stream_overlap.py 2>&1 | tee "$out/stream_overlap.txt"
+    # One GPU, ~5 min: DoRA's kernels alone, every layer its own arrays (as in a step); DoRA's step with
+    # each variant (PROBE_VARIANTS), checked against the current code first, 120 steps in 12 interleaved
+    # rounds, overlapped as the loop takes them (PROBE_ARGS adds flags, e.g. "--batch-size 8": from
+    # batch 4 up both steps are GPU-bound, docs/bench/overlapped_batches_h200.txt). The dispatch probe
+    # (scripts/probes/dispatch_cost.py) and the second-stream probe (stream_overlap.py) run on their own.
     timeout 120 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
       --only "launch|row norms, a launch a shape|cotangent kernels|g * rs|rs (base|base + s u|sum_t|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
-    timeout 360 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 \
-      --only "${PROBE_VARIANTS:-current,MLX cotangent,MLX cotangent with m's sums on a second stream,norms on a second stream,norms and m's sums on a second stream,bound: MLX g*rs and dm 0,bound: constant norm}" \
-      2>&1 | tee "$out/probe_dora_step.txt" ;;
+    timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
+      --only "${PROBE_VARIANTS:-current,scaled weight (rs folded into W and B),bound: no cotangent,bound: constant norm,bound: constant norm and no cotangent}" \
+      2>&1 | grep -v "^check [^s]" | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (docs/bench/overlapped_batches_h200.txt leaves
     # ~4.8 ms per 4096 tokens unattributed). Needs nsys; without it, says which profilers the machine has.

@@ -24,6 +24,7 @@ from meshtune.bench.models import Shape
 sys.path.insert(0, str(Path(__file__).parent / "probes"))
 import dora_variants as V  # noqa: E402
 from packed_magnitudes import PackedMagnitudesAdam  # noqa: E402
+import scaled_weight as SW  # noqa: E402
 
 ORIGINAL = D.DoRALinear.__call__
 ON_CUDA = K.on_cuda
@@ -67,6 +68,22 @@ def _hold_norms(model):
 
 
 _constant_norm.prepare = _hold_norms
+
+
+def _scaled_weight(self, x):
+    """DoRA as LoRA's product on W' = rs W and B' = B rs (scripts/probes/scaled_weight.py): no g * rs
+    pass and no row-scale multiply; m's gradient by a sums-only kernel; W' by an MLX multiply a layer."""
+    _reset()
+    if not self.training:
+        return ORIGINAL(self, x)
+    tokens = x.size // x.shape[-1]
+    shared, norm = step_norms.lookup(self, tokens) or (None, None)
+    dense = shared if shared is not None else dense_weight_for(self.linear, tokens)
+    if dense is None:
+        return ORIGINAL(self, x)
+    y = SW.scaled_weight_linear(x, dense, self.lora_a, self.lora_b, self.scale, self.m,
+                                norm if norm is not None else self.row_norm())
+    return y + self.linear["bias"] if "bias" in self.linear else y
 
 
 def _w_sq_outside_state(model):
@@ -210,6 +227,7 @@ VARIANTS = {
     "w_sq out of the state": _with(_kernels(True), prepare=_w_sq_outside_state),
     "packed m and one-launch cotangent and w_sq out": _with(_one_launch, optimizer=PackedMagnitudesAdam,
                                                        prepare=_w_sq_outside_state),
+    "scaled weight (rs folded into W and B)": _scaled_weight,
     "bound: no cotangent": _no_cotangent,
     "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,

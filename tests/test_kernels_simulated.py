@@ -215,6 +215,40 @@ def test_probe_kernel_variants(simulated, monkeypatch):
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-6).item()
 
 
+def test_probe_scaled_weight_product(simulated, monkeypatch):
+    """The probes' DoRA product on W' = rs W (scripts/probes/scaled_weight.py, m's gradient by a
+    sums-only kernel) gives the current product's output and gradients."""
+    import sys
+
+    from meshtune.adapters import kernels
+    from meshtune.adapters.adapted_linear import adapted_linear
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    sys.modules.pop("scaled_weight", None)
+    import scaled_weight as SW
+
+    monkeypatch.setattr(kernels, "_COTANGENT_BLOCKS", 8)  # chunks of rows: partials to add
+    k = mx.random.split(mx.random.key(7), 5)
+    x = mx.random.normal((2, 50, 24), key=k[0])
+    w = mx.random.normal((40, 24), key=k[1]) * 0.2
+    a, b = mx.random.normal((24, 4), key=k[2]) * 0.1, mx.random.normal((4, 40), key=k[3]) * 0.1
+    m = mx.random.uniform(0.5, 2, (40,), key=k[4]).at[3].multiply(0.0)
+    norm = mx.linalg.norm(w + 2.0 * (a @ b).T, axis=-1)
+    w_sq = (w * w).sum(-1)
+
+    def loss(fn):
+        return lambda x, a, b, m: (fn(x, a, b, m) ** 2).sum()
+
+    want = mx.value_and_grad(loss(lambda x, a, b, m: adapted_linear(x, w, a, b, 2.0, magnitude=m, w_sq=w_sq, norm=norm)),
+                             argnums=(0, 1, 2, 3))(x, a, b, m)
+    got = mx.value_and_grad(loss(lambda x, a, b, m: SW.scaled_weight_linear(x, w, a, b, 2.0, m, norm)),
+                            argnums=(0, 1, 2, 3))(x, a, b, m)
+    assert mx.allclose(got[0], want[0], rtol=1e-5).item()
+    for g1, g2 in zip(got[1], want[1]):
+        assert mx.allclose(g1, g2, rtol=1e-4, atol=1e-5).item()
+    assert simulated["meshtune_probe_column_sums"].calls == 1
+
+
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
 def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels
