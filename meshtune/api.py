@@ -259,20 +259,21 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             raise CheckpointWriteError(write_error(out, err)) from None
 
     validate = None
+    overlap = overlaps_steps(cfg.runtime.overlap_steps)
     if data.valid is not None and cfg.train.val_batches != 0:
         val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
         # Pipeline ranks each evaluate the whole gathered model on their replica's
         # batches; only stage 0 of each replica counts, so nothing is summed twice.
         counts = stage is None or stage.first
         validate = lambda: (current_weights(), evaluate(model, val_batches, mesh, beat=watchdog.alive,  # noqa: E731
-                                                        counts=counts))[1]
+                                                        counts=counts, overlap=overlap))[1]
     t = cfg.train
     settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
                             steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
                             grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb,
                             transport=cfg.parallel.transport,
-                            overlap_steps=overlaps_steps(cfg.runtime.overlap_steps))
+                            overlap_steps=overlap)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:
@@ -281,7 +282,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                        pipeline=pipeline)
         test_loss = None
         if t.test and data.test is not None and not result.stopped_early:
-            test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh)
+            test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh, overlap=overlap)
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:

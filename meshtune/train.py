@@ -37,19 +37,26 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
 
 
 def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
-             beat: Callable[[], None] = lambda: None, counts: bool = True) -> tuple[float, int]:
+             beat: Callable[[], None] = lambda: None, counts: bool = True,
+             overlap: bool = False) -> tuple[float, int]:
     """Token-weighted loss over `batches` on every rank: (loss, global tokens).
 
     A rank with `counts` false computes but adds nothing (a pipeline stage whose
-    replica's first stage already counts the same batches).
+    replica's first stage already counts the same batches). With `overlap`
+    (runtime.overlap_steps) each batch is dispatched before the previous one is waited for.
     """
     model.eval()
     total, tokens = mx.array(0.0), mx.array(0)
     for batch in batches:
         ce, n = loss_terms(model, batch.tokens, batch.lengths)
-        total, tokens = total + ce, tokens + n
-        mx.eval(total, tokens)
+        previous, (total, tokens) = (total, tokens), (total + ce, tokens + n)
+        if overlap:
+            mx.async_eval(total, tokens)
+            mx.eval(previous)
+        else:
+            mx.eval(total, tokens)
         beat()
+    mx.eval(total, tokens)
     model.train()
     if not counts:
         total, tokens = mx.zeros_like(total), mx.zeros_like(tokens)
