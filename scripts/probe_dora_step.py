@@ -86,6 +86,44 @@ def _scaled_weight(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
+_MODEL = []  # the model whose step is being traced (the kernel-written W' variant finds its layers there)
+_SCALED = {}  # id(layer) -> W' written by the row-norm kernel for the step being traced
+
+
+def _scaled_weight_by_kernel(self, x):
+    """The scaled-weight product with W' written by the row-norm kernel beside the norm (one pass
+    over W a shape, no MLX multiply a layer)."""
+    _reset()
+    if not self.training or id(self) not in _SCALED:
+        return _scaled_weight(self, x)
+    tokens = x.size // x.shape[-1]
+    shared, norm = step_norms.lookup(self, tokens) or (None, None)
+    y = SW.scaled_weight_linear(x, None, self.lora_a, self.lora_b, self.scale, self.m, norm,
+                                w_scaled=_SCALED[id(self)])
+    return y + self.linear["bias"] if "bias" in self.linear else y
+
+
+def _norms_writing_scaled(weights, a, b, scales):
+    """kernels.row_norms_cuda for one group of step_norms (layers of one shape, in module order),
+    writing each layer's W' too."""
+    r, shape = a[0].shape[-1], weights[0].shape
+    layers = [m for m in _MODEL[0].modules() if step_norms._covered(m) and m.lora_a.shape[-1] == r
+              and (m.linear.weight.shape[0], m.lora_a.shape[0]) == shape]
+    assert len(layers) == len(weights), "the probe's layer match broke: step_norms groups differently"
+    norms, scaled = SW.row_norms_and_scaled_weights(weights, a, b, scales, [layer.m for layer in layers])
+    _SCALED.update({id(layer): w for layer, w in zip(layers, scaled)})
+    return norms
+
+
+def _keep_model(model):
+    _MODEL[:] = [model]
+    _SCALED.clear()
+
+
+_scaled_weight_by_kernel.row_norms = _norms_writing_scaled
+_scaled_weight_by_kernel.prepare = _keep_model
+
+
 def _w_sq_outside_state(model):
     """Each DoRA layer's ||w_i||^2 kept as a plain attribute, out of the module's state, so the
     compiled step does not take it as an input (the step's given norms do not read it)."""
@@ -158,12 +196,18 @@ def _one_launch(self, x):
 
 ORIGINAL_ROW_NORMS = K.row_norms_cuda
 # A second GPU stream: DoRA's memory-bound work there may run beside the products (stream_overlap.py).
-SIDE = mx.new_stream(mx.gpu) if ON_CUDA() else None
+_SIDE = []
+
+
+def _side():
+    if not _SIDE:
+        _SIDE.append(mx.new_stream(mx.gpu))
+    return _SIDE[0]
 
 
 def _on_side(fn):
     def wrapped(*args, **kw):
-        with mx.stream(SIDE):
+        with mx.stream(_side()):
             return fn(*args, **kw)
     return wrapped
 
@@ -175,7 +219,7 @@ def _mlx_cotangent(side):
         rs = (m / norm).astype(g.dtype)
         gz = g * rs
         if side:
-            with mx.stream(SIDE):
+            with mx.stream(_side()):
                 return gz, AL.dora_cotangent(g, y, rs, norm)[1]
         return gz, AL.dora_cotangent(g, y, rs, norm)[1]
 
@@ -228,6 +272,7 @@ VARIANTS = {
     "packed m and one-launch cotangent and w_sq out": _with(_one_launch, optimizer=PackedMagnitudesAdam,
                                                        prepare=_w_sq_outside_state),
     "scaled weight (rs folded into W and B)": _scaled_weight,
+    "scaled weight with the norm kernel writing W2 = rs W": _scaled_weight_by_kernel,
     "bound: no cotangent": _no_cotangent,
     "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,
@@ -266,6 +311,8 @@ def check_exact(shape, a, dtype):
         if name.startswith("bound") or name == "current":
             continue
         D.DoRALinear.__call__ = fn
+        if getattr(fn, "prepare", None):
+            fn.prepare(model)
         K.row_norms_cuda = getattr(fn, "row_norms", ORIGINAL_ROW_NORMS)  # taken before the forward
         l, g = value_and_grad()
         K.row_norms_cuda = ORIGINAL_ROW_NORMS

@@ -249,6 +249,33 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert simulated["meshtune_probe_column_sums"].calls == 1
 
 
+@pytest.mark.parametrize("inp, out", [(64, 40), (24, 19)])  # 16-byte accesses; 24 x 19: ragged rows, one a lane
+def test_probe_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
+    """The probes' row-norm kernel that also writes W' = rs W (scripts/probes/scaled_weight.py)
+    gives the current kernel's norms and the MLX ops' W', for two layers in one launch."""
+    import sys
+
+    from meshtune.adapters import kernels
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts" / "probes"))
+    try:
+        sys.modules.pop("scaled_weight", None)
+        import scaled_weight as SW
+    finally:
+        sys.path.pop(0)
+    k = mx.random.split(mx.random.key(inp + out), 8)
+    ws = [mx.random.normal((out, inp), key=k[i]) * 0.2 for i in (0, 1)]
+    a = [mx.random.normal((inp, 4), key=k[i]) * 0.1 for i in (2, 3)]
+    b = [mx.random.normal((4, out), key=k[i]) * 0.1 for i in (4, 5)]
+    ms = [mx.random.uniform(0.5, 2, (out,), key=k[i]) for i in (6, 7)]
+    norms, scaled = SW.row_norms_and_scaled_weights(ws, a, b, [2.0, 0.5], ms)
+    want = kernels.row_norms_cuda(ws, a, b, [2.0, 0.5])
+    for n, want_n, w, m, sw in zip(norms, want, ws, ms, scaled):
+        assert mx.allclose(n, want_n, rtol=1e-5).item()
+        assert mx.allclose(sw, (m / n)[:, None] * w, rtol=1e-5, atol=1e-7).item()
+    assert simulated["meshtune_probe_row_norm_scaled_2"].calls == 1
+
+
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
 def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels
