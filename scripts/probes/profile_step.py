@@ -5,8 +5,9 @@ GPU time per 1024 tokens over LoRA's, and the pieces timed alone explain about h
 (docs/bench/overlapped_batches_h200.txt). Under `nsys profile --cuda-graph-trace=node` this
 gives every kernel's time in the step; scripts/probes/kernel_diff.py sets LoRA's beside DoRA's.
     nsys profile -t cuda,nvtx --cuda-graph-trace=node -o step_dora python3 profile_step.py --kind dora
-The profiled range is the timed steps only (cudaProfilerStart/Stop around them, where the
-CUDA runtime can be loaded; otherwise the whole run).
+It calls cudaProfilerStart/Stop around the timed steps where the CUDA runtime can be loaded
+(for nsys --capture-range=cudaProfilerApi); gpu_tables.sh profile traces the whole run instead,
+5 warm-up steps and the timed ones, the same for both kinds.
 """
 import argparse
 import ctypes
