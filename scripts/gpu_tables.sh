@@ -50,7 +50,7 @@ case $what in
       --only "launch|row norms, a launch a shape|cotangent kernels|g * rs|rs (base|base + s u|sum_t|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
-      --only "${PROBE_VARIANTS:-current,scaled weight (rs folded into W and B),scaled weight with the norm kernel writing W2 = rs W,bound: no cotangent,bound: constant norm,bound: constant norm and no cotangent}" \
+      --only "${PROBE_VARIANTS:-current,scaled weight (rs folded into W and B),folded (the norm kernel writes W2 = rs W),bound: no cotangent,bound: constant norm,bound: constant norm and no cotangent}" \
       2>&1 | grep -v "^check [^s]" | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (docs/bench/overlapped_batches_h200.txt leaves

@@ -86,42 +86,18 @@ def _scaled_weight(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
-_MODEL = []  # the model whose step is being traced (the kernel-written W' variant finds its layers there)
-_SCALED = {}  # id(layer) -> W' written by the row-norm kernel for the step being traced
-
-
-def _scaled_weight_by_kernel(self, x):
-    """The scaled-weight product with W' written by the row-norm kernel beside the norm (one pass
-    over W a shape, no MLX multiply a layer)."""
+def _folded(self, x):
+    """meshtune's folded step (kernels.FOLD_ROW_SCALE): the row-norm kernel writes W' = rs W beside the
+    norm and each layer runs LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel."""
     _reset()
-    if not self.training or id(self) not in _SCALED:
-        return _scaled_weight(self, x)
-    tokens = x.size // x.shape[-1]
-    shared, norm = step_norms.lookup(self, tokens) or (None, None)
-    y = SW.scaled_weight_linear(x, None, self.lora_a, self.lora_b, self.scale, self.m, norm,
-                                w_scaled=_SCALED[id(self)])
-    return y + self.linear["bias"] if "bias" in self.linear else y
+    return ORIGINAL(self, x)
 
 
-def _norms_writing_scaled(weights, a, b, scales):
-    """kernels.row_norms_cuda for one group of step_norms (layers of one shape, in module order),
-    writing each layer's W' too."""
-    r, shape = a[0].shape[-1], weights[0].shape
-    layers = [m for m in _MODEL[0].modules() if step_norms._covered(m) and m.lora_a.shape[-1] == r
-              and (m.linear.weight.shape[0], m.lora_a.shape[0]) == shape]
-    assert len(layers) == len(weights), "the probe's layer match broke: step_norms groups differently"
-    norms, scaled = SW.row_norms_and_scaled_weights(weights, a, b, scales, [layer.m for layer in layers])
-    _SCALED.update({id(layer): w for layer, w in zip(layers, scaled)})
-    return norms
+def _fold_on(model):
+    K.FOLD_ROW_SCALE = True
 
 
-def _keep_model(model):
-    _MODEL[:] = [model]
-    _SCALED.clear()
-
-
-_scaled_weight_by_kernel.row_norms = _norms_writing_scaled
-_scaled_weight_by_kernel.prepare = _keep_model
+_folded.prepare = _fold_on
 
 
 def _w_sq_outside_state(model):
@@ -179,6 +155,7 @@ def _separate_rows(self, x):
 
 
 ORIGINAL_COTANGENT, ORIGINAL_LOOKUP = K.cotangent_cuda, step_norms.lookup
+ORIGINAL_FOLD = K.FOLD_ROW_SCALE
 
 
 def _norm_per_layer(self, x):
@@ -247,6 +224,7 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_group
 
 def _reset():
     K.on_cuda = ON_CUDA
+    K.FOLD_ROW_SCALE = ORIGINAL_FOLD
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, step_norms.lookup = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
@@ -272,7 +250,7 @@ VARIANTS = {
     "packed m and one-launch cotangent and w_sq out": _with(_one_launch, optimizer=PackedMagnitudesAdam,
                                                        prepare=_w_sq_outside_state),
     "scaled weight (rs folded into W and B)": _scaled_weight,
-    "scaled weight with the norm kernel writing W2 = rs W": _scaled_weight_by_kernel,
+    "folded (the norm kernel writes W2 = rs W)": _folded,
     "bound: no cotangent": _no_cotangent,
     "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,

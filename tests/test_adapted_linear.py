@@ -92,6 +92,46 @@ def test_zero_magnitude_gets_zero_gradient_not_nan(tokens):
     assert g[0].item() == 0.0 and mx.isfinite(g).all().item()
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_folded_product_is_doras(dropout, dtype):
+    """DoRA's row scale folded into W' = rs W and B' = B rs (kernels.FOLD_ROW_SCALE): the product
+    and every gradient (m's from the output kept) are those of the plain expression."""
+    x, w, a, b, m, mask = _inputs(3)
+    x, w, mask = x.astype(dtype), w.astype(dtype), mask.astype(dtype)
+    probe = mx.random.normal((3, T // 3, OUT), key=mx.random.key(7)).astype(dtype)
+    w32 = w.astype(mx.float32)
+    dense = w32 + S * (a @ b).T
+    norm = mx.sqrt((dense * dense).sum(-1))
+
+    def loss(fn, x, a, b, m):
+        return (fn(x, a, b, m, x * mask if dropout else x).astype(mx.float32) * probe).sum()
+
+    def folded(x, a, b, m, xl):
+        rs = mx.stop_gradient((m / norm).astype(dtype))
+        return adapted_linear(x, rs[:, None] * w, a, b * rs.astype(mx.float32), S, x_lora=xl, magnitude=m,
+                              w_sq=(w32 * w32).sum(-1), norm=norm, folded=True)
+
+    def ref(x, a, b, m, xl):
+        return _reference(x.astype(mx.float32), w32, a, b, m, xl.astype(mx.float32))
+
+    got_v, got = mx.value_and_grad(lambda *p: loss(folded, *p), argnums=(0, 1, 2, 3))(x, a, b, m)
+    want_v, want = mx.value_and_grad(lambda *p: loss(ref, *p), argnums=(0, 1, 2, 3))(x, a, b, m)
+    tol = 1e-4 if dtype == mx.float32 else 3e-2
+    assert abs(got_v.item() - want_v.item()) <= tol * abs(want_v.item())
+    for name, g, h in zip("x a b m".split(), got, want):
+        g, h = g.astype(mx.float32), h.astype(mx.float32)
+        assert mx.allclose(g, h, rtol=tol, atol=tol * mx.abs(h).max().item()).item(), (name, mx.abs(g - h).max().item())
+
+
+def test_folded_product_needs_the_magnitude_and_its_norm():
+    x, w, a, b, m, _ = _inputs()
+    with pytest.raises(ValueError, match="folded"):
+        adapted_linear(x, w, a, b, S, folded=True)
+    with pytest.raises(ValueError, match="folded"):
+        adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), folded=True)
+
+
 def test_magnitude_without_base_norms_is_an_error():
     x, w, a, b, m, _ = _inputs()
     with pytest.raises(ValueError, match="w_sq"):
@@ -131,6 +171,12 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
         assert mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol, atol=tol).item(), name
     assert mx.array_equal(got[0], got[1]).item()  # a layer's norm does not depend on its launch
     assert got[5][3].item() == 0.0
+    # The folded step's kernels: the same norms with W' = rs W beside them, and m's gradient alone.
+    norms2, scaled = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b], [S, S], [m, m * 2])
+    assert mx.array_equal(norms2[0], got[0]).item() and mx.array_equal(norms2[1], got[3]).item()
+    for n, mm, ww, sw in zip(norms2, (m, m * 2), (w, w * 0.5), scaled):
+        assert sw.dtype == dtype and mx.array_equal(sw, (mm / n).astype(dtype)[:, None] * ww).item()
+    assert mx.array_equal(kernels.magnitude_grad_cuda(g, y, m, w_sq), got[5]).item()
 
 
 def test_row_norm_matches_dense_norm():

@@ -216,8 +216,8 @@ def test_probe_kernel_variants(simulated, monkeypatch):
 
 
 def test_probe_scaled_weight_product(simulated, monkeypatch):
-    """The probes' DoRA product on W' = rs W (scripts/probes/scaled_weight.py, m's gradient by a
-    sums-only kernel) gives the current product's output and gradients."""
+    """The probes' DoRA product on W' = rs W made by an MLX multiply (scripts/probes/scaled_weight.py)
+    gives the current product's output and gradients."""
     import sys
 
     from meshtune.adapters import kernels
@@ -246,34 +246,38 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert mx.allclose(got[0], want[0], rtol=1e-5).item()
     for g1, g2 in zip(got[1], want[1]):
         assert mx.allclose(g1, g2, rtol=1e-4, atol=1e-5).item()
-    assert simulated["meshtune_probe_column_sums"].calls == 1
+    assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
 @pytest.mark.parametrize("inp, out", [(64, 40), (24, 19)])  # 16-byte accesses; 24 x 19: ragged rows, one a lane
-def test_probe_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
-    """The probes' row-norm kernel that also writes W' = rs W (scripts/probes/scaled_weight.py)
-    gives the current kernel's norms and the MLX ops' W', for two layers in one launch."""
-    import sys
-
+def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
+    """row_norms_and_scaled_cuda: row_norms_cuda's norms and W' = rs W, two layers in one launch."""
     from meshtune.adapters import kernels
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts" / "probes"))
-    try:
-        sys.modules.pop("scaled_weight", None)
-        import scaled_weight as SW
-    finally:
-        sys.path.pop(0)
     k = mx.random.split(mx.random.key(inp + out), 8)
     ws = [mx.random.normal((out, inp), key=k[i]) * 0.2 for i in (0, 1)]
     a = [mx.random.normal((inp, 4), key=k[i]) * 0.1 for i in (2, 3)]
     b = [mx.random.normal((4, out), key=k[i]) * 0.1 for i in (4, 5)]
     ms = [mx.random.uniform(0.5, 2, (out,), key=k[i]) for i in (6, 7)]
-    norms, scaled = SW.row_norms_and_scaled_weights(ws, a, b, [2.0, 0.5], ms)
+    norms, scaled = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
     want = kernels.row_norms_cuda(ws, a, b, [2.0, 0.5])
     for n, want_n, w, m, sw in zip(norms, want, ws, ms, scaled):
         assert mx.allclose(n, want_n, rtol=1e-5).item()
         assert mx.allclose(sw, (m / n)[:, None] * w, rtol=1e-5, atol=1e-7).item()
-    assert simulated["meshtune_probe_row_norm_scaled_2"].calls == 1
+    assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
+
+
+def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
+    """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs (chunks of rows added in order)."""
+    from meshtune.adapters import kernels
+
+    monkeypatch.setattr(kernels, "_COTANGENT_BLOCKS", 8)
+    k = mx.random.split(mx.random.key(11), 3)
+    g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
+    m = mx.random.uniform(1.0, 4.0, (40,), key=k[2]).at[3].multiply(0.0)
+    norm = mx.full((40,), 2.0)
+    assert mx.array_equal(kernels.magnitude_grad_cuda(g, y, m, norm), kernels.cotangent_cuda(g, y, m, norm)[1]).item()
+    assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
@@ -443,6 +447,52 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
     assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {"meshtune_dora_row_norm_2": 2}
     assert simulated["meshtune_dora_cotangent"].calls == 4
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_folded_training_step_trains_as_the_current_one(simulated, model_factory, monkeypatch, quantized):
+    """kernels.FOLD_ROW_SCALE: the step writes W' = rs W beside the norms and every DoRA layer runs
+    LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel; the loss and the
+    parameters after two steps are the current step's, on a dense and on a quantized base (SGD:
+    the update is the gradient, which Adam's per-element normalisation would blow up at ~0)."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import apply_adapters, base_path, kernels
+    from meshtune.mesh import Mesh
+    from meshtune.train import build_step
+
+    monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
+
+    def trained(fold):
+        monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
+        model = model_factory(layers=2, dim=64)
+        if quantized:
+            nn.quantize(model, group_size=32, bits=4)
+        apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
+                       rank=4, scale=2.0, dropout=0.0)
+        for _, layer in model.named_modules():  # non-zero B: the row scale moves off 1
+            if hasattr(layer, "lora_b"):
+                layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
+        model.train()
+        step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
+        tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
+        lengths = mx.array([[0, 9], [0, 9]])
+        losses = []
+        for _ in range(2):
+            ce, n, _, _ = step(tokens, lengths, None, None, True)
+            mx.eval(ce, n, model.parameters())
+            losses.append((ce / n).item())
+        return losses, dict(tree_flatten(model.trainable_parameters()))
+
+    base_losses, base = trained(False)
+    assert "meshtune_dora_row_norm_scaled_2" not in simulated
+    losses, folded = trained(True)
+    assert simulated["meshtune_dora_row_norm_scaled_2"].calls >= 1 and simulated["meshtune_dora_column_sums"].calls == 8
+    assert losses == pytest.approx(base_losses, rel=1e-5)
+    for key, value in base.items():
+        assert mx.allclose(folded[key], value, rtol=1e-5, atol=1e-6).item(), key
 
 
 def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monkeypatch):

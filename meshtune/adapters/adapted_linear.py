@@ -74,7 +74,7 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
 
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
-                   w_sq: mx.array | None = None, norm: mx.array | None = None) -> mx.array:
+                   w_sq: mx.array | None = None, norm: mx.array | None = None, folded: bool = False) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
     `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
@@ -82,12 +82,19 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     m / ||W + s (A B)^T||_row and m gets its gradient; without them rs = 1 (LoRA).
     `norm` is that row norm when the caller has it already (a training step takes every
     layer's at once on CUDA, step_norms.py); it is a constant, as the norm always is here.
+
+    `folded` (with `magnitude` and `norm`): W and B already carry rs (W' = rs W by rows,
+    B' = B rs by columns, rs = m / norm rounded to x's dtype: kernels.row_norms_and_scaled_cuda),
+    so the product is LoRA's on them (no row-scale multiply, no g * rs pass) and m's gradient,
+    sum_t g y / (rs * norm), is the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA).
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
     dora = magnitude is not None
     if dora and w_sq is None:
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
+    if folded and (not dora or norm is None):
+        raise ValueError("adapted_linear: a folded product needs DoRA's magnitude and the row norm it was scaled by")
     dt = x.dtype
     tokens = x.size // x.shape[-1]
     given_norm = None if norm is None else mx.stop_gradient(norm)
@@ -96,7 +103,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
         ac, bc = a.astype(dt), b.astype(dt)
-        if not dora:
+        if not dora or folded:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
         if given_norm is not None or on_kernels:
@@ -127,6 +134,10 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         ac, bc = a.astype(dt), b.astype(dt)
         if not dora:
             gz, dm = g, None
+        elif folded:  # rs rides in W' and B': g itself, and m's gradient from the output kept
+            gz = g
+            dm = (kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm) if on_kernels
+                  else dora_cotangent(g, outputs[0], (m / given_norm).astype(dt), given_norm)[1])
         else:
             norm = given_norm if given_norm is not None else outputs[-1]
             gz, dm = (kernels.cotangent_cuda(g, outputs[0], m, norm) if on_kernels

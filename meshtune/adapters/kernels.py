@@ -21,6 +21,11 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   a second small kernel adds the chunks' sums in a fixed order, so the result does not
   depend on scheduling, and divides by rs * norm.
 
+- Folded (opt-in, FOLD_ROW_SCALE): `row_norms_and_scaled_cuda` also writes W' = rs W after
+  each row's norm (the row read again from the L2 cache), the layers run LoRA's product on W'
+  and B' = B rs (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
+  from g and y alone (the cotangent kernel without its g * rs write).
+
 The forward's rs * (base + s u) is left to MLX's fused elementwise kernel (a kernel of
 ours for it lost in the 1B step on an H200: 77.2 vs 75.1 ms, docs/bench/step_norms_h200.txt).
 
@@ -29,6 +34,8 @@ two on a GPU (tests/test_adapted_linear.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
@@ -176,18 +183,14 @@ _COTANGENT = """
     int t0 = blockIdx.y * CHUNK;
     int t1 = min(t0 + CHUNK, ROWS);
     bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(g) % sizeof(Vec) == 0)
-        && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0)
-        && (reinterpret_cast<unsigned long long>(gz) % sizeof(Vec) == 0);
+        && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0)@GZ_ALIGNED@;
     float acc[VEC];
-    float r[VEC];
-    for (int v = 0; v < VEC; ++v) {
-        acc[v] = 0.0f;
-        r[v] = c0 + v < COLS ? row_scale(c0 + v) : 0.0f;
-    }
+    @ROW_SCALES@
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
     if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
         for (int t = t0 + warp; t < t1; t += 8) {
             long long off = (long long)t * COLS + c0;
-            Vec gv, yv, out;
+            Vec gv, yv;
             if (aligned) {
                 gv = *reinterpret_cast<const Vec*>(g + off);
                 yv = *reinterpret_cast<const Vec*>(y + off);
@@ -197,16 +200,7 @@ _COTANGENT = """
                     yv.v[v] = y[off + v];
                 }
             }
-            for (int v = 0; v < VEC; ++v) {
-                float gf = static_cast<float>(gv.v[v]);
-                acc[v] += gf * static_cast<float>(yv.v[v]);
-                out.v[v] = static_cast<T>(gf * r[v]);
-            }
-            if (aligned) {
-                *reinterpret_cast<Vec*>(gz + off) = out;
-            } else {
-                for (int v = 0; v < VEC; ++v) gz[off + v] = out.v[v];
-            }
+            @ELEMENT@
         }
     }
     for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = acc[v];
@@ -236,11 +230,50 @@ _MAGNITUDE_GRAD = """
 # DoRA's row scale rs = m / norm, rounded to the activations' dtype T as the MLX ops round it,
 # computed where it is used (no launch of its own, no rs array).
 _RS_FROM_M = "auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };"
-_COTANGENT = _COTANGENT.replace("RS_FROM_M", _RS_FROM_M)
 _MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M)
+# The cotangent kernel writes g * rs beside the column sums; the sums-only kernel
+# (magnitude_grad_cuda, for a product folded into W' and B', row_norms_and_scaled_cuda) does not.
+_SCALED_COTANGENT = {
+    "@GZ_ALIGNED@": "\n        && (reinterpret_cast<unsigned long long>(gz) % sizeof(Vec) == 0)",
+    "@ROW_SCALES@": "float r[VEC];\n    for (int v = 0; v < VEC; ++v) r[v] = c0 + v < COLS ? row_scale(c0 + v) : 0.0f;",
+    "@ELEMENT@": """Vec out;
+            for (int v = 0; v < VEC; ++v) {
+                float gf = static_cast<float>(gv.v[v]);
+                acc[v] += gf * static_cast<float>(yv.v[v]);
+                out.v[v] = static_cast<T>(gf * r[v]);
+            }
+            if (aligned) {
+                *reinterpret_cast<Vec*>(gz + off) = out;
+            } else {
+                for (int v = 0; v < VEC; ++v) gz[off + v] = out.v[v];
+            }""",
+}
+_SUMS_ONLY = {
+    "@GZ_ALIGNED@": "",
+    "@ROW_SCALES@": "",
+    "@ELEMENT@": """for (int v = 0; v < VEC; ++v)
+                acc[v] += static_cast<float>(gv.v[v]) * static_cast<float>(yv.v[v]);""",
+}
+
+
+def _fill(source: str, parts: dict[str, str]) -> str:
+    for key, text in parts.items():
+        source = source.replace(key, text)
+    return source
+
+
+_COLUMN_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _SUMS_ONLY)
+_COTANGENT = _fill(_COTANGENT.replace("RS_FROM_M", _RS_FROM_M), _SCALED_COTANGENT)
 
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
+
+# Whether a training step folds DoRA's row scale into the weights (step_norms.py writes W' = rs W
+# beside the norms; adapted_linear's folded product): LoRA's product on W' and B', m's gradient
+# the only pass DoRA adds, for a dense copy of the adapted weights held through the step (bf16
+# bases; a quantized base's dequantized copy is held either way). Off until an H200 measures it
+# (scripts/probe_dora_step.py, docs/bench/dora_step_overlapped_h200.txt); MESHTUNE_DORA_FOLD=1 turns it on.
+FOLD_ROW_SCALE = os.environ.get("MESHTUNE_DORA_FOLD", "0") == "1"
 
 # The largest rank the row-scale kernel takes (its accumulators live in registers);
 # adapted_linear computes larger ones in MLX ops.
@@ -268,10 +301,52 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
 MAX_LAYERS_A_LAUNCH = 32
 
 
-def _row_norm_source(layers: int) -> str:
-    """The row-norm kernel with its @SELECT@ pointing w, a, b and norm at layer blockIdx.y's arrays."""
-    select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i}; break;" for i in range(layers))
-    return _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+# After the norms, the scaled-weight kernel (row_norms_and_scaled_cuda) writes W' = rs W: a
+# warp, holding each of its rows' norms in every lane (the butterfly's sum), reads the row again
+# (from the L2 cache, just read) and writes rs * w, rs = m / norm rounded to W's dtype as the MLX
+# ops round it.
+_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n"
+_SCALED_EPILOGUE = """
+    bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int q = 0; q < RPW; ++q) {
+            int i = first_row(g) + q;
+            if (i >= OUT) continue;
+            float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
+            for (int c = lane * VEC; c < IN; c += 32 * VEC) {
+                long long off = (long long)i * IN + c;
+                WVec in, out;
+                if (ws_aligned) {
+                    in = *reinterpret_cast<const WVec*>(w + off);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) in.v[v] = w[off + v];
+                }
+                #pragma unroll
+                for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in.v[v]));
+                if (ws_aligned) {
+                    *reinterpret_cast<WVec*>(ws + off) = out;
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) ws[off + v] = out.v[v];
+                }
+            }
+        }
+"""
+
+
+def _row_norm_source(layers: int, scaled: bool = False) -> str:
+    """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
+    W') at layer blockIdx.y's arrays."""
+    extra = " mm = m{i}; ws = ws{i};" if scaled else ""
+    select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
+                       for i in range(layers))
+    source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+    if scaled:
+        source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
+    return source
 
 
 def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],
@@ -281,28 +356,46 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
     One launch takes up to MAX_LAYERS_A_LAUNCH layers (a layer per row of blocks), so a
     model's layers of one shape cost a launch or two, not one each.
     """
+    return _row_norms(weights, a, b, scales, None)[0]
+
+
+def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
+                              magnitudes: list[mx.array]) -> tuple[list[mx.array], list[mx.array]]:
+    """(row_norms_cuda's norms, W' = rs W in W's dtype with rs = m / norm rounded to it) of each layer, in the
+    same launches: DoRA's row scale folded into the weights (adapted_linear.folded_dora_linear)."""
+    return _row_norms(weights, a, b, scales, magnitudes)
+
+
+def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
+               magnitudes: list[mx.array] | None) -> tuple[list[mx.array], list[mx.array]]:
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
-        return (row_norms_cuda(weights[:cut], a[:cut], b[:cut], scales[:cut])
-                + row_norms_cuda(weights[cut:], a[cut:], b[cut:], scales[cut:]))
+        first = _row_norms(weights[:cut], a[:cut], b[:cut], scales[:cut], magnitudes and magnitudes[:cut])
+        rest = _row_norms(weights[cut:], a[cut:], b[cut:], scales[cut:], magnitudes and magnitudes[cut:])
+        return first[0] + rest[0], first[1] + rest[1]
     n = len(weights)
     out, inp = weights[0].shape
     r = a[0].shape[-1]
     if any(w.shape != (out, inp) or w.dtype != weights[0].dtype or x.shape != (inp, r) or y.shape != (r, out)
            for w, x, y in zip(weights, a, b)):
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
-    names = [f"{p}{i}" for p in ("w", "a", "b") for i in range(n)]
+    scaled = magnitudes is not None
+    names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)]
+    outputs = [f"norm{i}" for i in range(n)] + ([f"ws{i}" for i in range(n)] if scaled else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
-    k = _kernel(f"meshtune_dora_row_norm_{n}", names + ["s"], [f"norm{i}" for i in range(n)], _row_norm_source(n))
+    k = _kernel(f"meshtune_dora_row_norm{'_scaled' if scaled else ''}_{n}", names + ["s"], outputs,
+                _row_norm_source(n, scaled))
     rows, vec, tile = _row_scale_layout(r, inp, weights[0].dtype.size)
     blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
-    return k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
-                     mx.array(scales, dtype=mx.float32)],
-             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                       ("TJ", tile), ("G", _ROW_GROUPS), ("WT", weights[0].dtype)],
-             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-             output_shapes=[(out,)] * n, output_dtypes=[mx.float32] * n)
+    res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
+                    *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)],
+            template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
+                      ("TJ", tile), ("G", _ROW_GROUPS), ("WT", weights[0].dtype)],
+            grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
+            output_shapes=[(out,)] * n + ([(out, inp)] * n if scaled else []),
+            output_dtypes=[mx.float32] * n + ([weights[0].dtype] * n if scaled else []))
+    return list(res[:n]), list(res[n:])
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
@@ -326,8 +419,27 @@ def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tup
                                                    ("T", g.dtype), ("YT", y.dtype)],
                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                  output_shapes=[(rows, cols), (chunks, cols)], output_dtypes=[g.dtype, mx.float32])
+    return gz, _magnitude_from_sums(part, m, norm, g.dtype)
+
+
+def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> mx.array:
+    """sum_t g * y / (rs * norm) float32 (0 where rs * norm is 0) for (rows, cols) g, y: cotangent_cuda's
+    second result without its first, for a product that applies rs in its weights (folded_dora_linear)."""
+    rows, cols = g.shape
+    vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
+    k = _kernel("meshtune_dora_column_sums", ["g", "y"], ["part"], _COLUMN_SUMS)
+    (part,) = k(inputs=[g, y], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                         ("T", g.dtype), ("YT", y.dtype)],
+                grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])
+    return _magnitude_from_sums(part, m, norm, g.dtype)
+
+
+def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array, dtype: mx.Dtype) -> mx.array:
+    """m's gradient from the chunks' column sums (chunks, cols), added in a fixed order."""
+    chunks, cols = part.shape
     k = _kernel("meshtune_dora_magnitude_grad", ["part", "m", "norm"], ["dm"], _MAGNITUDE_GRAD)
-    (dm,) = k(inputs=[part, m.astype(mx.float32), norm], template=[("COLS", cols), ("CHUNKS", chunks), ("T", g.dtype)],
+    (dm,) = k(inputs=[part, m.astype(mx.float32), norm], template=[("COLS", cols), ("CHUNKS", chunks), ("T", dtype)],
               grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
               output_shapes=[(cols,)], output_dtypes=[mx.float32])
-    return gz, dm
+    return dm

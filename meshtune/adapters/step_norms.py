@@ -31,7 +31,7 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized
 
-_active: dict[int, tuple[int, mx.array, mx.array]] = {}  # id(layer) -> (tokens, dense weight, norm)
+_active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, W' = rs W or None)
 
 
 def _recomputed(module: nn.Module) -> bool:
@@ -61,16 +61,20 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         dense = dense_weight_for(layer.linear, tokens)
         if dense is not None:
             groups.setdefault((dense.shape, dense.dtype, layer.lora_a.shape[-1]), []).append((layer, dense))
+    # W' = rs W for every layer is held through the step, so not where blocks are recomputed.
+    fold = kernels.FOLD_ROW_SCALE and share_dequantized
     taken = {}
     for members in groups.values():
         layers = [layer for layer, _ in members]
-        norms = kernels.row_norms_cuda([dense for _, dense in members],
-                                       [mx.stop_gradient(layer.lora_a) for layer in layers],
-                                       [mx.stop_gradient(layer.lora_b) for layer in layers],
-                                       [float(layer.scale) for layer in layers])
-        for (layer, dense), norm in zip(members, norms):
+        args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
+                [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
+        if fold:
+            norms, scaled = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
+        else:
+            norms, scaled = kernels.row_norms_cuda(*args), [None] * len(layers)
+        for (layer, dense), norm, w_scaled in zip(members, norms, scaled):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
-            taken[id(layer)] = (tokens, dense if shared else None, norm)
+            taken[id(layer)] = (tokens, dense if shared else None, norm, w_scaled)
     _active.update(taken)
     try:
         yield
@@ -85,4 +89,10 @@ def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | 
     The weight is None where the layer is to dequantize its own (blocks recomputed in the backward).
     """
     hit = _active.get(id(layer))
-    return hit[1:] if hit is not None and hit[0] == tokens else None
+    return hit[1:3] if hit is not None and hit[0] == tokens else None
+
+
+def lookup_scaled(layer: nn.Module, tokens: int) -> mx.array | None:
+    """W' = rs W the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
+    hit = _active.get(id(layer))
+    return hit[3] if hit is not None and hit[0] == tokens else None
