@@ -108,9 +108,9 @@ def test_folded_product_is_doras(dropout, dtype):
         return (fn(x, a, b, m, x * mask if dropout else x).astype(mx.float32) * probe).sum()
 
     def folded(x, a, b, m, xl):
-        rs = mx.stop_gradient((m / norm).astype(dtype))
-        return adapted_linear(x, rs[:, None] * w, a, b * rs.astype(mx.float32), S, x_lora=xl, magnitude=m,
-                              w_sq=(w32 * w32).sum(-1), norm=norm, folded=True)
+        rs = (m / norm).astype(dtype)
+        return adapted_linear(x, rs[:, None] * w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w32 * w32).sum(-1),
+                              norm=norm, row_scale=rs.astype(mx.float32))
 
     def ref(x, a, b, m, xl):
         return _reference(x.astype(mx.float32), w32, a, b, m, xl.astype(mx.float32))
@@ -127,9 +127,9 @@ def test_folded_product_is_doras(dropout, dtype):
 def test_folded_product_needs_the_magnitude_and_its_norm():
     x, w, a, b, m, _ = _inputs()
     with pytest.raises(ValueError, match="folded"):
-        adapted_linear(x, w, a, b, S, folded=True)
+        adapted_linear(x, w, a, b, S, row_scale=m)
     with pytest.raises(ValueError, match="folded"):
-        adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), folded=True)
+        adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), row_scale=m)
 
 
 def test_magnitude_without_base_norms_is_an_error():
@@ -172,9 +172,10 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
     assert mx.array_equal(got[0], got[1]).item()  # a layer's norm does not depend on its launch
     assert got[5][3].item() == 0.0
     # The folded step's kernels: the same norms with W' = rs W beside them, and m's gradient alone.
-    norms2, scaled = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b], [S, S], [m, m * 2])
+    norms2, scaled, row_scales = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b], [S, S], [m, m * 2])
     assert mx.array_equal(norms2[0], got[0]).item() and mx.array_equal(norms2[1], got[3]).item()
-    for n, mm, ww, sw in zip(norms2, (m, m * 2), (w, w * 0.5), scaled):
+    for n, mm, ww, sw, rs2 in zip(norms2, (m, m * 2), (w, w * 0.5), scaled, row_scales):
+        assert rs2.dtype == mx.float32 and mx.allclose(rs2, (mm / n).astype(dtype).astype(mx.float32), rtol=1e-2 if dtype == mx.bfloat16 else 1e-6).item()
         want_sw = (mm / n).astype(dtype)[:, None] * ww  # to an ulp of W's dtype (a division's rounding may differ)
         tol = 1e-2 if dtype == mx.bfloat16 else 1e-6
         assert sw.dtype == dtype and mx.allclose(sw, want_sw, rtol=tol, atol=tol * 1e-3).item()

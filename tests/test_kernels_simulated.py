@@ -251,7 +251,7 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
 
 @pytest.mark.parametrize("inp, out", [(64, 40), (24, 19)])  # 16-byte accesses; 24 x 19: ragged rows, one a lane
 def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
-    """row_norms_and_scaled_cuda: row_norms_cuda's norms and W' = rs W, two layers in one launch."""
+    """row_norms_and_scaled_cuda: row_norms_cuda's norms, W' = rs W and rs, two layers in one launch."""
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(inp + out), 8)
@@ -259,10 +259,11 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     a = [mx.random.normal((inp, 4), key=k[i]) * 0.1 for i in (2, 3)]
     b = [mx.random.normal((4, out), key=k[i]) * 0.1 for i in (4, 5)]
     ms = [mx.random.uniform(0.5, 2, (out,), key=k[i]) for i in (6, 7)]
-    norms, scaled = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
+    norms, scaled, row_scales = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
     want = kernels.row_norms_cuda(ws, a, b, [2.0, 0.5])
-    for n, want_n, w, m, sw in zip(norms, want, ws, ms, scaled):
+    for n, want_n, w, m, sw, rs in zip(norms, want, ws, ms, scaled, row_scales):
         assert mx.allclose(n, want_n, rtol=1e-5).item()
+        assert mx.allclose(rs, m / n, rtol=1e-6).item()
         assert mx.allclose(sw, (m / n)[:, None] * w, rtol=1e-5, atol=1e-7).item()
     assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
 

@@ -74,7 +74,8 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
 
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
-                   w_sq: mx.array | None = None, norm: mx.array | None = None, folded: bool = False) -> mx.array:
+                   w_sq: mx.array | None = None, norm: mx.array | None = None,
+                   row_scale: mx.array | None = None) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
     `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
@@ -83,26 +84,33 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     `norm` is that row norm when the caller has it already (a training step takes every
     layer's at once on CUDA, step_norms.py); it is a constant, as the norm always is here.
 
-    `folded` (with `magnitude` and `norm`): W and B already carry rs (W' = rs W by rows,
-    B' = B rs by columns, rs = m / norm rounded to x's dtype: kernels.row_norms_and_scaled_cuda),
-    so the product is LoRA's on them (no row-scale multiply, no g * rs pass) and m's gradient,
-    sum_t g y / (rs * norm), is the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA).
+    `row_scale` (with `magnitude` and `norm`; float32 (out,)): rs = m / norm rounded to x's dtype,
+    already folded into W (W' = rs W by rows: kernels.row_norms_and_scaled_cuda writes both). The
+    product is then LoRA's on W' and B' = B rs (no row-scale multiply, no g * rs pass; B's gradient
+    takes rs in the multiply its scale already has) and m's gradient, sum_t g y / (rs * norm), is
+    the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA).
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
     dora = magnitude is not None
     if dora and w_sq is None:
         raise ValueError("adapted_linear: DoRA's magnitude needs w_sq, the base's squared row norms")
+    folded = row_scale is not None
     if folded and (not dora or norm is None):
-        raise ValueError("adapted_linear: a folded product needs DoRA's magnitude and the row norm it was scaled by")
+        raise ValueError("adapted_linear: a folded row scale needs DoRA's magnitude and the row norm it came from")
     dt = x.dtype
+    rs_folded = None if row_scale is None else mx.stop_gradient(row_scale)
     tokens = x.size // x.shape[-1]
     given_norm = None if norm is None else mx.stop_gradient(norm)
     # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
+    def factors(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
+        """A and B in x's dtype, B' = B rs where the row scale is folded."""
+        return a.astype(dt), (b if rs_folded is None else b * rs_folded).astype(dt)
+
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
-        ac, bc = a.astype(dt), b.astype(dt)
+        ac, bc = factors(a, b)
         if not dora or folded:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
@@ -131,20 +139,21 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
-        ac, bc = a.astype(dt), b.astype(dt)
+        ac, bc = factors(a, b)
         if not dora:
             gz, dm = g, None
         elif folded:  # rs rides in W' and B': g itself, and m's gradient from the output kept
             gz = g
             dm = (kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm) if on_kernels
-                  else dora_cotangent(g, outputs[0], (m / given_norm).astype(dt), given_norm)[1])
+                  else dora_cotangent(g, outputs[0], rs_folded.astype(dt), given_norm)[1])
         else:
             norm = given_norm if given_norm is not None else outputs[-1]
             gz, dm = (kernels.cotangent_cuda(g, outputs[0], m, norm) if on_kernels
                       else dora_cotangent(g, outputs[0], outputs[1], norm))
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
-        gb = (scale * ((xl @ ac).T @ gz)).astype(b.dtype)
+        gb = scale * ((xl @ ac).T @ gz)
+        gb = (gb if rs_folded is None else gb * rs_folded).astype(b.dtype)  # d B = d B' rs
         if two_inputs:
             grads = [gz @ weight, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
         else:

@@ -117,12 +117,12 @@ class DoRALinear(DoRA, LoRALinear):
             # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
             shared, norm = step_norms.lookup(self, tokens) or (None, None)
             dense = shared if shared is not None else dense_weight_for(self.linear, tokens)
-            scaled = step_norms.lookup_scaled(self, tokens)
-            if scaled is not None:
+            folded = step_norms.lookup_scaled(self, tokens)
+            if folded is not None:
                 # The step wrote W' = rs W (kernels.FOLD_ROW_SCALE): LoRA's product on W' and B' = B rs.
-                rs = mx.stop_gradient((self.m / norm).astype(x.dtype)).astype(mx.float32)
-                y = adapted_linear(x, scaled, self.lora_a, self.lora_b * rs, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, folded=True)
+                scaled, rs = folded
+                y = adapted_linear(x, scaled, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
+                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs)
             elif dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
                                    magnitude=self.m, w_sq=self._w_sq, norm=norm)

@@ -305,7 +305,7 @@ MAX_LAYERS_A_LAUNCH = 32
 # warp, holding each of its rows' norms in every lane (the butterfly's sum), reads the row again
 # (from the L2 cache, just read) and writes rs * w, rs = m / norm rounded to W's dtype as the MLX
 # ops round it.
-_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n"
+_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n"
 _SCALED_EPILOGUE = """
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
     #pragma unroll
@@ -315,6 +315,7 @@ _SCALED_EPILOGUE = """
             int i = first_row(g) + q;
             if (i >= OUT) continue;
             float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
+            if (lane == q) rso[i] = rs;
             for (int c = lane * VEC; c < IN; c += 32 * VEC) {
                 long long off = (long long)i * IN + c;
                 WVec in, out;
@@ -340,7 +341,7 @@ _SCALED_EPILOGUE = """
 def _row_norm_source(layers: int, scaled: bool = False) -> str:
     """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
     W') at layer blockIdx.y's arrays."""
-    extra = " mm = m{i}; ws = ws{i};" if scaled else ""
+    extra = " mm = m{i}; ws = ws{i}; rso = rs{i};" if scaled else ""
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
                        for i in range(layers))
     source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
@@ -360,19 +361,20 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-                              magnitudes: list[mx.array]) -> tuple[list[mx.array], list[mx.array]]:
-    """(row_norms_cuda's norms, W' = rs W in W's dtype with rs = m / norm rounded to it) of each layer, in the
-    same launches: DoRA's row scale folded into the weights (adapted_linear.folded_dora_linear)."""
+                              magnitudes: list[mx.array]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+    """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
+    rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale)."""
     return _row_norms(weights, a, b, scales, magnitudes)
 
 
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-               magnitudes: list[mx.array] | None) -> tuple[list[mx.array], list[mx.array]]:
+               magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
+    """(norms,) or, with magnitudes, (norms, W', rs): a list each, a layer's entry at its index."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
         first = _row_norms(weights[:cut], a[:cut], b[:cut], scales[:cut], magnitudes and magnitudes[:cut])
         rest = _row_norms(weights[cut:], a[cut:], b[cut:], scales[cut:], magnitudes and magnitudes[cut:])
-        return first[0] + rest[0], first[1] + rest[1]
+        return tuple(x + y for x, y in zip(first, rest))
     n = len(weights)
     out, inp = weights[0].shape
     r = a[0].shape[-1]
@@ -381,7 +383,8 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)]
-    outputs = [f"norm{i}" for i in range(n)] + ([f"ws{i}" for i in range(n)] if scaled else [])
+    outputs = [f"norm{i}" for i in range(n)] + ([f"ws{i}" for i in range(n)] + [f"rs{i}" for i in range(n)]
+                                                 if scaled else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
     k = _kernel(f"meshtune_dora_row_norm{'_scaled' if scaled else ''}_{n}", names + ["s"], outputs,
@@ -393,9 +396,9 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
                       ("TJ", tile), ("G", _ROW_GROUPS), ("WT", weights[0].dtype)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(out,)] * n + ([(out, inp)] * n if scaled else []),
-            output_dtypes=[mx.float32] * n + ([weights[0].dtype] * n if scaled else []))
-    return list(res[:n]), list(res[n:])
+            output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
+            output_dtypes=[mx.float32] * n + ([weights[0].dtype] * n + [mx.float32] * n if scaled else []))
+    return tuple(list(res[i * n:(i + 1) * n]) for i in range(len(res) // n))
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
