@@ -427,7 +427,7 @@ def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tup
 
 def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> mx.array:
     """sum_t g * y / (rs * norm) float32 (0 where rs * norm is 0) for (rows, cols) g, y: cotangent_cuda's
-    second result without its first, for a product that applies rs in its weights (folded_dora_linear)."""
+    second result without its first, for a product that applies rs in its weights (adapted_linear's row_scale)."""
     rows, cols = g.shape
     vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
     k = _kernel("meshtune_dora_column_sums", ["g", "y"], ["part"], _COLUMN_SUMS)
