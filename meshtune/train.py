@@ -36,6 +36,31 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
     return masked_ce_sum(model(tokens[:, :-1]), tokens[:, 1:], lengths)
 
 
+class OneInFlight:
+    """Evaluates a loop's outputs one iteration behind where `overlap` (runtime.overlap_steps):
+    `run` dispatches this iteration's outputs, then waits for the previous iteration's `wait_on`
+    arrays, so the host builds the next iteration while the device runs this one. MLX signals an
+    evaluation's arrays together, at its end, so waiting on a few of them waits for all of it.
+    Without `overlap`, `run` evaluates and returns."""
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._pending: list[mx.array] = []
+
+    def run(self, outputs: Any, wait_on: list[mx.array]) -> None:
+        if not self.overlap:
+            mx.eval(outputs)
+            return
+        mx.async_eval(outputs)
+        self.finish()
+        self._pending = list(wait_on)
+
+    def finish(self) -> None:
+        """Wait for the iteration still in flight, if any."""
+        mx.eval(self._pending)
+        self._pending = []
+
+
 def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
              beat: Callable[[], None] = lambda: None, counts: bool = True,
              overlap: bool = False) -> tuple[float, int]:
@@ -47,16 +72,13 @@ def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
     """
     model.eval()
     total, tokens = mx.array(0.0), mx.array(0)
+    in_flight = OneInFlight(overlap)
     for batch in batches:
         ce, n = loss_terms(model, batch.tokens, batch.lengths)
-        previous, (total, tokens) = (total, tokens), (total + ce, tokens + n)
-        if overlap:
-            mx.async_eval(total, tokens)
-            mx.eval(previous)
-        else:
-            mx.eval(total, tokens)
+        total, tokens = total + ce, tokens + n
+        in_flight.run([total, tokens], [total, tokens])
         beat()
-    mx.eval(total, tokens)
+    in_flight.finish()
     model.train()
     if not counts:
         total, tokens = mx.zeros_like(total), mx.zeros_like(tokens)
@@ -207,20 +229,9 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
     step = start.step
-    in_flight: list[mx.array] = []  # the last micro-batch's loss terms while the device still computes them
-
-    def run_micro_batch(outputs: list[Any]) -> None:
-        """Evaluate one micro-batch's outputs; overlapped, dispatch them and then wait for the
-        previous micro-batch's, so the host builds this one while the device runs that one.
-        The wait is on that micro-batch's own loss arrays (the state's containers are updated
-        in place, so they already hold this micro-batch's arrays); MLX signals a dispatch's
-        arrays together, at its end."""
-        if not settings.overlap_steps:
-            mx.eval(outputs)
-            return
-        mx.async_eval(outputs)
-        mx.eval(in_flight)
-        in_flight[:] = [window.loss_sum, window.tokens]
+    # The wait is on a micro-batch's own loss arrays: the state's containers are updated in
+    # place, so by then they hold the next micro-batch's arrays.
+    in_flight = OneInFlight(settings.overlap_steps)
 
     def run_eval(at: int) -> float:
         tic = time.perf_counter()
@@ -244,8 +255,8 @@ def train(model: nn.Module, optimizer: optim.Optimizer, batches: Iterator[Any], 
                 last = micro == settings.grad_accumulation_steps - 1
                 ce, n, grads, ntoks = step_fn(batch.tokens, batch.lengths, grads, ntoks, last)
                 window.add(ce, n)
-                run_micro_batch([model.state, optimizer.state, mx.random.state, window.loss_sum, window.tokens,
-                                 grads, ntoks])
+                in_flight.run([model.state, optimizer.state, mx.random.state, window.loss_sum, window.tokens,
+                               grads, ntoks], [window.loss_sum, window.tokens])
             window.end_step(time.perf_counter() - tic)
             step += 1
             beat(step)

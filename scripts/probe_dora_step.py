@@ -82,7 +82,7 @@ def _scaled_weight(self, x):
     if dense is None:
         return ORIGINAL(self, x)
     y = SW.scaled_weight_linear(x, dense, self.lora_a, self.lora_b, self.scale, self.m,
-                                norm if norm is not None else self.row_norm())
+                                norm if norm is not None else self.row_norm(), w_sq=self._w_sq)
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
@@ -340,7 +340,7 @@ def main():
         ms = B.time_steps(steps, a)
         lora = ms["lora"]
         print(f"{base}: batch {a.batch_size} x {a.seq_len}, {a.steps} steps in {a.rounds} rounds, steps "
-              + ("overlapped" if B.overlaps_steps(B._overlap_setting(a)) else "one after another"))
+              + ("overlapped" if a.overlap else "one after another"))
         for k, v in ms.items():
             print(f"  {base} {k:<28} {v * 1e3:8.2f} ms  {v / lora:5.3f}x LoRA", flush=True)
         del steps

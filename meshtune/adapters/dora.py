@@ -117,15 +117,11 @@ class DoRALinear(DoRA, LoRALinear):
             # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
             shared, norm = step_norms.lookup(self, tokens) or (None, None)
             dense = shared if shared is not None else dense_weight_for(self.linear, tokens)
-            folded = step_norms.lookup_scaled(self, tokens)
-            if folded is not None:
-                # The step wrote W' = rs W (kernels.FOLD_ROW_SCALE): LoRA's product on W' and B' = B rs.
-                scaled, rs = folded
-                y = adapted_linear(x, scaled, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs)
-            elif dense is not None:
+            # Where the step wrote W' = rs W (kernels.FOLD_ROW_SCALE), LoRA's product on W' and B' = B rs.
+            dense, rs = step_norms.lookup_scaled(self, tokens) or (dense, None)
+            if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=norm)
+                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs)
             else:
                 y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).

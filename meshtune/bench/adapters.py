@@ -50,7 +50,7 @@ from mlx.utils import tree_map
 
 from ..blas import describe_blas
 from ..heap import keep_freed_memory
-from ..train import overlaps_steps
+from ..train import OneInFlight, overlaps_steps
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
 IMPLS = ("stock", "meshtune")
@@ -103,12 +103,9 @@ def _settings(argv: list[str]) -> argparse.Namespace:
             setattr(a, name, value)
     if a.steps < 1 or a.gen_tokens < 2 or a.rounds < 1:
         raise ValueError("--steps and --rounds must be >= 1 and --gen-tokens >= 2 (decode speed needs two tokens)")
+    # Whether meshtune's steps overlap here, as runtime.overlap_steps would decide.
+    a.overlap = overlaps_steps({"true": True, "false": False}.get(a.overlap_steps, a.overlap_steps))
     return a
-
-
-def _overlap_setting(a: argparse.Namespace) -> bool | str:
-    """--overlap-steps as runtime.overlap_steps takes it."""
-    return {"true": True, "false": False}.get(a.overlap_steps, a.overlap_steps)
 
 
 def dense_dtype_name(a: argparse.Namespace) -> str:
@@ -170,6 +167,7 @@ def _stock_runner(model: nn.Module, optimizer: optim.Optimizer) -> StepRunner:
         getattr(trainer, "_clear_cache", lambda _: None)(TrainingArgs().clear_cache_threshold)
         return lvalue
 
+    run.finish = lambda: None  # every step is waited for
     return run
 
 
@@ -184,24 +182,15 @@ def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool
 
     step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, optimizer.state, mx.random.state]
-    in_flight: list[mx.array] = []
+    in_flight = OneInFlight(overlap)
 
     def run(tokens: mx.array, lengths: mx.array) -> mx.array:
         ce, n, _, _ = step(tokens, lengths, None, None, True)
         loss = ce / n
-        if not overlap:
-            mx.eval(state, loss)
-            return loss
-        mx.async_eval(state, loss)
-        finish()
-        in_flight.append(loss)
+        in_flight.run([state, loss], [loss])
         return loss
 
-    def finish() -> None:
-        mx.eval(in_flight)
-        in_flight.clear()
-
-    run.finish = finish
+    run.finish = in_flight.finish
     return run
 
 
@@ -221,7 +210,7 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     if impl == "stock":
         run = _stock_runner(model, optimizer)
     else:
-        run = _meshtune_runner(model, optimizer, overlap=overlaps_steps(_overlap_setting(a)))
+        run = _meshtune_runner(model, optimizer, overlap=a.overlap)
     # One fixed batch of full-length rows: lengths are (prompt offset 0, length), as mlx-lm's.
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
@@ -230,7 +219,7 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     def one_step() -> mx.array:
         return run(tokens, lengths)
 
-    one_step.finish = getattr(run, "finish", lambda: None)  # waits for a step still in flight
+    one_step.finish = run.finish  # waits for a step still in flight
     return one_step
 
 
@@ -348,7 +337,7 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
     print(f"{describe_blas()}; malloc: " + ("freed memory kept in the process (meshtune/heap.py)" if a.keep_freed_memory
                                             else "defaults"))
     print("meshtune's steps: " + ("each dispatched while the device runs the one before, as its loop takes them "
-                                  "(runtime.overlap_steps)" if overlaps_steps(_overlap_setting(a))
+                                  "(runtime.overlap_steps)" if a.overlap
                                   else "each waited for before the next (runtime.overlap_steps off)")
           + "; stock mlx-lm's: each waited for, as mlx_lm.lora's loop")
     layers = "all" if a.num_layers < 0 else f"the last {a.num_layers}"
@@ -434,7 +423,7 @@ def main(argv: list[str]) -> int:
             "targets": {k: f"{op} {b}" for k, b, op in TARGETS},
             "targets_met": {k: _met(r[k], b, op) for k, b, op in TARGETS},
             "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
-            "keep_freed_memory": a.keep_freed_memory, "overlap_steps": overlaps_steps(_overlap_setting(a)),
+            "keep_freed_memory": a.keep_freed_memory, "overlap_steps": a.overlap,
             "base_path": a.base_path, "crossovers": crossovers, "preset": a.preset,
             "shape": {**vars(shape), "params": shape.params()},
             "batch_size": a.batch_size, "seq_len": a.seq_len, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,

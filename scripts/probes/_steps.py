@@ -1,5 +1,7 @@
 """What the step probes share: meshtune's compiled step on the bench's random model and one fixed batch,
 and timing several configurations in interleaved rounds."""
+import time
+
 import mlx.core as mx
 import mlx.optimizers as optim
 
@@ -33,3 +35,15 @@ def interleaved(runs, steps, *, warmup=3, rounds=2):
         for name, run in runs.items():
             results[name] += [run() for _ in range(steps // rounds)]
     return results
+
+
+def median_ms(fn, reps, warmup=3):
+    """Median milliseconds of mx.eval(fn()) over `reps` calls, after `warmup` calls."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return sorted(times)[reps // 2] * 1e3

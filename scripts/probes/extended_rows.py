@@ -5,27 +5,16 @@
 DoRA's training product is [x; A^T] W^T: T + r rows instead of T. Rows 136 (r = 8),
 144 (padded to a multiple of 16) and W A on its own, each a compiled product, median ms.
 """
-import time
 
 import mlx.core as mx
+
+from _steps import median_ms
 
 T, IN, OUT, R = 128, 2048, 6144, 8
 W = mx.random.normal((OUT, IN)) * IN ** -0.5
 x = mx.random.normal((T, IN))
 a = mx.random.normal((IN, R)) * 0.02
 mx.eval(W, x, a)
-
-
-def timed(fn, n=10):
-    f = mx.compile(fn)
-    for _ in range(3):
-        mx.eval(f())
-    t = []
-    for _ in range(n):
-        tic = time.perf_counter()
-        mx.eval(f())
-        t.append(time.perf_counter() - tic)
-    return sorted(t)[n // 2] * 1e3
 
 
 cases = {
@@ -35,4 +24,4 @@ cases = {
     "x W^T and W A apart": lambda: [x @ W.T, W @ a],
 }
 for name, fn in cases.items():
-    print(f"{name:<28}{timed(fn):8.2f} ms", flush=True)
+    print(f"{name:<28}{median_ms(mx.compile(fn), 10):8.2f} ms", flush=True)

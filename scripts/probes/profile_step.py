@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from _steps import meshtune_step
 from meshtune.bench import adapters as B
+from meshtune.train import OneInFlight
 
 
 def _cudart():
@@ -48,14 +49,11 @@ def main():
     cudart = _cudart()
     if cudart is not None:
         cudart.cudaProfilerStart()
-    tic, pending = time.perf_counter(), None
+    tic, in_flight = time.perf_counter(), OneInFlight(True)
     for _ in range(args.steps):  # overlapped, as the loop takes steps on a GPU (runtime.overlap_steps)
         ce, n, _, _ = step(tokens, lengths, None, None, True)
-        mx.async_eval(state, ce, n)
-        if pending is not None:
-            mx.eval(pending)
-        pending = ce
-    mx.eval(pending)
+        in_flight.run([state, ce, n], [ce])
+    in_flight.finish()
     ms = (time.perf_counter() - tic) / args.steps * 1e3
     if cudart is not None:
         cudart.cudaProfilerStop()

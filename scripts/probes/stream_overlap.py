@@ -7,9 +7,9 @@ two streams at once, that work could hide behind the products. Times, eager and 
 mx.compile: a chain of bf16 products alone; column sums alone; both on one stream; both
 with the sums on a second stream. Median of 9.
 """
-import time
-
 import mlx.core as mx
+
+from _steps import median_ms
 
 T, IN, OUT, N = (4096, 2048, 6144, 12) if mx.default_device() == mx.gpu else (256, 256, 512, 3)
 main, side = mx.default_stream(mx.default_device()), mx.new_stream(mx.default_device())
@@ -34,16 +34,6 @@ def both(stream):
     return products(x) + sums(stream)
 
 
-def timed(fn, reps=9):
-    mx.eval(fn())
-    ts = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - tic)
-    return sorted(ts)[reps // 2] * 1e3
-
-
 cases = {
     "products alone": lambda: products(x),
     "column sums alone": lambda: sums(main),
@@ -54,4 +44,4 @@ print(f"mlx {mx.__version__} {mx.default_device()}: {N} products {T}x{IN} @ {IN}
 for compiled in (False, True):
     for name, fn in cases.items():
         f = mx.compile(fn) if compiled else fn
-        print(f"  {'compiled' if compiled else 'eager':<9} {name:<32} {timed(f):8.2f} ms", flush=True)
+        print(f"  {'compiled' if compiled else 'eager':<9} {name:<32} {median_ms(f, 9, warmup=1):8.2f} ms", flush=True)
