@@ -54,21 +54,36 @@ case $what in
       2>&1 | grep -v "^check [^s]" | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (docs/bench/overlapped_batches_h200.txt leaves
-    # ~4.8 ms per 4096 tokens unattributed). Needs nsys; without it, says which profilers the machine has.
-    command -v nsys ncu || echo "no nsys or ncu on PATH"
-    ls -d /usr/local/cuda*/bin /opt/nvidia/nsight-systems* 2>/dev/null
-    find / -xdev \( -name "libcupti.so*" -o -name nsys \) 2>/dev/null | head -5
-    nsys=$(command -v nsys || find / -xdev -name nsys -type f -perm -u+x 2>/dev/null | head -1)
+    # ~4.8 ms per 4096 tokens unattributed). nsys where it can write its report (the CUDA toolkit's copy
+    # wrote only a .qdstrm: its importer is converted by hand where found); else ncu, a row a launch.
+    nsys=$(command -v nsys || find / -xdev -path "*/bin/nsys" -type f 2>/dev/null | head -1)
+    importer=$(find / -xdev -name "QdstrmImporter*" -type f 2>/dev/null | head -1)
+    echo "nsys: ${nsys:-none}; importer: ${importer:-none}; ncu: $(command -v ncu || echo none)"
+    done_kinds=0
     if [ -n "$nsys" ]; then
       for kind in lora dora; do
-        # The whole run is traced (5 warm-up steps and 10 timed, the same for both kinds): a capture range
-        # would need cudaProfilerStart from a CUDA runtime the MLX wheel may not expose.
-        (cd scripts/probes && timeout 200 "$nsys" profile -t cuda,nvtx --cuda-graph-trace=node \
-          -o "$out/step_$kind" --force-overwrite true python3 profile_step.py --kind "$kind" --steps 10 2>&1 | tail -3)
+        # The whole run is traced (5 warm-up steps and 10 timed, the same for both kinds).
+        (cd scripts/probes && timeout 120 "$nsys" profile -t cuda --cuda-graph-trace=node \
+          -o "$out/step_$kind" --force-overwrite true python3 profile_step.py --kind "$kind" --steps 10 2>&1 | tail -2)
+        if [ ! -f "$out/step_$kind.nsys-rep" ] && [ -f "$out/step_$kind.qdstrm" ] && [ -n "$importer" ]; then
+          timeout 60 "$importer" -i "$out/step_$kind.qdstrm" 2>&1 | tail -2
+        fi
+        [ -f "$out/step_$kind.nsys-rep" ] || break
         "$nsys" stats --report cuda_gpu_kern_sum --format csv -o "$out/kernels_$kind" "$out/step_$kind.nsys-rep" >/dev/null 2>&1
-        ls "$out"/kernels_"$kind"*
+        rm -f "$out/step_$kind.qdstrm"
+        ls "$out"/kernels_"$kind"*.csv && done_kinds=$((done_kinds + 1))
       done
+    fi
+    if [ "$done_kinds" = 2 ]; then
       python3 scripts/probes/kernel_diff.py "$out"/kernels_lora*.csv "$out"/kernels_dora*.csv --steps 15 | tee "$out/kernel_diff.txt"
+    elif command -v ncu >/dev/null; then
+      # Each launch timed alone (serialised; caches and clocks left as they are): 1 warm-up step and 1 more.
+      for kind in lora dora; do
+        (cd scripts/probes && timeout 140 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+          --clock-control none python3 profile_step.py --kind "$kind" --warmup 1 --steps 1 > "$out/ncu_$kind.csv" 2>"$out/ncu_$kind.err")
+        tail -2 "$out/ncu_$kind.err"; wc -l "$out/ncu_$kind.csv"
+      done
+      python3 scripts/probes/kernel_diff.py "$out/ncu_lora.csv" "$out/ncu_dora.csv" --steps 2 | tee "$out/kernel_diff.txt"
     fi ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.

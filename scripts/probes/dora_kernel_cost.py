@@ -87,6 +87,15 @@ def by_shape(row_norms):
     return run
 
 
+def norms_and_scaled(w, a, b, s):
+    """The folded step's kernel (kernels.FOLD_ROW_SCALE): the norms, W' = rs W and rs, m = 1."""
+    return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w]) for x in part]
+
+
+ONES = {n: mx.ones((n,)) for n in (H, I, KV)}
+mx.eval(ONES)
+
+
 def cotangent(d):
     return list(K.cotangent_cuda(d["g"], d["y"], d["m"], d["w_sq"]))
 
@@ -115,6 +124,9 @@ pieces = {
        for w, q in ((8, 1), (4, 1))},
     "row norms, a launch a shape (7)": by_shape(K.row_norms_cuda),
     **{f"  the same, {g} row groups a block": patched(by_shape(K.row_norms_cuda), _ROW_GROUPS=g) for g in (2, 4, 8)},
+    "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
+    **{f"  W' the same, {g} row groups a block": patched(by_shape(norms_and_scaled), _ROW_GROUPS=g) for g in (2, 4)},
+    "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
     "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["m"], d["w_sq"])),

@@ -1,4 +1,5 @@
-"""LoRA's and DoRA's GPU time per kernel, side by side, from `nsys stats --report cuda_gpu_kern_sum --format csv`.
+"""LoRA's and DoRA's GPU time per kernel, side by side, from `nsys stats --report cuda_gpu_kern_sum --format csv`
+or from `ncu --csv --metrics gpu__time_duration.sum` (a row a launch).
 
 Development probe (adapters issue): python kernel_diff.py kernels_lora.csv kernels_dora.csv [--steps 10]
 Kernels are grouped by name with template arguments and launch details cut off; rows are
@@ -13,7 +14,9 @@ from collections import defaultdict
 
 def _rows(path):
     text = open(path, encoding="utf-8", errors="replace").read()
-    start = text.find("Time")  # nsys may print notes before the CSV header
+    # nsys and ncu may print notes before the CSV header.
+    start = text.find('"ID","Process ID"')  # ncu
+    start = start if start >= 0 else text.find("Time")  # nsys
     for row in csv.DictReader(io.StringIO(text[start:] if start >= 0 else text)):
         yield row
 
@@ -24,9 +27,20 @@ def _group(name):
     return name.strip().split("::")[-1][:70] or "?"
 
 
+_NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
+
+
 def totals(path):
     out = defaultdict(lambda: [0.0, 0])
     for row in _rows(path):
+        if "Metric Value" in row:  # ncu: a row a launch
+            if row.get("Metric Name") != "gpu__time_duration.sum":
+                continue
+            ns = float(str(row["Metric Value"]).replace(",", "")) * _NS.get(row.get("Metric Unit", "ns"), 1.0)
+            key = _group(row.get("Kernel Name", "?"))
+            out[key][0] += ns
+            out[key][1] += 1
+            continue
         ns = float(str(row.get("Total Time (ns)", "0")).replace(",", "") or 0)
         count = int(float(str(row.get("Instances", row.get("Count", "0"))).replace(",", "") or 0))
         key = _group(row.get("Name", "?"))

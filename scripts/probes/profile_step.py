@@ -39,11 +39,12 @@ def main():
     p.add_argument("--preset", default="1b")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5, help="Steps before the timed ones (the first compiles).")
     args = p.parse_args()
     a = B._settings(["--preset", args.preset] + (["--batch-size", str(args.batch_size)] if args.batch_size else []))
     dtype = mx.float32 if B._on_cpu() else mx.bfloat16
     step, state, tokens, lengths = meshtune_step(args.kind, a, B.shape_of(a), dtype, quantized=args.base == "4bit")
-    for _ in range(5):
+    for _ in range(args.warmup):
         ce, n, _, _ = step(tokens, lengths, None, None, True)
         mx.eval(state, ce, n)
     cudart = _cudart()
