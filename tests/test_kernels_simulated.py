@@ -195,6 +195,27 @@ def test_row_norms_by_groups_of_rows(simulated, monkeypatch):
             assert mx.array_equal(got, ref).item(), groups
 
 
+@pytest.mark.parametrize("block", [(8, 2, 4), (8, 4, 2), (16, 2, 1), (4, 2, 4), (8, 1, 4)])
+def test_scaled_row_norm_kernel_block_layouts(simulated, monkeypatch, block):
+    """The folded step's kernel (norms, W' = rs W, rs) in the block layouts the GPU probe sweeps
+    (MESHTUNE_DORA_NORM_BLOCK, scripts/probes/dora_kernel_cost.py) gives the default layout's bits."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(21), 7)
+    ws = [(mx.random.normal((45, 528), key=k[i]) / 8).astype(mx.bfloat16) for i in range(2)]  # a part-filled block
+    as_ = [mx.random.normal((528, 8), key=k[2 + i]) / 8 for i in range(2)]
+    bs = [mx.random.normal((8, 45), key=k[4 + i]) / 8 for i in range(2)]
+    ms = [mx.random.uniform(0.5, 2.0, (45,), key=k[6])] * 2
+    want = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0, 0.5], ms)
+    monkeypatch.setattr(kernels, "_WARPS", block[0])
+    monkeypatch.setattr(kernels, "_ROWS_PER_WARP", block[1])
+    monkeypatch.setattr(kernels, "_ROW_GROUPS", block[2])
+    got = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0, 0.5], ms)
+    for got_part, want_part in zip(got, want):
+        for x, y in zip(got_part, want_part):
+            assert mx.array_equal(x, y).item(), block
+
+
 def test_probe_kernel_variants(simulated, monkeypatch):
     """The candidate kernels the GPU probes time (scripts/probes/dora_variants.py: one launch
     each, the last block of a group adding the partials) give the current kernels' results."""

@@ -125,7 +125,8 @@ pieces = {
     "row norms, a launch a shape (7)": by_shape(K.row_norms_cuda),
     **{f"  the same, {g} row groups a block": patched(by_shape(K.row_norms_cuda), _ROW_GROUPS=g) for g in (2, 4, 8)},
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
-    **{f"  W' the same, {g} row groups a block": patched(by_shape(norms_and_scaled), _ROW_GROUPS=g) for g in (2, 4)},
+    **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
+       for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2), (16, 2, 1))},
     "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
@@ -139,20 +140,20 @@ pieces = {
 }
 if args.only:
     pieces = {k: f for k, f in pieces.items() if any(k.strip().startswith(w) for w in args.only.split("|"))}
-res = {k: [] for k in pieces}
-for rep in range(args.reps):
-    for k, f in pieces.items():
+print(f"1b step's 112 adapted layers, tokens {args.tokens}, rank {args.rank}, {mx.default_device()}, "
+      f"{'one set of arrays a shape' if args.shared else 'every layer its own arrays'}")
+print(f"{'piece':32s} {'build ms':>9s} {'eval ms':>9s}  (median of {args.reps}, first dropped)", flush=True)
+for k, f in pieces.items():  # a piece's reps together, printed as it ends (a run cut short keeps what it timed)
+    times = []
+    for rep in range(args.reps):
         mx.synchronize()
         t0 = time.perf_counter()
         outs = batch(f)
         t1 = time.perf_counter()
         mx.eval(outs)
         t2 = time.perf_counter()
-        res[k].append((t1 - t0, t2 - t1))
-print(f"1b step's 112 adapted layers, tokens {args.tokens}, rank {args.rank}, {mx.default_device()}, "
-      f"{'one set of arrays a shape' if args.shared else 'every layer its own arrays'}")
-print(f"{'piece':32s} {'build ms':>9s} {'eval ms':>9s}  (median of {args.reps}, first dropped)")
-for k, v in res.items():
-    v = sorted(v[1:], key=lambda t: t[1])
+        times.append((t1 - t0, t2 - t1))
+        del outs
+    v = sorted(times[1:], key=lambda t: t[1])
     b, e = v[len(v) // 2]
     print(f"{k:32s} {b * 1e3:9.2f} {e * 1e3:9.2f}", flush=True)
