@@ -126,7 +126,7 @@ pieces = {
     **{f"  the same, {g} row groups a block": patched(by_shape(K.row_norms_cuda), _ROW_GROUPS=g) for g in (2, 4, 8)},
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
-       for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2), (16, 2, 1))},
+       for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
     "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
@@ -145,15 +145,19 @@ print(f"1b step's 112 adapted layers, tokens {args.tokens}, rank {args.rank}, {m
 print(f"{'piece':32s} {'build ms':>9s} {'eval ms':>9s}  (median of {args.reps}, first dropped)", flush=True)
 for k, f in pieces.items():  # a piece's reps together, printed as it ends (a run cut short keeps what it timed)
     times = []
-    for rep in range(args.reps):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        outs = batch(f)
-        t1 = time.perf_counter()
-        mx.eval(outs)
-        t2 = time.perf_counter()
-        times.append((t1 - t0, t2 - t1))
-        del outs
+    try:
+        for rep in range(args.reps):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            outs = batch(f)
+            t1 = time.perf_counter()
+            mx.eval(outs)
+            t2 = time.perf_counter()
+            times.append((t1 - t0, t2 - t1))
+            del outs
+    except RuntimeError as e:  # e.g. a block asking for more registers than the GPU has: the next piece still runs
+        print(f"{k:32s} failed: {str(e)[:100]}", flush=True)
+        continue
     v = sorted(times[1:], key=lambda t: t[1])
     b, e = v[len(v) // 2]
     print(f"{k:32s} {b * 1e3:9.2f} {e * 1e3:9.2f}", flush=True)
