@@ -47,11 +47,11 @@ case $what in
     # batch 4 up both steps are GPU-bound, docs/bench/overlapped_batches_h200.txt). The dispatch probe
     # (scripts/probes/dispatch_cost.py) and the second-stream probe (stream_overlap.py) run on their own.
     timeout 120 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
-      --only "launch|row norms, a launch a shape|cotangent kernels|g * rs|rs (base|base + s u|sum_t|base product" \
+      --only "launch|row norms, a launch a shape|row norms and|m's sums|cotangent kernels|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
-      --only "${PROBE_VARIANTS:-current,scaled weight (rs folded into W and B),folded (the norm kernel writes W2 = rs W),bound: no cotangent,bound: constant norm,bound: constant norm and no cotangent}" \
-      2>&1 | grep -v "^check [^s]" | tee "$out/probe_dora_step.txt" ;;
+      --only "${PROBE_VARIANTS:-current,unfolded (rs on the sum and the cotangent),bound: folded with no m sums,bound: no cotangent,bound: constant norm and no cotangent}" \
+      2>&1 | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (docs/bench/overlapped_batches_h200.txt leaves
     # ~4.8 ms per 4096 tokens unattributed). nsys where it can write its report (the CUDA toolkit's copy

@@ -100,6 +100,32 @@ def _fold_on(model):
 _folded.prepare = _fold_on
 
 
+def _fold_off(prepare=None):
+    """A prepare step that turns the folded step off (kernels.FOLD_ROW_SCALE, on by default) before the
+    variant's step is traced: the row scale on the fused sum and the cotangent kernel, as before it."""
+    def run(model):
+        K.FOLD_ROW_SCALE = False
+        if prepare is not None:
+            prepare(model)
+    return run
+
+
+def _unfolded(self, x):
+    """The step before the fold (MESHTUNE_DORA_FOLD=0): rs on the fused sum, g * rs with m's sums in one kernel."""
+    _reset()
+    return ORIGINAL(self, x)
+
+
+_unfolded.prepare = _fold_off()
+
+
+def _no_magnitude_sums(self, x):
+    """Bound: the folded step with m's gradient left 0 (no sums kernels): what m's pass over g and y costs."""
+    _reset()
+    K.magnitude_grad_cuda = lambda g, y, m, norm: mx.zeros_like(m)
+    return ORIGINAL(self, x)
+
+
 def _w_sq_outside_state(model):
     """Each DoRA layer's ||w_i||^2 kept as a plain attribute, out of the module's state, so the
     compiled step does not take it as an input (the step's given norms do not read it)."""
@@ -154,7 +180,7 @@ def _separate_rows(self, x):
     return ORIGINAL(self, x)
 
 
-ORIGINAL_COTANGENT, ORIGINAL_LOOKUP = K.cotangent_cuda, step_norms.lookup
+ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS = K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda
 ORIGINAL_FOLD = K.FOLD_ROW_SCALE
 
 
@@ -226,7 +252,7 @@ def _reset():
     K.on_cuda = ON_CUDA
     K.FOLD_ROW_SCALE = ORIGINAL_FOLD
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
-    K.cotangent_cuda, step_norms.lookup = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP
+    K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
 
 
@@ -251,11 +277,14 @@ VARIANTS = {
                                                        prepare=_w_sq_outside_state),
     "scaled weight (rs folded into W and B)": _scaled_weight,
     "folded (the norm kernel writes W2 = rs W)": _folded,
-    "bound: no cotangent": _no_cotangent,
-    "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
+    "unfolded (rs on the sum and the cotangent)": _unfolded,
+    "bound: folded with no m sums": _no_magnitude_sums,
+    # The bounds below change the unfolded step's pieces, so they run with the fold off.
+    "bound: no cotangent": _with(_no_cotangent, prepare=_fold_off()),
+    "bound: constant norm and no cotangent": _with(_constant_norm_no_cotangent, prepare=_fold_off(_hold_norms)),
     "bound: const scale": v_const,
     "bound: m frozen": _with(_kernels(True), prepare=lambda model: model.freeze(keys=["m"], strict=False)),
-    "bound: constant norm": _constant_norm,
+    "bound: constant norm": _with(_constant_norm, prepare=_fold_off(_hold_norms)),
     "bound: MLX g*rs and dm 0": _mlx_scaled_cotangent,
 }
 

@@ -417,13 +417,18 @@ def _fan(layers):
     return Fan(layers)
 
 
-def test_step_row_norms_take_every_layer_at_once(simulated):
+@pytest.mark.parametrize("fold", [True, False])
+def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
     """Under step_row_norms a training step launches one norm kernel per shape of layer, not
-    one per layer, and gets the loss and gradients it gets layer by layer."""
+    one per layer, and gets the loss and gradients it gets layer by layer; folded (the
+    default, W' = rs W written by the same launch) or not (MESHTUNE_DORA_FOLD=0)."""
     import mlx.nn as nn
 
-    from meshtune.adapters import base_path
+    from meshtune.adapters import base_path, kernels
     from meshtune.adapters.step_norms import lookup, step_row_norms
+
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
+    step_kernel = "meshtune_dora_row_norm_scaled" if fold else "meshtune_dora_row_norm"
 
     base_path.set_base_path("dequantized")  # the 4-bit base takes the dense path, as at training sizes
     try:
@@ -439,23 +444,30 @@ def test_step_row_norms_take_every_layer_at_once(simulated):
             got_v, got = loss_and_grad(x)
             mx.eval(got_v, got)
         assert lookup(model.layers[0], 10) is None  # nothing left behind
-        assert simulated["meshtune_dora_row_norm_2"].calls == 1  # the two 16-row layers together
-        assert simulated["meshtune_dora_row_norm_1"].calls == 4 + 2  # the 24- and 32-row layers
+        assert simulated[f"{step_kernel}_2"].calls == 1  # the two 16-row layers together
+        assert simulated[f"{step_kernel}_1"].calls == (0 if fold else 4) + 2  # the 24- and 32-row layers
+        if fold:
+            assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
     finally:
         base_path.set_base_path("auto")
-    assert mx.allclose(got_v, want_v, rtol=1e-6).item()
+    # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).
+    assert mx.allclose(got_v, want_v, rtol=1e-4 if fold else 1e-6).item()
     from mlx.utils import tree_flatten
     for (name, g), (_, h) in zip(tree_flatten(got), tree_flatten(want)):
         assert mx.allclose(g, h, rtol=1e-5, atol=1e-6).item(), name
 
 
-def test_training_step_takes_dora_norms_before_the_forward(simulated, model_factory):
-    """meshtune's step (train.build_step) on a model with DoRA: one norm launch per shape."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_training_step_takes_dora_norms_before_the_forward(simulated, model_factory, monkeypatch, fold):
+    """meshtune's step (train.build_step) on a model with DoRA: one norm launch per shape; folded
+    (the default) m's gradient by the sums-only kernel, else by the cotangent kernel."""
     import mlx.optimizers as optim
 
-    from meshtune.adapters import apply_adapters
+    from meshtune.adapters import apply_adapters, kernels
     from meshtune.mesh import Mesh
     from meshtune.train import build_step
+
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
 
     model = model_factory(layers=2, dim=32)
     apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "self_attn.v_proj"],
@@ -467,8 +479,10 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     ce, n, _, _ = step(tokens, lengths, None, None, True)
     mx.eval(ce, n, model.parameters())
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
-    assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {"meshtune_dora_row_norm_2": 2}
-    assert simulated["meshtune_dora_cotangent"].calls == 4
+    step_kernel = "meshtune_dora_row_norm_scaled_2" if fold else "meshtune_dora_row_norm_2"
+    assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {step_kernel: 2}
+    assert simulated["meshtune_dora_column_sums" if fold else "meshtune_dora_cotangent"].calls == 4
+    assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -520,17 +534,24 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
 def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monkeypatch):
     """Where blocks are recomputed in the backward (gradient checkpointing), a 4-bit layer is
     handed its norm but dequantizes its own weight (one handed over would live for the whole
-    step); a dense layer is handed its own weight either way; the loss and gradients do not change."""
+    step); a dense layer is handed its own weight either way; the loss and gradients do not change.
+    Nor is the row scale folded into a weight there (W' = rs W would live for the whole step too)."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from meshtune.adapters import base_path
-    from meshtune.adapters.step_norms import lookup, step_row_norms
+    from meshtune.adapters import base_path, kernels
+    from meshtune.adapters.step_norms import lookup, lookup_scaled, step_row_norms
 
     base_path.set_base_path("dequantized")
     try:
         model = _fan(_dora_layers(quantize=True))
         model.train()
+        for recomputed in (False, True):
+            monkeypatch.setattr(type(model).__call__, "recomputes_in_backward", recomputed, raising=False)
+            monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
+            with step_row_norms(model, 10):
+                assert (lookup_scaled(model.layers[0], 10) is None) == recomputed
+        monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", False)  # the same product both ways, to the bit
         x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
         loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
         results = {}

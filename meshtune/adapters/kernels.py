@@ -21,7 +21,7 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   a second small kernel adds the chunks' sums in a fixed order, so the result does not
   depend on scheduling, and divides by rs * norm.
 
-- Folded (opt-in, FOLD_ROW_SCALE): `row_norms_and_scaled_cuda` also writes W' = rs W after
+- Folded (FOLD_ROW_SCALE, the default): `row_norms_and_scaled_cuda` also writes W' = rs W after
   each row's norm (the row read again from the L2 cache), the layers run LoRA's product on W'
   and B' = B rs (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
   from g and y alone (the cotangent kernel without its g * rs write).
@@ -274,10 +274,21 @@ _COTANGENT_BLOCKS = 528
 
 # Whether a training step folds DoRA's row scale into the weights (step_norms.py writes W' = rs W
 # beside the norms; adapted_linear's folded product): LoRA's product on W' and B', m's gradient
-# the only pass DoRA adds, for a dense copy of the adapted weights held through the step (bf16
-# bases; a quantized base's dequantized copy is held either way). Off until an H200 measures it
-# (scripts/probe_dora_step.py, docs/bench/dora_step_overlapped_h200.txt); MESHTUNE_DORA_FOLD=1 turns it on.
-FOLD_ROW_SCALE = os.environ.get("MESHTUNE_DORA_FOLD", "0") == "1"
+# the only pass DoRA adds, for a dense copy of the adapted weights held through the step on a
+# dense base (a quantized base's dequantized copy is consumed by the kernel instead). On by
+# default: on one H200 the 1B bf16 DoRA step went from 48.1 to 45.7 ms, 4-bit from 49.5 to 48.1
+# (docs/bench/adapters_h200_overlapped.txt, adapters_h200_fold.txt). MESHTUNE_DORA_FOLD=0 turns
+# it off (the row scale then rides on the fused sum and the cotangent kernel), to save that memory.
+FOLD_ENV = "MESHTUNE_DORA_FOLD"
+
+
+def _fold_setting(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"{FOLD_ENV}={value!r}: use 1 (fold DoRA's row scale into the weights, the default) or 0")
+    return value == "1"
+
+
+FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "1"))
 
 # The largest rank the row-scale kernel takes (its accumulators live in registers);
 # adapted_linear computes larger ones in MLX ops.
