@@ -47,7 +47,7 @@ case $what in
     # batch 4 up both steps are GPU-bound, docs/bench/overlapped_batches_h200.txt). The dispatch probe
     # (scripts/probes/dispatch_cost.py) and the second-stream probe (stream_overlap.py) run on their own.
     timeout 120 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
-      --only "launch|row norms, a launch a shape|row norms and|m's sums|cotangent kernels|base product" \
+      --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|m's sums|cotangent kernels|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
       --only "${PROBE_VARIANTS:-current,unfolded (rs on the sum and the cotangent),bound: folded with no m sums,bound: no cotangent,bound: constant norm and no cotangent}" \

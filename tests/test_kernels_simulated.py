@@ -195,6 +195,27 @@ def test_row_norms_by_groups_of_rows(simulated, monkeypatch):
             assert mx.array_equal(got, ref).item(), groups
 
 
+@pytest.mark.parametrize("r, inp", [(8, 2100), (5, 600), (3, 70)])  # A in 3, 1, 1 tiles; r * n not a multiple of 4
+def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatch, r, inp):
+    """A's tiles staged by float4 loads (kernels._STAGE_QUADS, the default; the simulator's arrays
+    are 16-byte aligned, so that path runs here) or a float at a time: the same shared tile,
+    so the same norms, W' and rs to the bit, with a tail of floats after the last whole float4."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(r), 4)
+    ws = [(mx.random.normal((37, inp), key=k[0]) / 8).astype(mx.bfloat16)]
+    as_, bs = [mx.random.normal((inp, r), key=k[1]) / 8], [mx.random.normal((r, 37), key=k[2]) / 8]
+    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[3])]
+    results = {}
+    for quads in (True, False):
+        monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
+        results[quads] = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (
+            kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
+    for got_part, want_part in zip(results[True], results[False]):
+        for x, y in zip(got_part, want_part):
+            assert mx.array_equal(x, y).item()
+
+
 @pytest.mark.parametrize("block", [(8, 2, 4), (8, 4, 2), (16, 2, 1), (4, 2, 4), (8, 1, 4)])
 def test_scaled_row_norm_kernel_block_layouts(simulated, monkeypatch, block):
     """The folded step's kernel (norms, W' = rs W, rs) in the block layouts the GPU probe sweeps
@@ -272,7 +293,8 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
 
 @pytest.mark.parametrize("inp, out", [(64, 40), (24, 19)])  # 16-byte accesses; 24 x 19: ragged rows, one a lane
 def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
-    """row_norms_and_scaled_cuda: row_norms_cuda's norms, W' = rs W and rs, two layers in one launch."""
+    """row_norms_and_scaled_cuda: row_norms_cuda's norms, W' = rs W and rs, A and B' = B rs as the layer
+    casts them (here the simulator's float), two layers in one launch."""
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(inp + out), 8)
@@ -280,12 +302,14 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     a = [mx.random.normal((inp, 4), key=k[i]) * 0.1 for i in (2, 3)]
     b = [mx.random.normal((4, out), key=k[i]) * 0.1 for i in (4, 5)]
     ms = [mx.random.uniform(0.5, 2, (out,), key=k[i]) for i in (6, 7)]
-    norms, scaled, row_scales = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
+    norms, scaled, row_scales, a_cast, b_cast = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
     want = kernels.row_norms_cuda(ws, a, b, [2.0, 0.5])
-    for n, want_n, w, m, sw, rs in zip(norms, want, ws, ms, scaled, row_scales):
+    for n, want_n, w, m, sw, rs, ai, bi, ac, bc in zip(norms, want, ws, ms, scaled, row_scales, a, b, a_cast, b_cast):
         assert mx.allclose(n, want_n, rtol=1e-5).item()
         assert mx.allclose(rs, m / n, rtol=1e-6).item()
         assert mx.allclose(sw, (m / n)[:, None] * w, rtol=1e-5, atol=1e-7).item()
+        assert ac.shape == ai.shape and mx.array_equal(ac, ai).item()  # every tile of A, by the layer's first block
+        assert bc.shape == bi.shape and mx.array_equal(bc, bi * rs).item()
     assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
 
 

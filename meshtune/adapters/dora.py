@@ -118,10 +118,11 @@ class DoRALinear(DoRA, LoRALinear):
             shared, norm = step_norms.lookup(self, tokens) or (None, None)
             dense = shared if shared is not None else dense_weight_for(self.linear, tokens)
             # Where the step wrote W' = rs W (kernels.FOLD_ROW_SCALE), LoRA's product on W' and B' = B rs.
-            dense, rs = step_norms.lookup_scaled(self, tokens) or (dense, None)
+            dense, rs, *cast = step_norms.lookup_scaled(self, tokens) or (dense, None)
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs)
+                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs,
+                                   cast_factors=tuple(cast) or None)
             else:
                 y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).

@@ -7,8 +7,9 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
 
 - `row_norms_cuda` (before the forward): ||W + s (A B)^T||_row in one pass over W:
   each row's adapted elements formed in registers from 16-byte loads of W and A staged
-  in shared memory, squared and summed, never stored (on the CPU and Metal the MLX ops
-  use DESIGN.md's identity instead, where W A is a product already running). It takes
+  in shared memory (by float4 loads, several in flight), squared and summed, never
+  stored (on the CPU and Metal the MLX ops use DESIGN.md's identity instead, where W A
+  is a product already running). It takes
   the place of a skinny matmul, the Gram's matmul and the norm's small operations. The
   norm depends on the parameters only, so a training step takes every layer's at once
   (adapters/step_norms.py): one launch for all the layers of a shape, instead of one
@@ -22,8 +23,10 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   depend on scheduling, and divides by rs * norm.
 
 - Folded (FOLD_ROW_SCALE, the default): `row_norms_and_scaled_cuda` also writes W' = rs W after
-  each row's norm (the row read again from the L2 cache), the layers run LoRA's product on W'
-  and B' = B rs (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
+  each row's norm (the row read again from the L2 cache), and A and B' = B rs in W's dtype
+  (the casts each layer's product would launch: on an H200 the 1B step's B rs alone was 112
+  strided launches, 0.5 ms, docs/bench/dora_folded_h200.txt); the layers run LoRA's product
+  on W' and B' (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
   from g and y alone (the cotangent kernel without its g * rs write).
 
 The forward's rs * (base + s u) is left to MLX's fused elementwise kernel (a kernel of
@@ -48,6 +51,9 @@ _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 
 # In the 1B step on an H200, 4 and 8 groups were within the host's drift of 1 (faster by
 # 2.0 ms in one invocation, slower by 2.3 ms in the next: docs/bench/dora_step_parts_h200.txt).
 _ROW_GROUPS = 1
+# A's tiles staged by float4 loads, four a thread in flight (False: a float at a time, as before;
+# scripts/probes/dora_kernel_cost.py times both).
+_STAGE_QUADS = True
 # A development override of the row-norm block, "warps,rows a warp,groups" (scripts/probes/dora_kernel_cost.py
 # times the layouts; a probe picks one for the next run on the same machine).
 if os.environ.get("MESHTUNE_DORA_NORM_BLOCK"):
@@ -107,20 +113,53 @@ _ROW_NORM = """
             }
         }
     };
+    // s * B's column for each of the warp's rows, loaded once (not again for every tile of A).
+    float cb[G][RPW][R];
+    #pragma unroll
+    for (int g = 0; g < G; ++g)
+        #pragma unroll
+        for (int q = 0; q < RPW; ++q)
+            #pragma unroll
+            for (int k = 0; k < R; ++k) {
+                int i = first_row(g) + q;
+                cb[g][q][k] = i < OUT ? sc * b[k * OUT + i] : 0.0f;
+            }
+    // A's tile is n * R consecutive floats. SQ: staged by float4 loads, four of them a thread in
+    // flight before their stores (a round trip to the L2 cache per four, not one per float).
+    bool a_quads = SQ && reinterpret_cast<unsigned long long>(a) % 16 == 0;
     for (int j0 = 0; j0 < IN; j0 += TJ) {
         int n = min(TJ, IN - j0);  // a multiple of VEC (IN and TJ are)
         load_w(first_row(0), j0, n);  // the first group's loads in flight while A is staged
-        for (int e = tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
+        int staged = 0;
+        if (a_quads) {  // j0 * R floats from a 16-byte boundary: j0 is a multiple of 32
+            const float4* a4 = reinterpret_cast<const float4*>(a + (long long)j0 * R);
+            int quads = n * R / 4;
+            for (int base = 0; base < quads; base += 4 * NT) {
+                float4 q4[4];
+                #pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    int e4 = base + h * NT + tid;
+                    if (e4 < quads) q4[h] = a4[e4];
+                }
+                #pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    int e = (base + h * NT + tid) * 4;
+                    if (e < quads * 4) {
+                        sa[(e % R) * SA + e / R] = q4[h].x;
+                        sa[((e + 1) % R) * SA + (e + 1) / R] = q4[h].y;
+                        sa[((e + 2) % R) * SA + (e + 2) / R] = q4[h].z;
+                        sa[((e + 3) % R) * SA + (e + 3) / R] = q4[h].w;
+                    }
+                }
+            }
+            staged = quads * 4;
+        }
+        for (int e = staged + tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
         __syncthreads();
-        #pragma unroll
+@AFTER_STAGE@        #pragma unroll
         for (int g = 0; g < G; ++g) {
             int row0 = first_row(g);
             if (g > 0) load_w(row0, j0, n);
-            float cb[RPW][R];  // s * B's column for each of the warp's rows in this group
-            #pragma unroll
-            for (int q = 0; q < RPW; ++q)
-                #pragma unroll
-                for (int k = 0; k < R; ++k) cb[q][k] = row0 + q < OUT ? sc * b[k * OUT + row0 + q] : 0.0f;
             #pragma unroll
             for (int p = 0; p < P; ++p) {
                 int c = p * 32 * VEC + lane * VEC;
@@ -150,7 +189,7 @@ _ROW_NORM = """
                         #pragma unroll
                         for (int q = 0; q < RPW; ++q)
                             #pragma unroll
-                            for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[q][k];
+                            for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[g][q][k];
                     }
                     #pragma unroll
                     for (int q = 0; q < RPW; ++q)
@@ -320,7 +359,12 @@ MAX_LAYERS_A_LAUNCH = 32
 # warp, holding each of its rows' norms in every lane (the butterfly's sum), reads the row again
 # (from the L2 cache, just read) and writes rs * w, rs = m / norm rounded to W's dtype as the MLX
 # ops round it.
-_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n"
+_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n    WT* aco;\n    WT* bco;\n"
+# A in W's dtype, as the layer's product casts it, written by each layer's first block from the
+# staged tile (the layer then needs no cast of its own).
+_CAST_A = """        if (blockIdx.x == 0)
+            for (int e = tid; e < n * R; e += NT) aco[(long long)j0 * R + e] = static_cast<WT>(sa[(e % R) * SA + e / R]);
+"""
 _SCALED_EPILOGUE = """
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
     #pragma unroll
@@ -331,6 +375,8 @@ _SCALED_EPILOGUE = """
             if (i >= OUT) continue;
             float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
             if (lane == q) rso[i] = rs;
+            for (int k = lane; k < R; k += 32) bco[k * OUT + i] = static_cast<WT>(b[k * OUT + i] * rs);  // B' = B rs
+            #pragma unroll 4
             for (int c = lane * VEC; c < IN; c += 32 * VEC) {
                 long long off = (long long)i * IN + c;
                 WVec in, out;
@@ -356,10 +402,11 @@ _SCALED_EPILOGUE = """
 def _row_norm_source(layers: int, scaled: bool = False) -> str:
     """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
     W') at layer blockIdx.y's arrays."""
-    extra = " mm = m{i}; ws = ws{i}; rso = rs{i};" if scaled else ""
+    extra = " mm = m{i}; ws = ws{i}; rso = rs{i}; aco = ac{i}; bco = bc{i};" if scaled else ""
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
                        for i in range(layers))
     source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+    source = source.replace("@AFTER_STAGE@", _CAST_A if scaled else "")
     if scaled:
         source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
     return source
@@ -376,15 +423,16 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-                              magnitudes: list[mx.array]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
-    """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
-    rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale)."""
+                              magnitudes: list[mx.array]) -> tuple[list[mx.array], ...]:
+    """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32, A and B' = B rs in W's dtype) of each layer,
+    in the same launches, rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights
+    (adapted_linear's row_scale) and the factors as the layer's product takes them (its cast_factors)."""
     return _row_norms(weights, a, b, scales, magnitudes)
 
 
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
                magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
-    """(norms,) or, with magnitudes, (norms, W', rs): a list each, a layer's entry at its index."""
+    """(norms,) or, with magnitudes, (norms, W', rs, A, B'): a list each, a layer's entry at its index."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
         first = _row_norms(weights[:cut], a[:cut], b[:cut], scales[:cut], magnitudes and magnitudes[:cut])
@@ -398,7 +446,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)]
-    outputs = [f"norm{i}" for i in range(n)] + ([f"ws{i}" for i in range(n)] + [f"rs{i}" for i in range(n)]
+    outputs = [f"norm{i}" for i in range(n)] + ([f"{p}{i}" for p in ("ws", "rs", "ac", "bc") for i in range(n)]
                                                  if scaled else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
@@ -409,10 +457,12 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
                     *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)],
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                      ("TJ", tile), ("G", _ROW_GROUPS), ("WT", weights[0].dtype)],
+                      ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("WT", weights[0].dtype)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
-            output_dtypes=[mx.float32] * n + ([weights[0].dtype] * n + [mx.float32] * n if scaled else []))
+            output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n + [(inp, r)] * n + [(r, out)] * n
+                                          if scaled else []),
+            output_dtypes=[mx.float32] * n + ([weights[0].dtype] * n + [mx.float32] * n + [weights[0].dtype] * 2 * n
+                                              if scaled else []))
     return tuple(list(res[i * n:(i + 1) * n]) for i in range(len(res) // n))
 
 

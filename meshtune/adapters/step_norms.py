@@ -31,7 +31,7 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized
 
-_active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None)
+_active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs, A, B') or None)
 
 
 def _recomputed(module: nn.Module) -> bool:
@@ -69,8 +69,8 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
         if fold:
-            norms, w_scaled, rs = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
-            folded = list(zip(w_scaled, rs))
+            norms, *scaled = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
+            folded = list(zip(*scaled))  # (W', rs, A, B') a layer
         else:
             norms, folded = kernels.row_norms_cuda(*args), [None] * len(layers)
         for (layer, dense), norm, fold_of in zip(members, norms, folded):
@@ -93,7 +93,8 @@ def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | 
     return hit[1:3] if hit is not None and hit[0] == tokens else None
 
 
-def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
-    """(W' = rs W, rs float32) the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
+def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+    """(W' = rs W, rs float32, A and B' = B rs in W's dtype) the current step wrote for `layer` on `tokens` rows
+    (kernels.FOLD_ROW_SCALE), or None."""
     hit = _active.get(id(layer))
     return hit[3] if hit is not None and hit[0] == tokens else None

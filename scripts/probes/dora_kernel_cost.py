@@ -125,6 +125,8 @@ pieces = {
     "row norms, a launch a shape (7)": by_shape(K.row_norms_cuda),
     **{f"  the same, {g} row groups a block": patched(by_shape(K.row_norms_cuda), _ROW_GROUPS=g) for g in (2, 4, 8)},
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
+    "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
+    "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
        for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
     "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
