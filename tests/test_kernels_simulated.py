@@ -313,6 +313,32 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
 
 
+@pytest.mark.parametrize("bits, group_size, inp", [(4, 32, 64), (8, 64, 128), (4, 64, 1088)])  # 1088: 2 tiles of A
+def test_row_norm_kernel_reads_a_quantized_base_packed(simulated, bits, group_size, inp):
+    """row_norms_and_scaled_quantized_cuda: the folded kernel on an affine-quantized base read packed
+    (dequantized in registers) gives what the dense kernel gives on mx.dequantize's weight."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(bits + inp), 8)
+    out = 19  # a part-filled block
+    quantized = [mx.quantize(mx.random.normal((out, inp), key=k[i]) * 0.2, group_size=group_size, bits=bits)
+                 for i in (0, 1)]
+    dense = [mx.dequantize(*q, group_size=group_size, bits=bits) for q in quantized]
+    a = [mx.random.normal((inp, 4), key=k[i]) * 0.1 for i in (2, 3)]
+    b = [mx.random.normal((4, out), key=k[i]) * 0.1 for i in (4, 5)]
+    ms = [mx.random.uniform(0.5, 2, (out,), key=k[i]) for i in (6, 7)]
+    got = kernels.row_norms_and_scaled_quantized_cuda([q[0] for q in quantized], [q[1] for q in quantized],
+                                                      [q[2] for q in quantized], group_size, bits, a, b, [2.0, 0.5], ms)
+    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [2.0, 0.5], ms)
+    for got_part, want_part in zip(got, want):
+        for x, y in zip(got_part, want_part):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert mx.allclose(x, y, rtol=1e-6, atol=1e-7).item()
+    assert simulated[f"meshtune_dora_row_norm_scaled_quantized_2"].calls == 1
+    with pytest.raises(ValueError, match="3-bit"):
+        kernels.row_norms_and_scaled_quantized_cuda([], [], [], 32, 3, [], [], [], [])
+
+
 def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
     """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs (chunks of rows added in order)."""
     from meshtune.adapters import kernels
@@ -469,9 +495,12 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
             mx.eval(got_v, got)
         assert lookup(model.layers[0], 10) is None  # nothing left behind
         assert simulated[f"{step_kernel}_2"].calls == 1  # the two 16-row layers together
-        assert simulated[f"{step_kernel}_1"].calls == (0 if fold else 4) + 2  # the 24- and 32-row layers
-        if fold:
+        if fold:  # the 24-row layer; the 4-bit 32-row one read packed (no dense copy of it)
+            assert simulated[f"{step_kernel}_1"].calls == 1
+            assert simulated["meshtune_dora_row_norm_scaled_quantized_1"].calls == 1
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
+        else:
+            assert simulated[f"{step_kernel}_1"].calls == 4 + 2  # the 24- and 32-row layers
     finally:
         base_path.set_base_path("auto")
     # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).
@@ -524,6 +553,11 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     from meshtune.train import build_step
 
     monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
+    dequantized = []  # the bases dequantize_weight was asked for, by id
+    original_dequantized = base_path.dequantized_weight
+    monkeypatch.setattr(base_path, "dequantized_weight", lambda layer: dequantized.append(id(layer))
+                        or original_dequantized(layer))
+    dora_bases = set()
 
     def trained(fold):
         monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
@@ -535,7 +569,9 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
         for _, layer in model.named_modules():  # non-zero B: the row scale moves off 1
             if hasattr(layer, "lora_b"):
                 layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
+                dora_bases.add(id(layer.linear))
         model.train()
+        dequantized.clear()
         step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
         tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
         lengths = mx.array([[0, 9], [0, 9]])
@@ -549,7 +585,10 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     base_losses, base = trained(False)
     assert "meshtune_dora_row_norm_scaled_2" not in simulated
     losses, folded = trained(True)
-    assert simulated["meshtune_dora_row_norm_scaled_2"].calls >= 1 and simulated["meshtune_dora_column_sums"].calls == 8
+    # A 4-bit base is read packed (row_norms_and_scaled_quantized_cuda): no dense copy of it is made.
+    kernel = "meshtune_dora_row_norm_scaled_quantized_2" if quantized else "meshtune_dora_row_norm_scaled_2"
+    assert simulated[kernel].calls >= 1 and simulated["meshtune_dora_column_sums"].calls == 8
+    assert not dora_bases & set(dequantized)  # folded, no DoRA base is dequantized
     assert losses == pytest.approx(base_losses, rel=1e-5)
     for key, value in base.items():
         assert mx.allclose(folded[key], value, rtol=1e-5, atol=1e-6).item(), key
