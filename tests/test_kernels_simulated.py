@@ -219,7 +219,7 @@ def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatc
 @pytest.mark.parametrize("block", [(8, 2, 4), (8, 4, 2), (16, 2, 1), (4, 2, 4), (8, 1, 4)])
 def test_scaled_row_norm_kernel_block_layouts(simulated, monkeypatch, block):
     """The folded step's kernel (norms, W' = rs W, rs) in the block layouts the GPU probe sweeps
-    (MESHTUNE_DORA_NORM_BLOCK, scripts/probes/dora_kernel_cost.py) gives the default layout's bits."""
+    (scripts/probes/dora_kernel_cost.py) gives the default layout's bits."""
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(21), 7)

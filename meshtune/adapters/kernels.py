@@ -52,14 +52,12 @@ _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 
 # With 1, A is staged once per 16 rows: as many bytes of A through shared memory as of W.
 # In the 1B step on an H200, 4 and 8 groups were within the host's drift of 1 (faster by
 # 2.0 ms in one invocation, slower by 2.3 ms in the next: docs/bench/dora_step_parts_h200.txt).
+# For the folded kernel (norms and W') no swept layout beat 8 warps x 2 rows x 1 group, and 2-8
+# groups took 2-3x as long (docs/bench/dora_folded_h200.txt).
 _ROW_GROUPS = 1
 # A's tiles staged by float4 loads, four a thread in flight (False: a float at a time, as before;
 # scripts/probes/dora_kernel_cost.py times both).
 _STAGE_QUADS = True
-# A development override of the row-norm block, "warps,rows a warp,groups" (scripts/probes/dora_kernel_cost.py
-# times the layouts; a probe picks one for the next run on the same machine).
-if os.environ.get("MESHTUNE_DORA_NORM_BLOCK"):
-    _WARPS, _ROWS_PER_WARP, _ROW_GROUPS = (int(v) for v in os.environ["MESHTUNE_DORA_NORM_BLOCK"].split(","))
 
 _ROW_NORM = """
     // Block: G groups of WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the
