@@ -6,7 +6,7 @@
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
 #     scripts/gpu_tables.sh kernels-then-adapters "$OUT"  # one GPU: kernel tests, the folded kernel's staging both ways, the table (~6 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
-#     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's overlapped steps under nsys, GPU time per kernel (~3 min)
+#     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -63,38 +63,20 @@ case $what in
       --only "${PROBE_VARIANTS:-current,unfolded (rs on the sum and the cotangent),bound: folded with no m sums,bound: no cotangent,bound: constant norm and no cotangent}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   profile)
-    # DoRA's GPU time a step, kernel by kernel beside LoRA's (docs/bench/overlapped_batches_h200.txt leaves
-    # ~4.8 ms per 4096 tokens unattributed). nsys where it can write its report (the CUDA toolkit's copy
-    # wrote only a .qdstrm: its importer is converted by hand where found); else ncu, a row a launch.
-    nsys=$(command -v nsys || find / -xdev -path "*/bin/nsys" -type f 2>/dev/null | head -1)
-    importer=$(find / -xdev -name "QdstrmImporter*" -type f 2>/dev/null | head -1)
-    echo "nsys: ${nsys:-none}; importer: ${importer:-none}; ncu: $(command -v ncu || echo none)"
-    done_kinds=0
-    if [ -n "$nsys" ]; then
-      for kind in lora dora; do
-        # The whole run is traced (5 warm-up steps and 10 timed, the same for both kinds).
-        (cd scripts/probes && timeout 120 "$nsys" profile -t cuda --cuda-graph-trace=node \
-          -o "$out/step_$kind" --force-overwrite true python3 profile_step.py --kind "$kind" --steps 10 2>&1 | tail -2)
-        if [ ! -f "$out/step_$kind.nsys-rep" ] && [ -f "$out/step_$kind.qdstrm" ] && [ -n "$importer" ]; then
-          timeout 60 "$importer" -i "$out/step_$kind.qdstrm" 2>&1 | tail -2
-        fi
-        [ -f "$out/step_$kind.nsys-rep" ] || break
-        "$nsys" stats --report cuda_gpu_kern_sum --format csv -o "$out/kernels_$kind" "$out/step_$kind.nsys-rep" >/dev/null 2>&1
-        rm -f "$out/step_$kind.qdstrm"
-        ls "$out"/kernels_"$kind"*.csv && done_kinds=$((done_kinds + 1))
-      done
-    fi
-    if [ "$done_kinds" = 2 ]; then
-      python3 scripts/probes/kernel_diff.py "$out"/kernels_lora*.csv "$out"/kernels_dora*.csv --steps 15 | tee "$out/kernel_diff.txt"
-    elif command -v ncu >/dev/null; then
-      # Each launch timed alone (serialised; caches and clocks left as they are): 1 warm-up step and 1 more.
-      for kind in lora dora; do
-        (cd scripts/probes && timeout 140 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
-          --clock-control none python3 profile_step.py --kind "$kind" --warmup 1 --steps 1 > "$out/ncu_$kind.csv" 2>"$out/ncu_$kind.err")
-        tail -2 "$out/ncu_$kind.err"; wc -l "$out/ncu_$kind.csv"
-      done
-      python3 scripts/probes/kernel_diff.py "$out/ncu_lora.csv" "$out/ncu_dora.csv" --steps 2 | tee "$out/kernel_diff.txt"
-    fi ;;
+    # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).
+    # ncu times each launch alone (serialised; caches and clocks as they are) from profile_step's
+    # cudaProfilerStart on (the model's set-up and the compiling step are not profiled), over 2 steps,
+    # and kernel_diff takes one step's launches from them (between two cross-entropy backward kernels).
+    # nsys wrote only a .qdstrm on this machine (no importer), so it is not used.
+    for kind in lora dora; do
+      (cd scripts/probes && timeout 200 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+        --clock-control none --profile-from-start off \
+        python3 profile_step.py --kind "$kind" --base "${PROFILE_BASE:-bf16}" --warmup 1 --steps 2 \
+        > "$out/ncu_$kind.csv" 2>"$out/ncu_$kind.err")
+      tail -2 "$out/ncu_$kind.err"; wc -l "$out/ncu_$kind.csv"
+    done
+    python3 scripts/probes/kernel_diff.py "$out/ncu_lora.csv" "$out/ncu_dora.csv" --cycle cross_entropy_vjp \
+      | tee "$out/kernel_diff.txt" ;;
   four-scaling)
     # The four-GPU issue: 1 process, then 2 and 4 ranks against it.
     timeout 200 python3 -m meshtune.cli bench scaling --in-process --preset 1b --json 2>&1 | tee "$out/scaling_1xh200.txt"

@@ -1,4 +1,4 @@
-"""A few overlapped 1B training steps of one kind, to run under a GPU profiler (nsys).
+"""A few overlapped 1B training steps of one kind, to run under a GPU profiler (ncu or nsys).
 
 Development probe (adapters issue): DoRA's overlapped step on an H200 carries ~1.9 ms of
 GPU time per 1024 tokens over LoRA's, and the pieces timed alone explain about half of it
@@ -6,8 +6,8 @@ GPU time per 1024 tokens over LoRA's, and the pieces timed alone explain about h
 gives every kernel's time in the step; scripts/probes/kernel_diff.py sets LoRA's beside DoRA's.
     nsys profile -t cuda,nvtx --cuda-graph-trace=node -o step_dora python3 profile_step.py --kind dora
 It calls cudaProfilerStart/Stop around the timed steps where the CUDA runtime can be loaded
-(for nsys --capture-range=cudaProfilerApi); gpu_tables.sh profile traces the whole run instead,
-5 warm-up steps and the timed ones, the same for both kinds.
+(ncu --profile-from-start off, nsys --capture-range=cudaProfilerApi): gpu_tables.sh profile
+runs it under ncu, each launch timed alone, and kernel_diff.py --cycle takes one step from it.
 """
 import argparse
 import ctypes
