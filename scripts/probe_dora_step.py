@@ -119,6 +119,15 @@ def _unfolded(self, x):
 _unfolded.prepare = _fold_off()
 
 
+def _step_norms_set(**flags):
+    """A prepare step that sets step_norms' switches (USE_KERNEL_CASTS, READ_QUANTIZED_PACKED) before
+    the variant's step is traced; _reset puts them back on."""
+    def run(model):
+        for name, value in flags.items():
+            setattr(step_norms, name, value)
+    return run
+
+
 def _no_magnitude_sums(self, x):
     """Bound: the folded step with m's gradient left 0 (no sums kernels): what m's pass over g and y costs."""
     _reset()
@@ -253,6 +262,7 @@ def _reset():
     K.FOLD_ROW_SCALE = ORIGINAL_FOLD
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
+    step_norms.USE_KERNEL_CASTS = step_norms.READ_QUANTIZED_PACKED = True
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
 
 
@@ -279,6 +289,9 @@ VARIANTS = {
     "folded (the norm kernel writes W2 = rs W)": _folded,
     "unfolded (rs on the sum and the cotangent)": _unfolded,
     "bound: folded with no m sums": _no_magnitude_sums,
+    "folded with the layers casting A and B": _with(_kernels(True), prepare=_step_norms_set(USE_KERNEL_CASTS=False)),
+    "folded with a 4-bit base dequantized first": _with(_kernels(True),
+                                                    prepare=_step_norms_set(READ_QUANTIZED_PACKED=False)),
     # The bounds below change the unfolded step's pieces, so they run with the fold off.
     "bound: no cotangent": _with(_no_cotangent, prepare=_fold_off()),
     "bound: constant norm and no cotangent": _with(_constant_norm_no_cotangent, prepare=_fold_off(_hold_norms)),

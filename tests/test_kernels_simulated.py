@@ -538,6 +538,50 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
 
 
+@pytest.mark.parametrize("switch", ["USE_KERNEL_CASTS", "READ_QUANTIZED_PACKED"])
+def test_folded_step_parts_switched_off_train_alike(simulated, model_factory, monkeypatch, switch):
+    """step_norms' switches for the probes: the layers casting A and B themselves, or a 4-bit base
+    dequantized before the norm kernel, give the default folded step's loss and parameters (the casts
+    are the same bits; the packed read rounds as mx.dequantize does)."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import apply_adapters, base_path, step_norms
+    from meshtune.mesh import Mesh
+    from meshtune.train import build_step
+
+    monkeypatch.setattr(base_path, "_mode", "dequantized")
+
+    def trained(on):
+        monkeypatch.setattr(step_norms, switch, on)
+        model = model_factory(layers=2, dim=64)
+        nn.quantize(model, group_size=32, bits=4)
+        apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
+                       rank=4, scale=2.0, dropout=0.0)
+        for _, layer in model.named_modules():
+            if hasattr(layer, "lora_b"):
+                layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
+        model.train()
+        step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
+        tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
+        lengths = mx.array([[0, 9], [0, 9]])
+        losses = []
+        for _ in range(2):
+            ce, n, _, _ = step(tokens, lengths, None, None, True)
+            mx.eval(ce, n, model.parameters())
+            losses.append((ce / n).item())
+        return losses, dict(tree_flatten(model.trainable_parameters()))
+
+    default_losses, default = trained(True)
+    losses, params = trained(False)
+    if switch == "READ_QUANTIZED_PACKED":  # the dense kernel ran on dequantized bases this time
+        assert simulated["meshtune_dora_row_norm_scaled_2"].calls >= 1
+    assert losses == pytest.approx(default_losses, rel=1e-6)
+    for key, value in default.items():
+        assert mx.allclose(params[key], value, rtol=1e-6, atol=1e-7).item(), key
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_folded_training_step_trains_as_the_current_one(simulated, model_factory, monkeypatch, quantized):
     """kernels.FOLD_ROW_SCALE: the step writes W' = rs W beside the norms and every DoRA layer runs

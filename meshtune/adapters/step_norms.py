@@ -31,6 +31,11 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized, use_dequantized
 
+# Parts of the folded step (kernels.FOLD_ROW_SCALE), each on by default, switchable so a probe can time
+# the step without it (scripts/probe_dora_step.py): the layers take A and B' = B rs as the norm kernel
+# wrote them, in place of their own casts; an affine 4- or 8-bit base is read packed, not dequantized first.
+USE_KERNEL_CASTS = True
+READ_QUANTIZED_PACKED = True
 _active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs, A, B') or None)
 
 
@@ -61,7 +66,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     for layer in modules:
         if not _covered(layer):
             continue
-        if fold and _read_packed(layer.linear, tokens):
+        if fold and READ_QUANTIZED_PACKED and _read_packed(layer.linear, tokens):
             q = layer.linear
             packed.setdefault((q["weight"].shape, q["scales"].dtype, layer.lora_a.shape[-1], q.group_size, q.bits),
                               []).append(layer)
@@ -75,7 +80,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         args = ([dense for _, dense in members], *_adapter_args(layers))
         if fold:
             norms, *scaled = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
-            folded = list(zip(*scaled))  # (W', rs, A, B') a layer
+            folded = [f if USE_KERNEL_CASTS else f[:2] for f in zip(*scaled)]  # (W', rs, A, B') a layer
         else:
             norms, folded = kernels.row_norms_cuda(*args), [None] * len(layers)
         for (layer, dense), norm, fold_of in zip(members, norms, folded):
@@ -87,7 +92,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
             [x["weight"] for x in q], [x["scales"] for x in q], [x["biases"] for x in q], group_size, bits,
             *_adapter_args(layers), [mx.stop_gradient(layer.m) for layer in layers])
         for layer, norm, fold_of in zip(layers, norms, zip(*scaled)):
-            taken[id(layer)] = (tokens, None, norm, fold_of)  # no dense copy: the layer runs on W'
+            taken[id(layer)] = (tokens, None, norm, fold_of if USE_KERNEL_CASTS else fold_of[:2])  # runs on W'
     _active.update(taken)
     try:
         yield
@@ -118,8 +123,8 @@ def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | 
     return hit[1:3] if hit is not None and hit[0] == tokens else None
 
 
-def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, ...] | None:
     """(W' = rs W, rs float32, A and B' = B rs in W's dtype) the current step wrote for `layer` on `tokens` rows
-    (kernels.FOLD_ROW_SCALE), or None."""
+    (kernels.FOLD_ROW_SCALE), or None; without the last two where USE_KERNEL_CASTS is off."""
     hit = _active.get(id(layer))
     return hit[3] if hit is not None and hit[0] == tokens else None
