@@ -46,7 +46,7 @@ case $what in
     # the default, and a float at a time), then the adapters table as `adapters` runs it.
     timeout 100 python3 -m pytest -q -x tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
     timeout 90 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
-      --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|m's sums" 2>&1 | tee "$out/dora_kernel_cost.txt"
+      --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|4-bit|m's sums" 2>&1 | tee "$out/dora_kernel_cost.txt"
     { echo "# python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json  (one H200)"
       timeout 330 python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json 2>&1; } \
       | tee "$out/adapters_h200.txt" ;;

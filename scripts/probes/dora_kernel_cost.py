@@ -44,7 +44,8 @@ def layer_arrays(out, inp):
     g = mx.random.normal((args.tokens, out)).astype(dt)
     y = mx.random.normal((args.tokens, out)).astype(dt)
     rs = (mx.random.uniform(shape=(out,)) + 0.5).astype(dt)
-    d = dict(W=W, w_sq=w_sq, a=a, b=b, m=mx.sqrt(w_sq), x=x, g=g, y=y, rs=rs)
+    d = dict(W=W, w_sq=w_sq, a=a, b=b, m=mx.sqrt(w_sq), x=x, g=g, y=y, rs=rs,
+             Wq=mx.quantize(W, group_size=64, bits=4))
     mx.eval(d)
     return d
 
@@ -82,6 +83,27 @@ def by_shape(row_norms):
             group = [d for t, d in zip(shapes, layers) if t == s]
             outs.extend(row_norms([d["W"] for d in group], [d["a"] for d in group],
                                   [d["b"] for d in group], [20.0] * len(group)))
+        return outs
+    run.whole_step = True
+    return run
+
+
+def by_shape_4bit(packed):
+    """The folded kernel for every layer on a 4-bit base (group 64), a launch a shape: read packed
+    (`packed`), or after MLX's dequantize of each layer (the step before the packed read)."""
+    def run():
+        outs = []
+        for s in dict.fromkeys(shapes):
+            group = [d for t, d in zip(shapes, layers) if t == s]
+            a, b, m = [d["a"] for d in group], [d["b"] for d in group], [ONES[s[0]] for d in group]
+            if packed:
+                parts = K.row_norms_and_scaled_quantized_cuda([d["Wq"][0] for d in group], [d["Wq"][1] for d in group],
+                                                              [d["Wq"][2] for d in group], 64, 4, a, b,
+                                                              [20.0] * len(group), m)
+            else:
+                parts = K.row_norms_and_scaled_cuda([mx.dequantize(*d["Wq"], group_size=64, bits=4) for d in group],
+                                                    a, b, [20.0] * len(group), m)
+            outs.extend(x for part in parts for x in part)
         return outs
     run.whole_step = True
     return run
@@ -127,6 +149,8 @@ pieces = {
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
+    "4-bit: norms and W' read packed (7)": by_shape_4bit(True),
+    "4-bit: dequantize then norms and W' (7)": by_shape_4bit(False),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
        for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
     "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
@@ -157,7 +181,7 @@ for k, f in pieces.items():  # a piece's reps together, printed as it ends (a ru
             t2 = time.perf_counter()
             times.append((t1 - t0, t2 - t1))
             del outs
-    except RuntimeError as e:  # e.g. a block asking for more registers than the GPU has: the next piece still runs
+    except Exception as e:  # e.g. a block asking for more registers than the GPU has: the next piece still runs
         print(f"{k:32s} failed: {str(e)[:100]}", flush=True)
         continue
     v = sorted(times[1:], key=lambda t: t[1])
