@@ -510,6 +510,42 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
         assert mx.allclose(g, h, rtol=1e-5, atol=1e-6).item(), name
 
 
+@pytest.mark.parametrize("memory, setting, dense_folded", [(None, "auto", True), (1 << 40, "auto", True),
+                                                          (1000, "auto", False), (1000, True, True)])
+def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simulated, monkeypatch, capsys,
+                                                                           memory, setting, dense_folded):
+    """kernels.FOLD_ROW_SCALE "auto" (the default): a dense base's W' is a second copy held through the
+    step, so those are folded only while the copies take at most FOLD_MEMORY_SHARE of the GPU's memory
+    (folded where the GPU does not report it); a quantized base is folded either way (W' replaces its
+    dequantized copy). Declining says so once on stderr, naming the setting that forces it."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import base_path, kernels, step_norms
+    from meshtune.adapters.step_norms import lookup_scaled, step_row_norms
+
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", setting)
+    monkeypatch.setattr(step_norms, "_device_memory", [memory])
+    monkeypatch.setattr(step_norms, "_declined", set())
+    base_path.set_base_path("dequantized")
+    try:
+        model = _fan(_dora_layers(quantize=True))
+        model.train()
+        x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+        loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
+        for _ in range(2):
+            with step_row_norms(model, 10):
+                assert (lookup_scaled(model.layers[0], 10) is not None) == dense_folded  # a dense base
+                assert lookup_scaled(model.layers[3], 10) is not None  # the 4-bit base
+                mx.eval(loss_and_grad(x))
+    finally:
+        base_path.set_base_path("auto")
+    err = capsys.readouterr().err
+    if dense_folded:
+        assert "folded step is off" not in err
+    else:
+        assert err.count("folded step is off for dense bases") == 1 and "MESHTUNE_DORA_FOLD=1" in err
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_training_step_takes_dora_norms_before_the_forward(simulated, model_factory, monkeypatch, fold):
     """meshtune's step (train.build_step) on a model with DoRA: one norm launch per shape; folded

@@ -22,7 +22,7 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   a second small kernel adds the chunks' sums in a fixed order, so the result does not
   depend on scheduling, and divides by rs * norm.
 
-- Folded (FOLD_ROW_SCALE, the default): `row_norms_and_scaled_cuda` also writes W' = rs W after
+- Folded (FOLD_ROW_SCALE, on by default): `row_norms_and_scaled_cuda` also writes W' = rs W after
   each row's norm (the row read again from the L2 cache), and A and B' = B rs in W's dtype
   (the casts each layer's product would launch: on an H200 the 1B step's B rs alone was 112
   strided launches, 0.5 ms, docs/bench/dora_folded_h200.txt); the layers run LoRA's product
@@ -309,21 +309,25 @@ _COTANGENT_BLOCKS = 528
 
 # Whether a training step folds DoRA's row scale into the weights (step_norms.py writes W' = rs W
 # beside the norms; adapted_linear's folded product): LoRA's product on W' and B', m's gradient
-# the only pass DoRA adds, for a dense copy of the adapted weights held through the step on a
-# dense base (a quantized base's dequantized copy is consumed by the kernel instead). On by
-# default: on one H200 the 1B bf16 DoRA step went from 48.1 to 45.7 ms, 4-bit from 49.5 to 48.1
-# (docs/bench/adapters_h200_overlapped.txt, adapters_h200_fold.txt). MESHTUNE_DORA_FOLD=0 turns
-# it off (the row scale then rides on the fused sum and the cotangent kernel), to save that memory.
+# the only pass DoRA adds. On one H200 the 1B bf16 DoRA step went from 48.1 to 45.7 ms, 4-bit from
+# 49.5 to 48.1 (docs/bench/adapters_h200_overlapped.txt, adapters_h200_fold.txt). On a quantized
+# base W' takes the place of the dequantized copy; on a dense base it is a copy held through the
+# step, so "auto" (the default) folds those only while their copies take at most FOLD_MEMORY_SHARE
+# of the GPU's memory. MESHTUNE_DORA_FOLD=1 folds always, 0 never (the row scale then rides on the
+# fused sum and the cotangent kernel).
 FOLD_ENV = "MESHTUNE_DORA_FOLD"
+FOLD_SETTINGS = {"auto": "auto", "1": True, "0": False}
+FOLD_MEMORY_SHARE = 0.125
 
 
-def _fold_setting(value: str) -> bool:
-    if value not in ("0", "1"):
-        raise ValueError(f"{FOLD_ENV}={value!r}: use 1 (fold DoRA's row scale into the weights, the default) or 0")
-    return value == "1"
+def _fold_setting(value: str) -> bool | str:
+    if value not in FOLD_SETTINGS:
+        raise ValueError(f"{FOLD_ENV}={value!r}: use auto (the default: fold DoRA's row scale into the weights "
+                         f"while a dense base's folded copies fit in 1/8 of the GPU's memory), 1 (always) or 0 (never)")
+    return FOLD_SETTINGS[value]
 
 
-FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "1"))
+FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "auto"))
 
 # The largest rank the row-scale kernel takes (its accumulators live in registers);
 # adapted_linear computes larger ones in MLX ops.

@@ -22,6 +22,7 @@ block only, so there the layers dequantize their own: about 14 GB of bfloat16 fo
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -60,7 +61,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     modules = [m for part in (model if isinstance(model, list) else [model]) for m in part.modules()]
     share_dequantized = not any(_recomputed(m) for m in modules)
     # W' = rs W for every layer is held through the step, so not where blocks are recomputed.
-    fold = kernels.FOLD_ROW_SCALE and share_dequantized
+    fold = kernels.FOLD_ROW_SCALE is not False and share_dequantized
     groups: dict[tuple, list[tuple[nn.Module, mx.array]]] = {}
     packed: dict[tuple, list[nn.Module]] = {}  # folded quantized bases the kernel reads packed
     for layer in modules:
@@ -74,11 +75,15 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         dense = dense_weight_for(layer.linear, tokens)
         if dense is not None:
             groups.setdefault((dense.shape, dense.dtype, layer.lora_a.shape[-1]), []).append((layer, dense))
+    # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
+    copies = sum(dense.nbytes for members in groups.values() for layer, dense in members
+                 if not is_quantized(layer.linear))
+    fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(copies))
     taken = {}
     for members in groups.values():
         layers = [layer for layer, _ in members]
         args = ([dense for _, dense in members], *_adapter_args(layers))
-        if fold:
+        if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
             norms, *scaled = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
             folded = [f if USE_KERNEL_CASTS else f[:2] for f in zip(*scaled)]  # (W', rs, A, B') a layer
         else:
@@ -99,6 +104,31 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     finally:
         for key in taken:
             _active.pop(key, None)
+
+
+_device_memory: list[int | None] = []  # the GPU's total memory in bytes (None: not reported), looked up once
+_declined: set[int] = set()  # the copies' sizes "auto" has already said it does not fold
+
+
+def _copies_fit(nbytes: int) -> bool:
+    """kernels.FOLD_ROW_SCALE "auto": whether dense bases' folded copies of `nbytes` fit in
+    kernels.FOLD_MEMORY_SHARE of the GPU's memory (yes where the GPU does not report it)."""
+    if not _device_memory:
+        try:
+            info = mx.device_info()  # the default device's: on MLX's CUDA build, "total_memory"
+        except (AttributeError, RuntimeError):
+            info = {}
+        total = info.get("total_memory") or info.get("memory_size")
+        _device_memory.append(total if isinstance(total, int) else None)
+    total = _device_memory[0]
+    if total is None or nbytes <= kernels.FOLD_MEMORY_SHARE * total:
+        return True
+    if nbytes not in _declined:
+        _declined.add(nbytes)
+        print(f"meshtune: DoRA's folded step is off for dense bases: their folded copies would take "
+              f"{nbytes / 2**30:.1f} GiB of the GPU's {total / 2**30:.0f} GiB (more than "
+              f"{kernels.FOLD_MEMORY_SHARE:.0%}); {kernels.FOLD_ENV}=1 folds them anyway", file=sys.stderr, flush=True)
+    return False
 
 
 def _adapter_args(layers: list[nn.Module]) -> tuple[list, list, list]:
