@@ -86,46 +86,23 @@ def _scaled_weight(self, x):
     return y + self.linear["bias"] if "bias" in self.linear else y
 
 
-def _folded(self, x):
-    """meshtune's folded step (kernels.FOLD_ROW_SCALE): the row-norm kernel writes W' = rs W beside the
-    norm and each layer runs LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel."""
-    _reset()
-    return ORIGINAL(self, x)
-
-
-def _fold_on(model):
-    K.FOLD_ROW_SCALE = True
-
-
-_folded.prepare = _fold_on
-
-
-def _fold_off(prepare=None):
-    """A prepare step that turns the folded step off (kernels.FOLD_ROW_SCALE, on by default) before the
-    variant's step is traced: the row scale on the fused sum and the cotangent kernel, as before it."""
-    def run(model):
-        K.FOLD_ROW_SCALE = False
-        if prepare is not None:
-            prepare(model)
-    return run
-
-
-def _unfolded(self, x):
-    """The step before the fold (MESHTUNE_DORA_FOLD=0): rs on the fused sum, g * rs with m's sums in one kernel."""
-    _reset()
-    return ORIGINAL(self, x)
-
-
-_unfolded.prepare = _fold_off()
-
-
-def _step_norms_set(**flags):
-    """A prepare step that sets step_norms' switches (USE_KERNEL_CASTS, READ_QUANTIZED_PACKED) before
-    the variant's step is traced; _reset puts them back on."""
+def _setting(target, then=None, **flags):
+    """A prepare step that sets `flags` on `target` (kernels or step_norms) before the variant's step
+    is traced, then runs `then` (the variant's own prepare step), if any; _reset puts them back."""
     def run(model):
         for name, value in flags.items():
-            setattr(step_norms, name, value)
+            setattr(target, name, value)
+        if then is not None:
+            then(model)
     return run
+
+
+def _on_the_unfolded_step(variant):
+    """`variant` with the fold off (MESHTUNE_DORA_FOLD=0) before its step is traced: it changes pieces
+    only the unfolded step runs (the cotangent kernel, the norm lookup, row_norms_cuda, the MLX ops' norm)."""
+    built = _with(variant, **variant.__dict__)
+    built.prepare = _setting(K, variant.__dict__.get("prepare"), FOLD_ROW_SCALE=False)
+    return built
 
 
 def _no_magnitude_sums(self, x):
@@ -286,20 +263,27 @@ VARIANTS = {
     "packed m and one-launch cotangent and w_sq out": _with(_one_launch, optimizer=PackedMagnitudesAdam,
                                                        prepare=_w_sq_outside_state),
     "scaled weight (rs folded into W and B)": _scaled_weight,
-    "folded (the norm kernel writes W2 = rs W)": _folded,
-    "unfolded (rs on the sum and the cotangent)": _unfolded,
+    "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
-    "folded with the layers casting A and B": _with(_kernels(True), prepare=_step_norms_set(USE_KERNEL_CASTS=False)),
+    "folded with the layers casting A and B": _with(_kernels(True), prepare=_setting(step_norms, USE_KERNEL_CASTS=False)),
     "folded with a 4-bit base dequantized first": _with(_kernels(True),
-                                                    prepare=_step_norms_set(READ_QUANTIZED_PACKED=False)),
-    # The bounds below change the unfolded step's pieces, so they run with the fold off.
-    "bound: no cotangent": _with(_no_cotangent, prepare=_fold_off()),
-    "bound: constant norm and no cotangent": _with(_constant_norm_no_cotangent, prepare=_fold_off(_hold_norms)),
+                                                    prepare=_setting(step_norms, READ_QUANTIZED_PACKED=False)),
+    "bound: no cotangent": _no_cotangent,
+    "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,
     "bound: m frozen": _with(_kernels(True), prepare=lambda model: model.freeze(keys=["m"], strict=False)),
-    "bound: constant norm": _with(_constant_norm, prepare=_fold_off(_hold_norms)),
+    "bound: constant norm": _constant_norm,
     "bound: MLX g*rs and dm 0": _mlx_scaled_cotangent,
 }
+# The variants written for the step before the fold (the folded step runs none of what they change).
+for _name in ("MLX ops (no kernels)", "MLX ops, separate W A product", "norm a launch a layer",
+              "one-launch cotangent (last block sums)", "cotangent 1056 blocks",
+              "one-launch cotangent and Adam on m packed", "MLX cotangent",
+              "MLX cotangent with m's sums on a second stream", "norms on a second stream",
+              "norms and m's sums on a second stream", "packed m and one-launch cotangent and w_sq out",
+              "unfolded (rs on the sum and the cotangent)", "bound: no cotangent",
+              "bound: constant norm and no cotangent", "bound: constant norm", "bound: MLX g*rs and dm 0"):
+    VARIANTS[_name] = _on_the_unfolded_step(VARIANTS[_name])
 
 
 def check_exact(shape, a, dtype):

@@ -334,7 +334,7 @@ def test_row_norm_kernel_reads_a_quantized_base_packed(simulated, bits, group_si
         for x, y in zip(got_part, want_part):
             assert x.shape == y.shape and x.dtype == y.dtype
             assert mx.allclose(x, y, rtol=1e-6, atol=1e-7).item()
-    assert simulated[f"meshtune_dora_row_norm_scaled_quantized_2"].calls == 1
+    assert simulated["meshtune_dora_row_norm_scaled_quantized_2"].calls == 1
     with pytest.raises(ValueError, match="3-bit"):
         kernels.row_norms_and_scaled_quantized_cuda([], [], [], 32, 3, [], [], [], [])
 
@@ -525,7 +525,7 @@ def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simula
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", setting)
     monkeypatch.setattr(step_norms, "_device_memory", [memory])
-    monkeypatch.setattr(step_norms, "_declined", set())
+    monkeypatch.setattr(step_norms, "_declined", [])
     base_path.set_base_path("dequantized")
     try:
         model = _fan(_dora_layers(quantize=True))
@@ -574,40 +574,53 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
 
 
+def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
+    """Two steps of meshtune's step (train.build_step, uncompiled, SGD: the update is the gradient,
+    which Adam's per-element normalisation would blow up at ~0) on a 2-block model, 4-bit where
+    `quantized`, with DoRA on q_proj and down_proj and non-zero B (the row scale moves off 1):
+    (the two losses, the trainable parameters after). `built(model)` runs before the steps."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import apply_adapters
+    from meshtune.mesh import Mesh
+    from meshtune.train import build_step
+
+    model = model_factory(layers=2, dim=64)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
+                   rank=4, scale=2.0, dropout=0.0)
+    for _, layer in model.named_modules():
+        if hasattr(layer, "lora_b"):
+            layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
+    model.train()
+    if built is not None:
+        built(model)
+    step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
+    tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
+    lengths = mx.array([[0, 9], [0, 9]])
+    losses = []
+    for _ in range(2):
+        ce, n, _, _ = step(tokens, lengths, None, None, True)
+        mx.eval(ce, n, model.parameters())
+        losses.append((ce / n).item())
+    return losses, dict(tree_flatten(model.trainable_parameters()))
+
+
 @pytest.mark.parametrize("switch", ["USE_KERNEL_CASTS", "READ_QUANTIZED_PACKED"])
 def test_folded_step_parts_switched_off_train_alike(simulated, model_factory, monkeypatch, switch):
     """step_norms' switches for the probes: the layers casting A and B themselves, or a 4-bit base
     dequantized before the norm kernel, give the default folded step's loss and parameters (the casts
     are the same bits; the packed read rounds as mx.dequantize does)."""
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten
-
-    from meshtune.adapters import apply_adapters, base_path, step_norms
-    from meshtune.mesh import Mesh
-    from meshtune.train import build_step
+    from meshtune.adapters import base_path, step_norms
 
     monkeypatch.setattr(base_path, "_mode", "dequantized")
 
     def trained(on):
         monkeypatch.setattr(step_norms, switch, on)
-        model = model_factory(layers=2, dim=64)
-        nn.quantize(model, group_size=32, bits=4)
-        apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
-                       rank=4, scale=2.0, dropout=0.0)
-        for _, layer in model.named_modules():
-            if hasattr(layer, "lora_b"):
-                layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
-        model.train()
-        step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
-        tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
-        lengths = mx.array([[0, 9], [0, 9]])
-        losses = []
-        for _ in range(2):
-            ce, n, _, _ = step(tokens, lengths, None, None, True)
-            mx.eval(ce, n, model.parameters())
-            losses.append((ce / n).item())
-        return losses, dict(tree_flatten(model.trainable_parameters()))
+        return _two_dora_sgd_steps(model_factory, quantized=True)
 
     default_losses, default = trained(True)
     losses, params = trained(False)
@@ -624,13 +637,7 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel; the loss and the
     parameters after two steps are the current step's, on a dense and on a quantized base (SGD:
     the update is the gradient, which Adam's per-element normalisation would blow up at ~0)."""
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten
-
-    from meshtune.adapters import apply_adapters, base_path, kernels
-    from meshtune.mesh import Mesh
-    from meshtune.train import build_step
+    from meshtune.adapters import base_path, kernels
 
     monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
     dequantized = []  # the bases dequantize_weight was asked for, by id
@@ -639,28 +646,13 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
                         or original_dequantized(layer))
     dora_bases = set()
 
+    def built(model):
+        dora_bases.update(id(layer.linear) for _, layer in model.named_modules() if hasattr(layer, "lora_b"))
+        dequantized.clear()  # from here on, the steps'
+
     def trained(fold):
         monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
-        model = model_factory(layers=2, dim=64)
-        if quantized:
-            nn.quantize(model, group_size=32, bits=4)
-        apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
-                       rank=4, scale=2.0, dropout=0.0)
-        for _, layer in model.named_modules():  # non-zero B: the row scale moves off 1
-            if hasattr(layer, "lora_b"):
-                layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
-                dora_bases.add(id(layer.linear))
-        model.train()
-        dequantized.clear()
-        step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
-        tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
-        lengths = mx.array([[0, 9], [0, 9]])
-        losses = []
-        for _ in range(2):
-            ce, n, _, _ = step(tokens, lengths, None, None, True)
-            mx.eval(ce, n, model.parameters())
-            losses.append((ce / n).item())
-        return losses, dict(tree_flatten(model.trainable_parameters()))
+        return _two_dora_sgd_steps(model_factory, quantized=quantized, built=built)
 
     base_losses, base = trained(False)
     assert "meshtune_dora_row_norm_scaled_2" not in simulated

@@ -78,7 +78,8 @@ _ROW_NORM = """
     float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
     int lane = tid & 31;
-@W_DECL@    const float* a;
+@W_DECL@
+    const float* a;
     const float* b;
     float* norm;
     @SELECT@
@@ -152,7 +153,8 @@ _ROW_NORM = """
         }
         for (int e = staged + tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
         __syncthreads();
-@AFTER_STAGE@        #pragma unroll
+@AFTER_STAGE@
+        #pragma unroll
         for (int g = 0; g < G; ++g) {
             int row0 = first_row(g);
             if (g > 0) load_w(row0, j0, n);
@@ -363,8 +365,7 @@ _SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n    WT* aco
 # A in W's dtype, as the layer's product casts it, written by each layer's first block from the
 # staged tile (the layer then needs no cast of its own).
 _CAST_A = """        if (blockIdx.x == 0)
-            for (int e = tid; e < n * R; e += NT) aco[(long long)j0 * R + e] = static_cast<WT>(sa[(e % R) * SA + e / R]);
-"""
+            for (int e = tid; e < n * R; e += NT) aco[(long long)j0 * R + e] = static_cast<WT>(sa[(e % R) * SA + e / R]);"""
 _SCALED_EPILOGUE = """
     bool ws_aligned = VEC > 1 && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
     #pragma unroll
@@ -395,7 +396,7 @@ _SCALED_EPILOGUE = """
 
 # W as the kernel reads it: VEC elements of a row from column `col` (a multiple of VEC).
 _DENSE_W = {
-    "@W_DECL@": "    const WT* w;\n",
+    "@W_DECL@": "    const WT* w;",
     "@READ_W@": """    auto read_w = [&](int row, int col) {
         WVec r;
         long long off = (long long)row * IN + col;
@@ -412,7 +413,7 @@ _DENSE_W = {
 # each GS columns), dequantized as it is read, as MLX's affine dequantization rounds it (scale * q
 # in WT, then + bias in WT): the norm, W' and the rest need no dense copy of W.
 _QUANTIZED_W = {
-    "@W_DECL@": "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;\n",
+    "@W_DECL@": "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;",
     "@READ_W@": """    auto read_w = [&](int row, int col) {
         WVec r;
         const unsigned* words = w + (long long)row * (IN * QB / 32);
@@ -438,7 +439,7 @@ def _row_norm_source(layers: int, scaled: bool = False, quantized: bool = False)
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
                        for i in range(layers))
     source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
-    source = _fill(source.replace("@AFTER_STAGE@", _CAST_A if scaled else ""), _QUANTIZED_W if quantized else _DENSE_W)
+    source = _fill(source, {**(_QUANTIZED_W if quantized else _DENSE_W), "@AFTER_STAGE@": _CAST_A if scaled else ""})
     if scaled:
         source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
     return source

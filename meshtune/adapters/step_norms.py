@@ -76,9 +76,8 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         if dense is not None:
             groups.setdefault((dense.shape, dense.dtype, layer.lora_a.shape[-1]), []).append((layer, dense))
     # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
-    copies = sum(dense.nbytes for members in groups.values() for layer, dense in members
-                 if not is_quantized(layer.linear))
-    fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(copies))
+    fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(sum(
+        dense.nbytes for members in groups.values() for layer, dense in members if not is_quantized(layer.linear))))
     taken = {}
     for members in groups.values():
         layers = [layer for layer, _ in members]
@@ -107,7 +106,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
 
 
 _device_memory: list[int | None] = []  # the GPU's total memory in bytes (None: not reported), looked up once
-_declined: set[int] = set()  # the copies' sizes "auto" has already said it does not fold
+_declined: list[bool] = []  # "auto" has said it leaves dense bases unfolded (said once)
 
 
 def _copies_fit(nbytes: int) -> bool:
@@ -123,8 +122,8 @@ def _copies_fit(nbytes: int) -> bool:
     total = _device_memory[0]
     if total is None or nbytes <= kernels.FOLD_MEMORY_SHARE * total:
         return True
-    if nbytes not in _declined:
-        _declined.add(nbytes)
+    if not _declined:
+        _declined.append(True)
         print(f"meshtune: DoRA's folded step is off for dense bases: their folded copies would take "
               f"{nbytes / 2**30:.1f} GiB of the GPU's {total / 2**30:.0f} GiB (more than "
               f"{kernels.FOLD_MEMORY_SHARE:.0%}); {kernels.FOLD_ENV}=1 folds them anyway", file=sys.stderr, flush=True)

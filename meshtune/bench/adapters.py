@@ -207,10 +207,7 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
     model.train()
     optimizer = optim.Adam(learning_rate=1e-5)
-    if impl == "stock":
-        run = _stock_runner(model, optimizer)
-    else:
-        run = _meshtune_runner(model, optimizer, overlap=a.overlap)
+    run = _stock_runner(model, optimizer) if impl == "stock" else _meshtune_runner(model, optimizer, a.overlap)
     # One fixed batch of full-length rows: lengths are (prompt offset 0, length), as mlx-lm's.
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)

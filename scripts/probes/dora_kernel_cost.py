@@ -75,43 +75,30 @@ def row_norm(d):
     return K.row_norms_cuda([d["W"]], [d["a"]], [d["b"]], [20.0])
 
 
-def by_shape(row_norms):
-    """Every layer's norm by `row_norms`, the layers of a shape in one launch (each its own W, A, B)."""
+def by_shape(row_norms, weight=lambda d: d["W"]):
+    """Every layer's norm by `row_norms(weights, A, B, scales)`, the layers of a shape in one launch
+    (each its own W, A, B); `weight` is what a layer passes as its weight."""
     def run():
         outs = []
         for s in dict.fromkeys(shapes):
             group = [d for t, d in zip(shapes, layers) if t == s]
-            outs.extend(row_norms([d["W"] for d in group], [d["a"] for d in group],
+            outs.extend(row_norms([weight(d) for d in group], [d["a"] for d in group],
                                   [d["b"] for d in group], [20.0] * len(group)))
         return outs
     run.whole_step = True
     return run
 
 
-def by_shape_4bit(packed):
-    """The folded kernel for every layer on a 4-bit base (group 64), a launch a shape: read packed
-    (`packed`), or after MLX's dequantize of each layer (the step before the packed read)."""
-    def run():
-        outs = []
-        for s in dict.fromkeys(shapes):
-            group = [d for t, d in zip(shapes, layers) if t == s]
-            a, b, m = [d["a"] for d in group], [d["b"] for d in group], [ONES[s[0]] for d in group]
-            if packed:
-                parts = K.row_norms_and_scaled_quantized_cuda([d["Wq"][0] for d in group], [d["Wq"][1] for d in group],
-                                                              [d["Wq"][2] for d in group], 64, 4, a, b,
-                                                              [20.0] * len(group), m)
-            else:
-                parts = K.row_norms_and_scaled_cuda([mx.dequantize(*d["Wq"], group_size=64, bits=4) for d in group],
-                                                    a, b, [20.0] * len(group), m)
-            outs.extend(x for part in parts for x in part)
-        return outs
-    run.whole_step = True
-    return run
-
-
 def norms_and_scaled(w, a, b, s):
-    """The folded step's kernel (kernels.FOLD_ROW_SCALE): the norms, W' = rs W and rs, m = 1."""
+    """The folded step's kernel (kernels.FOLD_ROW_SCALE): the norms, W' = rs W, rs, A and B', m = 1."""
     return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w]) for x in part]
+
+
+def norms_and_scaled_packed(wq, a, b, s):
+    """norms_and_scaled on 4-bit bases (group 64) read packed: wq is each layer's (weight, scales, biases)."""
+    parts = K.row_norms_and_scaled_quantized_cuda([q[0] for q in wq], [q[1] for q in wq], [q[2] for q in wq], 64, 4,
+                                                  a, b, s, [ONES[q[0].shape[0]] for q in wq])
+    return [x for part in parts for x in part]
 
 
 ONES = {n: mx.ones((n,)) for n in (H, I, KV)}
@@ -149,8 +136,9 @@ pieces = {
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
-    "4-bit: norms and W' read packed (7)": by_shape_4bit(True),
-    "4-bit: dequantize then norms and W' (7)": by_shape_4bit(False),
+    "4-bit: norms and W' read packed (7)": by_shape(norms_and_scaled_packed, weight=lambda d: d["Wq"]),
+    "4-bit: dequantize then norms and W' (7)": by_shape(
+        norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
        for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
     "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],

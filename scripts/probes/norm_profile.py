@@ -1,5 +1,7 @@
-import time, mlx.core as mx
+import mlx.core as mx
 from meshtune.adapters.adapted_linear import adapted_row_norm
+
+from _steps import median_ms
 T, IN, OUT, R, S = 4096, 2048, 6144, 8, 20.0
 dt = mx.bfloat16
 W = (mx.random.normal((OUT, IN)) * IN ** -0.5).astype(dt)
@@ -24,12 +26,7 @@ cases = {
  "gram only": lambda: a.T @ a,
 }
 def timed(fn, n=50):
-    f = mx.compile(fn)
-    for _ in range(5): mx.eval(f())
-    t = []
-    for _ in range(n):
-        tic = time.perf_counter(); mx.eval(f()); t.append(time.perf_counter() - tic)
-    return sorted(t)[n // 2] * 1e3
+    return median_ms(mx.compile(fn), n, warmup=5)
 res = {k: [] for k in cases}
 for _ in range(3):
     for k, f in cases.items(): res[k].append(timed(f))
