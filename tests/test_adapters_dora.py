@@ -263,6 +263,22 @@ def test_measure_crossover_returns_a_measured_count():
         assert got in counts or got == base_path.NEVER
 
 
+def test_crossover_timing_runs_fast_calls_in_batches_and_picks_the_faster():
+    small, large = mx.ones((64, 64)), mx.ones((512, 512))
+    calls = []
+    cheap = lambda: calls.append(1) or small + 1
+    assert base_path._calls_a_timing(cheap) > 1  # one add is far below MIN_TIMED_SECONDS
+    assert base_path._calls_a_timing(lambda: large @ large @ large @ large) >= 1
+    slow = lambda: large @ large @ large @ large
+    assert base_path._dense_is_faster(cheap, slow, repeats=2)
+    assert not base_path._dense_is_faster(slow, cheap, repeats=2)
+
+    def missing():
+        raise RuntimeError("no kernel for this dtype")
+    assert not base_path._dense_is_faster(missing, slow, repeats=2)  # the path that runs wins
+    assert base_path._dense_is_faster(slow, missing, repeats=2)
+
+
 def test_bad_base_path_names_the_choices():
     with pytest.raises(ValueError, match="auto, quantized, dequantized"):
         set_base_path("fast")

@@ -149,17 +149,48 @@ def switch_forward(layer: nn.Module, x: mx.array, indices: mx.array, *, sorted_i
     return y
 
 
-def _median_seconds(fn: Callable[[], mx.array], repeats: int) -> float:
-    try:
-        mx.eval(fn())  # warm-up: first calls pay for allocation and kernel set-up
-    except RuntimeError:
-        return float("inf")  # a kernel this backend lacks for the dtype (CPU gather_mm: float32 only)
-    times = []
+MIN_TIMED_SECONDS = 2e-3  # a timing shorter than this is mostly launch and synchronisation jitter on a GPU
+MAX_CALLS_A_TIMING = 64
+
+
+def _calls_a_timing(fn: Callable[[], mx.array]) -> int:
+    """How many calls of `fn` one timing runs: enough to last MIN_TIMED_SECONDS (one on a slow CPU)."""
+    start = time.perf_counter()
+    mx.eval(fn())
+    once = time.perf_counter() - start
+    return max(1, min(MAX_CALLS_A_TIMING, int(MIN_TIMED_SECONDS / max(once, 1e-9)) + 1))
+
+
+def _seconds_a_call(fn: Callable[[], mx.array], calls: int) -> float:
+    """Wall time of `calls` calls of `fn` queued back to back (each output dropped once queued,
+    so memory holds one or two), divided by `calls`."""
+    start = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = fn()
+        mx.async_eval(out)
+    mx.eval(out)
+    return (time.perf_counter() - start) / calls
+
+
+def _dense_is_faster(dense: Callable[[], mx.array], quant: Callable[[], mx.array], repeats: int) -> bool:
+    """Whether `dense` beats `quant`: the best of `repeats` interleaved timings each, every timing
+    long enough that a GPU's launch jitter does not decide it."""
+    runs = {}
+    for fn in (dense, quant):
+        try:
+            mx.eval(fn())  # warm-up: first calls pay for allocation and kernel set-up
+            runs[fn] = True
+        except RuntimeError:  # a kernel this backend lacks for the dtype (CPU gather_mm: float32 only)
+            runs[fn] = False
+    if not (runs[dense] and runs[quant]):
+        return runs[dense]
+    calls = _calls_a_timing(quant)
+    best = {dense: float("inf"), quant: float("inf")}
     for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for fn in (dense, quant):
+            best[fn] = min(best[fn], _seconds_a_call(fn, calls))
+    return best[dense] < best[quant]
 
 
 def measure_crossover(out_dims: int, in_dims: int, *, bits: int, group_size: int, mode: str = "affine",
@@ -199,7 +230,7 @@ def measure_crossover(out_dims: int, in_dims: int, *, bits: int, group_size: int
             mx.eval(x)
             quant = lambda: mx.quantized_matmul(x, packed, scales, biases, transpose=True, **kw)
             dense = lambda: x @ mx.dequantize(packed, scales, biases, **kw).T
-        if _median_seconds(dense, repeats) < _median_seconds(quant, repeats):
+        if _dense_is_faster(dense, quant, repeats):
             if first_win is not None:
                 return first_win
             first_win = tokens
