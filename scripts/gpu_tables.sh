@@ -43,7 +43,7 @@ case $what in
       | tee "$out/adapters_h200.txt" ;;
   kernels-then-adapters)
     # One call (~6 min): the folded kernel's staging timed both ways (float4 loads, the default, and a
-    # float at a time) and a 4-bit base read packed beside dequantized first, then `adapters` as it runs.
+    # float at a time) and on a 4-bit base dequantized first, then `adapters` as it runs.
     timeout 90 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
       --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|4-bit|m's sums" 2>&1 | tee "$out/dora_kernel_cost.txt"
     bash "$0" adapters "$out" ;;
@@ -57,7 +57,7 @@ case $what in
       --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|m's sums|cotangent kernels|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
-      --only "${PROBE_VARIANTS:-current,folded with the layers casting A and B,folded with a 4-bit base dequantized first,unfolded (rs on the sum and the cotangent),bound: folded with no m sums}" \
+      --only "${PROBE_VARIANTS:-current,folded with the layers casting A and B,unfolded (rs on the sum and the cotangent),bound: folded with no m sums}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).

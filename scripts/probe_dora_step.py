@@ -239,7 +239,7 @@ def _reset():
     K.FOLD_ROW_SCALE = ORIGINAL_FOLD
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
-    step_norms.USE_KERNEL_CASTS = step_norms.READ_QUANTIZED_PACKED = True
+    step_norms.USE_KERNEL_CASTS = True
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
 
 
@@ -266,8 +266,6 @@ VARIANTS = {
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
     "folded with the layers casting A and B": _with(_kernels(True), prepare=_setting(step_norms, USE_KERNEL_CASTS=False)),
-    "folded with a 4-bit base dequantized first": _with(_kernels(True),
-                                                    prepare=_setting(step_norms, READ_QUANTIZED_PACKED=False)),
     "bound: no cotangent": _no_cotangent,
     "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,

@@ -27,9 +27,7 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   (the casts each layer's product would launch: on an H200 the 1B step's B rs alone was 112
   strided launches, 0.5 ms, docs/bench/dora_folded_h200.txt); the layers run LoRA's product
   on W' and B' (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
-  from g and y alone (the cotangent kernel without its g * rs write). An affine 4- or 8-bit
-  base is read packed and dequantized in registers (`row_norms_and_scaled_quantized_cuda`):
-  the step makes no dense copy of it, W' takes that copy's place.
+  from g and y alone (the cotangent kernel without its g * rs write).
 
 The forward's rs * (base + s u) is left to MLX's fused elementwise kernel (a kernel of
 ours for it lost in the 1B step on an H200: 77.2 vs 75.1 ms, docs/bench/step_norms_h200.txt).
@@ -78,7 +76,7 @@ _ROW_NORM = """
     float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
     int lane = tid & 31;
-@W_DECL@
+    const WT* w;
     const float* a;
     const float* b;
     float* norm;
@@ -94,7 +92,18 @@ _ROW_NORM = """
         #pragma unroll
         for (int q = 0; q < RPW; ++q) sq[g][q] = 0.0f;
     WVec wr[P][RPW];
-@READ_W@
+    // VEC elements of W's row `row` from column `col` (a multiple of VEC): one 16-byte load where aligned.
+    auto read_w = [&](int row, int col) {
+        WVec r;
+        long long off = (long long)row * IN + col;
+        if (aligned) {
+            r = *reinterpret_cast<const WVec*>(w + off);
+        } else {
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) r.v[v] = w[off + v];
+        }
+        return r;
+    };
     auto load_w = [&](int row0, int j0, int n) {
         #pragma unroll
         for (int p = 0; p < P; ++p) {
@@ -394,52 +403,14 @@ _SCALED_EPILOGUE = """
 """
 
 
-# W as the kernel reads it: VEC elements of a row from column `col` (a multiple of VEC).
-_DENSE_W = {
-    "@W_DECL@": "    const WT* w;",
-    "@READ_W@": """    auto read_w = [&](int row, int col) {
-        WVec r;
-        long long off = (long long)row * IN + col;
-        if (aligned) {
-            r = *reinterpret_cast<const WVec*>(w + off);
-        } else {
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) r.v[v] = w[off + v];
-        }
-        return r;
-    };""",
-}
-# A quantized base (affine, QB bits packed in uint32 words, a scale and a bias in W's dtype for
-# each GS columns), dequantized as it is read, as MLX's affine dequantization rounds it (scale * q
-# in WT, then + bias in WT): the norm, W' and the rest need no dense copy of W.
-_QUANTIZED_W = {
-    "@W_DECL@": "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;",
-    "@READ_W@": """    auto read_w = [&](int row, int col) {
-        WVec r;
-        const unsigned* words = w + (long long)row * (IN * QB / 32);
-        long long gi = (long long)row * (IN / GS) + col / GS;  // VEC columns share a group (GS a multiple of VEC)
-        float scale = static_cast<float>(qs[gi]);
-        float bias = static_cast<float>(qb[gi]);
-        #pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-            int e = col + v;
-            unsigned q = (words[e * QB / 32] >> ((e * QB) % 32)) & ((1u << QB) - 1u);
-            r.v[v] = static_cast<WT>(static_cast<float>(static_cast<WT>(scale * static_cast<float>(q))) + bias);
-        }
-        return r;
-    };""",
-}
-
-
-def _row_norm_source(layers: int, scaled: bool = False, quantized: bool = False) -> str:
+def _row_norm_source(layers: int, scaled: bool = False) -> str:
     """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
     W') at layer blockIdx.y's arrays."""
-    extra = (" mm = m{i}; ws = ws{i}; rso = rs{i}; aco = ac{i}; bco = bc{i};" if scaled else "") + (
-        " qs = qs{i}; qb = qb{i};" if quantized else "")
+    extra = " mm = m{i}; ws = ws{i}; rso = rs{i}; aco = ac{i}; bco = bc{i};" if scaled else ""
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
                        for i in range(layers))
     source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
-    source = _fill(source, {**(_QUANTIZED_W if quantized else _DENSE_W), "@AFTER_STAGE@": _CAST_A if scaled else ""})
+    source = source.replace("@AFTER_STAGE@", _CAST_A if scaled else "")
     if scaled:
         source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
     return source
@@ -463,58 +434,35 @@ def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: lis
     return _row_norms(weights, a, b, scales, magnitudes)
 
 
-# Quantized bases the folded kernel reads packed (affine mode, with biases): the bits a value.
-QUANTIZED_BITS = (4, 8)
-
-
-def row_norms_and_scaled_quantized_cuda(packed: list[mx.array], qscales: list[mx.array], qbiases: list[mx.array],
-                                        group_size: int, bits: int, a: list[mx.array], b: list[mx.array],
-                                        scales: list[float], magnitudes: list[mx.array]) -> tuple[list[mx.array], ...]:
-    """row_norms_and_scaled_cuda for affine-quantized bases (QUANTIZED_BITS), W read packed and
-    dequantized in registers as MLX's dequantize rounds it: no dense copy of W is made or read."""
-    if bits not in QUANTIZED_BITS:
-        raise ValueError(f"row_norms_and_scaled_quantized_cuda: {bits}-bit weights; it reads {QUANTIZED_BITS}")
-    return _row_norms(packed, a, b, scales, magnitudes, (qscales, qbiases, group_size, bits))
-
-
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-               magnitudes: list[mx.array] | None, quant: tuple | None = None) -> tuple[list[mx.array], ...]:
-    """(norms,) or, with magnitudes, (norms, W', rs, A, B'): a list each, a layer's entry at its index.
-
-    `quant`: (scales, biases, group size, bits) where `weights` are affine-quantized and packed.
-    """
+               magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
+    """(norms,) or, with magnitudes, (norms, W', rs, A, B'): a list each, a layer's entry at its index."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
 
         def part(sl):
-            q = quant and (quant[0][sl], quant[1][sl], *quant[2:])
-            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], q)
+            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl])
         return tuple(x + y for x, y in zip(part(slice(None, cut)), part(slice(cut, None))))
     n = len(weights)
-    out, stored = weights[0].shape
-    inp = stored * 32 // quant[3] if quant else stored
-    wt = quant[0][0].dtype if quant else weights[0].dtype  # W's dtype as the layers compute with it
+    out, inp = weights[0].shape
+    wt = weights[0].dtype
     r = a[0].shape[-1]
-    if any(w.shape != (out, stored) or w.dtype != weights[0].dtype or x.shape != (inp, r) or y.shape != (r, out)
+    if any(w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r) or y.shape != (r, out)
            for w, x, y in zip(weights, a, b)):
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
-    names += [f"{p}{i}" for p in ("qs", "qb") for i in range(n)] if quant else []
     outputs = [f"norm{i}" for i in range(n)] + ([f"{p}{i}" for p in ("ws", "rs", "ac", "bc") for i in range(n)]
                                                  if scaled else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
-    k = _kernel(f"meshtune_dora_row_norm{'_scaled' if scaled else ''}{'_quantized' if quant else ''}_{n}", names,
-                outputs, _row_norm_source(n, scaled, quantized=quant is not None))
+    k = _kernel(f"meshtune_dora_row_norm{'_scaled' if scaled else ''}_{n}", names, outputs, _row_norm_source(n, scaled))
     rows, vec, tile = _row_scale_layout(r, inp, wt.size)
     blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
     res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
-                    *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32),
-                    *(quant[0] + quant[1] if quant else [])],
+                    *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)],
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                      ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS))]
-                     + ([("QB", quant[3]), ("GS", quant[2])] if quant else []) + [("WT", wt)],
+                      ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("WT", wt)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
             output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n + [(inp, r)] * n + [(r, out)] * n
                                           if scaled else []),

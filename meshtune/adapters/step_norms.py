@@ -30,13 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels
-from .base_path import dense_weight_for, is_quantized, use_dequantized
+from .base_path import dense_weight_for, is_quantized
 
-# Parts of the folded step (kernels.FOLD_ROW_SCALE), each on by default, switchable so a probe can time
-# the step without it (scripts/probe_dora_step.py): the layers take A and B' = B rs as the norm kernel
-# wrote them, in place of their own casts; an affine 4- or 8-bit base is read packed, not dequantized first.
+# The folded step's (kernels.FOLD_ROW_SCALE) layers take A and B' = B rs as the norm kernel wrote them, in
+# place of their own casts; switchable so a probe can time the step without it (scripts/probe_dora_step.py).
 USE_KERNEL_CASTS = True
-READ_QUANTIZED_PACKED = True
 _active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs, A, B') or None)
 
 
@@ -63,14 +61,8 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     # W' = rs W for every layer is held through the step, so not where blocks are recomputed.
     fold = kernels.FOLD_ROW_SCALE is not False and share_dequantized
     groups: dict[tuple, list[tuple[nn.Module, mx.array]]] = {}
-    packed: dict[tuple, list[nn.Module]] = {}  # folded quantized bases the kernel reads packed
     for layer in modules:
         if not _covered(layer):
-            continue
-        if fold and READ_QUANTIZED_PACKED and _read_packed(layer.linear, tokens):
-            q = layer.linear
-            packed.setdefault((q["weight"].shape, q["scales"].dtype, layer.lora_a.shape[-1], q.group_size, q.bits),
-                              []).append(layer)
             continue
         dense = dense_weight_for(layer.linear, tokens)
         if dense is not None:
@@ -90,13 +82,6 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         for (layer, dense), norm, fold_of in zip(members, norms, folded):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
             taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of)
-    for (_, _, _, group_size, bits), layers in packed.items():
-        q = [layer.linear for layer in layers]
-        norms, *scaled = kernels.row_norms_and_scaled_quantized_cuda(
-            [x["weight"] for x in q], [x["scales"] for x in q], [x["biases"] for x in q], group_size, bits,
-            *_adapter_args(layers), [mx.stop_gradient(layer.m) for layer in layers])
-        for layer, norm, fold_of in zip(layers, norms, zip(*scaled)):
-            taken[id(layer)] = (tokens, None, norm, fold_of if USE_KERNEL_CASTS else fold_of[:2])  # runs on W'
     _active.update(taken)
     try:
         yield
@@ -134,13 +119,6 @@ def _adapter_args(layers: list[nn.Module]) -> tuple[list, list, list]:
     """The row-norm kernels' A, B and scale lists for `layers` (constants of the step)."""
     return ([mx.stop_gradient(layer.lora_a) for layer in layers], [mx.stop_gradient(layer.lora_b) for layer in layers],
             [float(layer.scale) for layer in layers])
-
-
-def _read_packed(base: nn.Module, tokens: int) -> bool:
-    """Whether the folded kernel reads this quantized base packed (affine, biases, kernels.QUANTIZED_BITS)
-    where the layer would take the dense path at `tokens` rows: no dense copy of W is made."""
-    return (is_quantized(base) and getattr(base, "mode", "affine") == "affine" and "biases" in base
-            and base.bits in kernels.QUANTIZED_BITS and use_dequantized(base, tokens))
 
 
 def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | None:

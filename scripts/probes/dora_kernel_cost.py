@@ -94,13 +94,6 @@ def norms_and_scaled(w, a, b, s):
     return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w]) for x in part]
 
 
-def norms_and_scaled_packed(wq, a, b, s):
-    """norms_and_scaled on 4-bit bases (group 64) read packed: wq is each layer's (weight, scales, biases)."""
-    parts = K.row_norms_and_scaled_quantized_cuda([q[0] for q in wq], [q[1] for q in wq], [q[2] for q in wq], 64, 4,
-                                                  a, b, s, [ONES[q[0].shape[0]] for q in wq])
-    return [x for part in parts for x in part]
-
-
 ONES = {n: mx.ones((n,)) for n in (H, I, KV)}
 mx.eval(ONES)
 
@@ -136,7 +129,6 @@ pieces = {
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
-    "4-bit: norms and W' read packed (7)": by_shape(norms_and_scaled_packed, weight=lambda d: d["Wq"]),
     "4-bit: dequantize then norms and W' (7)": by_shape(
         norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
