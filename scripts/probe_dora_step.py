@@ -239,7 +239,6 @@ def _reset():
     K.FOLD_ROW_SCALE = ORIGINAL_FOLD
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
-    step_norms.USE_KERNEL_CASTS = True
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
 
 
@@ -265,7 +264,6 @@ VARIANTS = {
     "scaled weight (rs folded into W and B)": _scaled_weight,
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
-    "folded with the layers casting A and B": _with(_kernels(True), prepare=_setting(step_norms, USE_KERNEL_CASTS=False)),
     "bound: no cotangent": _no_cotangent,
     "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,
@@ -313,6 +311,7 @@ def check_exact(shape, a, dtype):
         if name.startswith("bound") or name == "current":
             continue
         D.DoRALinear.__call__ = fn
+        _reset()  # the step's norms are taken before the forward's own _reset: no flag of the last variant's
         if getattr(fn, "prepare", None):
             fn.prepare(model)
         K.row_norms_cuda = getattr(fn, "row_norms", ORIGINAL_ROW_NORMS)  # taken before the forward
@@ -339,8 +338,11 @@ def main():
     for base in args.bases.split(","):
         steps = {"lora": B.build_step("meshtune", "lora", base, a, shape, dtype)}
         for name, fn in variants.items():
-            # Each variant's model traces its compiled step with its own forward at first call.
+            # Each variant's model traces its compiled step with its own forward at first call, from
+            # the settings put back (step_row_norms runs before the forward's _reset: a flag the last
+            # variant's prepare step set, the fold off, would otherwise carry over to this one's norms).
             D.DoRALinear.__call__ = fn
+            _reset()
             adam, B.optim.Adam = B.optim.Adam, getattr(fn, "optimizer", B.optim.Adam)  # the variant's optimizer, if any
             add = B.add_adapters
             if getattr(fn, "prepare", None):  # the variant's change to the model (frozen parameters), if any

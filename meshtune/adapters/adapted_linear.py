@@ -75,7 +75,7 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
                    w_sq: mx.array | None = None, norm: mx.array | None = None,
-                   row_scale: mx.array | None = None, cast_factors: tuple[mx.array, mx.array] | None = None) -> mx.array:
+                   row_scale: mx.array | None = None) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
     `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
@@ -88,9 +88,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     already folded into W (W' = rs W by rows: kernels.row_norms_and_scaled_cuda writes both). The
     product is then LoRA's on W' and B' = B rs (no row-scale multiply, no g * rs pass; B's gradient
     takes rs in the multiply its scale already has) and m's gradient, sum_t g y / (rs * norm), is
-    the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA). `cast_factors` (with `row_scale`):
-    A and B' = B rs already in x's dtype (the same kernel writes them), used in place of the casts;
-    ignored where their dtype is not x's.
+    the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA).
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
@@ -107,13 +105,8 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
-    given_casts = (None if cast_factors is None or not folded or any(c.dtype != dt for c in cast_factors)
-                   else [mx.stop_gradient(c) for c in cast_factors])
-
     def factors(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
-        """A and B in x's dtype, B' = B rs where the row scale is folded (as given, where given)."""
-        if given_casts is not None:
-            return given_casts[0], given_casts[1]
+        """A and B in x's dtype, B' = B rs where the row scale is folded."""
         return a.astype(dt), (b if rs_folded is None else b * rs_folded).astype(dt)
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:

@@ -23,11 +23,12 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   depend on scheduling, and divides by rs * norm.
 
 - Folded (FOLD_ROW_SCALE, on by default): `row_norms_and_scaled_cuda` also writes W' = rs W after
-  each row's norm (the row read again from the L2 cache), and A and B' = B rs in W's dtype
-  (the casts each layer's product would launch: on an H200 the 1B step's B rs alone was 112
-  strided launches, 0.5 ms, docs/bench/dora_folded_h200.txt); the layers run LoRA's product
-  on W' and B' (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
-  from g and y alone (the cotangent kernel without its g * rs write).
+  each row's norm (the row read again from the L2 cache); the layers run LoRA's product on W'
+  and B' = B rs (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
+  from g and y alone (the cotangent kernel without its g * rs write). The kernel once also
+  wrote A and B' in W's dtype, sparing the layers' casts; on an H200 that made it slower (two
+  more outputs a layer: 3.4 ms to build its 7 launches instead of 1.6, 6.1 ms to run instead
+  of 4.6), so the layers cast their own (docs/bench/dora_kernel_casts_h200.txt).
 
 The forward's rs * (base + s u) is left to MLX's fused elementwise kernel (a kernel of
 ours for it lost in the 1B step on an H200: 77.2 vs 75.1 ms, docs/bench/step_norms_h200.txt).
@@ -162,7 +163,6 @@ _ROW_NORM = """
         }
         for (int e = staged + tid; e < n * R; e += NT) sa[(e % R) * SA + e / R] = a[(long long)j0 * R + e];
         __syncthreads();
-@AFTER_STAGE@
         #pragma unroll
         for (int g = 0; g < G; ++g) {
             int row0 = first_row(g);
@@ -370,13 +370,9 @@ MAX_LAYERS_A_LAUNCH = 32
 # warp, holding each of its rows' norms in every lane (the butterfly's sum), reads the row again
 # (from the L2 cache, just read) and writes rs * w, rs = m / norm rounded to W's dtype as the MLX
 # ops round it.
-_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n    WT* aco;\n    WT* bco;\n"
-# A in W's dtype, as the layer's product casts it, written by each layer's first block from the
-# staged tile (the layer then needs no cast of its own).
-_CAST_A = """        if (blockIdx.x == 0)
-            for (int e = tid; e < n * R; e += NT) aco[(long long)j0 * R + e] = static_cast<WT>(sa[(e % R) * SA + e / R]);"""
+_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n"
 _SCALED_EPILOGUE = """
-    bool ws_aligned = VEC > 1 && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+    bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
     #pragma unroll
     for (int g = 0; g < G; ++g)
         #pragma unroll
@@ -385,11 +381,15 @@ _SCALED_EPILOGUE = """
             if (i >= OUT) continue;
             float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
             if (lane == q) rso[i] = rs;
-            for (int k = lane; k < R; k += 32) bco[k * OUT + i] = static_cast<WT>(b[k * OUT + i] * rs);  // B' = B rs
-            #pragma unroll 4
             for (int c = lane * VEC; c < IN; c += 32 * VEC) {
                 long long off = (long long)i * IN + c;
-                WVec in = read_w(i, c), out;
+                WVec in, out;
+                if (ws_aligned) {
+                    in = *reinterpret_cast<const WVec*>(w + off);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) in.v[v] = w[off + v];
+                }
                 #pragma unroll
                 for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in.v[v]));
                 if (ws_aligned) {
@@ -406,11 +406,10 @@ _SCALED_EPILOGUE = """
 def _row_norm_source(layers: int, scaled: bool = False) -> str:
     """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
     W') at layer blockIdx.y's arrays."""
-    extra = " mm = m{i}; ws = ws{i}; rso = rs{i}; aco = ac{i}; bco = bc{i};" if scaled else ""
+    extra = " mm = m{i}; ws = ws{i}; rso = rs{i};" if scaled else ""
     select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
                        for i in range(layers))
     source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
-    source = source.replace("@AFTER_STAGE@", _CAST_A if scaled else "")
     if scaled:
         source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
     return source
@@ -428,15 +427,14 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
                               magnitudes: list[mx.array]) -> tuple[list[mx.array], ...]:
-    """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32, A and B' = B rs in W's dtype) of each layer,
-    in the same launches, rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights
-    (adapted_linear's row_scale) and the factors as the layer's product takes them (its cast_factors)."""
+    """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
+    rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale)."""
     return _row_norms(weights, a, b, scales, magnitudes)
 
 
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
                magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
-    """(norms,) or, with magnitudes, (norms, W', rs, A, B'): a list each, a layer's entry at its index."""
+    """(norms,) or, with magnitudes, (norms, W', rs): a list each, a layer's entry at its index."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
 
@@ -452,7 +450,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
-    outputs = [f"norm{i}" for i in range(n)] + ([f"{p}{i}" for p in ("ws", "rs", "ac", "bc") for i in range(n)]
+    outputs = [f"norm{i}" for i in range(n)] + ([f"{p}{i}" for p in ("ws", "rs") for i in range(n)]
                                                  if scaled else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
@@ -464,9 +462,8 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
                       ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("WT", wt)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n + [(inp, r)] * n + [(r, out)] * n
-                                          if scaled else []),
-            output_dtypes=[mx.float32] * n + ([wt] * n + [mx.float32] * n + [wt] * 2 * n if scaled else []))
+            output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
+            output_dtypes=[mx.float32] * n + ([wt] * n + [mx.float32] * n if scaled else []))
     return tuple(list(res[i * n:(i + 1) * n]) for i in range(len(res) // n))
 
 

@@ -32,10 +32,7 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized
 
-# The folded step's (kernels.FOLD_ROW_SCALE) layers take A and B' = B rs as the norm kernel wrote them, in
-# place of their own casts; switchable so a probe can time the step without it (scripts/probe_dora_step.py).
-USE_KERNEL_CASTS = True
-_active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs, A, B') or None)
+_active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None)
 
 
 def _recomputed(module: nn.Module) -> bool:
@@ -76,7 +73,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         args = ([dense for _, dense in members], *_adapter_args(layers))
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
             norms, *scaled = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
-            folded = [f if USE_KERNEL_CASTS else f[:2] for f in zip(*scaled)]  # (W', rs, A, B') a layer
+            folded = list(zip(*scaled))  # (W', rs) a layer
         else:
             norms, folded = kernels.row_norms_cuda(*args), [None] * len(layers)
         for (layer, dense), norm, fold_of in zip(members, norms, folded):
@@ -131,7 +128,6 @@ def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | 
 
 
 def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, ...] | None:
-    """(W' = rs W, rs float32, A and B' = B rs in W's dtype) the current step wrote for `layer` on `tokens` rows
-    (kernels.FOLD_ROW_SCALE), or None; without the last two where USE_KERNEL_CASTS is off."""
+    """(W' = rs W, rs float32) the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
     hit = _active.get(id(layer))
     return hit[3] if hit is not None and hit[0] == tokens else None
