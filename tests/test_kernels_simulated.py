@@ -217,6 +217,27 @@ def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatc
             assert mx.array_equal(x, y).item()
 
 
+@pytest.mark.parametrize("loads", [4, 8])
+@pytest.mark.parametrize("inp, dtype", [(2100, mx.bfloat16), (600, mx.float32), (70, mx.bfloat16)])
+def test_scaled_weight_pass_with_loads_in_flight_writes_the_same_bits(simulated, monkeypatch, loads, inp, dtype):
+    """kernels._SCALED_LOADS: W' = rs W written with several loads of the row in flight before their
+    stores gives the one-at-a-time pass's bits, for rows whose length is not a multiple of a batch
+    (2100 bf16: 8 columns a lane, 1024 or 2048 a batch) and rows read element by element (70)."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(inp), 4)
+    ws = [(mx.random.normal((37, inp), key=k[0]) / 8).astype(dtype)]
+    as_, bs = [mx.random.normal((inp, 8), key=k[1]) / 8], [mx.random.normal((8, 37), key=k[2]) / 8]
+    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[3])]
+    want = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms)
+    monkeypatch.setattr(kernels, "_SCALED_LOADS", loads)
+    got = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms)
+    assert mx.allclose(want[1][0], (want[2][0][:, None] * ws[0].astype(mx.float32)).astype(dtype), rtol=1e-2).item()
+    for got_part, want_part in zip(got, want):
+        for x, y in zip(got_part, want_part):
+            assert mx.array_equal(x, y).item(), loads
+
+
 @pytest.mark.parametrize("block", [(8, 2, 4), (8, 4, 2), (16, 2, 1), (4, 2, 4), (8, 1, 4)])
 def test_scaled_row_norm_kernel_block_layouts(simulated, monkeypatch, block):
     """The folded step's kernel (norms, W' = rs W, rs) in the block layouts the GPU probe sweeps

@@ -369,7 +369,11 @@ MAX_LAYERS_A_LAUNCH = 32
 # After the norms, the scaled-weight kernel (row_norms_and_scaled_cuda) writes W' = rs W: a
 # warp, holding each of its rows' norms in every lane (the butterfly's sum), reads the row again
 # (from the L2 cache, just read) and writes rs * w, rs = m / norm rounded to W's dtype as the MLX
-# ops round it.
+# ops round it. _SCALED_LOADS: loads of the row a lane has in flight before it stores (1: a load,
+# then its store). By the bytes they move the norm-and-W' kernels ran at ~1.1 TB/s on an H200
+# (docs/bench/dora_folded_h200.txt); this pass's one load at a time is a suspect, not yet timed
+# (scripts/probes/dora_kernel_cost.py times 1, 4 and 8).
+_SCALED_LOADS = 1
 _SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n"
 _SCALED_EPILOGUE = """
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
@@ -381,22 +385,35 @@ _SCALED_EPILOGUE = """
             if (i >= OUT) continue;
             float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
             if (lane == q) rso[i] = rs;
-            for (int c = lane * VEC; c < IN; c += 32 * VEC) {
-                long long off = (long long)i * IN + c;
-                WVec in, out;
-                if (ws_aligned) {
-                    in = *reinterpret_cast<const WVec*>(w + off);
-                } else {
-                    #pragma unroll
-                    for (int v = 0; v < VEC; ++v) in.v[v] = w[off + v];
+            long long row = (long long)i * IN;
+            // EB loads of the row issued before their stores (ws may alias w for all the compiler
+            // knows, so it would not hoist a load above an earlier store itself).
+            for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
+                WVec in[EB];
+                #pragma unroll
+                for (int u = 0; u < EB; ++u) {
+                    int c = c0 + u * 32 * VEC;
+                    if (c >= IN) break;
+                    if (ws_aligned) {
+                        in[u] = *reinterpret_cast<const WVec*>(w + row + c);
+                    } else {
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) in[u].v[v] = w[row + c + v];
+                    }
                 }
                 #pragma unroll
-                for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in.v[v]));
-                if (ws_aligned) {
-                    *reinterpret_cast<WVec*>(ws + off) = out;
-                } else {
+                for (int u = 0; u < EB; ++u) {
+                    int c = c0 + u * 32 * VEC;
+                    if (c >= IN) break;
+                    WVec out;
                     #pragma unroll
-                    for (int v = 0; v < VEC; ++v) ws[off + v] = out.v[v];
+                    for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
+                    if (ws_aligned) {
+                        *reinterpret_cast<WVec*>(ws + row + c) = out;
+                    } else {
+                        #pragma unroll
+                        for (int v = 0; v < VEC; ++v) ws[row + c + v] = out.v[v];
+                    }
                 }
             }
         }
@@ -460,7 +477,8 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
                     *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)],
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                      ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("WT", wt)],
+                      ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
+                      ("WT", wt)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
             output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
             output_dtypes=[mx.float32] * n + ([wt] * n + [mx.float32] * n if scaled else []))

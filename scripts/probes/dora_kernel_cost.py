@@ -103,9 +103,9 @@ def cotangent(d):
 
 
 def patched(piece, **constants):
-    """`piece` with kernels.py's block constants set for the call (_WARPS, _ROWS_PER_WARP,
+    """`piece` with kernels.py's constants set for the call (_WARPS, _ROWS_PER_WARP,
     _ROW_GROUPS: the row norm's block, default 8 x 2 up to rank 16, 1 group; _COTANGENT_BLOCKS,
-    default 528)."""
+    default 528; _STAGE_QUADS; _SCALED_LOADS, default 1)."""
     def run(*d):
         saved = {name: getattr(K, name) for name in constants}
         for name, value in constants.items():
@@ -129,6 +129,7 @@ pieces = {
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
+    **{f"  W' written {n} loads in flight": patched(by_shape(norms_and_scaled), _SCALED_LOADS=n) for n in (2, 4, 8)},
     "4-bit: dequantize then norms and W' (7)": by_shape(
         norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
