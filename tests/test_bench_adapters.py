@@ -68,6 +68,33 @@ def test_ratios_are_those_of_the_reported_times(bench):
     assert out["dense_dtype"] == "float32" and out["device"].startswith("cpu")
 
 
+def test_step_ratios_are_also_given_round_by_round(bench):
+    """Each step ratio once a round (from that round's medians), in the JSON and as a range in the table."""
+    table, out = bench
+    by_round = out["step_ratios_by_round"]
+    step_ratios = RATIO_KEYS[:3]
+    assert sorted(by_round) == sorted(step_ratios + ["stock_" + k for k in step_ratios])
+    for key, values in by_round.items():
+        assert len(values) == out["rounds"] and all(_positive(v) for v in values), key
+    ratios = _section(table, "ratios")
+    line = next(l for l in ratios if "DoRA / LoRA, 4-bit" in l and l.strip().startswith("step"))
+    low, high = (float(x) for x in re.search(rf"{NUMBER}-{NUMBER}x", line).groups())
+    values = by_round["dora_over_lora_step_4bit"]
+    assert (low, high) == (pytest.approx(min(values), abs=0.0051), pytest.approx(max(values), abs=0.0051))
+
+
+def test_round_ratios_divide_each_rounds_medians():
+    from meshtune.bench import adapters as B
+
+    rounds = {f"{impl}_{kind}_{base}": [[1.0, 2.0, 9.0], [4.0, 4.0, 4.0]] for impl in B.IMPLS for kind in B.KINDS
+              for base in B.BASES}
+    rounds["meshtune_dora_bf16"] = [[3.0, 3.0, 0.1], [2.0, 2.0, 2.0]]  # medians 3 and 2 over 2 and 4
+    got = B.round_ratios(rounds)
+    assert got["dora_over_lora_step_bf16"] == [1.5, 0.5]
+    assert got["stock_dora_over_lora_step_bf16"] == [1.0, 1.0]
+    assert B.median_steps(rounds)["meshtune_dora_bf16"] == 2.0  # over all six steps
+
+
 def test_table_shows_all_eight_step_configurations_and_generation_rows(bench):
     table, out = bench
     dense = out["dense_dtype"]

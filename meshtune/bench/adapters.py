@@ -222,7 +222,18 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
 
 def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
                progress: Callable[[str], None] = lambda message: None) -> dict[str, float]:
-    """Median seconds per step of each configuration, timed in interleaved rounds.
+    """Median seconds per step of each configuration, timed in interleaved rounds (time_step_rounds)."""
+    return median_steps(time_step_rounds(steps, a, progress))
+
+
+def median_steps(rounds: dict[str, list[list[float]]]) -> dict[str, float]:
+    """Each configuration's median step over all its rounds."""
+    return {name: statistics.median([t for r in per for t in r]) for name, per in rounds.items()}
+
+
+def time_step_rounds(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
+                     progress: Callable[[str], None] = lambda message: None) -> dict[str, list[list[float]]]:
+    """Seconds of each timed step of each configuration, a list a round.
 
     Run-to-run drift on a GPU (clocks, allocator state) moved single-configuration
     medians by 10-20%; timing every configuration in each of --rounds rounds spreads
@@ -237,23 +248,41 @@ def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
         finish(name)
         progress(f"warmed up {name}")
     per_round = max(1, math.ceil(a.steps / a.rounds))
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[str, list[list[float]]] = {name: [] for name in steps}
     last: dict[str, mx.array] = {}
     for _ in range(a.rounds):
         for name, run in steps.items():
+            this_round = []
             for _ in range(per_round):
                 tic = time.perf_counter()
                 last[name] = run()
-                times[name].append(time.perf_counter() - tic)
+                this_round.append(time.perf_counter() - tic)
             # An overlapped step still in flight is waited for inside its own configuration's
             # time (its last step's), never the next configuration's.
             tic = time.perf_counter()
             finish(name)
-            times[name][-1] += time.perf_counter() - tic
+            this_round[-1] += time.perf_counter() - tic
+            times[name].append(this_round)
     for name, loss in last.items():
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{name}: the loss is {loss.item()}; the timing would mean nothing")
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+STEP_RATIOS = {"qlora_over_lora_step": ("lora_4bit", "lora_bf16"),
+               "dora_over_lora_step_bf16": ("dora_bf16", "lora_bf16"),
+               "dora_over_lora_step_4bit": ("dora_4bit", "lora_4bit")}
+
+
+def round_ratios(rounds: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+    """Each step ratio (ratios' keys) round by round, from each round's median step: how far one
+    round's figure strays from another's, beside the whole run's medians."""
+    out = {}
+    for impl, prefix in (("meshtune", ""), ("stock", "stock_")):
+        for key, (num, den) in STEP_RATIOS.items():
+            out[prefix + key] = [statistics.median(n) / statistics.median(d)
+                                 for n, d in zip(rounds[f"{impl}_{num}"], rounds[f"{impl}_{den}"])]
+    return out
 
 
 def _decode_tok_s(model: nn.Module, prompt: mx.array, tokens: int) -> float:
@@ -304,9 +333,8 @@ def ratios(step_s: dict[str, float], gen: dict[str, float]) -> dict[str, float]:
     for impl, prefix in (("meshtune", ""), ("stock", "stock_")):
         s = {k[len(impl) + 1:]: v for k, v in step_s.items() if k.startswith(impl + "_")}
         g = {k[len(impl) + 1:]: v for k, v in gen.items() if k.startswith(impl + "_")}
-        out[prefix + "qlora_over_lora_step"] = s["lora_4bit"] / s["lora_bf16"]
-        out[prefix + "dora_over_lora_step_bf16"] = s["dora_bf16"] / s["lora_bf16"]
-        out[prefix + "dora_over_lora_step_4bit"] = s["dora_4bit"] / s["lora_4bit"]
+        for key, (num, den) in STEP_RATIOS.items():
+            out[prefix + key] = s[num] / s[den]
         out[prefix + "dora_over_lora_generate_4bit"] = g["dora_4bit"] / g["lora_4bit"]
         out[prefix + "dora_over_lora_generate_bf16"] = g["dora_bf16"] / g["lora_bf16"]
     return out
@@ -325,7 +353,8 @@ def _crossovers() -> dict[str, int | None]:
 
 
 def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[str, float],
-                gen: dict[str, float], r: dict[str, float], crossovers: dict[str, int | None]) -> None:
+                gen: dict[str, float], r: dict[str, float], crossovers: dict[str, int | None],
+                by_round: dict[str, list[float]]) -> None:
     tokens = a.batch_size * a.seq_len
     label = {"bf16": dense, "4bit": f"{BITS}-bit"}
     print(f"adapters benchmark: {shape.describe()}")
@@ -365,14 +394,16 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
             ("dora_over_lora_generate_4bit", "generate tok/s, DoRA / LoRA, 4-bit"),
             ("dora_over_lora_generate_bf16", f"generate tok/s, DoRA / LoRA, {dense}"))
     bounds = {k: (b, op) for k, b, op in TARGETS}
-    print(f"\nratios{'':<32}{LABELS['stock']:>14}{LABELS['meshtune']:>12}   meshtune target")
+    print(f"\nratios{'':<32}{LABELS['stock']:>14}{LABELS['meshtune']:>12}{'meshtune by round':>20}   meshtune target")
     for key, text in rows:
         target = ""
         if key in bounds:
             bound, op = bounds[key]
             target = f"{op} {bound:.2f}x {'met' if _met(r[key], bound, op) else 'missed'}"
             target += gpu_note if key == "qlora_over_lora_step" else ""
-        print(f"  {text:<36}{r['stock_' + key]:>13.2f}x{r[key]:>11.2f}x   {target}")
+        spread = f"{min(by_round[key]):.2f}-{max(by_round[key]):.2f}x" if key in by_round else ""
+        print(f"  {text:<36}{r['stock_' + key]:>13.2f}x{r[key]:>11.2f}x{spread:>20}   {target}")
+    print("  (by round: the lowest and highest of the ratio taken from each round's median steps alone)")
 
 
 class _Progress:
@@ -398,7 +429,9 @@ def main(argv: list[str]) -> int:
     configs = [(impl, kind, base) for base in BASES for kind in KINDS for impl in IMPLS]
     progress = _Progress()
     steps = {f"{i}_{k}_{b}": build_step(i, k, b, a, shape, dtype) for i, k, b in configs}
-    step_s = time_steps(steps, a, progress)
+    rounds = time_step_rounds(steps, a, progress)
+    step_s = median_steps(rounds)
+    by_round = round_ratios(rounds)
     progress("timed the steps: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in step_s.items()))
     del steps
     _release()
@@ -409,7 +442,7 @@ def main(argv: list[str]) -> int:
         _release()
     r = ratios(step_s, gen)
     crossovers = _crossovers()
-    print_table(a, shape, dense, step_s, gen, r, crossovers)
+    print_table(a, shape, dense, step_s, gen, r, crossovers, by_round)
     if a.json:
         tokens = a.batch_size * a.seq_len
         print(json.dumps({
@@ -419,6 +452,7 @@ def main(argv: list[str]) -> int:
             "generate_tok_s": gen,
             "targets": {k: f"{op} {b}" for k, b, op in TARGETS},
             "targets_met": {k: _met(r[k], b, op) for k, b, op in TARGETS},
+            "step_ratios_by_round": by_round,
             "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
             "keep_freed_memory": a.keep_freed_memory, "overlap_steps": a.overlap,
             "base_path": a.base_path, "crossovers": crossovers, "preset": a.preset,
