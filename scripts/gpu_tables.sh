@@ -58,7 +58,7 @@ case $what in
       --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|m's sums|cotangent kernels|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
-      --only "${PROBE_VARIANTS:-current,W' written 4 loads in flight,W' written 8 loads in flight,unfolded (rs on the sum and the cotangent),bound: folded with no m sums}" \
+      --only "${PROBE_VARIANTS:-current,W' written 4 loads in flight,W' written 8 loads in flight,A staged a float at a time,unfolded (rs on the sum and the cotangent),bound: folded with no m sums}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).

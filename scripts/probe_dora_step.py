@@ -220,7 +220,7 @@ def _mlx_cotangent(side):
 
 
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
-ORIGINAL_SCALED_LOADS = K._SCALED_LOADS
+ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS = K._SCALED_LOADS, K._STAGE_QUADS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -241,7 +241,7 @@ def _reset():
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
-    K._SCALED_LOADS = ORIGINAL_SCALED_LOADS
+    K._SCALED_LOADS, K._STAGE_QUADS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS
 
 
 VARIANTS = {
@@ -267,6 +267,7 @@ VARIANTS = {
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
     **{f"W' written {n} loads in flight": _with(_kernels(True), prepare=_setting(K, _SCALED_LOADS=n)) for n in (4, 8)},
+    "A staged a float at a time": _with(_kernels(True), prepare=_setting(K, _STAGE_QUADS=False)),
     "bound: no cotangent": _no_cotangent,
     "bound: constant norm and no cotangent": _constant_norm_no_cotangent,
     "bound: const scale": v_const,
