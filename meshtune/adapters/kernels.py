@@ -393,7 +393,7 @@ _SCALED_EPILOGUE = """
                 #pragma unroll
                 for (int u = 0; u < EB; ++u) {
                     int c = c0 + u * 32 * VEC;
-                    if (c >= IN) break;
+                    if (c >= IN) continue;  // not break: a loop with no early exit unrolls fully
                     if (ws_aligned) {
                         in[u] = *reinterpret_cast<const WVec*>(w + row + c);
                     } else {
@@ -404,7 +404,7 @@ _SCALED_EPILOGUE = """
                 #pragma unroll
                 for (int u = 0; u < EB; ++u) {
                     int c = c0 + u * 32 * VEC;
-                    if (c >= IN) break;
+                    if (c >= IN) continue;
                     WVec out;
                     #pragma unroll
                     for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
