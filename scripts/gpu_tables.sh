@@ -43,10 +43,11 @@ case $what in
       | tee "$out/adapters_h200.txt" ;;
   kernels-then-adapters)
     # One call (~6 min): the folded kernel's staging timed both ways (float4 loads, the default, and a
-    # float at a time), its W' pass with 1 (the default), 2, 4 and 8 loads in flight, and on a 4-bit
-    # base dequantized first, then `adapters` as it runs.
+    # float at a time), its W' pass with 1 (the default), 2, 4 and 8 loads in flight, A's tiles of 256
+    # rows (127 registers: two blocks an SM, not one; scripts/probes/kernel_registers.py), and on a
+    # 4-bit base dequantized first, then `adapters` as it runs.
     timeout 90 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
-      --only "launch|row norms, a launch a shape|row norms and|W' with A|W' written|norms alone|4-bit|m's sums" 2>&1 | tee "$out/dora_kernel_cost.txt"
+      --only "launch|row norms, a launch a shape|row norms and|W' with|W' written|W' 8 warps|norms alone|4-bit|m's sums" 2>&1 | tee "$out/dora_kernel_cost.txt"
     bash "$0" adapters "$out" ;;
   probes)
     # One GPU, ~5 min: DoRA's kernels alone, every layer its own arrays (as in a step); DoRA's step with
@@ -58,7 +59,7 @@ case $what in
       --only "launch|row norms, a launch a shape|row norms and|W' with A|norms alone|m's sums|cotangent kernels|base product" \
       2>&1 | tee "$out/dora_kernel_cost.txt"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
-      --only "${PROBE_VARIANTS:-current,W' written 4 loads in flight,W' written 8 loads in flight,A staged a float at a time,unfolded (rs on the sum and the cotangent),bound: folded with no m sums}" \
+      --only "${PROBE_VARIANTS:-current,W' written 4 loads in flight,tiles of 256 rows of A,tiles of 256 and W' 4 loads in flight,A staged a float at a time}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).

@@ -3,11 +3,8 @@
 MLX's CUDA build compiles an `mx.fast.cuda_kernel` at its first call on the GPU, so a
 kernel text NVRTC rejects would first show on a GPU machine, in the middle of a step.
 Where `nvcc` is found (a CUDA toolkit without a GPU will do; skipped elsewhere), each
-kernel the wrappers build is wrapped as mlx/backend/cuda/custom_kernel.cpp wraps it (a
-__global__ function of the inputs as const pointers of their CUDA types and the outputs
-as pointers, the template values as constexprs, in namespace mlx::core::cu) and compiled
-to PTX for the H200's sm_90. MLX's device header is not in its wheels; a stand-in
-includes what the kernels use. What the kernels compute is test_kernels_simulated.py's.
+kernel the wrappers build is wrapped as MLX's CUDA build wraps it (meshtune.cuda.compiled_source)
+and compiled to PTX for the H200's sm_90. What the kernels compute is test_kernels_simulated.py's.
 """
 
 from __future__ import annotations
@@ -21,38 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from meshtune.cuda import RecordingKernel
+
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None)
 pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc (CUDA toolkit) to compile the kernels with")
-
-CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int32_t",
-              mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint8: "uint8_t", mx.bool_: "bool"}
-HEADER = """#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cstdint>
-#include <cooperative_groups.h>
-#include <cuda/std/limits>
-#define inf cuda::std::numeric_limits<float>::infinity()
-"""
-
-
-class RecordedKernel:
-    """Stands in for an mx.fast.cuda_kernel: writes each call's full source as MLX would and
-    returns zeros of the output shapes (enough for the wrappers to go on)."""
-
-    def __init__(self, sources: dict, name: str, input_names: list, output_names: list, source: str):
-        self.sources, self.name, self.inputs, self.outputs, self.source = sources, name, input_names, output_names, source
-
-    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
-        func = "custom_kernel_" + self.name + "".join(
-            f"_{CUDA_TYPES[v]}" if isinstance(v, mx.Dtype) else f"_{int(v)}" for _, v in template)
-        params = [f"    const {CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(self.inputs, inputs)]
-        params += [f"    {CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes)]
-        consts = [f"  using {n} = {CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {n} = {int(v)};"
-                  for n, v in template]
-        self.sources[func] = (HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-                              f"__global__ void {func}(\n" + ",\n".join(params) + ") {\n" + "\n".join(consts)
-                              + "\n\n" + self.source + "\n}\n\n} // namespace mlx::core::cu\n")
-        return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
 
 @pytest.fixture
@@ -63,7 +32,7 @@ def recorded(monkeypatch):
     sources: dict[str, str] = {}
 
     def kernel(name, inputs, outputs, source):
-        return RecordedKernel(sources, name, inputs, outputs, source)
+        return RecordingKernel(sources, name, inputs, outputs, source)
 
     monkeypatch.setattr(kernels, "_kernel", kernel)
     monkeypatch.setattr(pack_kernel, "kernel", kernel)
@@ -87,9 +56,10 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             b = [mx.random.normal((r, 48), key=next(k)) for _ in range(2)]
             m = [mx.ones((48,))] * 2
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
-            for loads, quads in ((1, True), (4, True), (8, False)):
+            for loads, quads, tile in ((1, True, None), (4, True, 2048), (8, False, None)):
                 monkeypatch.setattr(kernels, "_SCALED_LOADS", loads)
                 monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
+                monkeypatch.setattr(kernels, "_TILE_FLOATS", tile)
                 kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
         for cols in (6144, 6150):  # 16-byte accesses, then a column a thread
             g = mx.random.normal((64, cols), key=next(k)).astype(dtype)

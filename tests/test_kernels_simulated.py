@@ -217,6 +217,25 @@ def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatc
             assert mx.array_equal(x, y).item()
 
 
+@pytest.mark.parametrize("tile_floats", [2048, 4096])
+def test_smaller_tiles_of_a_give_the_same_bits(simulated, monkeypatch, tile_floats):
+    """kernels._TILE_FLOATS: A staged 256 (or 512) rows at a time instead of 1024 leaves each lane
+    the same columns in the same order (16-byte loads still), so the norms, W' and rs are the default's to the bit."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(9), 4)
+    ws = [(mx.random.normal((37, 2100), key=k[0]) / 8).astype(mx.bfloat16)]
+    as_, bs = [mx.random.normal((2100, 8), key=k[1]) / 8], [mx.random.normal((8, 37), key=k[2]) / 8]
+    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[3])]
+    want = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
+    monkeypatch.setattr(kernels, "_TILE_FLOATS", tile_floats)
+    assert kernels._row_scale_layout(8, 2100, 2)[2] == tile_floats // 8
+    got = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
+    for got_part, want_part in zip(got, want):
+        for x, y in zip(got_part, want_part):
+            assert mx.array_equal(x, y).item(), tile_floats
+
+
 @pytest.mark.parametrize("loads", [4, 8])
 @pytest.mark.parametrize("inp, dtype", [(2100, mx.bfloat16), (600, mx.float32), (70, mx.bfloat16)])
 def test_scaled_weight_pass_with_loads_in_flight_writes_the_same_bits(simulated, monkeypatch, loads, inp, dtype):

@@ -54,6 +54,11 @@ _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 
 # For the folded kernel (norms and W') no swept layout beat 8 warps x 2 rows x 1 group, and 2-8
 # groups took 2-3x as long (docs/bench/dora_folded_h200.txt).
 _ROW_GROUPS = 1
+# Floats of A a shared tile holds (None: 8192 up to rank 32, else 4096). ptxas (CUDA 13, sm_90) gives
+# the 1B model's bf16 rank-8 kernels 141 registers a thread at 8192 (1024 rows of A): one block of 8
+# warps fits an SM's registers. At 2048 (256 rows) they take 127, two blocks; the columns each lane
+# sums, and their order, are the same either way. Not yet timed (dora_kernel_cost.py times it).
+_TILE_FLOATS: int | None = None
 # A's tiles staged by float4 loads, four a thread in flight (False: a float at a time, as before;
 # scripts/probes/dora_kernel_cost.py times both).
 _STAGE_QUADS = True
@@ -355,7 +360,7 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
     warp's columns.
     """
     rows = _ROWS_PER_WARP or (2 if r <= 16 else 1)
-    floats = 8192 if r <= 32 else 4096
+    floats = _TILE_FLOATS or (8192 if r <= 32 else 4096)
     vec = 16 // weight_bytes
     while vec > 1 and (inp % vec or floats // r < 32 * vec):
         vec //= 2

@@ -105,7 +105,7 @@ def cotangent(d):
 def patched(piece, **constants):
     """`piece` with kernels.py's constants set for the call (_WARPS, _ROWS_PER_WARP,
     _ROW_GROUPS: the row norm's block, default 8 x 2 up to rank 16, 1 group; _COTANGENT_BLOCKS,
-    default 528; _STAGE_QUADS; _SCALED_LOADS, default 1)."""
+    default 528; _STAGE_QUADS; _SCALED_LOADS, default 1; _TILE_FLOATS)."""
     def run(*d):
         saved = {name: getattr(K, name) for name in constants}
         for name, value in constants.items():
@@ -130,6 +130,11 @@ pieces = {
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
     **{f"  W' written {n} loads in flight": patched(by_shape(norms_and_scaled), _SCALED_LOADS=n) for n in (2, 4, 8)},
+    **{f"  W' with tiles of 256 rows of A, {n} loads in flight": patched(by_shape(norms_and_scaled), _TILE_FLOATS=2048,
+                                                                        _SCALED_LOADS=n) for n in (1, 4)},
+    "  W' 8 warps x 1 row, tiles of 256, 4 loads in flight": patched(by_shape(norms_and_scaled), _ROWS_PER_WARP=1,
+                                                                      _TILE_FLOATS=2048, _SCALED_LOADS=4),
+    "  norms alone, tiles of 256 rows of A": patched(by_shape(K.row_norms_cuda), _TILE_FLOATS=2048),
     "4-bit: dequantize then norms and W' (7)": by_shape(
         norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)

@@ -1,0 +1,75 @@
+"""Registers, shared memory and blocks an SM holds for the 1B step's DoRA row-norm kernels.
+
+Development probe (adapters issue), no GPU needed: the kernels' sources for the bench
+model's three weight shapes (bf16, rank 8, a launch a shape) are built as MLX's CUDA build
+builds them (meshtune.cuda.compiled_source) under each setting of kernels.py's knobs, and
+compiled by nvcc for the H200 (sm_90) with ptxas's resource report. An SM has 65536
+registers, 228 KB of shared memory (227 KB a block) and at most 32 blocks / 64 warps.
+
+    python scripts/probes/kernel_registers.py [--nvcc PATH]
+"""
+import argparse
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from meshtune.adapters import kernels as K
+from meshtune.cuda import RecordingKernel
+
+p = argparse.ArgumentParser()
+p.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+a = p.parse_args()
+
+SHAPES = ((2048, 6144, 32), (6144, 2048, 16), (2048, 2048, 32))  # (in, out, layers a launch) of the 1b preset
+SETTINGS = {"default": {}, "W' 4 loads in flight": {"_SCALED_LOADS": 4},
+            "A tiles of 256 rows": {"_TILE_FLOATS": 2048},
+            "tiles of 256, W' 4 loads in flight": {"_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
+            "8 warps x 1 row": {"_ROWS_PER_WARP": 1},
+            "8 warps x 1 row, tiles of 256, 4 loads": {"_ROWS_PER_WARP": 1, "_TILE_FLOATS": 2048, "_SCALED_LOADS": 4}}
+
+
+def resources(source: str, tmp: Path) -> tuple[int, int]:
+    path = tmp / "k.cu"
+    path.write_text(source)
+    done = subprocess.run([a.nvcc, "-std=c++17", "-arch=sm_90", "--cubin", "-w", "-Xptxas", "-v", str(path), "-o",
+                           str(tmp / "k.cubin")], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(done.stderr[-2000:])
+    regs = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    smem = re.search(r"(\d+) bytes smem", done.stderr)
+    return regs, int(smem.group(1)) if smem else 0
+
+
+def blocks_an_sm(regs: int, smem: int, threads: int) -> int:
+    per_thread = -(-regs // 8) * 8  # registers are allocated 8 at a time (a warp's 256)
+    by_regs = 65536 // (per_thread * threads)
+    by_smem = (228 * 1024) // (smem + 1024) if smem else 32  # 1 KB a block reserved
+    return min(by_regs, by_smem, 32, 64 // (threads // 32))
+
+
+print(f"{'kernel (1b step, bf16, rank 8)':<58}{'in x out':<14}registers  smem B  blocks/SM  warps/SM")
+with tempfile.TemporaryDirectory() as d:
+    tmp = Path(d)
+    for label, knobs in SETTINGS.items():
+        saved = {k: getattr(K, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(K, k, v)
+        sources: dict[str, str] = {}
+        K._kernel = lambda name, i, o, s: RecordingKernel(sources, name, i, o, s)
+        try:
+            for inp, out, n in SHAPES:
+                ws = [mx.zeros((out, inp), dtype=mx.bfloat16)] * n
+                args = (ws, [mx.zeros((inp, 8))] * n, [mx.zeros((8, out))] * n, [2.0] * n)
+                before = set(sources)
+                K.row_norms_and_scaled_cuda(*args, [mx.ones((out,))] * n)
+                (func,) = set(sources) - before
+                regs, smem = resources(sources[func], tmp)
+                blocks = blocks_an_sm(regs, smem, K._WARPS * 32)
+                print(f"  norms and W', {label:<42}{inp:>5} x {out:<5}{regs:>11}{smem:>8}{blocks:>11}{blocks * K._WARPS:>10}")
+        finally:
+            for k, v in saved.items():
+                setattr(K, k, v)
