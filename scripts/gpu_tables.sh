@@ -4,7 +4,7 @@
 #     scripts/gpu_tables.sh scaling  "$OUT"   # bench scaling --in-process, 2 ranks over NCCL, started by meshtune launch
 #     scripts/gpu_tables.sh scaling-mlx-launch "$OUT"  # the same, ranks started by mlx.launch
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
-#     scripts/gpu_tables.sh kernels-then-adapters "$OUT"  # one GPU: the folded kernel's pieces timed, then `adapters` (~6 min)
+#     scripts/gpu_tables.sh kernels "$OUT"    # one GPU: the CUDA kernels' tests, then the folded kernel's pieces and knobs timed (~4 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
@@ -41,14 +41,16 @@ case $what in
     { echo "# python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json  (one H200)"
       timeout 470 python3 -m meshtune.cli bench adapters --preset 1b --steps 30 --rounds 3 --gen-tokens 32 --json 2>&1; } \
       | tee "$out/adapters_h200.txt" ;;
-  kernels-then-adapters)
-    # One call (~6 min): the folded kernel's staging timed both ways (float4 loads, the default, and a
-    # float at a time), its W' pass with 1 (the default), 2, 4 and 8 loads in flight, A's tiles of 256
-    # rows (127 registers: two blocks an SM, not one; scripts/probes/kernel_registers.py), and on a
-    # 4-bit base dequantized first, then `adapters` as it runs.
-    timeout 90 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
-      --only "launch|row norms, a launch a shape|row norms and|W' with|W' written|W' 8 warps|norms alone|4-bit|m's sums" 2>&1 | tee "$out/dora_kernel_cost.txt"
-    bash "$0" adapters "$out" ;;
+  kernels)
+    # One call (~4 min; `adapters` in the next, the two together pass a call's 10 minutes): the CUDA
+    # tests, then the folded kernel's staging timed both ways (float4 loads, the default, and a float
+    # at a time), its W' pass with 1 (the default), 2, 4 and 8 loads in flight, A's tiles of 256 rows
+    # (127 registers: two blocks an SM, not one; scripts/probes/kernel_registers.py) and on a 4-bit
+    # base dequantized first.
+    timeout 120 python3 -m pytest -q tests/test_adapted_linear.py -k cuda --tb=short 2>&1 | tail -20
+    timeout 240 python3 scripts/probes/dora_kernel_cost.py --reps 5 \
+      --only "launch|row norms, a launch a shape|row norms and|W' with|W' written|W' 8 warps|norms alone|4-bit|m's sums" \
+      2>&1 | tee "$out/dora_kernel_cost.txt" ;;
   probes)
     # One GPU, ~5 min: DoRA's kernels alone, every layer its own arrays (as in a step); DoRA's step with
     # each variant (PROBE_VARIANTS), checked against the current code first, 120 steps in 12 interleaved
