@@ -196,6 +196,27 @@ def test_row_norms_by_groups_of_rows(simulated, monkeypatch):
             assert mx.array_equal(got, ref).item(), groups
 
 
+def _one_layer(seed: int, r: int, inp: int, dtype=mx.bfloat16, out: int = 37) -> tuple[list, list, list, list]:
+    """One layer's W (out, inp) in `dtype`, A, B and m for the row-norm kernels."""
+    k = mx.random.split(mx.random.key(seed), 4)
+    ws = [(mx.random.normal((out, inp), key=k[0]) / 8).astype(dtype)]
+    as_, bs = [mx.random.normal((inp, r), key=k[1]) / 8], [mx.random.normal((r, out), key=k[2]) / 8]
+    return ws, as_, bs, [mx.random.uniform(0.5, 2.0, (out,), key=k[3])]
+
+
+def _both_kernels(ws, as_, bs, ms) -> tuple:
+    """row_norms_and_scaled_cuda's (norms, W', rs) and row_norms_cuda's norms, scale 2."""
+    from meshtune.adapters import kernels
+
+    return kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
+
+
+def _assert_same_bits(got: tuple, want: tuple, label) -> None:
+    for got_part, want_part in zip(got, want):
+        for x, y in zip(got_part, want_part):
+            assert mx.array_equal(x, y).item(), label
+
+
 @pytest.mark.parametrize("r, inp", [(8, 2100), (5, 600), (3, 70)])  # A in 3, 1, 1 tiles; r * n not a multiple of 4
 def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatch, r, inp):
     """A's tiles staged by float4 loads (kernels._STAGE_QUADS, the default; the simulator's arrays
@@ -203,18 +224,12 @@ def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatc
     so the same norms, W' and rs to the bit, with a tail of floats after the last whole float4."""
     from meshtune.adapters import kernels
 
-    k = mx.random.split(mx.random.key(r), 4)
-    ws = [(mx.random.normal((37, inp), key=k[0]) / 8).astype(mx.bfloat16)]
-    as_, bs = [mx.random.normal((inp, r), key=k[1]) / 8], [mx.random.normal((r, 37), key=k[2]) / 8]
-    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[3])]
+    case = _one_layer(r, r, inp)
     results = {}
     for quads in (True, False):
         monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
-        results[quads] = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (
-            kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
-    for got_part, want_part in zip(results[True], results[False]):
-        for x, y in zip(got_part, want_part):
-            assert mx.array_equal(x, y).item()
+        results[quads] = _both_kernels(*case)
+    _assert_same_bits(results[True], results[False], (r, inp))
 
 
 @pytest.mark.parametrize("tile_floats", [2048, 4096])
@@ -223,17 +238,11 @@ def test_smaller_tiles_of_a_give_the_same_bits(simulated, monkeypatch, tile_floa
     the same columns in the same order (16-byte loads still), so the norms, W' and rs are the default's to the bit."""
     from meshtune.adapters import kernels
 
-    k = mx.random.split(mx.random.key(9), 4)
-    ws = [(mx.random.normal((37, 2100), key=k[0]) / 8).astype(mx.bfloat16)]
-    as_, bs = [mx.random.normal((2100, 8), key=k[1]) / 8], [mx.random.normal((8, 37), key=k[2]) / 8]
-    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[3])]
-    want = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
+    case = _one_layer(9, 8, 2100)
+    want = _both_kernels(*case)
     monkeypatch.setattr(kernels, "_TILE_FLOATS", tile_floats)
     assert kernels._row_scale_layout(8, 2100, 2)[2] == tile_floats // 8
-    got = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
-    for got_part, want_part in zip(got, want):
-        for x, y in zip(got_part, want_part):
-            assert mx.array_equal(x, y).item(), tile_floats
+    _assert_same_bits(_both_kernels(*case), want, tile_floats)
 
 
 @pytest.mark.parametrize("loads", [4, 8])
@@ -244,17 +253,12 @@ def test_scaled_weight_pass_with_loads_in_flight_writes_the_same_bits(simulated,
     (2100 bf16: 8 columns a lane, 1024 or 2048 a batch) and rows read element by element (70)."""
     from meshtune.adapters import kernels
 
-    k = mx.random.split(mx.random.key(inp), 4)
-    ws = [(mx.random.normal((37, inp), key=k[0]) / 8).astype(dtype)]
-    as_, bs = [mx.random.normal((inp, 8), key=k[1]) / 8], [mx.random.normal((8, 37), key=k[2]) / 8]
-    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[3])]
+    ws, as_, bs, ms = _one_layer(inp, 8, inp, dtype)
     want = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms)
     monkeypatch.setattr(kernels, "_SCALED_LOADS", loads)
     got = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms)
     assert mx.allclose(want[1][0], (want[2][0][:, None] * ws[0].astype(mx.float32)).astype(dtype), rtol=1e-2).item()
-    for got_part, want_part in zip(got, want):
-        for x, y in zip(got_part, want_part):
-            assert mx.array_equal(x, y).item(), loads
+    _assert_same_bits(got, want, loads)
 
 
 @pytest.mark.parametrize("block", [(8, 2, 4), (8, 4, 2), (16, 2, 1), (4, 2, 4), (8, 1, 4)])
@@ -272,10 +276,7 @@ def test_scaled_row_norm_kernel_block_layouts(simulated, monkeypatch, block):
     monkeypatch.setattr(kernels, "_WARPS", block[0])
     monkeypatch.setattr(kernels, "_ROWS_PER_WARP", block[1])
     monkeypatch.setattr(kernels, "_ROW_GROUPS", block[2])
-    got = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0, 0.5], ms)
-    for got_part, want_part in zip(got, want):
-        for x, y in zip(got_part, want_part):
-            assert mx.array_equal(x, y).item(), block
+    _assert_same_bits(kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0, 0.5], ms), want, block)
 
 
 def test_probe_kernel_variants(simulated, monkeypatch):
@@ -534,7 +535,7 @@ def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simula
     from meshtune.adapters.step_norms import lookup_scaled, step_row_norms
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", setting)
-    monkeypatch.setattr(step_norms, "_device_memory", [memory])
+    monkeypatch.setattr(step_norms, "_gpu_memory", lambda: memory)
     monkeypatch.setattr(step_norms, "_declined", [])
     base_path.set_base_path("dequantized")
     try:

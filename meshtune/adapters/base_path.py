@@ -173,18 +173,21 @@ def _seconds_a_call(fn: Callable[[], mx.array], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def _runs(fn: Callable[[], mx.array]) -> bool:
+    """Whether `fn` runs here, its first call made (allocation and kernel set-up kept out of the timings)."""
+    try:
+        mx.eval(fn())
+        return True
+    except RuntimeError:  # a kernel this backend lacks for the dtype (CPU gather_mm: float32 only)
+        return False
+
+
 def _dense_is_faster(dense: Callable[[], mx.array], quant: Callable[[], mx.array], repeats: int) -> bool:
     """Whether `dense` beats `quant`: the best of `repeats` interleaved timings each, every timing
     long enough that a GPU's launch jitter does not decide it."""
-    runs = {}
-    for fn in (dense, quant):
-        try:
-            mx.eval(fn())  # warm-up: first calls pay for allocation and kernel set-up
-            runs[fn] = True
-        except RuntimeError:  # a kernel this backend lacks for the dtype (CPU gather_mm: float32 only)
-            runs[fn] = False
-    if not (runs[dense] and runs[quant]):
-        return runs[dense]
+    dense_runs, quant_runs = _runs(dense), _runs(quant)
+    if not (dense_runs and quant_runs):
+        return dense_runs
     calls = _calls_a_timing(quant)
     best = {dense: float("inf"), quant: float("inf")}
     for _ in range(repeats):

@@ -398,13 +398,7 @@ _SCALED_EPILOGUE = """
                 #pragma unroll
                 for (int u = 0; u < EB; ++u) {
                     int c = c0 + u * 32 * VEC;
-                    if (c >= IN) continue;  // not break: a loop with no early exit unrolls fully
-                    if (ws_aligned) {
-                        in[u] = *reinterpret_cast<const WVec*>(w + row + c);
-                    } else {
-                        #pragma unroll
-                        for (int v = 0; v < VEC; ++v) in[u].v[v] = w[row + c + v];
-                    }
+                    if (c < IN) in[u] = read_w(i, c);  // not break: a loop with no early exit unrolls fully
                 }
                 #pragma unroll
                 for (int u = 0; u < EB; ++u) {
@@ -448,7 +442,7 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-                              magnitudes: list[mx.array]) -> tuple[list[mx.array], ...]:
+                              magnitudes: list[mx.array]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
     """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
     rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale)."""
     return _row_norms(weights, a, b, scales, magnitudes)

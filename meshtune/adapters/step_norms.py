@@ -22,6 +22,7 @@ block only, so there the layers dequantize their own: about 14 GB of bfloat16 fo
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -70,10 +71,11 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     taken = {}
     for members in groups.values():
         layers = [layer for layer, _ in members]
-        args = ([dense for _, dense in members], *_adapter_args(layers))
+        args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
+                [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
-            norms, *scaled = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
-            folded = list(zip(*scaled))  # (W', rs) a layer
+            norms, w_scaled, rs = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
+            folded = list(zip(w_scaled, rs))
         else:
             norms, folded = kernels.row_norms_cuda(*args), [None] * len(layers)
         for (layer, dense), norm, fold_of in zip(members, norms, folded):
@@ -87,21 +89,24 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
             _active.pop(key, None)
 
 
-_device_memory: list[int | None] = []  # the GPU's total memory in bytes (None: not reported), looked up once
 _declined: list[bool] = []  # "auto" has said it leaves dense bases unfolded (said once)
+
+
+@functools.cache
+def _gpu_memory() -> int | None:
+    """The default device's total memory in bytes (on MLX's CUDA build "total_memory"), None where not reported."""
+    try:
+        info = mx.device_info()
+    except (AttributeError, RuntimeError):
+        return None
+    total = info.get("total_memory") or info.get("memory_size")
+    return total if isinstance(total, int) else None
 
 
 def _copies_fit(nbytes: int) -> bool:
     """kernels.FOLD_ROW_SCALE "auto": whether dense bases' folded copies of `nbytes` fit in
     kernels.FOLD_MEMORY_SHARE of the GPU's memory (yes where the GPU does not report it)."""
-    if not _device_memory:
-        try:
-            info = mx.device_info()  # the default device's: on MLX's CUDA build, "total_memory"
-        except (AttributeError, RuntimeError):
-            info = {}
-        total = info.get("total_memory") or info.get("memory_size")
-        _device_memory.append(total if isinstance(total, int) else None)
-    total = _device_memory[0]
+    total = _gpu_memory()
     if total is None or nbytes <= kernels.FOLD_MEMORY_SHARE * total:
         return True
     if not _declined:
@@ -110,12 +115,6 @@ def _copies_fit(nbytes: int) -> bool:
               f"{nbytes / 2**30:.1f} GiB of the GPU's {total / 2**30:.0f} GiB (more than "
               f"{kernels.FOLD_MEMORY_SHARE:.0%}); {kernels.FOLD_ENV}=1 folds them anyway", file=sys.stderr, flush=True)
     return False
-
-
-def _adapter_args(layers: list[nn.Module]) -> tuple[list, list, list]:
-    """The row-norm kernels' A, B and scale lists for `layers` (constants of the step)."""
-    return ([mx.stop_gradient(layer.lora_a) for layer in layers], [mx.stop_gradient(layer.lora_b) for layer in layers],
-            [float(layer.scale) for layer in layers])
 
 
 def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | None:
@@ -127,7 +126,7 @@ def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | 
     return hit[1:3] if hit is not None and hit[0] == tokens else None
 
 
-def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, ...] | None:
+def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
     """(W' = rs W, rs float32) the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
     hit = _active.get(id(layer))
     return hit[3] if hit is not None and hit[0] == tokens else None
