@@ -221,6 +221,7 @@ def _mlx_cotangent(side):
 
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS = K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS
+ORIGINAL_TWO_PASS = K._TWO_PASS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -242,6 +243,7 @@ def _reset():
     K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
+    K._TWO_PASS = ORIGINAL_TWO_PASS
 
 
 VARIANTS = {
@@ -269,6 +271,10 @@ VARIANTS = {
     **{f"W' written {n} loads in flight": _with(_kernels(True), prepare=_setting(K, _SCALED_LOADS=n)) for n in (4, 8)},
     "A staged a float at a time": _with(_kernels(True), prepare=_setting(K, _STAGE_QUADS=False)),
     "tiles of 256 rows of A": _with(_kernels(True), prepare=_setting(K, _TILE_FLOATS=2048)),
+    "two passes": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=True)),
+    "one pass": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=False)),
+    **{f"two passes and W' {n} loads in flight": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=True, _SCALED_LOADS=n))
+       for n in (4, 8)},
     "tiles of 256 and W' 4 loads in flight": _with(_kernels(True), prepare=_setting(K, _TILE_FLOATS=2048,
                                                                                     _SCALED_LOADS=4)),
     "bound: no cotangent": _no_cotangent,

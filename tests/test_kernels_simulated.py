@@ -217,6 +217,35 @@ def _assert_same_bits(got: tuple, want: tuple, label) -> None:
             assert mx.array_equal(x, y).item(), label
 
 
+@pytest.mark.parametrize("r, inp, out, dtype", [
+    (8, 2100, 45, mx.bfloat16),  # 9 segments, the last short; 45 rows: one block of rows, partly idle
+    (5, 600, 130, mx.float32),  # r * n not a multiple of 4: A staged a float at a time; two blocks of rows
+    (64, 200, 9, mx.bfloat16),  # A in 4 tiles of 64 rows a segment
+    (3, 70, 19, mx.bfloat16),  # rows read element by element (70 is not a multiple of 8)
+])
+def test_two_pass_row_norms(simulated, monkeypatch, r, inp, out, dtype):
+    """kernels._TWO_PASS: the norms by segments of columns, then W' row by row; two layers in one
+    launch of each pass: the norms match the MLX ops', rs = m / norm and W' = rs W, and the
+    norms with and without W' are the same bits (the segments added in the same order)."""
+    from meshtune.adapters import adapted_linear as AL, kernels
+
+    monkeypatch.setattr(kernels, "_TWO_PASS", True)
+    layers = [_one_layer(seed, r, inp, dtype, out) for seed in (r, r + 1)]
+    ws, as_, bs, ms = ([layer[j][0] for layer in layers] for j in range(4))
+    norms, scaled, row_scales = kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0, 0.5], ms)
+    alone = kernels.row_norms_cuda(ws, as_, bs, [2.0, 0.5])
+    for w, a, b, m, s, n, sw, rs, n_alone in zip(ws, as_, bs, ms, (2.0, 0.5), norms, scaled, row_scales, alone):
+        wf = w.astype(mx.float32)
+        want, _ = AL.dora_row_scale(a.T @ wf.T, a, b, (wf * wf).sum(-1), mx.ones((out,)), s, mx.float32)
+        assert mx.allclose(n, want, rtol=1e-5).item()
+        assert mx.array_equal(n, n_alone).item()
+        # The simulator's WT is float: rs is not rounded to bf16 here (on a GPU it is, tests/test_adapted_linear.py).
+        assert mx.allclose(rs, m / n, rtol=1e-6).item()
+        assert sw.dtype == dtype and mx.array_equal(sw, (rs[:, None] * wf).astype(dtype)).item()
+    calls = {"meshtune_dora_segment_sums_2": 2, "meshtune_dora_scale_rows_2": 1, "meshtune_dora_norms_from_sums_2": 1}
+    assert {name: simulated[name].calls for name in calls} == calls
+
+
 @pytest.mark.parametrize("r, inp", [(8, 2100), (5, 600), (3, 70)])  # A in 3, 1, 1 tiles; r * n not a multiple of 4
 def test_row_norm_kernel_stages_a_by_quads_or_floats_alike(simulated, monkeypatch, r, inp):
     """A's tiles staged by float4 loads (kernels._STAGE_QUADS, the default; the simulator's arrays

@@ -464,6 +464,8 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     if any(w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r) or y.shape != (r, out)
            for w, x, y in zip(weights, a, b)):
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
+    if _TWO_PASS:
+        return _row_norms_two_pass(weights, a, b, scales, magnitudes)
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
     outputs = [f"norm{i}" for i in range(n)] + ([f"{p}{i}" for p in ("ws", "rs") for i in range(n)]
@@ -482,6 +484,223 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
             output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
             output_dtypes=[mx.float32] * n + ([wt] * n + [mx.float32] * n if scaled else []))
     return tuple(list(res[i * n:(i + 1) * n]) for i in range(len(res) // n))
+
+
+# Two passes (_TWO_PASS): the norms by segments of columns, then W' row by row. The one-pass kernel
+# above stages all of A once per 16 rows of W (as many bytes through shared memory as of W) and
+# keeps one block of 8 warps an SM (141 registers a thread). Here a thread takes a row: pass 1's
+# block of SEGMENT_THREADS rows x SEGMENT columns stages A's rows for its columns once, every
+# thread reading the same value of A at once (a broadcast), and writes each row's sum of d_j^2
+# over its segment; pass 2 (a warp a row, as the one-pass kernel's epilogue) adds a row's
+# segments in order, takes rs = m / norm and writes W' = rs W with SCALED_LOADS loads a lane in
+# flight. W is read twice from memory (the one-pass kernel rereads rows from the L2 cache), in
+# exchange for blocks small in registers and many of them (ptxas: 42-124 registers a thread in
+# pass 1, 26-31 in pass 2, against 141; scripts/probes/kernel_registers.py). On one H200 the 1B
+# step's 7 shapes took 2.48 ms (eval, dora_kernel_cost.py) against the one-pass kernel's 2.53 in
+# the same invocation, and the DoRA step 64.2 ms against 61.2 (probe_dora_step.py, 60 steps: within
+# that run's spread); no gain, so the one-pass kernel stays the default
+# (docs/bench/dora_two_pass_h200.txt).
+_TWO_PASS = False
+_SEGMENT = 256  # columns of W a pass-1 block takes
+_SEGMENT_THREADS = 128  # rows of W a pass-1 block takes, a thread each
+_SEGMENT_LOADS = 8  # 16-byte loads of its row a thread has in flight (8: a 128-byte line)
+
+_SEGMENT_SUMS = """
+    // Block: NT threads, thread t on row rb * NT + t of W, over segment sg of SEG columns
+    // (blockIdx.x = rb * SEGS + sg) of layer blockIdx.y; a switch points w, a and b at
+    // that layer's arrays. Each thread sums d_j^2 over its row's columns in the segment, j in
+    // order, d_j = w_ij + s sum_k A_jk B_ki (k in order, as the one-pass kernel forms it); A's
+    // rows for the segment pass through shared memory in tiles of TJ rows, each value read by
+    // every thread at once.
+    struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
+    constexpr int SEGS = (IN + SEG - 1) / SEG;
+    __shared__ float4 sa4[(TJ * R + 3) / 4];
+    float* sa = reinterpret_cast<float*>(sa4);
+    int tid = threadIdx.x;
+    const WT* w;
+    const float* a;
+    const float* b;
+    @SELECT@
+    float sc = s[blockIdx.y];
+    int sg = blockIdx.x % SEGS;
+    int i = (blockIdx.x / SEGS) * NT + tid;
+    bool live = i < OUT;
+    float cb[R];
+    #pragma unroll
+    for (int k = 0; k < R; ++k) cb[k] = live ? sc * b[(long long)k * OUT + i] : 0.0f;
+    const WT* row = w + (long long)(live ? i : 0) * IN;
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+    int end = min(IN, (sg + 1) * SEG);
+    float sq = 0.0f;
+    #pragma unroll 1
+    for (int j0 = sg * SEG; j0 < end; j0 += TJ) {
+        int n = min(TJ, end - j0);
+        const float* at = a + (long long)j0 * R;
+        __syncthreads();  // the last tile's reads are done
+        if (reinterpret_cast<unsigned long long>(at) % 16 == 0 && (n * R) % 4 == 0) {
+            const float4* at4 = reinterpret_cast<const float4*>(at);
+            for (int e = tid; e < n * R / 4; e += NT) sa4[e] = at4[e];
+        } else {
+            for (int e = tid; e < n * R; e += NT) sa[e] = at[e];
+        }
+        __syncthreads();
+        if (!live) continue;
+        #pragma unroll 1
+        for (int c = 0; c < n; c += VEC * U) {
+            WVec wv[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                int col = c + u * VEC;
+                if (col >= n) continue;
+                if (aligned) {
+                    wv[u] = *reinterpret_cast<const WVec*>(row + j0 + col);
+                } else {
+                    #pragma unroll
+                    for (int v = 0; v < VEC; ++v) wv[u].v[v] = row[j0 + col + v];
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                int col = c + u * VEC;
+                if (col >= n) continue;
+                #pragma unroll
+                for (int v = 0; v < VEC; ++v) {
+                    float d = static_cast<float>(wv[u].v[v]);
+                    int e = (col + v) * R;
+                    if (R % 4 == 0) {
+                        #pragma unroll
+                        for (int h = 0; h < R / 4; ++h) {
+                            float4 q = sa4[e / 4 + h];
+                            d += q.x * cb[4 * h];
+                            d += q.y * cb[4 * h + 1];
+                            d += q.z * cb[4 * h + 2];
+                            d += q.w * cb[4 * h + 3];
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int k = 0; k < R; ++k) d += sa[e + k] * cb[k];
+                    }
+                    sq += d * d;
+                }
+            }
+        }
+    }
+    if (live) part[((long long)blockIdx.y * SEGS + sg) * OUT + i] = sq;
+"""
+
+# Pass 2 with W' (row_norms_and_scaled_cuda): a warp a row; without (row_norms_cuda): a thread a row.
+_SCALE_ROWS = """
+    // Block: WARPS warps, a warp on row blockIdx.x * WARPS + warp of layer blockIdx.y: the row's norm
+    // from pass 1's sums (its segments added in order), rs = m / norm rounded to W's dtype as the MLX
+    // ops round it, and W' = rs W, EB 16-byte loads a lane in flight before their stores.
+    struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
+    constexpr int SEGS = (IN + SEG - 1) / SEG;
+    const WT* w;
+    const float* mm;
+    WT* ws;
+    float* norm;
+    float* rso;
+    @SELECT@
+    int lane = threadIdx.x & 31;
+    int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (i >= OUT) return;
+    const float* ps = part + (long long)blockIdx.y * SEGS * OUT + i;
+    float total = 0.0f;
+    for (int k = 0; k < SEGS; ++k) total += ps[(long long)k * OUT];
+    float nrm = sqrtf(total);
+    float rs = static_cast<float>(static_cast<WT>(mm[i] / nrm));
+    if (lane == 0) {
+        norm[i] = nrm;
+        rso[i] = rs;
+    }
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0
+        && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+    long long row = (long long)i * IN;
+    for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
+        WVec in[EB];
+        #pragma unroll
+        for (int u = 0; u < EB; ++u) {
+            int c = c0 + u * 32 * VEC;
+            if (c >= IN) continue;
+            if (aligned) {
+                in[u] = *reinterpret_cast<const WVec*>(w + row + c);
+            } else {
+                #pragma unroll
+                for (int v = 0; v < VEC; ++v) in[u].v[v] = w[row + c + v];
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < EB; ++u) {
+            int c = c0 + u * 32 * VEC;
+            if (c >= IN) continue;
+            WVec out;
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
+            if (aligned) {
+                *reinterpret_cast<WVec*>(ws + row + c) = out;
+            } else {
+                #pragma unroll
+                for (int v = 0; v < VEC; ++v) ws[row + c + v] = out.v[v];
+            }
+        }
+    }
+"""
+_NORMS_FROM_SUMS = """
+    // A thread a row of layer blockIdx.y: its segments' sums added in order (pass 2's), the root taken.
+    constexpr int SEGS = (IN + SEG - 1) / SEG;
+    float* norm;
+    @SELECT@
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= OUT) return;
+    const float* ps = part + (long long)blockIdx.y * SEGS * OUT + i;
+    float total = 0.0f;
+    for (int k = 0; k < SEGS; ++k) total += ps[(long long)k * OUT];
+    norm[i] = sqrtf(total);
+"""
+
+
+def _select(layers: int, assign: str) -> str:
+    """A switch on blockIdx.y running `assign` (formatted with i) for that layer; other y return."""
+    cases = "\n".join(f"        case {i}: {assign.format(i=i)} break;" for i in range(layers))
+    return f"switch (blockIdx.y) {{\n{cases}\n        default: return;\n    }}"
+
+
+def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
+                        magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
+    """_row_norms by the two passes (_TWO_PASS), for at most MAX_LAYERS_A_LAUNCH layers of one shape."""
+    n = len(weights)
+    out, inp = weights[0].shape
+    wt = weights[0].dtype
+    r = a[0].shape[-1]
+    vec = 16 // wt.size
+    while vec > 1 and inp % vec:
+        vec //= 2
+    seg = _SEGMENT
+    segs = -(-inp // seg)
+    tile = min(seg, max(1, (8192 if r <= 32 else 4096) // r))
+    common = [("IN", inp), ("OUT", out), ("SEG", seg), ("VEC", vec), ("WT", wt)]
+    sums = _kernel(f"meshtune_dora_segment_sums_{n}", [f"{p}{i}" for p in "wab" for i in range(n)] + ["s"], ["part"],
+                   _SEGMENT_SUMS.replace("@SELECT@", _select(n, "w = w{i}; a = a{i}; b = b{i};")))
+    (part,) = sums(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
+                           mx.array(scales, dtype=mx.float32)],
+                   template=[("R", r), *common, ("NT", _SEGMENT_THREADS), ("TJ", tile), ("U", _SEGMENT_LOADS)],
+                   grid=(-(-out // _SEGMENT_THREADS) * segs * _SEGMENT_THREADS, n, 1),
+                   threadgroup=(_SEGMENT_THREADS, 1, 1), output_shapes=[(n, segs, out)], output_dtypes=[mx.float32])
+    if magnitudes is None:
+        k = _kernel(f"meshtune_dora_norms_from_sums_{n}", ["part"], [f"norm{i}" for i in range(n)],
+                    _NORMS_FROM_SUMS.replace("@SELECT@", _select(n, "norm = norm{i};")))
+        res = k(inputs=[part], template=common, grid=(-(-out // 256) * 256, n, 1), threadgroup=(256, 1, 1),
+                output_shapes=[(out,)] * n, output_dtypes=[mx.float32] * n)
+        return (list(res),)
+    names = [f"{p}{i}" for p in ("w", "m") for i in range(n)] + ["part"]
+    k = _kernel(f"meshtune_dora_scale_rows_{n}", names, [f"{p}{i}" for p in ("norm", "ws", "rs") for i in range(n)],
+                _SCALE_ROWS.replace("@SELECT@", _select(n, "w = w{i}; mm = m{i}; ws = ws{i}; norm = norm{i}; rso = rs{i};")))
+    res = k(inputs=[*weights, *(m.astype(mx.float32) for m in magnitudes), part],
+            template=[*common, ("WARPS", _WARPS), ("EB", _SCALED_LOADS)],
+            grid=(-(-out // _WARPS) * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
+            output_shapes=[(out,)] * n + [(out, inp)] * n + [(out,)] * n,
+            output_dtypes=[mx.float32] * n + [wt] * n + [mx.float32] * n)
+    return tuple(list(res[j * n:(j + 1) * n]) for j in range(3))
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:

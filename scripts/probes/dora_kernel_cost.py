@@ -135,6 +135,11 @@ pieces = {
     "  W' 8 warps x 1 row, tiles of 256, 4 loads in flight": patched(by_shape(norms_and_scaled), _ROWS_PER_WARP=1,
                                                                       _TILE_FLOATS=2048, _SCALED_LOADS=4),
     "  norms alone, tiles of 256 rows of A": patched(by_shape(K.row_norms_cuda), _TILE_FLOATS=2048),
+    **{f"two passes: norms and W', {n} loads in flight": patched(by_shape(norms_and_scaled), _TWO_PASS=True,
+                                                                 _SCALED_LOADS=n) for n in (1, 4, 8)},
+    "two passes: norms alone": patched(by_shape(K.row_norms_cuda), _TWO_PASS=True),
+    "two passes, 4-bit: dequantize then norms and W'": patched(by_shape(
+        norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)), _TWO_PASS=True, _SCALED_LOADS=4),
     "4-bit: dequantize then norms and W' (7)": by_shape(
         norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)

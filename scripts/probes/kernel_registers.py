@@ -29,7 +29,8 @@ SETTINGS = {"default": {}, "W' 4 loads in flight": {"_SCALED_LOADS": 4},
             "A tiles of 256 rows": {"_TILE_FLOATS": 2048},
             "tiles of 256, W' 4 loads in flight": {"_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
             "8 warps x 1 row": {"_ROWS_PER_WARP": 1},
-            "8 warps x 1 row, tiles of 256, 4 loads": {"_ROWS_PER_WARP": 1, "_TILE_FLOATS": 2048, "_SCALED_LOADS": 4}}
+            "8 warps x 1 row, tiles of 256, 4 loads": {"_ROWS_PER_WARP": 1, "_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
+            "two passes": {"_TWO_PASS": True}, "two passes, W' 4 loads in flight": {"_TWO_PASS": True, "_SCALED_LOADS": 4}}
 
 
 def resources(source: str, tmp: Path) -> tuple[int, int]:
@@ -66,10 +67,13 @@ with tempfile.TemporaryDirectory() as d:
                 args = (ws, [mx.zeros((inp, 8))] * n, [mx.zeros((8, out))] * n, [2.0] * n)
                 before = set(sources)
                 K.row_norms_and_scaled_cuda(*args, [mx.ones((out,))] * n)
-                (func,) = set(sources) - before
-                regs, smem = resources(sources[func], tmp)
-                blocks = blocks_an_sm(regs, smem, K._WARPS * 32)
-                print(f"  norms and W', {label:<42}{inp:>5} x {out:<5}{regs:>11}{smem:>8}{blocks:>11}{blocks * K._WARPS:>10}")
+                for func in sorted(set(sources) - before):  # the two-pass layout: two kernels
+                    regs, smem = resources(sources[func], tmp)
+                    threads = K._SEGMENT_THREADS if "segment_sums" in func else K._WARPS * 32
+                    blocks = blocks_an_sm(regs, smem, threads)
+                    part = ", segment sums" if "segment_sums" in func else ", W'" if "scale_rows" in func else ""
+                    print(f"  norms and W', {label + part:<42}{inp:>5} x {out:<5}{regs:>11}{smem:>8}{blocks:>11}"
+                          f"{blocks * threads // 32:>10}")
         finally:
             for k, v in saved.items():
                 setattr(K, k, v)
