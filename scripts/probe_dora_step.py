@@ -295,8 +295,9 @@ for _name in ("MLX ops (no kernels)", "MLX ops, separate W A product", "norm a l
     VARIANTS[_name] = _on_the_unfolded_step(VARIANTS[_name])
 
 
-def check_exact(shape, a, dtype):
-    """Every real (non-bound) variant's loss and gradients against the current code on a small case."""
+def check_exact(shape, a, dtype, names=None):
+    """Every real (non-bound) variant's (of `names`, where given) loss and gradients against the current
+    code on a small case."""
     import mlx.nn as nn
 
     from meshtune.bench.models import add_adapters, build_model, perturb_adapters
@@ -321,7 +322,7 @@ def check_exact(shape, a, dtype):
     from mlx.utils import tree_flatten
     ref = dict(tree_flatten(ref_g))
     for name, fn in VARIANTS.items():
-        if name.startswith("bound") or name == "current":
+        if name.startswith("bound") or name == "current" or (names is not None and name not in names):
             continue
         D.DoRALinear.__call__ = fn
         _reset()  # the step's norms are taken before the forward's own _reset: no flag of the last variant's
@@ -337,19 +338,65 @@ def check_exact(shape, a, dtype):
     _reset()
 
 
+class _HostTimes:
+    """--host: each timed call's seconds in mx.async_eval (dispatch) and in waiting for the step before
+    (OneInFlight.finish), by configuration; the rest of the call is the compiled call and Python."""
+
+    def __init__(self):
+        import time
+
+        from meshtune.train import OneInFlight
+        self.calls: dict[str, list[tuple[float, float, float]]] = {}
+        self._now, self._parts = time.perf_counter, [0.0, 0.0]
+        real_eval, real_finish = mx.async_eval, OneInFlight.finish
+
+        def async_eval(*args, **kw):
+            t = self._now()
+            real_eval(*args, **kw)
+            self._parts[0] += self._now() - t
+
+        def finish(in_flight):
+            t = self._now()
+            real_finish(in_flight)
+            self._parts[1] += self._now() - t
+        mx.async_eval, OneInFlight.finish = async_eval, finish
+
+    def timed(self, name, run):
+        self._parts[:] = [0.0, 0.0]
+        t = self._now()
+        out = run()
+        total = self._now() - t
+        self.calls.setdefault(name, []).append((total - sum(self._parts), *self._parts))
+        return out
+
+    def report(self, base):
+        print(f"{base}: median ms a step (warm-up calls included in the medians' pool)   build  dispatch    wait")
+        for name, calls in self.calls.items():
+            parts = [sorted(c[k] for c in calls)[len(calls) // 2] * 1e3 for k in range(3)]
+            print(f"  {base} {name:<28} {parts[0]:8.2f} {parts[1]:9.2f} {parts[2]:7.2f}", flush=True)
+        self.calls.clear()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="1b")
     p.add_argument("--bases", default="bf16,4bit")
     p.add_argument("--only", default="")
+    p.add_argument("--host", action="store_true",
+                   help="also split each configuration's overlapped step into the host's dispatch (mx.async_eval: on a "
+                        "GPU stream MLX encodes every kernel on the calling thread), the wait for the step before, and "
+                        "the rest (the compiled call that builds the graph, Python)")
     args, rest = p.parse_known_args()
+    host = _HostTimes() if args.host else None
     a = B._settings(["--preset", args.preset, *rest])
     shape = B.shape_of(a)
     dtype = mx.bfloat16 if not B._on_cpu() else mx.float32
-    check_exact(shape, a, dtype)
     variants = {k: v for k, v in VARIANTS.items() if not args.only or k in args.only.split(",")}
+    check_exact(shape, a, dtype, set(variants))
     for base in args.bases.split(","):
-        steps = {"lora": B.build_step("meshtune", "lora", base, a, shape, dtype)}
+        lora_run = B.build_step("meshtune", "lora", base, a, shape, dtype)
+        steps = {"lora": (lambda: host.timed("lora", lora_run)) if host else lora_run}
+        steps["lora"].finish = lora_run.finish
         for name, fn in variants.items():
             # Each variant's model traces its compiled step with its own forward at first call, from
             # the settings put back (step_row_norms runs before the forward's _reset: a flag the last
@@ -371,9 +418,9 @@ def main():
                 B.optim.Adam, B.add_adapters = adam, add
                 K.row_norms_cuda = ORIGINAL_ROW_NORMS
 
-            def bound(run=run, fn=fn):
+            def bound(run=run, fn=fn, name=name):
                 D.DoRALinear.__call__ = fn
-                return run()
+                return host.timed(name, run) if host else run()
             bound.finish = run.finish  # a step still in flight (overlapped steps, runtime.overlap_steps)
             steps[name] = bound
         ms = B.time_steps(steps, a)
@@ -382,6 +429,8 @@ def main():
               + ("overlapped" if a.overlap else "one after another"))
         for k, v in ms.items():
             print(f"  {base} {k:<28} {v * 1e3:8.2f} ms  {v / lora:5.3f}x LoRA", flush=True)
+        if host:
+            host.report(base)
         del steps
         B._release()
     return 0

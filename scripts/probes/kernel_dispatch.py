@@ -1,0 +1,60 @@
+"""Host time to dispatch meshtune's custom CUDA kernels against MLX's own ops, per call.
+
+Development probe (adapters issue). On one H200 DoRA's step spent ~9 ms more in dispatch than
+LoRA's (dispatch_cost.py) for ~360 more graph nodes: is a custom kernel dearer to dispatch than
+an MLX op? Each piece is called `--calls` times on small arrays (GPU time negligible), lazily;
+then `mx.async_eval` (the host's dispatch: on a GPU stream MLX encodes every kernel on the
+calling thread) and the wait are timed apart. Prints microseconds a call, median of --reps.
+
+    python scripts/probes/kernel_dispatch.py [--calls 112] [--reps 7]
+"""
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from meshtune.adapters import kernels as K
+
+p = argparse.ArgumentParser()
+p.add_argument("--calls", type=int, default=112)
+p.add_argument("--reps", type=int, default=7)
+args = p.parse_args()
+
+rows, cols, inp, r = 64, 2048, 2048, 8
+g = mx.random.normal((rows, cols)).astype(mx.bfloat16)
+y = mx.random.normal((rows, cols)).astype(mx.bfloat16)
+m = mx.ones((cols,))
+norm = mx.ones((cols,))
+rs = mx.ones((cols,)).astype(mx.bfloat16)
+W = (mx.random.normal((cols, inp)) * 0.02).astype(mx.bfloat16)
+a = mx.random.normal((inp, r)) * 0.02
+b = mx.random.normal((r, cols)) * 0.02
+mx.eval(g, y, m, norm, rs, W, a, b)
+
+pieces = {
+    "MLX g * rs (1 op)": lambda i: [g * rs],
+    "MLX sum_t g*y / norm (4 ops)": lambda i: [(g.astype(mx.float32) * y.astype(mx.float32)).sum(0) / norm],
+    "MLX B * rs, cast (2 ops)": lambda i: [(b * norm).astype(mx.bfloat16)],
+    "custom: m's sums (2 kernels)": lambda i: [K.magnitude_grad_cuda(g, y, m, norm)],
+    "custom: cotangent (2 kernels)": lambda i: list(K.cotangent_cuda(g, y, m, norm)),
+    "custom: row norm, 1 layer (1 kernel)": lambda i: K.row_norms_cuda([W], [a], [b], [2.0]),
+    "custom: norms and W', 1 layer (1 kernel)": lambda i: [x for part in K.row_norms_and_scaled_cuda(
+        [W], [a], [b], [2.0], [m]) for x in part],
+}
+print(f"{args.calls} calls a rep, {mx.default_device()}; microseconds a call, median of {args.reps - 1} (first dropped)")
+print(f"{'piece':44s} {'build':>8s} {'dispatch':>9s} {'wait':>8s}")
+for name, piece in pieces.items():
+    times = []
+    for rep in range(args.reps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = [x for i in range(args.calls) for x in piece(i)]
+        t1 = time.perf_counter()
+        mx.async_eval(outs)
+        t2 = time.perf_counter()
+        mx.eval(outs)
+        t3 = time.perf_counter()
+        times.append((t1 - t0, t2 - t1, t3 - t2))
+    med = [statistics.median(t[k] for t in times[1:]) * 1e6 / args.calls for k in range(3)]
+    print(f"{name:44s} {med[0]:8.1f} {med[1]:9.1f} {med[2]:8.1f}", flush=True)
