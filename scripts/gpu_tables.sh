@@ -6,6 +6,7 @@
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
 #     scripts/gpu_tables.sh kernels "$OUT"    # one GPU: the CUDA kernels' tests, then the folded kernel's pieces and knobs timed (~4 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
+#     scripts/gpu_tables.sh host "$OUT"       # one GPU: DoRA's host time, kernel dispatch and the step split (~5 min)
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -63,6 +64,16 @@ case $what in
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
       --only "${PROBE_VARIANTS:-current,W' written 4 loads in flight,tiles of 256 rows of A,tiles of 256 and W' 4 loads in flight,A staged a float at a time}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
+  host)
+    # One GPU, ~5 min: the overlapped step is the host's on an H200 (probe_dora_step --host: the wait for the step
+    # before is ~0), so DoRA's extra is host time. What a custom kernel costs to dispatch, alone and as the step's 7
+    # norm launches; then the step split into build, dispatch and wait for DoRA with its norms held (no launches) and
+    # with no m sums, beside the current code and LoRA.
+    timeout 150 python3 scripts/probes/kernel_dispatch.py 2>&1 | tee "$out/kernel_dispatch.txt"
+    held="bound: folded with W' held (no norm launches)"  # (one quote: not inside the \${...:-...} below)
+    timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 --host \
+      --only "${PROBE_VARIANTS:-current,$held,bound: folded with no m sums}" \
+      2>&1 | grep -v '^check' | tee "$out/probe_host.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).
     # ncu times each launch alone (serialised; caches and clocks as they are) from profile_step's

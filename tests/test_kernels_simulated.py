@@ -362,6 +362,52 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
+def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch):
+    """probe_dora_step's "bound: folded with W' held": the norms, W' and rs taken once before the step
+    give, at those parameters, the current folded step's loss and gradients, with no norm launch in the step."""
+    import sys
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import dora as D, step_norms
+    from meshtune.bench.models import Shape, add_adapters, build_model, perturb_adapters
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    sys.modules.pop("probe_dora_step", None)
+    import probe_dora_step as P
+
+    monkeypatch.setattr(D.DoRALinear, "__call__", D.DoRALinear.__call__)  # put back after the test
+    model = build_model(Shape(arch="qwen3", layers=1, hidden=32, intermediate=64, heads=2, kv_heads=1, vocab=64),
+                        mx.float32, quantized=False, seed=0)
+    add_adapters(model, impl="meshtune", kind="dora", num_layers=-1, rank=4, scale=2.0)
+    perturb_adapters(model, seed=1)
+    model.train()
+    tok = mx.random.randint(0, 64, (2, 9), key=mx.random.key(3))
+
+    def value_and_grad():
+        with step_norms.step_row_norms(model, tok[:, :-1].size):
+            return nn.value_and_grad(model, lambda m: nn.losses.cross_entropy(m(tok[:, :-1]), tok[:, 1:]).mean())(model)
+
+    want_l, want_g = value_and_grad()
+    launches = simulated["meshtune_dora_row_norm_scaled_1"].calls
+    variant = P.VARIANTS["bound: folded with W' held (no norm launches)"]
+    try:
+        variant.prepare(model)
+        held = simulated["meshtune_dora_row_norm_scaled_1"].calls
+        assert held == launches + 7  # one a layer (q, k, v, o, gate, up, down), before the step
+        D.DoRALinear.__call__ = variant
+        got_l, got_g = value_and_grad()
+        assert simulated["meshtune_dora_row_norm_scaled_1"].calls == held  # none in the step
+    finally:
+        P._reset()
+    assert mx.allclose(got_l, want_l, rtol=1e-6).item()
+    want = dict(tree_flatten(want_g))
+    for key, value in tree_flatten(got_g):
+        assert mx.allclose(value, want[key], rtol=1e-5, atol=1e-7).item(), key
+
+
 @pytest.mark.parametrize("inp, out", [(64, 40), (24, 19)])  # 16-byte accesses; 24 x 19: ragged rows, one a lane
 def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     """row_norms_and_scaled_cuda: row_norms_cuda's norms, W' = rs W and rs, two layers in one launch."""

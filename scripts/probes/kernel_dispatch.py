@@ -7,6 +7,8 @@ then `mx.async_eval` (the host's dispatch: on a GPU stream MLX encodes every ker
 calling thread) and the wait are timed apart. Prints microseconds a call, median of --reps.
 
     python scripts/probes/kernel_dispatch.py [--calls 112] [--reps 7]
+
+Then the 1b step's 112 layers' norms (and W') in their 7 launches, milliseconds a rep.
 """
 import argparse
 import statistics
@@ -58,3 +60,37 @@ for name, piece in pieces.items():
         times.append((t1 - t0, t2 - t1, t3 - t2))
     med = [statistics.median(t[k] for t in times[1:]) * 1e6 / args.calls for k in range(3)]
     print(f"{name:44s} {med[0]:8.1f} {med[1]:9.1f} {med[2]:8.1f}", flush=True)
+
+# The 1b step's norms as the step takes them (step_norms.py): 112 layers, each its own W, A, B and m, the layers of
+# a shape in one launch (7 launches, up to 32 layers each: ~130 inputs and ~100 outputs a launch).
+H, I, KV = 2048, 6144, 1024
+groups = {}
+for out, inp in [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)] * 16:
+    group = groups.setdefault((out, inp), [[], [], [], [], []])
+    group[0].append((mx.random.normal((out, inp)) * 0.02).astype(mx.bfloat16))
+    group[1].append(mx.random.normal((inp, r)) * 0.02)
+    group[2].append(mx.random.normal((r, out)) * 0.02)
+    group[3].append(20.0)
+    group[4].append(mx.ones((out,)))
+mx.eval([x for g in groups.values() for part in g[:3] + g[4:] for x in part])
+whole = {
+    "norms, 7 launches": lambda: [x for w, a_, b_, s, m_ in groups.values() for x in K.row_norms_cuda(w, a_, b_, s)],
+    "norms and W', 7 launches": lambda: [x for w, a_, b_, s, m_ in groups.values()
+                                         for part in K.row_norms_and_scaled_cuda(w, a_, b_, s, m_) for x in part],
+}
+print(f"the 1b step's 112 layers' norms a rep; milliseconds a rep, median of {args.reps - 1}")
+for name, piece in whole.items():
+    times = []
+    for rep in range(args.reps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = piece()
+        t1 = time.perf_counter()
+        mx.async_eval(outs)
+        t2 = time.perf_counter()
+        mx.eval(outs)
+        t3 = time.perf_counter()
+        times.append((t1 - t0, t2 - t1, t3 - t2))
+        del outs
+    med = [statistics.median(t[k] for t in times[1:]) * 1e3 for k in range(3)]
+    print(f"{name:44s} {med[0]:8.2f} {med[1]:9.2f} {med[2]:8.2f}", flush=True)
