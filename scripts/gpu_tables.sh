@@ -67,12 +67,13 @@ case $what in
   host)
     # One GPU, ~5 min: the overlapped step is the host's on an H200 (probe_dora_step --host: the wait for the step
     # before is ~0), so DoRA's extra is host time. What a custom kernel costs to dispatch, alone and as the step's 7
-    # norm launches; then the step split into build, dispatch and wait for DoRA with its norms held (no launches) and
-    # with no m sums, beside the current code and LoRA.
+    # norm launches; then the step split into build, dispatch and wait for DoRA with its norms held (no launches), held
+    # in the products only (launches made), and with no m sums, beside the current code and LoRA.
     timeout 150 python3 scripts/probes/kernel_dispatch.py 2>&1 | tee "$out/kernel_dispatch.txt"
     held="bound: folded with W' held (no norm launches)"  # (one quote: not inside the \${...:-...} below)
+    launched="bound: folded with W' held in the products (norms launched)"
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 --host \
-      --only "${PROBE_VARIANTS:-current,$held,bound: folded with no m sums}" \
+      --only "${PROBE_VARIANTS:-current,$held,$launched,bound: folded with no m sums}" \
       2>&1 | grep -v '^check' | tee "$out/probe_host.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).

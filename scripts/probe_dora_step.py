@@ -112,6 +112,30 @@ _held_fold.prepare = _hold_fold
 _held_fold.exact_at_start = True  # held from the parameters the check starts from: check_exact checks it
 
 
+def _held_products(self, x):
+    """Bound: the current step's norm launches run (their W' written and kept to the backward), but the
+    layers' products read the W' and rs held before the run: with _held_fold, it tells the launches'
+    host cost from that of products on a W' made in the step."""
+    _reset()
+
+    def held_after_launch(layer, tokens):
+        launched = ORIGINAL_LOOKUP_SCALED(layer, tokens)
+        w_held, rs_held = layer._probe_fold[1:]
+        return (w_held, rs_held) if launched is None else (mx.depends([w_held], [launched[0]])[0], rs_held)
+    step_norms.lookup_scaled = held_after_launch
+    return ORIGINAL(self, x)
+
+
+def _hold_fold_launching(model):
+    """_held_products' preparation: _hold_fold's held values, the step's norms still taken."""
+    _hold_fold(model)
+    step_norms._covered = ORIGINAL_COVERED
+
+
+_held_products.prepare = _hold_fold_launching
+_held_products.exact_at_start = True
+
+
 def _setting(target, then=None, **flags):
     """A prepare step that sets `flags` on `target` (kernels or step_norms) before the variant's step
     is traced, then runs `then` (the variant's own prepare step), if any; _reset puts them back."""
@@ -297,6 +321,7 @@ VARIANTS = {
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
     "bound: folded with W' held (no norm launches)": _held_fold,
+    "bound: folded with W' held in the products (norms launched)": _held_products,
     **{f"W' written {n} loads in flight": _with(_kernels(True), prepare=_setting(K, _SCALED_LOADS=n)) for n in (4, 8)},
     "A staged a float at a time": _with(_kernels(True), prepare=_setting(K, _STAGE_QUADS=False)),
     "tiles of 256 rows of A": _with(_kernels(True), prepare=_setting(K, _TILE_FLOATS=2048)),

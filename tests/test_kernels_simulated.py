@@ -362,9 +362,12 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
-def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch):
-    """probe_dora_step's "bound: folded with W' held": the norms, W' and rs taken once before the step
-    give, at those parameters, the current folded step's loss and gradients, with no norm launch in the step."""
+@pytest.mark.parametrize("variant, launches_in_step", [("bound: folded with W' held (no norm launches)", 0),
+                                                       ("bound: folded with W' held in the products (norms launched)", 1)])
+def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch, variant, launches_in_step):
+    """probe_dora_step's "bound: folded with W' held" variants: the norms, W' and rs taken once before the step
+    give, at those parameters, the current folded step's loss and gradients, with no norm launch in the step
+    or with the step's own launches still made (their W' a dependency of the held one)."""
     import sys
 
     import mlx.nn as nn
@@ -392,14 +395,15 @@ def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch
 
     want_l, want_g = value_and_grad()
     launches = simulated["meshtune_dora_row_norm_scaled_1"].calls
-    variant = P.VARIANTS["bound: folded with W' held (no norm launches)"]
+    variant = P.VARIANTS[variant]
     try:
         variant.prepare(model)
         held = simulated["meshtune_dora_row_norm_scaled_1"].calls
         assert held == launches + 7  # one a layer (q, k, v, o, gate, up, down), before the step
         D.DoRALinear.__call__ = variant
         got_l, got_g = value_and_grad()
-        assert simulated["meshtune_dora_row_norm_scaled_1"].calls == held  # none in the step
+        # the down projection's launch (the only layer of its shape) in the step, or none
+        assert simulated["meshtune_dora_row_norm_scaled_1"].calls == held + launches_in_step
     finally:
         P._reset()
     assert mx.allclose(got_l, want_l, rtol=1e-6).item()
