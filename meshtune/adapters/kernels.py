@@ -40,6 +40,7 @@ two on a GPU (tests/test_adapted_linear.py).
 from __future__ import annotations
 
 import os
+import textwrap
 
 import mlx.core as mx
 
@@ -57,7 +58,9 @@ _ROW_GROUPS = 1
 # Floats of A a shared tile holds (None: 8192 up to rank 32, else 4096). ptxas (CUDA 13, sm_90) gives
 # the 1B model's bf16 rank-8 kernels 141 registers a thread at 8192 (1024 rows of A): one block of 8
 # warps fits an SM's registers. At 2048 (256 rows) they take 127, two blocks; the columns each lane
-# sums, and their order, are the same either way. Not yet timed (dora_kernel_cost.py times it).
+# sums, and their order, are the same either way. On one H200 (docs/bench/dora_two_pass_h200.txt) 256-row tiles took
+# the 1B step's norms and W' from 4.36 to 4.01 ms on one machine (the norms alone from 2.14 to 2.40), and with 4
+# loads in flight from 2.53 to 2.66 on another; the step gained nothing measurable (probe_dora_step): the default stays.
 _TILE_FLOATS: int | None = None
 # A's tiles staged by float4 loads, four a thread in flight (False: a float at a time, as before;
 # scripts/probes/dora_kernel_cost.py times both).
@@ -376,9 +379,35 @@ MAX_LAYERS_A_LAUNCH = 32
 # (from the L2 cache, just read) and writes rs * w, rs = m / norm rounded to W's dtype as the MLX
 # ops round it. _SCALED_LOADS: loads of the row a lane has in flight before it stores (1: a load,
 # then its store). By the bytes they move the norm-and-W' kernels ran at ~1.1 TB/s on an H200
-# (docs/bench/dora_folded_h200.txt); this pass's one load at a time is a suspect, not yet timed
-# (scripts/probes/dora_kernel_cost.py times 1, 4 and 8).
+# (docs/bench/dora_folded_h200.txt). On one H200 2, 4 and 8 loads took 5.25, 4.37 and 4.33 ms for the 1B
+# step's norms and W' against 4.36 with 1, in one invocation (docs/bench/dora_two_pass_h200.txt): no gain.
 _SCALED_LOADS = 1
+# Row i of W' = rs W written by a warp's lanes (read_w, ws_aligned, row = i * IN in scope), EB loads of the row
+# in flight before their stores (ws may alias w for all the compiler knows, so it would not hoist a load above an
+# earlier store itself): the one-pass kernel's epilogue and the two-pass kernel's pass 2.
+_WRITE_SCALED_ROW = """for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
+    WVec in[EB];
+    #pragma unroll
+    for (int u = 0; u < EB; ++u) {
+        int c = c0 + u * 32 * VEC;
+        if (c < IN) in[u] = read_w(i, c);  // not break: a loop with no early exit unrolls fully
+    }
+    #pragma unroll
+    for (int u = 0; u < EB; ++u) {
+        int c = c0 + u * 32 * VEC;
+        if (c >= IN) continue;
+        WVec out;
+        #pragma unroll
+        for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
+        if (ws_aligned) {
+            *reinterpret_cast<WVec*>(ws + row + c) = out;
+        } else {
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) ws[row + c + v] = out.v[v];
+        }
+    }
+}
+"""
 _SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n"
 _SCALED_EPILOGUE = """
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
@@ -391,32 +420,9 @@ _SCALED_EPILOGUE = """
             float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
             if (lane == q) rso[i] = rs;
             long long row = (long long)i * IN;
-            // EB loads of the row issued before their stores (ws may alias w for all the compiler
-            // knows, so it would not hoist a load above an earlier store itself).
-            for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
-                WVec in[EB];
-                #pragma unroll
-                for (int u = 0; u < EB; ++u) {
-                    int c = c0 + u * 32 * VEC;
-                    if (c < IN) in[u] = read_w(i, c);  // not break: a loop with no early exit unrolls fully
-                }
-                #pragma unroll
-                for (int u = 0; u < EB; ++u) {
-                    int c = c0 + u * 32 * VEC;
-                    if (c >= IN) continue;
-                    WVec out;
-                    #pragma unroll
-                    for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
-                    if (ws_aligned) {
-                        *reinterpret_cast<WVec*>(ws + row + c) = out;
-                    } else {
-                        #pragma unroll
-                        for (int v = 0; v < VEC; ++v) ws[row + c + v] = out.v[v];
-                    }
-                }
-            }
+@WRITE_SCALED_ROW@
         }
-"""
+""".replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW, " " * 12))
 
 
 def _row_norm_source(layers: int, scaled: bool = False) -> str:
@@ -613,38 +619,21 @@ _SCALE_ROWS = """
         norm[i] = nrm;
         rso[i] = rs;
     }
-    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0
-        && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
     long long row = (long long)i * IN;
-    for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
-        WVec in[EB];
-        #pragma unroll
-        for (int u = 0; u < EB; ++u) {
-            int c = c0 + u * 32 * VEC;
-            if (c >= IN) continue;
-            if (aligned) {
-                in[u] = *reinterpret_cast<const WVec*>(w + row + c);
-            } else {
-                #pragma unroll
-                for (int v = 0; v < VEC; ++v) in[u].v[v] = w[row + c + v];
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < EB; ++u) {
-            int c = c0 + u * 32 * VEC;
-            if (c >= IN) continue;
-            WVec out;
+    auto read_w = [&](int, int c) {  // the row's VEC elements from column c (the one-pass kernel's signature)
+        WVec r;
+        if (aligned) {
+            r = *reinterpret_cast<const WVec*>(w + row + c);
+        } else {
             #pragma unroll
-            for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
-            if (aligned) {
-                *reinterpret_cast<WVec*>(ws + row + c) = out;
-            } else {
-                #pragma unroll
-                for (int v = 0; v < VEC; ++v) ws[row + c + v] = out.v[v];
-            }
+            for (int v = 0; v < VEC; ++v) r.v[v] = w[row + c + v];
         }
-    }
-"""
+        return r;
+    };
+    bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+@WRITE_SCALED_ROW@
+""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW)
 _NORMS_FROM_SUMS = """
     // A thread a row of layer blockIdx.y: its segments' sums added in order (pass 2's), the root taken.
     constexpr int SEGS = (IN + SEG - 1) / SEG;
