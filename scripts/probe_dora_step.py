@@ -1,7 +1,9 @@
 """Where DoRA's extra step time goes in the whole 1B model, and which rewrite removes it.
 
 Development probe (adapters issue): python scripts/probe_dora_step.py [--preset 1b] [--bases bf16,4bit]
-Each variant swaps DoRALinear's training forward (and its optimizer, where it names one);
+    [--only "current,..."] [--host]
+--host splits each overlapped step into build, dispatch and the wait for the step before: on an H200
+the wait is ~0, so the step is the host's (docs/bench/dora_host_h200.txt). Each variant swaps DoRALinear's training forward (and its optimizer, where it names one);
 LoRA is the baseline. Timed like `meshtune bench adapters` (interleaved rounds, median).
 The bound variants drop work (no norm, no m-gradient) and are not DoRA: they only show
 what each part costs.

@@ -29,6 +29,8 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   wrote A and B' in W's dtype, sparing the layers' casts; on an H200 that made it slower (two
   more outputs a layer: 3.4 ms to build its 7 launches instead of 1.6, 6.1 ms to run instead
   of 4.6), so the layers cast their own (docs/bench/dora_kernel_casts_h200.txt).
+- Two passes (_TWO_PASS, off): the norms by segments of columns, a thread a row, then W' a
+  warp a row; as fast as the one pass on an H200 (docs/bench/dora_two_pass_h200.txt).
 
 The forward's rs * (base + s u) is left to MLX's fused elementwise kernel (a kernel of
 ours for it lost in the 1B step on an H200: 77.2 vs 75.1 ms, docs/bench/step_norms_h200.txt).
