@@ -66,7 +66,7 @@ case $what in
       2>&1 | tee "$out/probe_dora_step.txt" ;;
   host)
     # One GPU, ~5 min: the overlapped step is the host's on an H200 (probe_dora_step --host: the wait for the step
-    # before is ~0), so DoRA's extra is host time. What a custom kernel costs to dispatch, alone and as the step's 7
+    # before is ~0), so DoRA's extra is host time. What a custom kernel costs to dispatch, alone and as the step's 4
     # norm launches; then the step split into build, dispatch and wait for DoRA with its norms held (no launches), held
     # in the products only (launches made), and with no m sums, beside the current code and LoRA.
     timeout 150 python3 scripts/probes/kernel_dispatch.py 2>&1 | tee "$out/kernel_dispatch.txt"

@@ -99,15 +99,20 @@ def _held_fold(self, x):
     return ORIGINAL(self, x)
 
 
-def _hold_fold(model):
-    """_held_fold's preparation: every DoRA layer's (norm, W', rs) now, and the step's norms off."""
+def _take_fold(model):
+    """Every DoRA layer's (norm, W', rs) now, held on the layer (_held_products' preparation)."""
     for layer in model.modules():
         if isinstance(layer, D.DoRALinear):
             dense = dense_weight_for(layer.linear, 1 << 20)
             layer._probe_fold = tuple(x[0] for x in K.row_norms_and_scaled_cuda(
                 [dense], [layer.lora_a], [layer.lora_b], [float(layer.scale)], [layer.m]))
             mx.eval(layer._probe_fold)
-    step_norms._covered = lambda layer: False  # step_row_norms takes none (put back by _reset)
+
+
+def _hold_fold(model):
+    """_held_fold's preparation: _take_fold, and the step's norms off (put back by _reset)."""
+    _take_fold(model)
+    step_norms._covered = lambda layer: False
 
 
 _held_fold.prepare = _hold_fold
@@ -128,13 +133,7 @@ def _held_products(self, x):
     return ORIGINAL(self, x)
 
 
-def _hold_fold_launching(model):
-    """_held_products' preparation: _hold_fold's held values, the step's norms still taken."""
-    _hold_fold(model)
-    step_norms._covered = ORIGINAL_COVERED
-
-
-_held_products.prepare = _hold_fold_launching
+_held_products.prepare = _take_fold
 _held_products.exact_at_start = True
 
 

@@ -68,6 +68,22 @@ _TILE_FLOATS: int | None = None
 # scripts/probes/dora_kernel_cost.py times both).
 _STAGE_QUADS = True
 
+# W's loads, for the kernels that read it (w, WVec and VEC in scope): VEC elements of row `row` from column
+# `col` (a multiple of VEC), one 16-byte load where W is aligned.
+_READ_W = """    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+    auto read_w = [&](int row, int col) {
+        WVec r;
+        long long off = (long long)row * IN + col;
+        if (aligned) {
+            r = *reinterpret_cast<const WVec*>(w + off);
+        } else {
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) r.v[v] = w[off + v];
+        }
+        return r;
+    };
+"""
+
 _ROW_NORM = """
     // Block: G groups of WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the
     // launch takes L layers of one shape, and a switch (written by row_norms_cuda) points w, a, b, norm
@@ -93,7 +109,7 @@ _ROW_NORM = """
     float* norm;
     @SELECT@
     float sc = s[blockIdx.y];
-    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+@READ_W@
     // The block's rows: G groups of WARPS * RPW, a warp's RPW adjacent rows in each; every
     // staged tile of A serves all G groups (one group: A staged once for WARPS * RPW rows).
     auto first_row = [&](int g) { return ((blockIdx.x * G + g) * WARPS + (tid >> 5)) * RPW; };
@@ -103,18 +119,6 @@ _ROW_NORM = """
         #pragma unroll
         for (int q = 0; q < RPW; ++q) sq[g][q] = 0.0f;
     WVec wr[P][RPW];
-    // VEC elements of W's row `row` from column `col` (a multiple of VEC): one 16-byte load where aligned.
-    auto read_w = [&](int row, int col) {
-        WVec r;
-        long long off = (long long)row * IN + col;
-        if (aligned) {
-            r = *reinterpret_cast<const WVec*>(w + off);
-        } else {
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) r.v[v] = w[off + v];
-        }
-        return r;
-    };
     auto load_w = [&](int row0, int j0, int n) {
         #pragma unroll
         for (int p = 0; p < P; ++p) {
@@ -226,7 +230,7 @@ _ROW_NORM = """
             int i = first_row(g) + q;
             if (lane == q && i < OUT) norm[i] = sqrtf(sq[g][q]);
         }
-"""
+""".replace("@READ_W@", _READ_W)
 
 _COTANGENT = """
     // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns (one 16-byte
@@ -355,6 +359,11 @@ FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "auto"))
 MAX_RANK = 64
 
 
+def _default_tile_floats(r: int) -> int:
+    """Floats of A a shared tile holds: about 32 KiB (16 KiB past rank 32), under a block's 48 KiB of static shared memory."""
+    return 8192 if r <= 32 else 4096
+
+
 def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
     """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds).
 
@@ -365,7 +374,7 @@ def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, in
     warp's columns.
     """
     rows = _ROWS_PER_WARP or (2 if r <= 16 else 1)
-    floats = _TILE_FLOATS or (8192 if r <= 32 else 4096)
+    floats = _TILE_FLOATS or _default_tile_floats(r)
     vec = 16 // weight_bytes
     while vec > 1 and (inp % vec or floats // r < 32 * vec):
         vec //= 2
@@ -427,13 +436,17 @@ _SCALED_EPILOGUE = """
 """.replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW, " " * 12))
 
 
+def _select(layers: int, assign: str) -> str:
+    """A switch on blockIdx.y running `assign` (formatted with i) for that layer; other y return."""
+    cases = "\n".join(f"        case {i}: {assign.format(i=i)} break;" for i in range(layers))
+    return f"switch (blockIdx.y) {{\n{cases}\n        default: return;\n    }}"
+
+
 def _row_norm_source(layers: int, scaled: bool = False) -> str:
     """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
     W') at layer blockIdx.y's arrays."""
     extra = " mm = m{i}; ws = ws{i}; rso = rs{i};" if scaled else ""
-    select = "\n".join(f"        case {i}: w = w{i}; a = a{i}; b = b{i}; norm = norm{i};{extra.format(i=i)} break;"
-                       for i in range(layers))
-    source = _ROW_NORM.replace("@SELECT@", f"switch (blockIdx.y) {{\n{select}\n        default: return;\n    }}")
+    source = _ROW_NORM.replace("@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i}; norm = norm{i};" + extra))
     if scaled:
         source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
     return source
@@ -491,7 +504,12 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
             output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
             output_dtypes=[mx.float32] * n + ([wt] * n + [mx.float32] * n if scaled else []))
-    return tuple(list(res[i * n:(i + 1) * n]) for i in range(len(res) // n))
+    return _by_kind(res, n)
+
+
+def _by_kind(outputs: list[mx.array], n: int) -> tuple[list[mx.array], ...]:
+    """A launch's outputs for n layers, kind by kind (norms, then W', then rs), as a list of n each."""
+    return tuple(list(outputs[i * n:(i + 1) * n]) for i in range(len(outputs) // n))
 
 
 # Two passes (_TWO_PASS): the norms by segments of columns, then W' row by row. The one-pass kernel
@@ -502,9 +520,9 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
 # over its segment; pass 2 (a warp a row, as the one-pass kernel's epilogue) adds a row's
 # segments in order, takes rs = m / norm and writes W' = rs W with SCALED_LOADS loads a lane in
 # flight. W is read twice from memory (the one-pass kernel rereads rows from the L2 cache), in
-# exchange for blocks small in registers and many of them (ptxas: 42-124 registers a thread in
+# exchange for blocks small in registers and many of them (ptxas: 46-123 registers a thread in
 # pass 1, 26-31 in pass 2, against 141; scripts/probes/kernel_registers.py). On one H200 the 1B
-# step's 7 shapes took 2.48 ms (eval, dora_kernel_cost.py) against the one-pass kernel's 2.53 in
+# step's 4 shapes (112 layers) took 2.48 ms (eval, dora_kernel_cost.py) against the one-pass kernel's 2.53 in
 # the same invocation, and the DoRA step 64.2 ms against 61.2 (probe_dora_step.py, 60 steps: within
 # that run's spread); no gain, so the one-pass kernel stays the default
 # (docs/bench/dora_two_pass_h200.txt).
@@ -536,8 +554,7 @@ _SEGMENT_SUMS = """
     float cb[R];
     #pragma unroll
     for (int k = 0; k < R; ++k) cb[k] = live ? sc * b[(long long)k * OUT + i] : 0.0f;
-    const WT* row = w + (long long)(live ? i : 0) * IN;
-    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+@READ_W@
     int end = min(IN, (sg + 1) * SEG);
     float sq = 0.0f;
     #pragma unroll 1
@@ -559,13 +576,7 @@ _SEGMENT_SUMS = """
             #pragma unroll
             for (int u = 0; u < U; ++u) {
                 int col = c + u * VEC;
-                if (col >= n) continue;
-                if (aligned) {
-                    wv[u] = *reinterpret_cast<const WVec*>(row + j0 + col);
-                } else {
-                    #pragma unroll
-                    for (int v = 0; v < VEC; ++v) wv[u].v[v] = row[j0 + col + v];
-                }
+                if (col < n) wv[u] = read_w(i, j0 + col);
             }
             #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -594,7 +605,7 @@ _SEGMENT_SUMS = """
         }
     }
     if (live) part[((long long)blockIdx.y * SEGS + sg) * OUT + i] = sq;
-"""
+""".replace("@READ_W@", _READ_W)
 
 # Pass 2 with W' (row_norms_and_scaled_cuda): a warp a row; without (row_norms_cuda): a thread a row.
 _SCALE_ROWS = """
@@ -621,21 +632,11 @@ _SCALE_ROWS = """
         norm[i] = nrm;
         rso[i] = rs;
     }
-    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(w) % sizeof(WVec) == 0;
+@READ_W@
     long long row = (long long)i * IN;
-    auto read_w = [&](int, int c) {  // the row's VEC elements from column c (the one-pass kernel's signature)
-        WVec r;
-        if (aligned) {
-            r = *reinterpret_cast<const WVec*>(w + row + c);
-        } else {
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) r.v[v] = w[row + c + v];
-        }
-        return r;
-    };
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
 @WRITE_SCALED_ROW@
-""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW)
+""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW).replace("@READ_W@", _READ_W)
 _NORMS_FROM_SUMS = """
     // A thread a row of layer blockIdx.y: its segments' sums added in order (pass 2's), the root taken.
     constexpr int SEGS = (IN + SEG - 1) / SEG;
@@ -650,12 +651,6 @@ _NORMS_FROM_SUMS = """
 """
 
 
-def _select(layers: int, assign: str) -> str:
-    """A switch on blockIdx.y running `assign` (formatted with i) for that layer; other y return."""
-    cases = "\n".join(f"        case {i}: {assign.format(i=i)} break;" for i in range(layers))
-    return f"switch (blockIdx.y) {{\n{cases}\n        default: return;\n    }}"
-
-
 def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
                         magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
     """_row_norms by the two passes (_TWO_PASS), for at most MAX_LAYERS_A_LAUNCH layers of one shape."""
@@ -668,7 +663,7 @@ def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.a
         vec //= 2
     seg = _SEGMENT
     segs = -(-inp // seg)
-    tile = min(seg, max(1, (8192 if r <= 32 else 4096) // r))
+    tile = min(seg, max(1, _default_tile_floats(r) // r))
     common = [("IN", inp), ("OUT", out), ("SEG", seg), ("VEC", vec), ("WT", wt)]
     sums = _kernel(f"meshtune_dora_segment_sums_{n}", [f"{p}{i}" for p in "wab" for i in range(n)] + ["s"], ["part"],
                    _SEGMENT_SUMS.replace("@SELECT@", _select(n, "w = w{i}; a = a{i}; b = b{i};")))
@@ -682,7 +677,7 @@ def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.a
                     _NORMS_FROM_SUMS.replace("@SELECT@", _select(n, "norm = norm{i};")))
         res = k(inputs=[part], template=common, grid=(-(-out // 256) * 256, n, 1), threadgroup=(256, 1, 1),
                 output_shapes=[(out,)] * n, output_dtypes=[mx.float32] * n)
-        return (list(res),)
+        return _by_kind(res, n)
     names = [f"{p}{i}" for p in ("w", "m") for i in range(n)] + ["part"]
     k = _kernel(f"meshtune_dora_scale_rows_{n}", names, [f"{p}{i}" for p in ("norm", "ws", "rs") for i in range(n)],
                 _SCALE_ROWS.replace("@SELECT@", _select(n, "w = w{i}; mm = m{i}; ws = ws{i}; norm = norm{i}; rso = rs{i};")))
@@ -691,7 +686,7 @@ def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.a
             grid=(-(-out // _WARPS) * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
             output_shapes=[(out,)] * n + [(out, inp)] * n + [(out,)] * n,
             output_dtypes=[mx.float32] * n + [wt] * n + [mx.float32] * n)
-    return tuple(list(res[j * n:(j + 1) * n]) for j in range(3))
+    return _by_kind(res, n)
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:

@@ -8,7 +8,7 @@ calling thread) and the wait are timed apart. Prints microseconds a call, median
 
     python scripts/probes/kernel_dispatch.py [--calls 112] [--reps 7]
 
-Then the 1b step's 112 layers' norms (and W') in their 7 launches, milliseconds a rep.
+Then the 1b step's 112 layers' norms (and W') in their 4 launches, milliseconds a rep.
 """
 import argparse
 import statistics
@@ -44,25 +44,34 @@ pieces = {
     "custom: norms and W', 1 layer (1 kernel)": lambda i: [x for part in K.row_norms_and_scaled_cuda(
         [W], [a], [b], [2.0], [m]) for x in part],
 }
-print(f"{args.calls} calls a rep, {mx.default_device()}; microseconds a call, median of {args.reps - 1} (first dropped)")
-print(f"{'piece':44s} {'build':>8s} {'dispatch':>9s} {'wait':>8s}")
-for name, piece in pieces.items():
+
+
+def split_times(make_outputs) -> list[float]:
+    """Median seconds of building `make_outputs()`'s graph, of dispatching it (mx.async_eval) and of the wait
+    for the result, over --reps (the first dropped)."""
     times = []
-    for rep in range(args.reps):
+    for _ in range(args.reps):
         mx.synchronize()
         t0 = time.perf_counter()
-        outs = [x for i in range(args.calls) for x in piece(i)]
+        outs = make_outputs()
         t1 = time.perf_counter()
         mx.async_eval(outs)
         t2 = time.perf_counter()
         mx.eval(outs)
         t3 = time.perf_counter()
         times.append((t1 - t0, t2 - t1, t3 - t2))
-    med = [statistics.median(t[k] for t in times[1:]) * 1e6 / args.calls for k in range(3)]
+        del outs
+    return [statistics.median(t[k] for t in times[1:]) for k in range(3)]
+
+
+print(f"{args.calls} calls a rep, {mx.default_device()}; microseconds a call, median of {args.reps - 1} (first dropped)")
+print(f"{'piece':44s} {'build':>8s} {'dispatch':>9s} {'wait':>8s}")
+for name, piece in pieces.items():
+    med = [t * 1e6 / args.calls for t in split_times(lambda: [x for i in range(args.calls) for x in piece(i)])]
     print(f"{name:44s} {med[0]:8.1f} {med[1]:9.1f} {med[2]:8.1f}", flush=True)
 
 # The 1b step's norms as the step takes them (step_norms.py): 112 layers, each its own W, A, B and m, the layers of
-# a shape in one launch (7 launches, up to 32 layers each: ~130 inputs and ~100 outputs a launch).
+# a shape in one launch (4 launches of up to 32 layers: ~130 inputs and ~100 outputs a launch).
 H, I, KV = 2048, 6144, 1024
 groups = {}
 for out, inp in [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)] * 16:
@@ -74,23 +83,11 @@ for out, inp in [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)] * 16:
     group[4].append(mx.ones((out,)))
 mx.eval([x for g in groups.values() for part in g[:3] + g[4:] for x in part])
 whole = {
-    "norms, 7 launches": lambda: [x for w, a_, b_, s, m_ in groups.values() for x in K.row_norms_cuda(w, a_, b_, s)],
-    "norms and W', 7 launches": lambda: [x for w, a_, b_, s, m_ in groups.values()
+    "norms, 4 launches": lambda: [x for w, a_, b_, s, m_ in groups.values() for x in K.row_norms_cuda(w, a_, b_, s)],
+    "norms and W', 4 launches": lambda: [x for w, a_, b_, s, m_ in groups.values()
                                          for part in K.row_norms_and_scaled_cuda(w, a_, b_, s, m_) for x in part],
 }
 print(f"the 1b step's 112 layers' norms a rep; milliseconds a rep, median of {args.reps - 1}")
 for name, piece in whole.items():
-    times = []
-    for rep in range(args.reps):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        outs = piece()
-        t1 = time.perf_counter()
-        mx.async_eval(outs)
-        t2 = time.perf_counter()
-        mx.eval(outs)
-        t3 = time.perf_counter()
-        times.append((t1 - t0, t2 - t1, t3 - t2))
-        del outs
-    med = [statistics.median(t[k] for t in times[1:]) * 1e3 for k in range(3)]
+    med = [t * 1e3 for t in split_times(piece)]
     print(f"{name:44s} {med[0]:8.2f} {med[1]:9.2f} {med[2]:8.2f}", flush=True)
