@@ -7,6 +7,7 @@
 #     scripts/gpu_tables.sh kernels "$OUT"    # one GPU: the CUDA kernels' tests, then the folded kernel's pieces and knobs timed (~4 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
 #     scripts/gpu_tables.sh host "$OUT"       # one GPU: DoRA's host time, kernel dispatch and the step split (~5 min)
+#     scripts/gpu_tables.sh graphs "$OUT"     # one GPU: the host split under MLX's CUDA-graph settings, a process each, in turn (~6 min)
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -75,6 +76,17 @@ case $what in
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 20 --rounds 2 --host \
       --only "${PROBE_VARIANTS:-current,$held,$launched,bound: folded with no m sums}" \
       2>&1 | grep -v '^check' | tee "$out/probe_host.txt" ;;
+  graphs)
+    # One GPU, ~6 min: is DoRA's extra host time MLX's CUDA-graph machinery (a graph committed every 20 ops by
+    # default: its key built, the cached exec updated or instantiated, then launched)? The host split for LoRA and the
+    # current DoRA under each of GRAPH_SETTINGS (MLX's own environment variables; "-" for MLX's defaults), each in its
+    # own process, taken in turn (a process's step varies by +-30% from the next one's: compare within a pair).
+    for setting in ${GRAPH_SETTINGS:-- MLX_MAX_OPS_PER_BUFFER=100 - MLX_MAX_OPS_PER_BUFFER=100}; do
+      [ "$setting" = - ] && setting=""
+      echo "== ${setting:-MLX defaults}" | tee -a "$out/probe_graphs.txt"
+      env $setting timeout 300 python3 scripts/probe_dora_step.py --bases ${GRAPH_BASES:-bf16} --steps 30 --rounds 3 \
+        --host --only current 2>&1 | grep -v '^check' | tee -a "$out/probe_graphs.txt"
+    done ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).
     # ncu times each launch alone (serialised; caches and clocks as they are) from profile_step's
