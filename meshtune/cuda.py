@@ -7,9 +7,11 @@ Metal) their callers compute the same in MLX ops.
 
 from __future__ import annotations
 
+import hashlib
+
 import mlx.core as mx
 
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple, object] = {}
 
 
 def on_cuda() -> bool:
@@ -19,10 +21,19 @@ def on_cuda() -> bool:
 
 
 def kernel(name: str, inputs: list[str], outputs: list[str], source: str):
-    """The `mx.fast.cuda_kernel` of this name, built once."""
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
-    return _kernels[name]
+    """The `mx.fast.cuda_kernel` of this name, built once.
+
+    MLX's CUDA build keeps compiled kernels on disk (MLX_PTX_CACHE_DIR, by default under the temp
+    directory) by name and template values alone, not by source: a kernel whose text changed (a newer
+    meshtune) would run the old text's binary, with the old parameters. So the name MLX sees carries a
+    digest of the parameters and the source.
+    """
+    key = (name, tuple(inputs), tuple(outputs), source)
+    if key not in _kernels:
+        digest = hashlib.sha1("\0".join([*inputs, "", *outputs, "", source]).encode()).hexdigest()[:12]
+        _kernels[key] = mx.fast.cuda_kernel(name=f"{name}_{digest}", input_names=inputs, output_names=outputs,
+                                            source=source)
+    return _kernels[key]
 
 
 # The CUDA type MLX's CUDA build gives each dtype in a kernel's parameters.
