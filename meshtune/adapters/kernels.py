@@ -86,8 +86,8 @@ _READ_W = """    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(
 
 _ROW_NORM = """
     // Block: G groups of WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the
-    // launch takes L layers of one shape, and a switch (written by row_norms_cuda) points w, a, b, norm
-    // and sc at that layer's arrays and scale. The norm is taken row by row without
+    // launch takes L layers of one shape, a switch (written by row_norms_cuda) points w, a and b at
+    // that layer's arrays, and its norms are rows blockIdx.y * OUT on of the launch's one array. The norm is taken row by row without
     // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
     // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
     // identity's terms). Tiles of TJ rows of A pass through shared memory transposed, padded
@@ -106,9 +106,9 @@ _ROW_NORM = """
     const WT* w;
     const float* a;
     const float* b;
-    float* norm;
     @SELECT@
     float sc = s[blockIdx.y];
+@LAYER_OUTPUTS@
 @READ_W@
     // The block's rows: G groups of WARPS * RPW, a warp's RPW adjacent rows in each; every
     // staged tile of A serves all G groups (one group: A staged once for WARPS * RPW rows).
@@ -419,7 +419,7 @@ _WRITE_SCALED_ROW = """for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
     }
 }
 """
-_SCALED_DECLS = "    const float* mm;\n    WT* ws;\n    float* rso;\n"
+_SCALED_DECLS = "    const float* mm;\n"
 _SCALED_EPILOGUE = """
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
     #pragma unroll
@@ -442,13 +442,25 @@ def _select(layers: int, assign: str) -> str:
     return f"switch (blockIdx.y) {{\n{cases}\n        default: return;\n    }}"
 
 
+# A launch's outputs are one array of each kind for all its layers (_per_layer splits them): a layer's rows
+# start at blockIdx.y * OUT. With an output of its own a layer, each of a launch's ~100 outputs carried all its
+# ~130 inputs (MLX gives every output of a primitive its own list of the inputs): on an H200 the 1B step's 4
+# launches took 2.3 ms to build and 2.4 ms to dispatch with W'; stacked, 0.8 and 0.5 ms on the next machine
+# (scripts/probes/kernel_dispatch.py; docs/bench/dora_stacked_h200.txt). On the CPU a stand-in with the same
+# inputs and outputs, compiled, took 0.9 and 0.9 ms against 0.2 and 0.5 (scripts/probes/stacked_outputs.py).
+_NORM_OUTPUT = "    float* norm = norms + (long long)blockIdx.y * OUT;"
+_SCALED_OUTPUTS = ("    WT* ws = wss + (long long)blockIdx.y * OUT * IN;\n"
+                   "    float* rso = rss + (long long)blockIdx.y * OUT;")
+
+
 def _row_norm_source(layers: int, scaled: bool = False) -> str:
-    """The row-norm kernel with its @SELECT@ pointing w, a, b and norm (and with `scaled`, m and
-    W') at layer blockIdx.y's arrays."""
-    extra = " mm = m{i}; ws = ws{i}; rso = rs{i};" if scaled else ""
-    source = _ROW_NORM.replace("@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i}; norm = norm{i};" + extra))
+    """The row-norm kernel with its @SELECT@ pointing w, a and b (and with `scaled`, m) at layer
+    blockIdx.y's arrays, and the norms (and W' and rs) at its rows of the launch's outputs."""
+    extra = " mm = m{i};" if scaled else ""
+    source = _ROW_NORM.replace("@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
+    source = source.replace("@LAYER_OUTPUTS@", _NORM_OUTPUT + ("\n" + _SCALED_OUTPUTS if scaled else ""))
     if scaled:
-        source = source.replace("    float* norm;\n", "    float* norm;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
+        source = source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
     return source
 
 
@@ -489,8 +501,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
         return _row_norms_two_pass(weights, a, b, scales, magnitudes)
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
-    outputs = [f"norm{i}" for i in range(n)] + ([f"{p}{i}" for p in ("ws", "rs") for i in range(n)]
-                                                 if scaled else [])
+    outputs = ["norms"] + (["wss", "rss"] if scaled else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
     k = _kernel(f"meshtune_dora_row_norm{'_scaled' if scaled else ''}_{n}", names, outputs, _row_norm_source(n, scaled))
@@ -502,14 +513,15 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
                       ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
                       ("WT", wt)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(out,)] * n + ([(out, inp)] * n + [(out,)] * n if scaled else []),
-            output_dtypes=[mx.float32] * n + ([wt] * n + [mx.float32] * n if scaled else []))
-    return _by_kind(res, n)
+            output_shapes=[(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else []),
+            output_dtypes=[mx.float32] + ([wt, mx.float32] if scaled else []))
+    return _per_layer(res, n)
 
 
-def _by_kind(outputs: list[mx.array], n: int) -> tuple[list[mx.array], ...]:
-    """A launch's outputs for n layers, kind by kind (norms, then W', then rs), as a list of n each."""
-    return tuple(list(outputs[i * n:(i + 1) * n]) for i in range(len(outputs) // n))
+def _per_layer(outputs: list[mx.array], n: int) -> tuple[list[mx.array], ...]:
+    """A launch's outputs for n layers (norms, then W', then rs; each the layers' rows one after another),
+    as a list of n layers' arrays each: views of the one array (mx.split), no copies."""
+    return tuple(mx.split(x, n) if n > 1 else [x] for x in outputs)
 
 
 # Two passes (_TWO_PASS): the norms by segments of columns, then W' row by row. The one-pass kernel
@@ -616,10 +628,8 @@ _SCALE_ROWS = """
     constexpr int SEGS = (IN + SEG - 1) / SEG;
     const WT* w;
     const float* mm;
-    WT* ws;
-    float* norm;
-    float* rso;
     @SELECT@
+@LAYER_OUTPUTS@
     int lane = threadIdx.x & 31;
     int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (i >= OUT) return;
@@ -636,19 +646,19 @@ _SCALE_ROWS = """
     long long row = (long long)i * IN;
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
 @WRITE_SCALED_ROW@
-""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW).replace("@READ_W@", _READ_W)
+""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW).replace("@READ_W@", _READ_W).replace(
+    "@LAYER_OUTPUTS@", _NORM_OUTPUT + "\n" + _SCALED_OUTPUTS)
 _NORMS_FROM_SUMS = """
     // A thread a row of layer blockIdx.y: its segments' sums added in order (pass 2's), the root taken.
     constexpr int SEGS = (IN + SEG - 1) / SEG;
-    float* norm;
-    @SELECT@
+@LAYER_OUTPUTS@
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= OUT) return;
     const float* ps = part + (long long)blockIdx.y * SEGS * OUT + i;
     float total = 0.0f;
     for (int k = 0; k < SEGS; ++k) total += ps[(long long)k * OUT];
     norm[i] = sqrtf(total);
-"""
+""".replace("@LAYER_OUTPUTS@", _NORM_OUTPUT)
 
 
 def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
@@ -673,20 +683,18 @@ def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.a
                    grid=(-(-out // _SEGMENT_THREADS) * segs * _SEGMENT_THREADS, n, 1),
                    threadgroup=(_SEGMENT_THREADS, 1, 1), output_shapes=[(n, segs, out)], output_dtypes=[mx.float32])
     if magnitudes is None:
-        k = _kernel(f"meshtune_dora_norms_from_sums_{n}", ["part"], [f"norm{i}" for i in range(n)],
-                    _NORMS_FROM_SUMS.replace("@SELECT@", _select(n, "norm = norm{i};")))
+        k = _kernel(f"meshtune_dora_norms_from_sums_{n}", ["part"], ["norms"], _NORMS_FROM_SUMS)
         res = k(inputs=[part], template=common, grid=(-(-out // 256) * 256, n, 1), threadgroup=(256, 1, 1),
-                output_shapes=[(out,)] * n, output_dtypes=[mx.float32] * n)
-        return _by_kind(res, n)
+                output_shapes=[(n * out,)], output_dtypes=[mx.float32])
+        return _per_layer(res, n)
     names = [f"{p}{i}" for p in ("w", "m") for i in range(n)] + ["part"]
-    k = _kernel(f"meshtune_dora_scale_rows_{n}", names, [f"{p}{i}" for p in ("norm", "ws", "rs") for i in range(n)],
-                _SCALE_ROWS.replace("@SELECT@", _select(n, "w = w{i}; mm = m{i}; ws = ws{i}; norm = norm{i}; rso = rs{i};")))
+    k = _kernel(f"meshtune_dora_scale_rows_{n}", names, ["norms", "wss", "rss"],
+                _SCALE_ROWS.replace("@SELECT@", _select(n, "w = w{i}; mm = m{i};")))
     res = k(inputs=[*weights, *(m.astype(mx.float32) for m in magnitudes), part],
             template=[*common, ("WARPS", _WARPS), ("EB", _SCALED_LOADS)],
             grid=(-(-out // _WARPS) * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(out,)] * n + [(out, inp)] * n + [(out,)] * n,
-            output_dtypes=[mx.float32] * n + [wt] * n + [mx.float32] * n)
-    return _by_kind(res, n)
+            output_shapes=[(n * out,), (n * out, inp), (n * out,)], output_dtypes=[mx.float32, wt, mx.float32])
+    return _per_layer(res, n)
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
