@@ -273,7 +273,7 @@ def _mlx_cotangent(side):
 
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS = K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS
-ORIGINAL_TWO_PASS = K._TWO_PASS
+ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS = K._TWO_PASS, K._WRITE_FACTORS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -296,7 +296,7 @@ def _reset():
     step_norms.lookup_scaled, step_norms._covered = ORIGINAL_LOOKUP_SCALED, ORIGINAL_COVERED
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
-    K._TWO_PASS = ORIGINAL_TWO_PASS
+    K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
 
 
 VARIANTS = {
@@ -327,6 +327,7 @@ VARIANTS = {
     "A staged a float at a time": _with(_kernels(True), prepare=_setting(K, _STAGE_QUADS=False)),
     "tiles of 256 rows of A": _with(_kernels(True), prepare=_setting(K, _TILE_FLOATS=2048)),
     "two passes": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=True)),
+    "factors from the norm kernel": _with(_kernels(True), prepare=_setting(K, _WRITE_FACTORS=True)),
     "one pass": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=False)),
     **{f"two passes and W' {n} loads in flight": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=True, _SCALED_LOADS=n))
        for n in (4, 8)},

@@ -180,6 +180,12 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
         tol = 1e-2 if dtype == mx.bfloat16 else 1e-6
         assert sw.dtype == dtype and mx.allclose(sw, want_sw, rtol=tol, atol=tol * 1e-3).item()
     assert mx.array_equal(kernels.magnitude_grad_cuda(g, y, m, w_sq), got[5]).item()
+    # With the layers' factors (kernels._WRITE_FACTORS): the same outputs, and A and B' = B rs as the layers cast them.
+    with_factors = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b], [S, S], [m, m * 2], factors=True)
+    for mine, theirs in zip(with_factors[:3], (norms2, scaled, row_scales)):
+        assert all(mx.array_equal(x, v).item() for x, v in zip(mine, theirs))
+    for a_cast, b_scaled, rs2 in zip(*with_factors[3:], row_scales):
+        assert mx.array_equal(a_cast, a.astype(dtype)).item() and mx.array_equal(b_scaled, (b * rs2).astype(dtype)).item()
 
 
 def test_row_norm_matches_dense_norm():

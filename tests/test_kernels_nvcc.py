@@ -61,6 +61,7 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
                 monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
                 monkeypatch.setattr(kernels, "_TILE_FLOATS", tile)
                 kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
+            kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True)  # with A and B' (_WRITE_FACTORS)
             monkeypatch.setattr(kernels, "_TWO_PASS", True)  # the two passes: segment sums, then W' or the norms
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
             kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)

@@ -431,6 +431,28 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
 
 
+@pytest.mark.parametrize("inp, out, r, dtype", [(64, 40, 4, mx.bfloat16), (24, 19, 3, mx.float32),
+                                                (40, 70, 40, mx.bfloat16)])  # rank 40: B' a lane past 32
+def test_row_norm_kernel_writing_factors(simulated, inp, out, r, dtype):
+    """row_norms_and_scaled_cuda(factors=True) (kernels._WRITE_FACTORS): the same norms, W' and rs as without,
+    and each layer's A and B' = B rs in W's dtype as the layers would cast them, to the bit, two layers a launch."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(inp + r), 8)
+    ws = [(mx.random.normal((out, inp), key=k[i]) * 0.2).astype(dtype) for i in (0, 1)]
+    a = [mx.random.normal((inp, r), key=k[i]) * 0.1 for i in (2, 3)]
+    b = [mx.random.normal((r, out), key=k[i]) * 0.1 for i in (4, 5)]
+    ms = [mx.random.uniform(0.5, 2, (out,), key=k[i]) for i in (6, 7)]
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, factors=True)
+    _assert_same_bits(got[:3], want, "norms, W' and rs")
+    for a_cast, b_scaled, a_l, b_l, rs in zip(*got[3:], a, b, want[2]):
+        assert a_cast.dtype == dtype and b_scaled.dtype == dtype
+        assert mx.array_equal(a_cast, a_l.astype(dtype)).item()
+        assert mx.array_equal(b_scaled, (b_l * rs).astype(dtype)).item()
+    assert simulated["meshtune_dora_row_norm_scaled_factors_2"].calls == 1
+
+
 def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
     """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs (chunks of rows added in order)."""
     from meshtune.adapters import kernels
@@ -734,6 +756,34 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     assert losses == pytest.approx(base_losses, rel=1e-5)
     for key, value in base.items():
         assert mx.allclose(folded[key], value, rtol=1e-5, atol=1e-6).item(), key
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model_factory, monkeypatch, quantized):
+    """kernels._WRITE_FACTORS: the folded step's norm launches write every DoRA layer's A and B' = B rs, and
+    the layers use them in place of their own casts; two steps give the same losses and parameters, to the bit."""
+    from meshtune.adapters import adapted_linear as AL, base_path, dora, kernels
+
+    monkeypatch.setattr(base_path, "_mode", "dequantized")
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
+    monkeypatch.setattr(kernels, "_WRITE_FACTORS", False)
+    want_losses, want = _two_dora_sgd_steps(model_factory, quantized=quantized)
+    assert "meshtune_dora_row_norm_scaled_factors_2" not in simulated
+    monkeypatch.setattr(kernels, "_WRITE_FACTORS", True)
+    seen = []
+    original = AL.adapted_linear
+
+    def recording(*args, factors=None, **kw):
+        seen.append(factors is not None)
+        return original(*args, factors=factors, **kw)
+
+    monkeypatch.setattr(dora, "adapted_linear", recording)
+    losses, got = _two_dora_sgd_steps(model_factory, quantized=quantized)
+    assert simulated["meshtune_dora_row_norm_scaled_factors_2"].calls >= 1
+    assert seen and all(seen)  # every DoRA layer call was handed its factors
+    assert losses == want_losses
+    for key, value in want.items():
+        assert mx.array_equal(got[key], value).item(), key
 
 
 def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monkeypatch):

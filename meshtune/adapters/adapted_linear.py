@@ -75,7 +75,7 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
                    w_sq: mx.array | None = None, norm: mx.array | None = None,
-                   row_scale: mx.array | None = None) -> mx.array:
+                   row_scale: mx.array | None = None, factors: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
     `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
@@ -89,6 +89,9 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     product is then LoRA's on W' and B' = B rs (no row-scale multiply, no g * rs pass; B's gradient
     takes rs in the multiply its scale already has) and m's gradient, sum_t g y / (rs * norm), is
     the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA).
+
+    `factors` (with `row_scale`): (A, B' = B rs) already in x's dtype (the step's norm launches wrote them:
+    kernels.writes_factors()), used in place of casting A and scaling B here; ignored in another dtype.
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
@@ -105,12 +108,18 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
-    def factors(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
+    given_factors = None
+    if folded and factors is not None and all(f.dtype == dt for f in factors):
+        given_factors = tuple(mx.stop_gradient(f) for f in factors)
+
+    def cast_factors(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
         """A and B in x's dtype, B' = B rs where the row scale is folded."""
+        if given_factors is not None:
+            return given_factors
         return a.astype(dt), (b if rs_folded is None else b * rs_folded).astype(dt)
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
-        ac, bc = factors(a, b)
+        ac, bc = cast_factors(a, b)
         if not dora or folded:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
             return [x2 @ weight.T + (scale * ((xl @ ac) @ bc)).astype(dt)]
@@ -139,7 +148,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
 
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
-        ac, bc = factors(a, b)
+        ac, bc = cast_factors(a, b)
         if not dora:
             gz, dm = g, None
         elif folded:  # rs rides in W' and B': g itself, and m's gradient from the output kept

@@ -25,10 +25,12 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
 - Folded (FOLD_ROW_SCALE, on by default): `row_norms_and_scaled_cuda` also writes W' = rs W after
   each row's norm (the row read again from the L2 cache); the layers run LoRA's product on W'
   and B' = B rs (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
-  from g and y alone (the cotangent kernel without its g * rs write). The kernel once also
-  wrote A and B' in W's dtype, sparing the layers' casts; on an H200 that made it slower (two
-  more outputs a layer: 3.4 ms to build its 7 launches instead of 1.6, 6.1 ms to run instead
-  of 4.6), so the layers cast their own (docs/bench/dora_kernel_casts_h200.txt).
+  from g and y alone (the cotangent kernel without its g * rs write). A launch's outputs are one
+  array a kind for all its layers, split into views (not an output a layer: ~100 outputs each
+  carrying ~130 inputs cost the host ~4x as much; docs/bench/dora_stacked_h200.txt). Writing A and
+  B' in W's dtype too, sparing the layers' casts, is a knob (_WRITE_FACTORS, off): with an output a
+  layer it made the launches slower on an H200 (docs/bench/dora_kernel_casts_h200.txt); not yet
+  timed stacked.
 - Two passes (_TWO_PASS, off): the norms by segments of columns, a thread a row, then W' a
   warp a row; as fast as the one pass on an H200 (docs/bench/dora_two_pass_h200.txt).
 
@@ -430,7 +432,7 @@ _SCALED_EPILOGUE = """
             if (i >= OUT) continue;
             float rs = static_cast<float>(static_cast<WT>(mm[i] / sqrtf(sq[g][q])));
             if (lane == q) rso[i] = rs;
-            long long row = (long long)i * IN;
+@WRITE_B@            long long row = (long long)i * IN;
 @WRITE_SCALED_ROW@
         }
 """.replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW, " " * 12))
@@ -449,18 +451,39 @@ def _select(layers: int, assign: str) -> str:
 # (scripts/probes/kernel_dispatch.py; docs/bench/dora_stacked_h200.txt). On the CPU a stand-in with the same
 # inputs and outputs, compiled, took 0.9 and 0.9 ms against 0.2 and 0.5 (scripts/probes/stacked_outputs.py).
 _NORM_OUTPUT = "    float* norm = norms + (long long)blockIdx.y * OUT;"
+# _WRITE_FACTORS: the layers' A and B' = B rs in W's dtype, written by the folded kernel beside W' (one array
+# each for a launch's layers), in place of every layer's two casts (224 graph nodes a step for the 1B model:
+# adapted_linear's `factors`). Written with an output a layer (18badf4) they made the launches dearer, 3.37 vs
+# 1.60 ms to build and 6.09 vs 4.64 to run on an H200 (docs/bench/dora_kernel_casts_h200.txt): the per-output
+# cost the stacked outputs removed. Not yet timed since, so off (probe_dora_step: "factors from the norm kernel").
+_WRITE_FACTORS = False
+_FACTOR_OUTPUTS = ("    WT* aso = ass + (long long)blockIdx.y * IN * R;\n"
+                   "    WT* bso = bss + (long long)blockIdx.y * R * OUT;")
+# B' = B rs for row i (B is (R, OUT): column i), by the warp's lanes; then the layer's A in W's dtype, the
+# layer's blocks striding over it.
+_WRITE_B = """            for (int k = lane; k < R; k += 32)
+                bso[(long long)k * OUT + i] = static_cast<WT>(b[(long long)k * OUT + i] * rs);
+"""
+_WRITE_A = """
+    for (long long e = (long long)blockIdx.x * NT + tid; e < (long long)IN * R; e += (long long)gridDim.x * NT)
+        aso[e] = static_cast<WT>(a[e]);
+"""
 _SCALED_OUTPUTS = ("    WT* ws = wss + (long long)blockIdx.y * OUT * IN;\n"
                    "    float* rso = rss + (long long)blockIdx.y * OUT;")
 
 
-def _row_norm_source(layers: int, scaled: bool = False) -> str:
+def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False) -> str:
     """The row-norm kernel with its @SELECT@ pointing w, a and b (and with `scaled`, m) at layer
-    blockIdx.y's arrays, and the norms (and W' and rs) at its rows of the launch's outputs."""
+    blockIdx.y's arrays, and the norms (and W' and rs; with `factors`, A and B' too) at its rows of the
+    launch's outputs."""
     extra = " mm = m{i};" if scaled else ""
     source = _ROW_NORM.replace("@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
-    source = source.replace("@LAYER_OUTPUTS@", _NORM_OUTPUT + ("\n" + _SCALED_OUTPUTS if scaled else ""))
+    outputs = [_NORM_OUTPUT] + ([_SCALED_OUTPUTS] if scaled else []) + ([_FACTOR_OUTPUTS] if factors else [])
+    source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs))
     if scaled:
-        source = source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1) + _SCALED_EPILOGUE
+        epilogue = _SCALED_EPILOGUE.replace("@WRITE_B@", _WRITE_B if factors else "")
+        source = (source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1) + epilogue
+                  + (_WRITE_A if factors else ""))
     return source
 
 
@@ -475,20 +498,29 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-                              magnitudes: list[mx.array]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+                              magnitudes: list[mx.array], factors: bool = False) -> tuple[list[mx.array], ...]:
     """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
-    rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale)."""
-    return _row_norms(weights, a, b, scales, magnitudes)
+    rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale).
+    With `factors` (one pass only: writes_factors()), also A and B' = B rs in W's dtype (adapted_linear's factors)."""
+    if factors and _TWO_PASS:
+        raise ValueError("row_norms_and_scaled_cuda: the two-pass kernels do not write A and B'")
+    return _row_norms(weights, a, b, scales, magnitudes, factors)
+
+
+def writes_factors() -> bool:
+    """Whether a training step's folded norm launches write the layers' A and B' too (_WRITE_FACTORS)."""
+    return _WRITE_FACTORS and not _TWO_PASS
 
 
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-               magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
-    """(norms,) or, with magnitudes, (norms, W', rs): a list each, a layer's entry at its index."""
+               magnitudes: list[mx.array] | None, factors: bool = False) -> tuple[list[mx.array], ...]:
+    """(norms,) or, with magnitudes, (norms, W', rs), and with factors (norms, W', rs, A, B'): a list each,
+    a layer's entry at its index."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
 
         def part(sl):
-            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl])
+            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], factors)
         return tuple(x + y for x, y in zip(part(slice(None, cut)), part(slice(cut, None))))
     n = len(weights)
     out, inp = weights[0].shape
@@ -500,11 +532,13 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     if _TWO_PASS:
         return _row_norms_two_pass(weights, a, b, scales, magnitudes)
     scaled = magnitudes is not None
+    factors = factors and scaled
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
-    outputs = ["norms"] + (["wss", "rss"] if scaled else [])
+    outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
-    k = _kernel(f"meshtune_dora_row_norm{'_scaled' if scaled else ''}_{n}", names, outputs, _row_norm_source(n, scaled))
+    kind = "_scaled_factors" if factors else "_scaled" if scaled else ""
+    k = _kernel(f"meshtune_dora_row_norm{kind}_{n}", names, outputs, _row_norm_source(n, scaled, factors))
     rows, vec, tile = _row_scale_layout(r, inp, wt.size)
     blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
     res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
@@ -513,8 +547,9 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
                       ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
                       ("WT", wt)],
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else []),
-            output_dtypes=[mx.float32] + ([wt, mx.float32] if scaled else []))
+            output_shapes=[(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
+            + ([(n * inp, r), (n * r, out)] if factors else []),
+            output_dtypes=[mx.float32] + ([wt, mx.float32] if scaled else []) + ([wt, wt] if factors else []))
     return _per_layer(res, n)
 
 

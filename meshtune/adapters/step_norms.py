@@ -33,7 +33,8 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized
 
-_active: dict[int, tuple] = {}  # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None)
+# id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None)
+_active: dict[int, tuple] = {}
 
 
 def _recomputed(module: nn.Module) -> bool:
@@ -73,14 +74,20 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         layers = [layer for layer, _ in members]
         args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
+        factors = [None] * len(layers)
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
-            norms, w_scaled, rs = kernels.row_norms_and_scaled_cuda(*args, [mx.stop_gradient(layer.m) for layer in layers])
+            magnitudes = [mx.stop_gradient(layer.m) for layer in layers]
+            if kernels.writes_factors():
+                norms, w_scaled, rs, a_cast, b_scaled = kernels.row_norms_and_scaled_cuda(*args, magnitudes, factors=True)
+                factors = list(zip(a_cast, b_scaled))
+            else:
+                norms, w_scaled, rs = kernels.row_norms_and_scaled_cuda(*args, magnitudes)
             folded = list(zip(w_scaled, rs))
         else:
             norms, folded = kernels.row_norms_cuda(*args), [None] * len(layers)
-        for (layer, dense), norm, fold_of in zip(members, norms, folded):
+        for (layer, dense), norm, fold_of, factors_of in zip(members, norms, folded, factors):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
-            taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of)
+            taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of, factors_of)
     _active.update(taken)
     try:
         yield
@@ -130,3 +137,9 @@ def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | 
     """(W' = rs W, rs float32) the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
     hit = _active.get(id(layer))
     return hit[3] if hit is not None and hit[0] == tokens else None
+
+
+def lookup_factors(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
+    """(A, B' = B rs) in W's dtype the current step wrote beside W' for `layer` (kernels.writes_factors()), or None."""
+    hit = _active.get(id(layer))
+    return hit[4] if hit is not None and hit[0] == tokens else None

@@ -8,7 +8,7 @@ calling thread) and the wait are timed apart. Prints microseconds a call, median
 
     python scripts/probes/kernel_dispatch.py [--calls 112] [--reps 7]
 
-Then the 1b step's 112 layers' norms (and W') in their 4 launches, milliseconds a rep.
+Then the 1b step's 112 layers' norms (and W', and A and B') in their 4 launches, milliseconds a rep.
 """
 import argparse
 import statistics
@@ -86,6 +86,8 @@ whole = {
     "norms, 4 launches": lambda: [x for w, a_, b_, s, m_ in groups.values() for x in K.row_norms_cuda(w, a_, b_, s)],
     "norms and W', 4 launches": lambda: [x for w, a_, b_, s, m_ in groups.values()
                                          for part in K.row_norms_and_scaled_cuda(w, a_, b_, s, m_) for x in part],
+    "norms, W', A and B', 4 launches": lambda: [x for w, a_, b_, s, m_ in groups.values() for part in
+                                                K.row_norms_and_scaled_cuda(w, a_, b_, s, m_, factors=True) for x in part],
 }
 print(f"the 1b step's 112 layers' norms a rep; milliseconds a rep, median of {args.reps - 1}")
 for name, piece in whole.items():
