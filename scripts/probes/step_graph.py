@@ -9,6 +9,8 @@ time (the compiled call, nothing evaluated, --calls calls a rep, median of --rep
 (mx.export_to_dot) and, with --diff, the node kinds whose counts differ.
 
     python scripts/probes/step_graph.py [--layers 16] [--kinds lora,dora] [--diff]
+
+A kind "dora-factors" is DoRA with the norm launches writing the layers' A and B' (kernels._WRITE_FACTORS).
 """
 import argparse
 import collections
@@ -56,7 +58,8 @@ def main():
     print(f"{a.layers} blocks, CUDA path stubbed on {mx.default_device()}; build ms a call (median of {a.reps} reps "
           f"of {a.calls} calls)")
     for kind in a.kinds.split(","):
-        step, state, tokens, lengths = meshtune_step(kind, Batch, shape, mx.float32)
+        K._WRITE_FACTORS = kind.endswith("-factors")
+        step, state, tokens, lengths = meshtune_step(kind.removesuffix("-factors"), Batch, shape, mx.float32)
         for _ in range(3):  # traced, then the optimizer's state made: traced again
             ce, n, _, _ = step(tokens, lengths, None, None, True)
             mx.eval(state, ce, n)
