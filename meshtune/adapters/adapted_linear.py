@@ -108,9 +108,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
-    given_factors = None
-    if folded and factors is not None and all(f.dtype == dt for f in factors):
-        given_factors = tuple(mx.stop_gradient(f) for f in factors)
+    given_factors = factors if folded and factors is not None and all(f.dtype == dt for f in factors) else None
 
     def cast_factors(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
         """A and B in x's dtype, B' = B rs where the row scale is folded."""

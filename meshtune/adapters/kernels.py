@@ -89,8 +89,8 @@ _READ_W = """    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(
 _ROW_NORM = """
     // Block: G groups of WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the
     // launch takes L layers of one shape, a switch (written by row_norms_cuda) points w, a and b at
-    // that layer's arrays, and its norms are rows blockIdx.y * OUT on of the launch's one array. The norm is taken row by row without
-    // storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
+    // that layer's arrays, and its norms are rows blockIdx.y * OUT onward of the launch's one array.
+    // The norm is taken row by row without storing the adapted row: element j is d_j = w_ij + s sum_k A_jk B_ki, and the lanes
     // sum d_j^2 over the columns they take (no Gram, no w_sq, no cancellation between the
     // identity's terms). Tiles of TJ rows of A pass through shared memory transposed, padded
     // (sa[k * SA + j], SA = TJ + 4: staging writes hit distinct banks); a lane takes VEC
@@ -532,7 +532,6 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     if _TWO_PASS:
         return _row_norms_two_pass(weights, a, b, scales, magnitudes)
     scaled = magnitudes is not None
-    factors = factors and scaled
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
     outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are

@@ -74,17 +74,14 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         layers = [layer for layer, _ in members]
         args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
-        factors = [None] * len(layers)
+        folded = factors = [None] * len(layers)
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
-            magnitudes = [mx.stop_gradient(layer.m) for layer in layers]
-            if kernels.writes_factors():
-                norms, w_scaled, rs, a_cast, b_scaled = kernels.row_norms_and_scaled_cuda(*args, magnitudes, factors=True)
-                factors = list(zip(a_cast, b_scaled))
-            else:
-                norms, w_scaled, rs = kernels.row_norms_and_scaled_cuda(*args, magnitudes)
+            norms, w_scaled, rs, *cast = kernels.row_norms_and_scaled_cuda(
+                *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors())
             folded = list(zip(w_scaled, rs))
+            factors = list(zip(*cast)) or factors  # (A, B') where the launches wrote them
         else:
-            norms, folded = kernels.row_norms_cuda(*args), [None] * len(layers)
+            norms = kernels.row_norms_cuda(*args)
         for (layer, dense), norm, fold_of, factors_of in zip(members, norms, folded, factors):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
             taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of, factors_of)
@@ -129,17 +126,23 @@ def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | 
 
     The weight is None where the layer is to dequantize its own (blocks recomputed in the backward).
     """
-    hit = _active.get(id(layer))
-    return hit[1:3] if hit is not None and hit[0] == tokens else None
+    hit = _taken(layer, tokens)
+    return hit and hit[1:3]
 
 
 def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
     """(W' = rs W, rs float32) the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
-    hit = _active.get(id(layer))
-    return hit[3] if hit is not None and hit[0] == tokens else None
+    hit = _taken(layer, tokens)
+    return hit and hit[3]
 
 
 def lookup_factors(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
     """(A, B' = B rs) in W's dtype the current step wrote beside W' for `layer` (kernels.writes_factors()), or None."""
+    hit = _taken(layer, tokens)
+    return hit and hit[4]
+
+
+def _taken(layer: nn.Module, tokens: int) -> tuple | None:
+    """What the current step took for `layer` (see _active) where it was for `tokens` rows, else None."""
     hit = _active.get(id(layer))
-    return hit[4] if hit is not None and hit[0] == tokens else None
+    return hit if hit is not None and hit[0] == tokens else None
