@@ -69,11 +69,11 @@ case $what in
     # One GPU, ~5 min: the overlapped step is the host's on an H200 (probe_dora_step --host: the wait for the step
     # before is ~0), so DoRA's extra is host time. What a custom kernel costs to dispatch, alone and as the step's 4
     # norm launches; then the step split into build, dispatch and wait for DoRA with its norms held (no launches) and
-    # with the norm launches writing the layers' A and B' too (kernels._WRITE_FACTORS), beside the current code and LoRA.
+    # with the layers casting A and B' themselves (kernels._WRITE_FACTORS off), beside the current code and LoRA.
     timeout 150 python3 scripts/probes/kernel_dispatch.py 2>&1 | tee "$out/kernel_dispatch.txt"
     held="bound: folded with W' held (no norm launches)"  # (one quote: not inside the \${...:-...} below)
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 30 --rounds 3 --host \
-      --only "${PROBE_VARIANTS:-current,factors from the norm kernel,$held}" \
+      --only "${PROBE_VARIANTS:-current,factors cast by the layers,$held}" \
       2>&1 | grep -v '^check' | tee "$out/probe_host.txt" ;;
   graphs)
     # One GPU, ~6 min: is DoRA's extra host time MLX's CUDA-graph machinery (a graph committed every 20 ops by

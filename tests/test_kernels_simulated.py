@@ -394,16 +394,19 @@ def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch
             return nn.value_and_grad(model, lambda m: nn.losses.cross_entropy(m(tok[:, :-1]), tok[:, 1:]).mean())(model)
 
     want_l, want_g = value_and_grad()
-    launches = simulated["meshtune_dora_row_norm_scaled_1"].calls
+    step_kernel = _step_norm_kernel(fold=True, layers=1)
+    launches = _calls(simulated, step_kernel)
+    held_kernel = "meshtune_dora_row_norm_scaled_1"  # the preparation's, without A and B'
+    before = _calls(simulated, held_kernel)
     variant = P.VARIANTS[variant]
     try:
         variant.prepare(model)
-        held = simulated["meshtune_dora_row_norm_scaled_1"].calls
-        assert held == launches + 7  # one a layer (q, k, v, o, gate, up, down), before the step
+        assert _calls(simulated, held_kernel) == before + 7  # one a layer (q, k, v, o, gate, up, down)
         D.DoRALinear.__call__ = variant
         got_l, got_g = value_and_grad()
         # the down projection's launch (the only layer of its shape) in the step, or none
-        assert simulated["meshtune_dora_row_norm_scaled_1"].calls == held + launches_in_step
+        held = 7 if held_kernel == step_kernel else 0
+        assert _calls(simulated, step_kernel) == launches + held + launches_in_step
     finally:
         P._reset()
     assert mx.allclose(got_l, want_l, rtol=1e-6).item()
@@ -549,6 +552,20 @@ def test_gradient_buckets_packed_by_the_kernel(simulated):
     assert [k.calls for name, k in simulated.items() if name.startswith("meshtune_pack_3_")] == [1]
 
 
+def _step_norm_kernel(fold: bool, layers: int) -> str:
+    """The name of the norm kernel a training step launches for `layers` layers of one shape: folded, with the
+    layers' A and B' where kernels.writes_factors() (the default)."""
+    from meshtune.adapters import kernels
+
+    kind = ("_scaled_factors" if kernels.writes_factors() else "_scaled") if fold else ""
+    return f"meshtune_dora_row_norm{kind}_{layers}"
+
+
+def _calls(simulated, kernel: str) -> int:
+    """How often the simulated `kernel` ran (0 if never)."""
+    return simulated[kernel].calls if kernel in simulated else 0
+
+
 def _dora_layers(quantize: bool):
     """DoRA layers of three shapes (two share one), one on a 4-bit base, with nonzero B."""
     import mlx.nn as nn
@@ -592,7 +609,6 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
     from meshtune.adapters.step_norms import lookup, step_row_norms
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
-    step_kernel = "meshtune_dora_row_norm_scaled" if fold else "meshtune_dora_row_norm"
 
     base_path.set_base_path("dequantized")  # the 4-bit base takes the dense path, as at training sizes
     try:
@@ -608,9 +624,9 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
             got_v, got = loss_and_grad(x)
             mx.eval(got_v, got)
         assert lookup(model.layers[0], 10) is None  # nothing left behind
-        assert simulated[f"{step_kernel}_2"].calls == 1  # the two 16-row layers together
+        assert simulated[_step_norm_kernel(fold, layers=2)].calls == 1  # the two 16-row layers together
         # The 24-row layer and the 4-bit 32-row one (dequantized, then the same kernel as a dense base).
-        assert simulated[f"{step_kernel}_1"].calls == (0 if fold else 4) + 2
+        assert simulated[_step_norm_kernel(fold, layers=1)].calls == (0 if fold else 4) + 2
         if fold:
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
     finally:
@@ -680,8 +696,7 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     ce, n, _, _ = step(tokens, lengths, None, None, True)
     mx.eval(ce, n, model.parameters())
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
-    step_kernel = "meshtune_dora_row_norm_scaled_2" if fold else "meshtune_dora_row_norm_2"
-    assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {step_kernel: 2}
+    assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {_step_norm_kernel(fold, layers=2): 2}
     assert simulated["meshtune_dora_column_sums" if fold else "meshtune_dora_cotangent"].calls == 4
     assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
 
@@ -746,9 +761,9 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
         return _two_dora_sgd_steps(model_factory, quantized=quantized, built=built)
 
     base_losses, base = trained(False)
-    assert "meshtune_dora_row_norm_scaled_2" not in simulated
+    assert _step_norm_kernel(fold=True, layers=2) not in simulated
     losses, folded = trained(True)
-    assert simulated["meshtune_dora_row_norm_scaled_2"].calls >= 1 and simulated["meshtune_dora_column_sums"].calls == 8
+    assert _calls(simulated, _step_norm_kernel(fold=True, layers=2)) >= 1 and simulated["meshtune_dora_column_sums"].calls == 8
     # A 4-bit DoRA base is dequantized once a step (by step_norms) and folded by the dense kernel: the layer
     # runs on W', not on a dequantized copy of its own.
     want = {i: 2 for i in dora_bases} if quantized else {}

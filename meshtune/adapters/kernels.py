@@ -27,10 +27,10 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   and B' = B rs (adapted_linear's `folded`), and `magnitude_grad_cuda` takes m's gradient
   from g and y alone (the cotangent kernel without its g * rs write). A launch's outputs are one
   array a kind for all its layers, split into views (not an output a layer: ~100 outputs each
-  carrying ~130 inputs cost the host ~4x as much; docs/bench/dora_stacked_h200.txt). Writing A and
-  B' in W's dtype too, sparing the layers' casts, is a knob (_WRITE_FACTORS, off): with an output a
-  layer it made the launches slower on an H200 (docs/bench/dora_kernel_casts_h200.txt); not yet
-  timed stacked.
+  carrying ~130 inputs cost the host ~4x as much; docs/bench/dora_stacked_h200.txt). The launches
+  write A and B' in W's dtype too (_WRITE_FACTORS, on), sparing the layers' 224 casts: +0.3 ms of
+  host time for the launches against ~0.9 ms for the casts; the 1B step's change was inside the
+  drift between rounds on an H200 (docs/bench/dora_factors_h200.txt).
 - Two passes (_TWO_PASS, off): the norms by segments of columns, a thread a row, then W' a
   warp a row; as fast as the one pass on an H200 (docs/bench/dora_two_pass_h200.txt).
 
@@ -455,8 +455,10 @@ _NORM_OUTPUT = "    float* norm = norms + (long long)blockIdx.y * OUT;"
 # each for a launch's layers), in place of every layer's two casts (224 graph nodes a step for the 1B model:
 # adapted_linear's `factors`). Written with an output a layer (18badf4) they made the launches dearer, 3.37 vs
 # 1.60 ms to build and 6.09 vs 4.64 to run on an H200 (docs/bench/dora_kernel_casts_h200.txt): the per-output
-# cost the stacked outputs removed. Not yet timed since, so off (probe_dora_step: "factors from the norm kernel").
-_WRITE_FACTORS = False
+# cost the stacked outputs removed. Stacked, the launches' host time grows by ~0.3 ms a step and the casts' ~0.9 ms
+# goes; the 1B step on an H200 moved inside its drift (1.216x -> 1.119x LoRA's in one invocation, 1.165x -> 1.182x
+# in the next; docs/bench/dora_factors_h200.txt). On, for the host arithmetic.
+_WRITE_FACTORS = True
 _FACTOR_OUTPUTS = ("    WT* aso = ass + (long long)blockIdx.y * IN * R;\n"
                    "    WT* bso = bss + (long long)blockIdx.y * R * OUT;")
 # B' = B rs for row i (B is (R, OUT): column i), by the warp's lanes; then the layer's A in W's dtype, the
