@@ -327,7 +327,6 @@ VARIANTS = {
     "A staged a float at a time": _with(_kernels(True), prepare=_setting(K, _STAGE_QUADS=False)),
     "tiles of 256 rows of A": _with(_kernels(True), prepare=_setting(K, _TILE_FLOATS=2048)),
     "two passes": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=True)),
-    "factors from the norm kernel": _with(_kernels(True), prepare=_setting(K, _WRITE_FACTORS=True)),
     "factors cast by the layers": _with(_kernels(True), prepare=_setting(K, _WRITE_FACTORS=False)),
     "one pass": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=False)),
     **{f"two passes and W' {n} loads in flight": _with(_kernels(True), prepare=_setting(K, _TWO_PASS=True, _SCALED_LOADS=n))

@@ -557,8 +557,7 @@ def _step_norm_kernel(fold: bool, layers: int) -> str:
     layers' A and B' where kernels.writes_factors() (the default)."""
     from meshtune.adapters import kernels
 
-    kind = ("_scaled_factors" if kernels.writes_factors() else "_scaled") if fold else ""
-    return f"meshtune_dora_row_norm{kind}_{layers}"
+    return kernels.row_norm_kernel_name(layers, scaled=fold, factors=fold and kernels.writes_factors())
 
 
 def _calls(simulated, kernel: str) -> int:
@@ -763,7 +762,8 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     base_losses, base = trained(False)
     assert _step_norm_kernel(fold=True, layers=2) not in simulated
     losses, folded = trained(True)
-    assert _calls(simulated, _step_norm_kernel(fold=True, layers=2)) >= 1 and simulated["meshtune_dora_column_sums"].calls == 8
+    assert _calls(simulated, _step_norm_kernel(fold=True, layers=2)) >= 1
+    assert simulated["meshtune_dora_column_sums"].calls == 8
     # A 4-bit DoRA base is dequantized once a step (by step_norms) and folded by the dense kernel: the layer
     # runs on W', not on a dequantized copy of its own.
     want = {i: 2 for i in dora_bases} if quantized else {}

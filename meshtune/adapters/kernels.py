@@ -509,6 +509,13 @@ def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: lis
     return _row_norms(weights, a, b, scales, magnitudes, factors)
 
 
+def row_norm_kernel_name(layers: int, scaled: bool, factors: bool) -> str:
+    """The row-norm kernel's name for a launch of `layers` layers (with W' and rs where `scaled`, with A and B' too
+    where `factors`): what MLX caches it by, and what the simulated tests count launches by."""
+    kind = "_scaled_factors" if factors else "_scaled" if scaled else ""
+    return f"meshtune_dora_row_norm{kind}_{layers}"
+
+
 def writes_factors() -> bool:
     """Whether a training step's folded norm launches write the layers' A and B' too (_WRITE_FACTORS)."""
     return _WRITE_FACTORS and not _TWO_PASS
@@ -538,8 +545,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
-    kind = "_scaled_factors" if factors else "_scaled" if scaled else ""
-    k = _kernel(f"meshtune_dora_row_norm{kind}_{n}", names, outputs, _row_norm_source(n, scaled, factors))
+    k = _kernel(row_norm_kernel_name(n, scaled, factors), names, outputs, _row_norm_source(n, scaled, factors))
     rows, vec, tile = _row_scale_layout(r, inp, wt.size)
     blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
     res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
