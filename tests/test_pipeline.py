@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -217,15 +218,24 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
                 assert mx.allclose(a[k], b[k], rtol=1e-3, atol=1e-4), k
 
 
+# One-process runs by their arguments: the pipelines of one configuration (schedules, stage counts,
+# splits) share theirs, made once a session.
+_ONE_PROCESS: dict[tuple, Path] = {}
+
+
 def _train_both(tmp_path, common, ranks, pp, pipeline_only):
     """`meshtune train` for 4 steps on one process (tmp_path/one) and on a pipeline (tmp_path/two)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cli = [sys.executable, "-m", "meshtune.cli"]
     args = ["train", "--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
             "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "8", *common]
-    one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
+    if tuple(common) not in _ONE_PROCESS:
+        one = subprocess.run([*cli, *args, "--adapter-path", str(tmp_path / "one")], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert one.returncode == 0, one.stderr[-2000:]
+        _ONE_PROCESS[tuple(common)] = tmp_path / "one"
+    else:
+        (tmp_path / "one").symlink_to(_ONE_PROCESS[tuple(common)], target_is_directory=True)
     two = subprocess.run([*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", str(pp),
                           *pipeline_only, "--adapter-path", str(tmp_path / "two")], env=env, capture_output=True,
                          text=True, timeout=300)

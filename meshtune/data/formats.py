@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .dataset import Datasets, TokenizedDataset
+from .token_cache import cached_split
 
 TEXT, COMPLETIONS, CHAT = "text", "completions", "chat"
 
@@ -240,6 +241,21 @@ def load_split(
         raise ValueError(
             f"{path}: file not found; create it with one JSON object per line"
         )
+    # Tokenized once per file, tokenizer and these options; read back after that (token_cache.py).
+    options = repr((mask_prompt, features, max_length))
+    return cached_split(path, tokenizer, options, lambda: _tokenize_split(
+        path, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length))
+
+
+def _tokenize_split(
+    path: Path,
+    tokenizer: Any,
+    *,
+    mask_prompt: bool,
+    features: Features,
+    max_length: Optional[int],
+) -> TokenizedDataset:
+    """load_split's work: every line checked and tokenized."""
     fmt: Optional[str] = None
     arrays: List[np.ndarray] = []
     offsets: List[int] = []

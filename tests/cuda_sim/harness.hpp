@@ -36,28 +36,31 @@ inline float __ldcg(const float* p) { return *p; }
 typedef float T;
 struct alignas(16) float4 { float x, y, z, w; };
 
-// grid and block as mx.fast.cuda_kernel takes them: grid in threads, x and y.
+// grid and block as mx.fast.cuda_kernel takes them: grid in threads, x and y. A block's threads are made
+// once and take the blocks in turn, all of them done with one block before any starts the next (a barrier),
+// so blocks still run one after another; making threads a block spent most of the time in the kernel.
 template <class F>
 void sim_launch(int grid_x, int grid_y, int block_x, F body) {
   blockDim = {(unsigned)block_x, 1, 1};
   gridDim = {(unsigned)((grid_x + block_x - 1) / block_x), (unsigned)grid_y, 1};
-  for (unsigned by = 0; by < gridDim.y; ++by)
-    for (unsigned bx = 0; bx < gridDim.x; ++bx) {
-      std::barrier<> block(block_x);
-      sim_block_barrier = &block;
-      for (int w = 0; w < block_x / 32; ++w) sim_warp_barrier[w] = new std::barrier<>(32);
-      std::vector<std::thread> threads;
-      for (int t = 0; t < block_x; ++t)
-        threads.emplace_back([=] {
-          threadIdx = {(unsigned)t, 0, 0};
+  std::barrier<> block(block_x);
+  sim_block_barrier = &block;
+  for (int w = 0; w < block_x / 32; ++w) sim_warp_barrier[w] = new std::barrier<>(32);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < block_x; ++t)
+    threads.emplace_back([=, &block] {
+      threadIdx = {(unsigned)t, 0, 0};
+      sim_lane = t & 31;
+      sim_warp = t >> 5;
+      for (unsigned by = 0; by < gridDim.y; ++by)
+        for (unsigned bx = 0; bx < gridDim.x; ++bx) {
           blockIdx = {bx, by, 0};
-          sim_lane = t & 31;
-          sim_warp = t >> 5;
           body();
-        });
-      for (auto& th : threads) th.join();
-      for (int w = 0; w < block_x / 32; ++w) delete sim_warp_barrier[w];
-    }
+          block.arrive_and_wait();
+        }
+    });
+  for (auto& th : threads) th.join();
+  for (int w = 0; w < block_x / 32; ++w) delete sim_warp_barrier[w];
 }
 
 template <class V>
