@@ -1,31 +1,69 @@
-// Runs a CUDA kernel body on the CPU: a thread per CUDA thread, blocks one after another,
-// __syncthreads as a barrier of the block's threads, __shfl_xor_sync through a per-warp
-// exchange buffer. `__shared__` arrays become function statics, shared by the block's threads.
-// Enough for meshtune's kernels (tests/test_kernels_simulated.py); float stands in for T.
+// Runs a CUDA kernel body on the CPU: a fiber (ucontext) per CUDA thread, all on one OS thread,
+// blocks one after another, __syncthreads as a barrier of the block's fibers, __shfl_xor_sync through a
+// per-warp exchange buffer and a barrier of the warp's 32. `__shared__` arrays become function statics,
+// shared by the block's fibers. A fiber runs until it reaches a barrier, then the next runnable one does;
+// a barrier's waiters run again once all its fibers have arrived. A fiber starts on its own stack through
+// ucontext; switches are _setjmp/_longjmp, which, unlike swapcontext, make no system call. (An OS thread a CUDA thread spent most
+// of its time switching threads in the kernel.) Enough for meshtune's kernels
+// (tests/test_kernels_simulated.py); float stands in for T.
+#undef _FORTIFY_SOURCE  // its longjmp check rejects a jump to another fiber's stack
+#if defined(__APPLE__)
+#define _XOPEN_SOURCE 700  // macOS declares the ucontext calls only then
+#endif
+#include <setjmp.h>
+#include <ucontext.h>
+
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
+#include <memory>
 #include <vector>
 
 using std::max;
 using std::min;
 struct Dim3 { unsigned x, y, z; };
-thread_local Dim3 threadIdx, blockIdx;
+Dim3 threadIdx, blockIdx;  // the running fiber's, set on each switch
 Dim3 blockDim, gridDim;
-thread_local int sim_lane, sim_warp;
+int sim_lane, sim_warp;
 #define __shared__ static
-std::barrier<>* sim_block_barrier;
-std::barrier<>* sim_warp_barrier[32];
 float sim_exchange[32][32];
-inline void __syncthreads() { sim_block_barrier->arrive_and_wait(); }
+
+struct SimBarrier {
+  int size = 0, arrived = 0;
+  std::vector<int> waiting;
+};
+struct SimFiber {
+  ucontext_t context;
+  jmp_buf resume;
+  std::unique_ptr<char[]> stack;  // not zeroed: a page is touched only if the fiber's stack reaches it
+  Dim3 block;
+  bool started = false, done = false, waiting = false;
+};
+std::vector<SimFiber> sim_fibers;
+SimBarrier sim_block_barrier, sim_warp_barrier[32];
+jmp_buf sim_scheduler;
+int sim_current = -1;
+
+inline void sim_arrive(SimBarrier& b) {
+  SimFiber& me = sim_fibers[sim_current];
+  if (++b.arrived == b.size) {  // the last to arrive releases the others and goes on
+    for (int f : b.waiting) sim_fibers[f].waiting = false;
+    b.waiting.clear();
+    b.arrived = 0;
+    return;
+  }
+  b.waiting.push_back(sim_current);
+  me.block = blockIdx;
+  me.waiting = true;
+  if (!_setjmp(me.resume)) _longjmp(sim_scheduler, 1);
+}
+inline void __syncthreads() { sim_arrive(sim_block_barrier); }
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
   sim_exchange[sim_warp][sim_lane] = v;
-  sim_warp_barrier[sim_warp]->arrive_and_wait();
+  sim_arrive(sim_warp_barrier[sim_warp]);
   float r = sim_exchange[sim_warp][sim_lane ^ offset];
-  sim_warp_barrier[sim_warp]->arrive_and_wait();
+  sim_arrive(sim_warp_barrier[sim_warp]);
   return r;
 }
 inline float fmaxf(float a, float b) { return a > b ? a : b; }
@@ -36,31 +74,64 @@ inline float __ldcg(const float* p) { return *p; }
 typedef float T;
 struct alignas(16) float4 { float x, y, z, w; };
 
-// grid and block as mx.fast.cuda_kernel takes them: grid in threads, x and y. A block's threads are made
-// once and take the blocks in turn, all of them done with one block before any starts the next (a barrier),
-// so blocks still run one after another; making threads a block spent most of the time in the kernel.
+// grid and block as mx.fast.cuda_kernel takes them: grid in threads, x and y. A block's fibers are made
+// once and take the blocks in turn, each block ended by a barrier of them all, so blocks run one after another.
+template <class F>
+struct SimBody {
+  static F* body;
+  static void run() {
+    for (unsigned by = 0; by < gridDim.y; ++by)
+      for (unsigned bx = 0; bx < gridDim.x; ++bx) {
+        blockIdx = {bx, by, 0};
+        (*body)();
+        sim_arrive(sim_block_barrier);
+      }
+    sim_fibers[sim_current].done = true;
+    _longjmp(sim_scheduler, 1);  // never returns: the fiber's stack is left as it is
+  }
+};
+template <class F>
+F* SimBody<F>::body = nullptr;
+
 template <class F>
 void sim_launch(int grid_x, int grid_y, int block_x, F body) {
   blockDim = {(unsigned)block_x, 1, 1};
   gridDim = {(unsigned)((grid_x + block_x - 1) / block_x), (unsigned)grid_y, 1};
-  std::barrier<> block(block_x);
-  sim_block_barrier = &block;
-  for (int w = 0; w < block_x / 32; ++w) sim_warp_barrier[w] = new std::barrier<>(32);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < block_x; ++t)
-    threads.emplace_back([=, &block] {
+  sim_block_barrier.size = block_x;
+  for (int w = 0; w < 32; ++w) sim_warp_barrier[w].size = 32;
+  SimBody<F>::body = &body;
+  sim_fibers = std::vector<SimFiber>(block_x);
+  for (int t = 0; t < block_x; ++t) {
+    SimFiber& f = sim_fibers[t];
+    f.stack.reset(new char[1 << 17]);
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = 1 << 17;
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, SimBody<F>::run, 0);
+  }
+  for (bool left = true; left;) {
+    left = false;
+    bool ran = false;
+    for (int t = 0; t < block_x; ++t) {
+      SimFiber& f = sim_fibers[t];
+      if (f.done) continue;
+      left = true;
+      if (f.waiting) continue;
+      sim_current = t;
       threadIdx = {(unsigned)t, 0, 0};
+      blockIdx = f.block;
       sim_lane = t & 31;
       sim_warp = t >> 5;
-      for (unsigned by = 0; by < gridDim.y; ++by)
-        for (unsigned bx = 0; bx < gridDim.x; ++bx) {
-          blockIdx = {bx, by, 0};
-          body();
-          block.arrive_and_wait();
-        }
-    });
-  for (auto& th : threads) th.join();
-  for (int w = 0; w < block_x / 32; ++w) delete sim_warp_barrier[w];
+      if (!_setjmp(sim_scheduler)) {
+        if (f.started) _longjmp(f.resume, 1);
+        f.started = true;
+        setcontext(&f.context);
+      }
+      ran = true;
+    }
+    if (left && !ran) { fprintf(stderr, "simulated kernel: every thread waits at a barrier (deadlock)\n"); exit(3); }
+  }
 }
 
 template <class V>
