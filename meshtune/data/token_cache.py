@@ -5,8 +5,9 @@ every rank of a run does it for the whole file: for the embedded 2,200-row data 
 was 1.7 s of a 6 s run, for real data minutes a rank. A split tokenized once is saved
 under a key that hashes everything the tokens depend on: the file's bytes, the
 tokenizer (its whole serialised model, chat template, special tokens and settings),
-the format options, max_seq_length, and the transformers and meshtune versions. Any
-change is another key, so a stale entry is never read, only left behind.
+the format options, max_seq_length, the transformers version and meshtune's own
+tokenizing code (formats.py, this file). Any change is another key, so a stale entry is
+never read, only left behind (the folder can be deleted at any time).
 
 Where: $MESHTUNE_CACHE_DIR, else $XDG_CACHE_HOME/meshtune, else ~/.cache/meshtune,
 under tokens/. MESHTUNE_CACHE_DIR=off turns it off. Entries are written whole under a
@@ -17,6 +18,7 @@ written, or an entry that cannot be read, costs the time of tokenizing, nothing 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -71,13 +73,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> Optional[str]:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """A digest of meshtune's tokenizing code: a change to how rows become tokens is a new key."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("formats.py", "token_cache.py"))).hexdigest()
+
+
 def split_key(path: Path, tokenizer: Any, options: str) -> Optional[str]:
     """The cache key of tokenizing `path` with `tokenizer` and `options`, or None (not cached)."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
         return None
     digest = hashlib.sha256(VERSION)
-    for part in (fingerprint.encode(), options.encode()):
+    for part in (_code_digest().encode(), fingerprint.encode(), options.encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
     with open(path, "rb") as fid:
         for block in iter(lambda: fid.read(1 << 20), b""):
