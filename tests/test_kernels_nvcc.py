@@ -77,15 +77,14 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
     # kernel: 79 s -> ~15 s on 2 cores); a unit that fails is compiled kernel by kernel to name the culprit.
     units = max(1, min(os.cpu_count() or 2, 4))
     funcs = sorted(recorded)
-    paths = []
-    for u in range(units):
-        paths.append(tmp_path / f"unit{u}.cu")
-        paths[-1].write_text("\n".join(recorded[f] for f in funcs[u::units]))
+    members = {tmp_path / f"unit{u}.cu": funcs[u::units] for u in range(units)}
+    for path, names in members.items():
+        path.write_text("\n".join(recorded[f] for f in names))
     with ThreadPoolExecutor(max_workers=units) as pool:
-        failed_units = [p for p, done in pool.map(_compile, paths) if done.returncode != 0]
+        failed_units = [p for p, done in pool.map(_compile, members) if done.returncode != 0]
     failed = []
     for unit in failed_units:
-        for func in funcs[int(unit.stem[4:])::units]:
+        for func in members[unit]:
             path = tmp_path / f"{func}.cu"
             path.write_text(recorded[func])
             done = _compile(path)[1]

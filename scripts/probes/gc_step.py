@@ -13,20 +13,17 @@ import time
 
 import mlx.core as mx
 
-from meshtune.bench.adapters import build_step
-from meshtune.bench.models import PRESETS, Shape
+from meshtune.bench import adapters as B
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+ap.add_argument("--preset", default="1b")
 ap.add_argument("--steps", type=int, default=60)
 ap.add_argument("--rounds", type=int, default=6)
 args = ap.parse_args()
-p = PRESETS[args.preset]
-shape = Shape("qwen3", p["layers"], p["hidden"], p["intermediate"], p["heads"], p["kv_heads"], p["vocab"])
-a = argparse.Namespace(seed=0, num_layers=-1, rank=8, scale=20.0, overlap=True, batch_size=p["batch_size"],
-                       seq_len=p["seq_len"])
-dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-steps = {k: build_step("meshtune", k, "bf16", a, shape, dtype) for k in ("lora", "dora")}
+a = B._settings(["--preset", args.preset])  # the bench's settings for the preset: shape, batch, overlap
+shape = B.shape_of(a)
+dtype = mx.float32 if B._on_cpu() else mx.bfloat16
+steps = {k: B.build_step("meshtune", k, "bf16", a, shape, dtype) for k in ("lora", "dora")}
 for s in steps.values():
     for _ in range(3):
         s()
