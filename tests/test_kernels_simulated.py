@@ -74,7 +74,7 @@ class SimulatedKernel:
                     consts.append(f"typedef float {name};")
             else:
                 consts.append(f"constexpr int {name} = {int(value)};")
-        ctypes = [{mx.int64: "long long", mx.uint32: "unsigned"}.get(a.dtype, "float") for a in inputs]
+        ctypes = [{mx.int64: "long long", mx.int32: "int", mx.uint32: "unsigned"}.get(a.dtype, "float") for a in inputs]
         params = [f"const {c}* {n}" for c, n in zip(ctypes, self.inputs)] + [f"float* {n}" for n in self.outputs]
         sizes = [int(np.prod(s)) for s in output_shapes]
         reads = "\n".join(f"  auto i{k} = sim_read<{c}>(argv[{k + 1}], {a.size});"
@@ -97,7 +97,7 @@ class SimulatedKernel:
         files_in = []
         for k, (c, a) in enumerate(zip(ctypes, inputs)):
             path = self.dir / f"{tag}_in{k}.bin"
-            np.array(a.astype({"long long": mx.int64, "unsigned": mx.uint32}.get(c, mx.float32))).tofile(path)
+            np.array(a.astype({"long long": mx.int64, "int": mx.int32, "unsigned": mx.uint32}.get(c, mx.float32))).tofile(path)
             files_in.append(str(path))
         files_out = [str(self.dir / f"{tag}_out{k}.bin") for k in range(len(sizes))]
         ran = subprocess.run([str(exe), *files_in, *files_out], capture_output=True, text=True, timeout=300)
@@ -478,6 +478,25 @@ def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
     assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
+def test_magnitude_and_b_gradient_from_a_launchs_stacked_norms(simulated):
+    """magnitude_grad_cuda with a StackedNorm (the layer's norms inside a launch's array, read at its offset) and
+    B's product: m's gradient as from a view of those norms, and d B = (s p) rs with rs = m / norm as MLX forms it."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(12), 5)
+    g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
+    m = mx.random.uniform(1.0, 4.0, (40,), key=k[2]).at[3].multiply(0.0)
+    launch = mx.random.uniform(0.5, 3.0, (120,), key=k[3])  # three layers' norms; this layer's are the second
+    stacked = kernels.StackedNorm(launch, mx.array([40], dtype=mx.int32), 40, 40)
+    product = mx.random.normal((4, 40), key=k[4])
+    dm, gb = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=2.5)
+    norm = launch[40:80]
+    assert mx.array_equal(stacked.view(), norm).item()
+    assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m, norm)).item()
+    assert mx.allclose(gb, 2.5 * product * (m / norm), rtol=1e-6, atol=0).item()
+    assert simulated["meshtune_dora_magnitude_b_grad"].calls == 1
+
+
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
 def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels
@@ -637,6 +656,8 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
         assert simulated[_step_norm_kernel(fold, layers=1)].calls == (0 if fold else 4) + 2
         if fold:
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
+            # m's and B's gradients in one launch a layer, each reading its norms in its launch's array.
+            assert simulated["meshtune_dora_magnitude_b_grad"].calls == 4
     finally:
         base_path.set_base_path("auto")
     # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).

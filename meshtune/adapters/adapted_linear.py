@@ -82,7 +82,8 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     (DoRA's m, (out,)) and `w_sq` (||w_i||^2 of the frozen base, (out,), float32), rs is
     m / ||W + s (A B)^T||_row and m gets its gradient; without them rs = 1 (LoRA).
     `norm` is that row norm when the caller has it already (a training step takes every
-    layer's at once on CUDA, step_norms.py); it is a constant, as the norm always is here.
+    layer's at once on CUDA, step_norms.py; with `row_scale` it may be a kernels.StackedNorm, its
+    place in the step's launch); it is a constant, as the norm always is here.
 
     `row_scale` (with `magnitude` and `norm`; float32 (out,)): rs = m / norm rounded to x's dtype,
     already folded into W (W' = rs W by rows: kernels.row_norms_and_scaled_cuda writes both). The
@@ -104,7 +105,10 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     dt = x.dtype
     rs_folded = None if row_scale is None else mx.stop_gradient(row_scale)
     tokens = x.size // x.shape[-1]
-    given_norm = None if norm is None else mx.stop_gradient(norm)
+    if isinstance(norm, kernels.StackedNorm) and not folded:
+        norm = norm.view()
+    # A StackedNorm (a step's launch wrote it; folded only) goes to m's gradient kernel as it is.
+    given_norm = norm if norm is None or isinstance(norm, kernels.StackedNorm) else mx.stop_gradient(norm)
     # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
 
@@ -147,20 +151,24 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     def backward(primals: list, g: mx.array, outputs: list) -> list:
         x2, xl, a, b, m = primals
         ac, bc = cast_factors(a, b)
-        if not dora:
+        if not dora or folded:  # folded: rs rides in W' and B', so g itself (m's gradient below)
             gz, dm = g, None
-        elif folded:  # rs rides in W' and B': g itself, and m's gradient from the output kept
-            gz = g
-            dm = (kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm) if on_kernels
-                  else dora_cotangent(g, outputs[0], rs_folded.astype(dt), given_norm)[1])
         else:
             norm = given_norm if given_norm is not None else outputs[-1]
             gz, dm = (kernels.cotangent_cuda(g, outputs[0], m, norm) if on_kernels
                       else dora_cotangent(g, outputs[0], outputs[1], norm))
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
-        gb = scale * ((xl @ ac).T @ gz)
-        gb = (gb if rs_folded is None else gb * rs_folded).astype(b.dtype)  # d B = d B' rs
+        if folded and on_kernels:  # m's gradient from the output kept, and d B = s (x A)^T g rs, in one launch
+            dm, gb = kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm, b_product=(xl @ ac).T @ gz,
+                                                 b_scale=scale, rs_dtype=weight.dtype)
+        else:
+            gb = scale * ((xl @ ac).T @ gz)
+        if folded and not on_kernels:
+            norm = given_norm.view() if isinstance(given_norm, kernels.StackedNorm) else given_norm
+            dm = dora_cotangent(g, outputs[0], rs_folded.astype(dt), norm)[1]
+            gb = gb * rs_folded
+        gb = gb.astype(b.dtype)
         if two_inputs:
             grads = [gz @ weight, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
         else:

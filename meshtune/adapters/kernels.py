@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -281,22 +282,35 @@ _COTANGENT = """
     }
 """
 
-# m's gradient from the chunks' column sums: a thread per column, chunks added in order.
+# m's gradient from the chunks' column sums: a thread per column, chunks added in order. The layer's
+# norms are entries off[0] onward of `norms` (a launch's stacked norms, StackedNorm; 0 for an array of
+# its own), so a training step hands each layer no view of its own. @B_GRAD@: with B's gradient in the
+# folded product, d B = s (x A)^T g rs from the product p = (x A)^T g in GT: s p rounded to GT as MLX's
+# multiply by s rounds it (s first rounded to GT, as MLX casts a Python scalar), then times rs, formed here.
 _MAGNITUDE_GRAD = """
+    const float* norm = norms + off[0];
     RS_FROM_M
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col < COLS) {
         float sum = 0.0f;
         for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
-        float den = row_scale(col) * norm[col];
-        dm[col] = den == 0.0f ? 0.0f : sum / den;
+        float rs = row_scale(col);
+        float den = rs * norm[col];
+        dm[col] = den == 0.0f ? 0.0f : sum / den;@B_GRAD@
     }
 """
+_B_GRAD = """
+        float sc = static_cast<float>(static_cast<GT>(bscale[0]));
+        for (int k = 0; k < R; ++k) {
+            long long e = (long long)k * COLS + col;
+            gbo[e] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[e]))) * rs;
+        }"""
 
 # DoRA's row scale rs = m / norm, rounded to the activations' dtype T as the MLX ops round it,
 # computed where it is used (no launch of its own, no rs array).
 _RS_FROM_M = "auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };"
-_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M)
+_MAGNITUDE_AND_B_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M).replace("@B_GRAD@", _B_GRAD)
+_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M).replace("@B_GRAD@", "")
 # The cotangent kernel writes g * rs beside the column sums; the sums-only kernel
 # (magnitude_grad_cuda, for a product folded into W' and B', row_norms_and_scaled_cuda) does not.
 _SCALED_COTANGENT = {
@@ -500,13 +514,15 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-                              magnitudes: list[mx.array], factors: bool = False) -> tuple[list[mx.array], ...]:
+                              magnitudes: list[mx.array], factors: bool = False,
+                              stacked: bool = False) -> tuple[list, ...]:
     """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
     rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale).
-    With `factors` (one pass only: writes_factors()), also A and B' = B rs in W's dtype (adapted_linear's factors)."""
+    With `factors` (one pass only: writes_factors()), also A and B' = B rs in W's dtype (adapted_linear's factors).
+    With `stacked`, the norms are StackedNorm entries (what magnitude_grad_cuda takes without a view)."""
     if factors and _TWO_PASS:
         raise ValueError("row_norms_and_scaled_cuda: the two-pass kernels do not write A and B'")
-    return _row_norms(weights, a, b, scales, magnitudes, factors)
+    return _row_norms(weights, a, b, scales, magnitudes, factors, stacked)
 
 
 def row_norm_kernel_name(layers: int, scaled: bool, factors: bool) -> str:
@@ -522,14 +538,15 @@ def writes_factors() -> bool:
 
 
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-               magnitudes: list[mx.array] | None, factors: bool = False) -> tuple[list[mx.array], ...]:
+               magnitudes: list[mx.array] | None, factors: bool = False,
+               stacked: bool = False) -> tuple[list[mx.array], ...]:
     """(norms,) or, with magnitudes, (norms, W', rs), and with factors (norms, W', rs, A, B'): a list each,
-    a layer's entry at its index."""
+    a layer's entry at its index; with `stacked` the norms are StackedNorm entries, not views."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
 
         def part(sl):
-            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], factors)
+            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], factors, stacked)
         return tuple(x + y for x, y in zip(part(slice(None, cut)), part(slice(cut, None))))
     n = len(weights)
     out, inp = weights[0].shape
@@ -539,7 +556,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
            for w, x, y in zip(weights, a, b)):
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
     if _TWO_PASS:
-        return _row_norms_two_pass(weights, a, b, scales, magnitudes)
+        return _row_norms_two_pass(weights, a, b, scales, magnitudes, stacked)
     scaled = magnitudes is not None
     names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
     outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
@@ -557,13 +574,19 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
             output_shapes=[(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
             + ([(n * inp, r), (n * r, out)] if factors else []),
             output_dtypes=[mx.float32] + ([wt, mx.float32] if scaled else []) + ([wt, wt] if factors else []))
-    return _per_layer(res, n)
+    return _per_layer(res, n, stacked)
 
 
-def _per_layer(outputs: list[mx.array], n: int) -> tuple[list[mx.array], ...]:
+def _per_layer(outputs: list[mx.array], n: int, stacked: bool = False) -> tuple[list, ...]:
     """A launch's outputs for n layers (norms, then W', then rs; each the layers' rows one after another),
-    as a list of n layers' arrays each: views of the one array (mx.split), no copies."""
-    return tuple(mx.split(x, n) if n > 1 else [x] for x in outputs)
+    as a list of n layers' arrays each: views of the one array (mx.split), no copies. With `stacked` the
+    norms (the first output) are StackedNorm entries instead."""
+    views = [mx.split(x, n) if n > 1 else [x] for x in outputs[stacked:]]
+    if not stacked:
+        return tuple(views)
+    size = outputs[0].size // n
+    return ([StackedNorm(outputs[0], mx.array([i * size], dtype=mx.int32), i * size, size) for i in range(n)],
+            *views)
 
 
 # Two passes (_TWO_PASS): the norms by segments of columns, then W' row by row. The one-pass kernel
@@ -704,7 +727,7 @@ _NORMS_FROM_SUMS = """
 
 
 def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
-                        magnitudes: list[mx.array] | None) -> tuple[list[mx.array], ...]:
+                        magnitudes: list[mx.array] | None, stacked: bool = False) -> tuple[list[mx.array], ...]:
     """_row_norms by the two passes (_TWO_PASS), for at most MAX_LAYERS_A_LAUNCH layers of one shape."""
     n = len(weights)
     out, inp = weights[0].shape
@@ -736,7 +759,7 @@ def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.a
             template=[*common, ("WARPS", _WARPS), ("EB", _SCALED_LOADS)],
             grid=(-(-out // _WARPS) * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
             output_shapes=[(n * out,), (n * out, inp), (n * out,)], output_dtypes=[mx.float32, wt, mx.float32])
-    return _per_layer(res, n)
+    return _per_layer(res, n, stacked)
 
 
 def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
@@ -746,6 +769,27 @@ def cotangent_grid(rows: int, cols: int, dtype: mx.Dtype) -> tuple[int, int, int
     strips = -(-cols // (32 * vec))
     chunk = -(-rows // max(1, min(-(-_COTANGENT_BLOCKS // strips), rows // 32)))
     return vec, strips, chunk, -(-rows // chunk)
+
+
+class StackedNorm(NamedTuple):
+    """A layer's row norms where its step's launch wrote them: entries start .. start + size of the launch's
+    one array (its layers' norms one after another). The magnitude-gradient kernel reads them there, so a
+    training step's graph holds no view of them (a node a layer); `view()` is that view, for MLX ops."""
+
+    launch: mx.array
+    offset: mx.array  # int32 (1,): start, as the kernel takes it
+    start: int
+    size: int
+
+    def view(self) -> mx.array:
+        return self.launch[self.start:self.start + self.size]
+
+
+def _norm_input(norm: mx.array | StackedNorm) -> tuple[mx.array, mx.array]:
+    """(norms array, int32 (1,) offset of the layer's first) for the magnitude-gradient kernel."""
+    if isinstance(norm, StackedNorm):
+        return norm.launch, norm.offset
+    return norm, mx.array([0], dtype=mx.int32)  # data, not an operation: a compiled step holds it as a constant
 
 
 def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
@@ -763,9 +807,15 @@ def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tup
     return gz, _magnitude_from_sums(part, m, norm, g.dtype)
 
 
-def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> mx.array:
+def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | StackedNorm,
+                        b_product: mx.array | None = None, b_scale: float = 1.0, rs_dtype: mx.Dtype | None = None):
     """sum_t g * y / (rs * norm) float32 (0 where rs * norm is 0) for (rows, cols) g, y: cotangent_cuda's
-    second result without its first, for a product that applies rs in its weights (adapted_linear's row_scale)."""
+    second result without its first, for a product that applies rs in its weights (adapted_linear's row_scale).
+
+    rs = m / norm rounded to `rs_dtype` (default g's). With `b_product` (r, cols), (x A)^T g for B' = B rs,
+    returns (m's gradient, B's = (b_scale * b_product in its dtype) * rs float32), in the same launch: the
+    scale's multiply is no operation of its own in the step.
+    """
     rows, cols = g.shape
     vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
     k = _kernel("meshtune_dora_column_sums", ["g", "y"], ["part"], _COLUMN_SUMS)
@@ -773,14 +823,25 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -
                                          ("T", g.dtype), ("YT", y.dtype)],
                 grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                 output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])
-    return _magnitude_from_sums(part, m, norm, g.dtype)
+    return _magnitude_from_sums(part, m, norm, rs_dtype or g.dtype, b_product, b_scale)
 
 
-def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array, dtype: mx.Dtype) -> mx.array:
-    """m's gradient from the chunks' column sums (chunks, cols), added in a fixed order."""
+def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array | StackedNorm, dtype: mx.Dtype,
+                         b_product: mx.array | None = None, b_scale: float = 1.0):
+    """m's gradient from the chunks' column sums (chunks, cols), added in a fixed order; with `b_product`, B's too."""
     chunks, cols = part.shape
-    k = _kernel("meshtune_dora_magnitude_grad", ["part", "m", "norm"], ["dm"], _MAGNITUDE_GRAD)
-    (dm,) = k(inputs=[part, m.astype(mx.float32), norm], template=[("COLS", cols), ("CHUNKS", chunks), ("T", dtype)],
-              grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-              output_shapes=[(cols,)], output_dtypes=[mx.float32])
-    return dm
+    norms, offset = _norm_input(norm)
+    inputs = [part, m.astype(mx.float32), norms, offset]
+    template = [("COLS", cols), ("CHUNKS", chunks), ("T", dtype)]
+    grid = dict(grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
+    if b_product is None:
+        k = _kernel("meshtune_dora_magnitude_grad", ["part", "m", "norms", "off"], ["dm"], _MAGNITUDE_GRAD)
+        (dm,) = k(inputs=inputs, template=template, output_shapes=[(cols,)], output_dtypes=[mx.float32], **grid)
+        return dm
+    r = b_product.shape[0]
+    k = _kernel("meshtune_dora_magnitude_b_grad", ["part", "m", "norms", "off", "gb", "bscale"], ["dm", "gbo"],
+                _MAGNITUDE_AND_B_GRAD)
+    scale = mx.array([b_scale], dtype=mx.float32)  # data, not an operation: a constant in a compiled step
+    dm, gb = k(inputs=inputs + [b_product, scale], template=template + [("R", r), ("GT", b_product.dtype)],
+               output_shapes=[(cols,), (r, cols)], output_dtypes=[mx.float32, mx.float32], **grid)
+    return dm, gb

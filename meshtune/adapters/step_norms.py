@@ -76,8 +76,9 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
         folded = factors = [None] * len(layers)
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
+            # Norms stacked: m's gradient kernel reads a layer's in the launch's array (no view a layer).
             norms, w_scaled, rs, *cast = kernels.row_norms_and_scaled_cuda(
-                *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors())
+                *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors(), stacked=True)
             folded = list(zip(w_scaled, rs))
             factors = list(zip(*cast)) or factors  # (A, B') where the launches wrote them
         else:
@@ -121,8 +122,8 @@ def _copies_fit(nbytes: int) -> bool:
     return False
 
 
-def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, mx.array] | None:
-    """(dense base weight, row norm) the current step took for `layer` on `tokens` rows, or None.
+def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, "mx.array | kernels.StackedNorm"] | None:
+    """(dense base weight, row norm) the current step took for `layer` on `tokens` rows, or None (a StackedNorm where folded).
 
     The weight is None where the layer is to dequantize its own (blocks recomputed in the backward).
     """
