@@ -478,6 +478,49 @@ def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
     assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
+@pytest.mark.parametrize("bits, group_size, inp", [(4, 64, 2112), (8, 32, 320), (2, 64, 1088)])
+def test_folded_launch_reads_quantized_weights_packed(simulated, bits, group_size, inp):
+    """row_norms_and_scaled_cuda on PackedWeight (affine, 2/4/8 bits; A in more than one tile for 4 bits): the
+    norms, W', rs, A and B' it gives from the dequantized weight, two layers in one launch."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(21), 8)
+    layers = [nn.QuantizedLinear.from_linear(nn.Linear(inp, 45, bias=False), group_size=group_size, bits=bits)
+              for _ in range(2)]
+    packed = [kernels.packed_weight(layer) for layer in layers]
+    assert all(w is not None and kernels.reads_packed(w, 8) for w in packed)
+    dense = [mx.dequantize(w.packed, w.scales, w.biases, group_size=group_size, bits=bits) for w in packed]
+    a = [mx.random.normal((inp, 8), key=k[i]) / 8 for i in range(2)]
+    b = [mx.random.normal((8, 45), key=k[2 + i]) for i in range(2)]
+    ms = [mx.random.uniform(0.5, 2.0, (45,), key=k[4 + i]) for i in range(2)]
+    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [2.0, 0.5], ms, factors=True)
+    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 0.5], ms, factors=True)
+    for kind, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
+        for g, w in zip(gots, wants):
+            assert g.shape == w.shape and mx.allclose(g, w, rtol=1e-6, atol=1e-6).item(), kind
+    assert simulated["meshtune_dora_row_norm_packed_scaled_factors_2"].calls == 1
+
+
+def test_packed_weights_only_where_the_launch_reads_them(simulated):
+    """kernels.packed_weight: affine QuantizedLinear of 2, 4 or 8 bits only (3 bits straddle words, the fp modes
+    have no biases); the launch refuses a packed weight it cannot lay out a word a lane, or unfolded."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    base = nn.Linear(256, 16, bias=False)
+    assert kernels.packed_weight(base) is None
+    assert kernels.packed_weight(nn.QuantizedLinear.from_linear(base, group_size=64, bits=3)) is None
+    assert kernels.packed_weight(nn.QuantizedLinear.from_linear(base, group_size=32, bits=4, mode="mxfp4")) is None
+    packed = kernels.packed_weight(nn.QuantizedLinear.from_linear(base, group_size=64, bits=4))
+    assert packed.shape == (16, 256) and not kernels.reads_packed(packed, 64)  # a tile of A under a warp's columns
+    a, b = [mx.zeros((256, 4))], [mx.zeros((4, 16))]
+    with pytest.raises(ValueError, match="folded launch only"):
+        kernels.row_norms_cuda([packed], a, b, [1.0])
+
+
 def test_magnitude_and_b_gradient_from_a_launchs_stacked_norms(simulated):
     """magnitude_grad_cuda with a StackedNorm (the layer's norms inside a launch's array, read at its offset) and
     B's product: m's gradient as from a view of those norms, and d B = (s p) rs with rs = m / norm as MLX forms it."""
@@ -652,9 +695,11 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
             mx.eval(got_v, got)
         assert lookup(model.layers[0], 10) is None  # nothing left behind
         assert simulated[_step_norm_kernel(fold, layers=2)].calls == 1  # the two 16-row layers together
-        # The 24-row layer and the 4-bit 32-row one (dequantized, then the same kernel as a dense base).
-        assert simulated[_step_norm_kernel(fold, layers=1)].calls == (0 if fold else 4) + 2
+        # The 24-row layer and the 4-bit 32-row one: folded, the 4-bit weight is read packed by a launch of its
+        # own (no dequantized copy); unfolded it is dequantized, then the same kernel as a dense base's.
+        assert simulated[_step_norm_kernel(fold, layers=1)].calls == (1 if fold else 4 + 2)
         if fold:
+            assert simulated["meshtune_dora_row_norm_packed_scaled_factors_1"].calls == 1
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
             # m's and B's gradients in one launch a layer, each reading its norms in its launch's array.
             assert simulated["meshtune_dora_magnitude_b_grad"].calls == 4

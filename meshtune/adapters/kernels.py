@@ -48,6 +48,7 @@ import textwrap
 from typing import NamedTuple
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
 
@@ -233,7 +234,79 @@ _ROW_NORM = """
             int i = first_row(g) + q;
             if (lane == q && i < OUT) norm[i] = sqrtf(sq[g][q]);
         }
-""".replace("@READ_W@", _READ_W)
+"""
+
+# W's loads where the base is affine-quantized (PackedWeight): the row dequantized as it is read, so a step's
+# folded launch reads the packed weight (a quarter of bf16's bytes at 4 bits) and no layer dequantizes a copy
+# first. VEC = 32 / QB elements are one 32-bit word, all in one group of GS (a multiple of VEC); each is
+# q * scale + bias rounded to WT after the multiply and after the add, as MLX's dequantize computes it in WT.
+_READ_PACKED_W = """    bool aligned = true;  // a lane's VEC elements come from one word; W' is written by 16-byte stores
+    auto read_w = [&](int row, int col) {
+        WVec r;
+        long long e = (long long)row * IN + col;
+        unsigned word = w[e / VEC];
+        float sc = static_cast<float>(qs[e / GS]);
+        float bi = static_cast<float>(qb[e / GS]);
+        #pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+            float q = static_cast<float>((word >> (v * QB)) & ((1u << QB) - 1u));
+            r.v[v] = static_cast<WT>(static_cast<float>(static_cast<WT>(q * sc)) + bi);
+        }
+        return r;
+    };
+"""
+_ROW_NORM_PACKED = _ROW_NORM.replace("@READ_W@", _READ_PACKED_W).replace(
+    "    const WT* w;\n", "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;\n", 1)
+_ROW_NORM = _ROW_NORM.replace("@READ_W@", _READ_W)
+
+
+class PackedWeight(NamedTuple):
+    """An affine-quantized base weight as the folded norm launch reads it: (out, in * bits / 32) uint32 words,
+    (out, in / group_size) scales and biases in the dtype it dequantizes to."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 32 // self.bits
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.scales.dtype
+
+
+# Bit widths whose elements tile a 32-bit word (the 3-, 5- and 6-bit packings straddle words).
+PACKED_BITS = (2, 4, 8)
+
+
+def packed_weight(layer) -> PackedWeight | None:
+    """`layer`'s weight as the folded launch reads it packed (nn.QuantizedLinear, affine, PACKED_BITS, a rank
+    whose layout takes a word a lane), or None: the caller then hands the launch a dequantized copy."""
+    if (not isinstance(layer, nn.QuantizedLinear) or layer.mode != "affine"
+            or layer.bits not in PACKED_BITS or "biases" not in layer or _TWO_PASS
+            or not mx.issubdtype(layer.scales.dtype, mx.floating) or layer.group_size % (32 // layer.bits)):
+        return None
+    return PackedWeight(layer.weight, layer.scales, layer["biases"], layer.bits, layer.group_size)
+
+
+def reads_packed(weight: PackedWeight, r: int) -> bool:
+    """Whether the folded launch's layout for rank r takes one word of `weight` a lane (VEC = 32 / bits)."""
+    return _packed_layout(r, weight) is not None
+
+
+def _packed_layout(r: int, weight: PackedWeight) -> tuple[int, int, int] | None:
+    """_row_scale_layout's (rows a warp, columns a lane, tile rows) with a word a lane, or None where a tile of A
+    would hold fewer than a warp's columns."""
+    vec = 32 // weight.bits
+    rows = _ROWS_PER_WARP or (2 if r <= 16 else 1)
+    floats = _TILE_FLOATS or _default_tile_floats(r)
+    if weight.shape[1] % vec or floats // r < 32 * vec:
+        return None
+    return rows, vec, floats // r // (32 * vec) * (32 * vec)
 
 _COTANGENT = """
     // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns (one 16-byte
@@ -488,12 +561,13 @@ _SCALED_OUTPUTS = ("    WT* ws = wss + (long long)blockIdx.y * OUT * IN;\n"
                    "    float* rso = rss + (long long)blockIdx.y * OUT;")
 
 
-def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False) -> str:
-    """The row-norm kernel with its @SELECT@ pointing w, a and b (and with `scaled`, m) at layer
-    blockIdx.y's arrays, and the norms (and W' and rs; with `factors`, A and B' too) at its rows of the
-    launch's outputs."""
-    extra = " mm = m{i};" if scaled else ""
-    source = _ROW_NORM.replace("@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
+def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, packed: bool = False) -> str:
+    """The row-norm kernel with its @SELECT@ pointing w, a and b (and with `scaled`, m; where `packed`, the
+    quantized weight's scales and biases) at layer blockIdx.y's arrays, and the norms (and W' and rs; with
+    `factors`, A and B' too) at its rows of the launch's outputs."""
+    extra = (" mm = m{i};" if scaled else "") + (" qs = qs{i}; qb = qb{i};" if packed else "")
+    source = (_ROW_NORM_PACKED if packed else _ROW_NORM).replace(
+        "@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
     outputs = [_NORM_OUTPUT] + ([_SCALED_OUTPUTS] if scaled else []) + ([_FACTOR_OUTPUTS] if factors else [])
     source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs))
     if scaled:
@@ -525,10 +599,11 @@ def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: lis
     return _row_norms(weights, a, b, scales, magnitudes, factors, stacked)
 
 
-def row_norm_kernel_name(layers: int, scaled: bool, factors: bool) -> str:
+def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False) -> str:
     """The row-norm kernel's name for a launch of `layers` layers (with W' and rs where `scaled`, with A and B' too
-    where `factors`): what MLX caches it by, and what the simulated tests count launches by."""
-    kind = "_scaled_factors" if factors else "_scaled" if scaled else ""
+    where `factors`, reading quantized weights where `packed`): what MLX caches it by, and what the simulated
+    tests count launches by."""
+    kind = ("_packed" if packed else "") + ("_scaled_factors" if factors else "_scaled" if scaled else "")
     return f"meshtune_dora_row_norm{kind}_{layers}"
 
 
@@ -552,24 +627,33 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     out, inp = weights[0].shape
     wt = weights[0].dtype
     r = a[0].shape[-1]
-    if any(w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r) or y.shape != (r, out)
-           for w, x, y in zip(weights, a, b)):
-        raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype")
+    packed = isinstance(weights[0], PackedWeight)
+    if any(isinstance(w, PackedWeight) != packed or w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r)
+           or y.shape != (r, out) or packed and w[3:] != weights[0][3:] for w, x, y in zip(weights, a, b)):
+        raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype "
+                         "(and one packing: bits and group size)")
+    layout = _packed_layout(r, weights[0]) if packed else _row_scale_layout(r, inp, wt.size)
+    if packed and (layout is None or magnitudes is None):
+        raise ValueError("row_norms_cuda: a packed weight goes to the folded launch only, where reads_packed()")
     if _TWO_PASS:
         return _row_norms_two_pass(weights, a, b, scales, magnitudes, stacked)
     scaled = magnitudes is not None
-    names = [f"{p}{i}" for p in ("w", "a", "b") + (("m",) if scaled else ()) for i in range(n)] + ["s"]
+    names = [f"{p}{i}" for p in ("w", "qs", "qb")[:1 + 2 * packed] + ("a", "b") + (("m",) if scaled else ())
+             for i in range(n)] + ["s"]
     outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
-    k = _kernel(row_norm_kernel_name(n, scaled, factors), names, outputs, _row_norm_source(n, scaled, factors))
-    rows, vec, tile = _row_scale_layout(r, inp, wt.size)
+    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed), names, outputs,
+                _row_norm_source(n, scaled, factors, packed))
+    rows, vec, tile = layout
     blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
-    res = k(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
+    w_inputs = ([w.packed for w in weights] + [w.scales for w in weights] + [w.biases for w in weights]
+                if packed else weights)
+    res = k(inputs=[*w_inputs, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
                     *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)],
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
                       ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
-                      ("WT", wt)],
+                      ("WT", wt)] + ([("QB", weights[0].bits), ("GS", weights[0].group_size)] if packed else []),
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
             output_shapes=[(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
             + ([(n * inp, r), (n * r, out)] if factors else []),

@@ -59,13 +59,20 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     share_dequantized = not any(_recomputed(m) for m in modules)
     # W' = rs W for every layer is held through the step, so not where blocks are recomputed.
     fold = kernels.FOLD_ROW_SCALE is not False and share_dequantized
-    groups: dict[tuple, list[tuple[nn.Module, mx.array]]] = {}
+    groups: dict[tuple, list[tuple[nn.Module, mx.array | kernels.PackedWeight]]] = {}
     for layer in modules:
         if not _covered(layer):
             continue
         dense = dense_weight_for(layer.linear, tokens)
-        if dense is not None:
-            groups.setdefault((dense.shape, dense.dtype, layer.lora_a.shape[-1]), []).append((layer, dense))
+        if dense is None:
+            continue
+        r = layer.lora_a.shape[-1]
+        # Folded, a quantized base's launch reads its packed weight (no dequantized copy a layer: W' replaces it).
+        packed = kernels.packed_weight(layer.linear) if fold else None
+        if packed is not None and kernels.reads_packed(packed, r):
+            groups.setdefault((packed.shape, packed.dtype, r, packed.bits, packed.group_size), []).append((layer, packed))
+        else:
+            groups.setdefault((dense.shape, dense.dtype, r), []).append((layer, dense))
     # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
     fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(sum(
         dense.nbytes for members in groups.values() for layer, dense in members if not is_quantized(layer.linear))))
@@ -85,6 +92,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
             norms = kernels.row_norms_cuda(*args)
         for (layer, dense), norm, fold_of, factors_of in zip(members, norms, folded, factors):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
+            dense = None if isinstance(dense, kernels.PackedWeight) else dense  # the layer takes W' instead
             taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of, factors_of)
     _active.update(taken)
     try:
