@@ -188,6 +188,43 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
         assert mx.array_equal(a_cast, a.astype(dtype)).item() and mx.array_equal(b_scaled, (b * rs2).astype(dtype)).item()
 
 
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
+    """The folded step's launch on a quantized base read packed gives what it gives on the dequantized weight, and
+    m's and B's gradients from a launch's stacked norms are those from a view of them."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(5), 6)
+    out, inp, r = 6144, 2048, 8
+    layers = [nn.QuantizedLinear.from_linear(nn.Linear(inp, out, bias=False), group_size=64, bits=bits)
+              for _ in range(2)]
+    for layer in layers:
+        layer.scales, layer.biases = layer.scales.astype(mx.bfloat16), layer.biases.astype(mx.bfloat16)
+    packed = [kernels.packed_weight(layer) for layer in layers]
+    dense = [mx.dequantize(w.packed, w.scales, w.biases, group_size=64, bits=bits) for w in packed]
+    a = [mx.random.normal((inp, r), key=k[0]) / 8] * 2
+    b = [mx.random.normal((r, out), key=k[1]) / 8] * 2
+    m = [mx.random.uniform(0.5, 2.0, (out,), key=k[2])] * 2
+    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [S, 2 * S], m, factors=True, stacked=True)
+    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [S, 2 * S], m, factors=True, stacked=True)
+    for name, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
+        for x, v in zip(gots, wants):
+            x, v = (x.view(), v.view()) if name == "norm" else (x, v)
+            assert x.dtype == v.dtype and mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=1e-2,
+                                                      atol=1e-5).item(), name
+    g = mx.random.normal((4096, out), key=k[3]).astype(mx.bfloat16)
+    y = mx.random.normal((4096, out), key=k[4]).astype(mx.bfloat16)
+    product = mx.random.normal((r, out), key=k[5]).astype(mx.bfloat16)
+    norm = got[0][1]
+    dm, gb = kernels.magnitude_grad_cuda(g, y, m[1], norm, b_product=product, b_scale=2 * S)
+    assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m[1], norm.view())).item()
+    rs = (m[1] / norm.view()).astype(mx.bfloat16)
+    assert mx.array_equal(gb, ((2 * S) * product).astype(mx.float32) * rs.astype(mx.float32)).item()
+
+
 def test_row_norm_matches_dense_norm():
     from meshtune.adapters.adapted_linear import adapted_row_norm
 
