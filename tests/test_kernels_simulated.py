@@ -623,12 +623,13 @@ def test_gradient_buckets_packed_by_the_kernel(simulated):
     assert [k.calls for name, k in simulated.items() if name.startswith("meshtune_pack_3_")] == [1]
 
 
-def _step_norm_kernel(fold: bool, layers: int) -> str:
+def _step_norm_kernel(fold: bool, layers: int, quantized: bool = False) -> str:
     """The name of the norm kernel a training step launches for `layers` layers of one shape: folded, with the
-    layers' A and B' where kernels.writes_factors() (the default)."""
+    layers' A and B' where kernels.writes_factors() (the default), reading a quantized base packed."""
     from meshtune.adapters import kernels
 
-    return kernels.row_norm_kernel_name(layers, scaled=fold, factors=fold and kernels.writes_factors())
+    return kernels.row_norm_kernel_name(layers, scaled=fold, factors=fold and kernels.writes_factors(),
+                                        packed=fold and quantized)
 
 
 def _calls(simulated, kernel: str) -> int:
@@ -835,14 +836,13 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
         return _two_dora_sgd_steps(model_factory, quantized=quantized, built=built)
 
     base_losses, base = trained(False)
-    assert _step_norm_kernel(fold=True, layers=2) not in simulated
+    assert _step_norm_kernel(fold=True, layers=2, quantized=quantized) not in simulated
     losses, folded = trained(True)
-    assert _calls(simulated, _step_norm_kernel(fold=True, layers=2)) >= 1
+    assert _calls(simulated, _step_norm_kernel(fold=True, layers=2, quantized=quantized)) >= 1
     assert simulated["meshtune_dora_column_sums"].calls == 8
-    # A 4-bit DoRA base is dequantized once a step (by step_norms) and folded by the dense kernel: the layer
-    # runs on W', not on a dequantized copy of its own.
-    want = {i: 2 for i in dora_bases} if quantized else {}
-    assert Counter(i for i in dequantized if i in dora_bases) == want
+    # A 4-bit DoRA base is read packed by the step's launch, which writes W': it is never dequantized (unfolded,
+    # each step dequantizes it once, in step_norms, for the norm kernel and the layer's products).
+    assert Counter(i for i in dequantized if i in dora_bases) == {}
     assert losses == pytest.approx(base_losses, rel=1e-5)
     for key, value in base.items():
         assert mx.allclose(folded[key], value, rtol=1e-5, atol=1e-6).item(), key
@@ -858,7 +858,8 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
     monkeypatch.setattr(kernels, "_WRITE_FACTORS", False)
     want_losses, want = _two_dora_sgd_steps(model_factory, quantized=quantized)
-    assert "meshtune_dora_row_norm_scaled_factors_2" not in simulated
+    with_factors = kernels.row_norm_kernel_name(2, scaled=True, factors=True, packed=quantized)
+    assert with_factors not in simulated
     monkeypatch.setattr(kernels, "_WRITE_FACTORS", True)
     seen = []
     original = AL.adapted_linear
@@ -869,7 +870,7 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
 
     monkeypatch.setattr(dora, "adapted_linear", recording)
     losses, got = _two_dora_sgd_steps(model_factory, quantized=quantized)
-    assert simulated["meshtune_dora_row_norm_scaled_factors_2"].calls >= 1
+    assert simulated[with_factors].calls >= 1
     assert seen and all(seen)  # every DoRA layer call was handed its factors
     assert losses == want_losses
     for key, value in want.items():

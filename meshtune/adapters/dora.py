@@ -116,9 +116,9 @@ class DoRALinear(DoRA, LoRALinear):
             tokens = x.size // x.shape[-1]
             # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
             shared, norm = step_norms.lookup(self, tokens) or (None, None)
-            dense = shared if shared is not None else dense_weight_for(self.linear, tokens)
             # Where the step wrote W' = rs W (kernels.FOLD_ROW_SCALE), LoRA's product on W' and B' = B rs.
-            dense, rs = step_norms.lookup_scaled(self, tokens) or (dense, None)
+            dense, rs = step_norms.lookup_scaled(self, tokens) or (
+                shared if shared is not None else dense_weight_for(self.linear, tokens), None)
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
                                    magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs,

@@ -239,7 +239,8 @@ _ROW_NORM = """
 # W's loads where the base is affine-quantized (PackedWeight): the row dequantized as it is read, so a step's
 # folded launch reads the packed weight (a quarter of bf16's bytes at 4 bits) and no layer dequantizes a copy
 # first. VEC = 32 / QB elements are one 32-bit word, all in one group of GS (a multiple of VEC); each is
-# q * scale + bias rounded to WT after the multiply and after the add, as MLX's dequantize computes it in WT.
+# q * scale + bias in float32, rounded once to WT, as MLX's CUDA dequantize gives it (rounding after the multiply
+# too was off by an ulp of bfloat16 here and there on an H200: scripts/probes/packed_norms.py).
 _READ_PACKED_W = """    bool aligned = true;  // a lane's VEC elements come from one word; W' is written by 16-byte stores
     auto read_w = [&](int row, int col) {
         WVec r;
@@ -250,7 +251,7 @@ _READ_PACKED_W = """    bool aligned = true;  // a lane's VEC elements come from
         #pragma unroll
         for (int v = 0; v < VEC; ++v) {
             float q = static_cast<float>((word >> (v * QB)) & ((1u << QB) - 1u));
-            r.v[v] = static_cast<WT>(static_cast<float>(static_cast<WT>(q * sc)) + bi);
+            r.v[v] = static_cast<WT>(q * sc + bi);
         }
         return r;
     };

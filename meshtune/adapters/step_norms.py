@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels
-from .base_path import dense_weight_for, is_quantized
+from .base_path import dense_weight_for, is_quantized, use_dequantized
 
 # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None)
 _active: dict[int, tuple] = {}
@@ -40,6 +40,11 @@ _active: dict[int, tuple] = {}
 def _recomputed(module: nn.Module) -> bool:
     """Whether `module` is a block recomputed in the backward (train.enable_grad_checkpoint)."""
     return getattr(type(module).__call__, "recomputes_in_backward", False)
+
+
+def use_dense_path(base: nn.Module, tokens: int) -> bool:
+    """Whether `base` multiplies `tokens` rows through a dense weight (its own, or dequantized: base_path)."""
+    return not is_quantized(base) or use_dequantized(base, tokens)
 
 
 def _covered(layer: nn.Module) -> bool:
@@ -63,15 +68,15 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     for layer in modules:
         if not _covered(layer):
             continue
-        dense = dense_weight_for(layer.linear, tokens)
-        if dense is None:
-            continue
+        if not use_dense_path(layer.linear, tokens):
+            continue  # the quantized kernel's token count: the layer takes its own norm
         r = layer.lora_a.shape[-1]
         # Folded, a quantized base's launch reads its packed weight (no dequantized copy a layer: W' replaces it).
         packed = kernels.packed_weight(layer.linear) if fold else None
         if packed is not None and kernels.reads_packed(packed, r):
             groups.setdefault((packed.shape, packed.dtype, r, packed.bits, packed.group_size), []).append((layer, packed))
         else:
+            dense = dense_weight_for(layer.linear, tokens)
             groups.setdefault((dense.shape, dense.dtype, r), []).append((layer, dense))
     # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
     fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(sum(
