@@ -17,6 +17,7 @@ import mlx.core as mx
 from meshtune.adapters import adapted_linear as AL
 from meshtune.adapters import dora as D
 from meshtune.adapters import kernels as K
+from meshtune.adapters import stacked_bases as SB
 from meshtune.adapters import step_norms
 from meshtune.adapters.base_path import dense_weight_for
 from meshtune.adapters.adapted_linear import adapted_linear
@@ -29,6 +30,7 @@ from packed_magnitudes import PackedMagnitudesAdam  # noqa: E402
 import scaled_weight as SW  # noqa: E402
 
 ORIGINAL = D.DoRALinear.__call__
+ORIGINAL_NORMS = SB.NORMS
 ON_CUDA = K.on_cuda
 
 
@@ -159,8 +161,17 @@ def _on_the_unfolded_step(variant):
 def _no_magnitude_sums(self, x):
     """Bound: the folded step with m's gradient left 0 (no sums kernels): what m's pass over g and y costs."""
     _reset()
-    K.magnitude_grad_cuda = lambda g, y, m, norm: mx.zeros_like(m)
+    K.magnitude_grad_cuda = _zero_magnitude_grad
     return ORIGINAL(self, x)
+
+
+def _zero_magnitude_grad(g, y, m, norm, b_product=None, b_scale=1.0, rs_dtype=None):
+    """magnitude_grad_cuda's results with m's gradient 0 (B's, where asked, by MLX ops)."""
+    if b_product is None:
+        return mx.zeros_like(m)
+    norm = norm.view() if isinstance(norm, K.StackedNorm) else norm
+    rs = (m / norm).astype(rs_dtype or g.dtype).astype(mx.float32)
+    return mx.zeros_like(m), (b_scale * b_product).astype(mx.float32) * rs
 
 
 def _w_sq_outside_state(model):
@@ -297,10 +308,13 @@ def _reset():
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
     K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
+    SB.NORMS = ORIGINAL_NORMS
 
 
 VARIANTS = {
     "current": _kernels(True),
+    # The dense bases left unstacked (build_step stacks none): the folded norms and W' by meshtune's launch.
+    "norm launch (bases not stacked)": _with(_kernels(True), prepare=_setting(SB, NORMS="launch")),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,
