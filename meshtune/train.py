@@ -109,7 +109,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
                bucket_mb: float = 25.0, transport: str = "mlx") -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
     if kernels.on_cuda():
-        stack_dense_bases(model)  # DoRA's folded norms by shape, in MLX operations (adapters/stacked_bases.py)
+        stack_dense_bases(model)  # MESHTUNE_DORA_NORMS=stacked: DoRA's folded norms a shape at a time (stacked_bases.py)
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
     compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)

@@ -313,7 +313,9 @@ def _reset():
 
 VARIANTS = {
     "current": _kernels(True),
-    # The dense bases left unstacked (build_step stacks none): the folded norms and W' by meshtune's launch.
+    # The dense bases stacked by build_step (MESHTUNE_DORA_NORMS=stacked): the folded norms and W' by MLX ops on
+    # each shape's stack (adapters/stacked_bases.py), or left unstacked: meshtune's launch (the default).
+    "stacked bases": _with(_kernels(True), prepare=_setting(SB, NORMS="stacked")),
     "norm launch (bases not stacked)": _with(_kernels(True), prepare=_setting(SB, NORMS="launch")),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,

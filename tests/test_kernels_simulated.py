@@ -881,7 +881,7 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
 
 
 def test_stacked_bases_train_as_the_norm_launch(simulated, model_factory, monkeypatch):
-    """stacked_bases (the default on CUDA): build_step holds each shape's dense DoRA bases as one array (the
+    """stacked_bases (MESHTUNE_DORA_NORMS=stacked): build_step holds each shape's dense DoRA bases as one array (the
     layers' weights views of it, same values), and the folded step takes their norms, W', A and B' by MLX
     operations on it, with no norm launch; two steps give the launch's losses and parameters."""
     from meshtune.adapters import kernels, stacked_bases
@@ -970,7 +970,7 @@ def test_stacked_bases_are_views_with_the_weights_values(monkeypatch):
     assert stacked_bases.stack_for(layers[:2]) is None and stacked_bases.stack_for(layers[:3] + layers[3:4]) is None
     assert all(stacked_bases._STACK not in layer.__dict__ for layer in layers[3:])
     assert stacked_bases.stack_dense_bases(model) == 0  # taken once
-    with pytest.raises(ValueError, match="MESHTUNE_DORA_NORMS='kernel': use stacked"):
+    with pytest.raises(ValueError, match="MESHTUNE_DORA_NORMS='kernel': use launch"):
         stacked_bases._norms_setting("kernel")
 
 

@@ -16,7 +16,9 @@ operation however many layers share the shape:
 weight with a view of its shape's stack (no copy is kept: the stack is the weights); `stack_for(layers)`
 is the stack of exactly those layers in that order, or None. The norm launch stays where no stack
 covers a group (a quantized base: read packed by the launch; a single layer of its shape; a stack not
-taken). NORMS_ENV chooses: "stacked" (the default) or "launch".
+taken). NORMS_ENV chooses: "launch" (the default) or "stacked". Launch stays the default until a whole step
+measures the stacked form faster: the session that wrote this ran out of GPU time after the probe above
+(scripts/probe_dora_step.py --only "current,stacked bases" is the comparison to run).
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ from . import kernels
 from .base_path import is_quantized
 
 NORMS_ENV = "MESHTUNE_DORA_NORMS"
-NORMS_SETTINGS = ("stacked", "launch")
+NORMS_SETTINGS = ("launch", "stacked")
 
 
 def _norms_setting(value: str) -> str:
     if value not in NORMS_SETTINGS:
-        raise ValueError(f"{NORMS_ENV}={value!r}: use stacked (the default: a dense base's folded DoRA norms by MLX "
-                         "operations on its shape's stacked weights) or launch (meshtune's norm kernel)")
+        raise ValueError(f"{NORMS_ENV}={value!r}: use launch (the default: meshtune's norm kernel) or stacked (a dense "
+                         "base's folded DoRA norms by MLX operations on its shape's weights held as one array)")
     return value
 
 
-NORMS = _norms_setting(os.environ.get(NORMS_ENV, "stacked"))
+NORMS = _norms_setting(os.environ.get(NORMS_ENV, "launch"))
 
 # A stacked layer's plain attribute (not in its parameter or state tree): (its shape's stack (n, out, in),
 # ||w_i||^2 stacked (n, out) float32, the layer's index in them).
