@@ -104,9 +104,10 @@ def norms_and_scaled(stack: mx.array, w_sq: mx.array, indices: list[int], a: lis
     dt = stack.dtype
     order = sorted(range(n), key=indices.__getitem__)  # the arguments' positions in the stack's order
     a, b, scales, magnitudes = ([x[j] for j in order] for x in (a, b, scales, magnitudes))
-    a32 = mx.stack([x.astype(mx.float32) for x in a])  # (n, in, r)
-    b32 = mx.stack([y.astype(mx.float32) for y in b])  # (n, r, out)
-    r = a32.shape[-1]
+    r = a[0].shape[-1]
+    # Concatenated, then shaped: mx.stack would add an expand_dims node a layer (336 a step for the 1B model).
+    a32 = mx.concatenate([x.astype(mx.float32) for x in a]).reshape(n, inp, r)
+    b32 = mx.concatenate([y.astype(mx.float32) for y in b]).reshape(n, r, out)
     hi = a32.astype(dt)
     lo = (a32 - hi.astype(mx.float32)).astype(dt)
     both = (stack @ mx.concatenate([hi, lo], axis=-1)).astype(mx.float32)  # (n, out, 2r): W hi, W lo
@@ -116,7 +117,7 @@ def norms_and_scaled(stack: mx.array, w_sq: mx.array, indices: list[int], a: lis
     gram = a32.swapaxes(-1, -2) @ a32  # (n, r, r)
     sq = w_sq + (coef * (2 * s * proj + (s * s) * (coef @ gram))).sum(axis=-1)
     norm = mx.sqrt(mx.maximum(sq, 0.0))  # (n, out)
-    rs = (mx.stack([m.astype(mx.float32) for m in magnitudes]) / norm).astype(dt)
+    rs = (mx.concatenate([m.astype(mx.float32) for m in magnitudes]).reshape(n, out) / norm).astype(dt)
     w_scaled = (rs[..., None] * stack).reshape(n * out, inp)
     b_scaled = (b32 * rs.astype(mx.float32)[:, None, :]).astype(dt).reshape(n * r, out)
     flat = norm.reshape(-1)
