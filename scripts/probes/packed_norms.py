@@ -15,6 +15,7 @@ from meshtune.adapters import kernels
 
 
 def timed(fn, reps):
+    """Milliseconds a call of `fn` (its arrays evaluated), the mean of `reps` after one warm-up call."""
     mx.eval(fn())
     mx.synchronize()
     t = time.perf_counter()

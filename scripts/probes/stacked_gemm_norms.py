@@ -8,23 +8,17 @@ and W' = rs W one elementwise multiply, each a single node however many layers. 
     python scripts/probes/stacked_gemm_norms.py [--reps 10]
 """
 import argparse
-import time
+import os
+import sys
 
 import mlx.core as mx
 
 from meshtune.adapters import kernels
 
+sys.path.insert(0, os.path.dirname(__file__))
+from packed_norms import timed  # noqa: E402
+
 SHAPES = ((32, 2048, 2048), (32, 1024, 2048), (32, 6144, 2048), (16, 2048, 6144))  # the 1B step's (layers, out, in)
-
-
-def timed(fn, reps):
-    mx.eval(fn())
-    mx.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(fn())
-    mx.synchronize()
-    return (time.perf_counter() - t) / reps * 1e3
 
 
 def stacked_ops(ws, w_sq, a, b, m, s):
