@@ -31,6 +31,11 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   write A and B' in W's dtype too (_WRITE_FACTORS, on), sparing the layers' 224 casts: +0.3 ms of
   host time for the launches against ~0.9 ms for the casts; the 1B step's change was inside the
   drift between rounds on an H200 (docs/bench/dora_factors_h200.txt).
+- Packed (PackedWeight): on an affine 2/4/8-bit base the folded launch reads the packed weight and
+  dequantizes W's rows as it reads them (bit-equal to mx.dequantize), so no layer dequantizes a copy
+  first; on an H200 it costs about the dense launch and spares the 112 dequantizes of the 1B step
+  (docs/bench/dora_packed_h200.txt). m's gradient kernel reads a layer's norms in the launch's array
+  (StackedNorm) and forms B's gradient (s p) rs in the same launch: no per-layer views or multiplies.
 - Two passes (_TWO_PASS, off): the norms by segments of columns, a thread a row, then W' a
   warp a row; as fast as the one pass on an H200 (docs/bench/dora_two_pass_h200.txt).
 
@@ -285,8 +290,8 @@ PACKED_BITS = (2, 4, 8)
 
 
 def packed_weight(layer) -> PackedWeight | None:
-    """`layer`'s weight as the folded launch reads it packed (nn.QuantizedLinear, affine, PACKED_BITS, a rank
-    whose layout takes a word a lane), or None: the caller then hands the launch a dequantized copy."""
+    """`layer`'s weight as the folded launch reads it packed (nn.QuantizedLinear, affine, PACKED_BITS, float scales),
+    or None: the caller then hands the launch a dequantized copy (so too where reads_packed() says no)."""
     if (not isinstance(layer, nn.QuantizedLinear) or layer.mode != "affine"
             or layer.bits not in PACKED_BITS or "biases" not in layer or _TWO_PASS
             or not mx.issubdtype(layer.scales.dtype, mx.floating) or layer.group_size % (32 // layer.bits)):
