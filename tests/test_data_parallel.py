@@ -83,6 +83,8 @@ def _assert_same_run(one: Path, many: Path) -> None:
         assert mx.allclose(wa[k], wb[k], rtol=1e-3, atol=1e-5), k
 
 
+# Three ranks (an odd ring; ~10 s a case on 2 cores) in two cases: plain, and DoRA over the socket ring with overlapped
+# sync and accumulation; every other combination runs on two ranks.
 @pytest.mark.parametrize("n, kind, extra", [
     (2, "lora", []),
     (2, "dora", []),
@@ -95,15 +97,12 @@ def _assert_same_run(one: Path, many: Path) -> None:
     (2, "lora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
     (2, "lora", ["--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     (2, "full", ["--num-layers", "1", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.05"]),
-    (3, "dora", ["--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     (2, "lora", ["--parallel.grad_sync", "overlap", "--train.compile", "false"]),
     # The split overlap (bucket sums started by hand; opt-in, MESHTUNE_OVERLAP=split) forced on the CPU.
     (2, "dora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01", "split"]),
-    (3, "full", ["--num-layers", "1", "--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2", "split"]),
     # Gradients over meshtune's socket ring (blocking TCP on its own thread), both sync modes.
     (2, "lora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
     (3, "dora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
-    (3, "full", ["--num-layers", "1", "--parallel.transport", "sockets", "--parallel.bucket_mb", "0.05"]),
     # Steps overlapped (runtime.overlap_steps, the GPU's default) forced on the CPU: all_sums in the
     # compiled step, bucket sums started by hand, and the socket ring's threads.
     (2, "dora", ["--runtime.overlap_steps", "true", "--grad-accumulation-steps", "2"]),
