@@ -77,7 +77,7 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             kernels.cotangent_cuda(g, y, mx.ones((cols,)), mx.ones((cols,)))
             kernels.magnitude_grad_cuda(g, y, mx.ones((cols,)), mx.ones((cols,)))
             # m's and B's gradients in one launch, the norms read in a launch's stacked array
-            stacked = kernels.StackedNorm(mx.ones((2 * cols,)), mx.array([cols], dtype=mx.int32), cols, cols)
+            stacked = kernels.StackedNorm(mx.ones((2 * cols,)), cols, cols)
             kernels.magnitude_grad_cuda(g, y, mx.ones((cols,)), stacked, b_product=mx.ones((8, cols), dtype=dtype),
                                         b_scale=2.0)
     pack_cuda([mx.ones((3, 4), dtype=mx.bfloat16), mx.ones((5,))], mx.float32)

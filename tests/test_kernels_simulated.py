@@ -530,7 +530,7 @@ def test_magnitude_and_b_gradient_from_a_launchs_stacked_norms(simulated):
     g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
     m = mx.random.uniform(1.0, 4.0, (40,), key=k[2]).at[3].multiply(0.0)
     launch = mx.random.uniform(0.5, 3.0, (120,), key=k[3])  # three layers' norms; this layer's are the second
-    stacked = kernels.StackedNorm(launch, mx.array([40], dtype=mx.int32), 40, 40)
+    stacked = kernels.StackedNorm(launch, 40, 40)
     product = mx.random.normal((4, 40), key=k[4])
     dm, gb = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=2.5)
     norm = launch[40:80]

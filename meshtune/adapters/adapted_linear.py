@@ -105,12 +105,12 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     dt = x.dtype
     rs_folded = None if row_scale is None else mx.stop_gradient(row_scale)
     tokens = x.size // x.shape[-1]
-    if isinstance(norm, kernels.StackedNorm) and not folded:
-        norm = norm.view()
-    # A StackedNorm (a step's launch wrote it; folded only) goes to m's gradient kernel as it is.
-    given_norm = norm if norm is None or isinstance(norm, kernels.StackedNorm) else mx.stop_gradient(norm)
     # On CUDA the norm and the cotangent are kernels (kernels.py); elsewhere MLX ops.
     on_kernels = dora and kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
+    # A StackedNorm (a step's launch wrote it) goes to the folded step's m-gradient kernel as it is; MLX ops take its view.
+    if isinstance(norm, kernels.StackedNorm) and not (folded and on_kernels):
+        norm = norm.view()
+    given_norm = norm if norm is None or isinstance(norm, kernels.StackedNorm) else mx.stop_gradient(norm)
 
     given_factors = factors if folded and factors is not None and all(f.dtype == dt for f in factors) else None
 
@@ -162,12 +162,11 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         if folded and on_kernels:  # m's gradient from the output kept, and d B = s (x A)^T g rs, in one launch
             dm, gb = kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm, b_product=(xl @ ac).T @ gz,
                                                  b_scale=scale, rs_dtype=weight.dtype)
+        elif folded:
+            dm = dora_cotangent(g, outputs[0], rs_folded.astype(dt), given_norm)[1]
+            gb = scale * ((xl @ ac).T @ gz) * rs_folded
         else:
             gb = scale * ((xl @ ac).T @ gz)
-        if folded and not on_kernels:
-            norm = given_norm.view() if isinstance(given_norm, kernels.StackedNorm) else given_norm
-            dm = dora_cotangent(g, outputs[0], rs_folded.astype(dt), norm)[1]
-            gb = gb * rs_folded
         gb = gb.astype(b.dtype)
         if two_inputs:
             grads = [gz @ weight, (scale * (gxa @ ac.T)).astype(dt), ga, gb]

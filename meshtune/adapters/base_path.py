@@ -104,6 +104,11 @@ def use_dequantized(layer: nn.Module, tokens: int) -> bool:
     return tokens >= threshold[1]
 
 
+def uses_dense_weight(layer: nn.Module, tokens: int) -> bool:
+    """Whether `layer` multiplies `tokens` rows through a dense weight (its own, or dequantized)."""
+    return not is_quantized(layer) or use_dequantized(layer, tokens)
+
+
 def dense_weight_for(layer: nn.Module, tokens: int) -> mx.array | None:
     """The dense (out, in) weight the base path multiplies `tokens` rows by; None for the quantized kernel.
 
@@ -111,9 +116,9 @@ def dense_weight_for(layer: nn.Module, tokens: int) -> mx.array | None:
     reuses this one array instead of sending r rows through a quantized kernel or
     dequantizing twice.
     """
-    if not is_quantized(layer):
-        return layer.weight
-    return dequantized_weight(layer) if use_dequantized(layer, tokens) else None
+    if not uses_dense_weight(layer, tokens):
+        return None
+    return dequantized_weight(layer) if is_quantized(layer) else layer.weight
 
 
 def linear_forward(layer: nn.Module, x: mx.array, *, bias: bool = True) -> mx.array:

@@ -675,7 +675,7 @@ def _per_layer(outputs: list[mx.array], n: int, stacked: bool = False) -> tuple[
     if not stacked:
         return tuple(views)
     size = outputs[0].size // n
-    return ([StackedNorm(outputs[0], mx.array([i * size], dtype=mx.int32), i * size, size) for i in range(n)],
+    return ([StackedNorm(outputs[0], i * size, size) for i in range(n)],
             *views)
 
 
@@ -867,7 +867,6 @@ class StackedNorm(NamedTuple):
     training step's graph holds no view of them (a node a layer); `view()` is that view, for MLX ops."""
 
     launch: mx.array
-    offset: mx.array  # int32 (1,): start, as the kernel takes it
     start: int
     size: int
 
@@ -877,9 +876,9 @@ class StackedNorm(NamedTuple):
 
 def _norm_input(norm: mx.array | StackedNorm) -> tuple[mx.array, mx.array]:
     """(norms array, int32 (1,) offset of the layer's first) for the magnitude-gradient kernel."""
-    if isinstance(norm, StackedNorm):
-        return norm.launch, norm.offset
-    return norm, mx.array([0], dtype=mx.int32)  # data, not an operation: a compiled step holds it as a constant
+    start = norm.start if isinstance(norm, StackedNorm) else 0
+    # Data, not an operation: a compiled step holds the offset as a constant.
+    return (norm.launch if isinstance(norm, StackedNorm) else norm), mx.array([start], dtype=mx.int32)
 
 
 def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:

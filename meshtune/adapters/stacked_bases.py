@@ -121,7 +121,7 @@ def norms_and_scaled(stack: mx.array, w_sq: mx.array, indices: list[int], a: lis
     w_scaled = (rs[..., None] * stack).reshape(n * out, inp)
     b_scaled = (b32 * rs.astype(mx.float32)[:, None, :]).astype(dt).reshape(n * r, out)
     flat = norm.reshape(-1)
-    norms = [kernels.StackedNorm(flat, mx.array([i * out], dtype=mx.int32), i * out, out) for i in range(n)]
+    norms = [kernels.StackedNorm(flat, i * out, out) for i in range(n)]
     views = (norms, *(mx.split(x, n) for x in (w_scaled, rs.astype(mx.float32).reshape(-1),
                                                hi.reshape(n * inp, r), b_scaled)))
     return tuple([per_stack[i] for i in indices] for per_stack in views)

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels, stacked_bases
-from .base_path import dense_weight_for, is_quantized, use_dequantized
+from .base_path import dense_weight_for, is_quantized, uses_dense_weight
 
 # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None)
 _active: dict[int, tuple] = {}
@@ -40,11 +40,6 @@ _active: dict[int, tuple] = {}
 def _recomputed(module: nn.Module) -> bool:
     """Whether `module` is a block recomputed in the backward (train.enable_grad_checkpoint)."""
     return getattr(type(module).__call__, "recomputes_in_backward", False)
-
-
-def use_dense_path(base: nn.Module, tokens: int) -> bool:
-    """Whether `base` multiplies `tokens` rows through a dense weight (its own, or dequantized: base_path)."""
-    return not is_quantized(base) or use_dequantized(base, tokens)
 
 
 def _covered(layer: nn.Module) -> bool:
@@ -68,7 +63,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     for layer in modules:
         if not _covered(layer):
             continue
-        if not use_dense_path(layer.linear, tokens):
+        if not uses_dense_weight(layer.linear, tokens):
             continue  # the quantized kernel's token count: the layer takes its own norm
         r = layer.lora_a.shape[-1]
         # Folded, a quantized base's launch reads its packed weight (no dequantized copy a layer: W' replaces it).
