@@ -22,8 +22,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from .adapters import kernels
-from .adapters.stacked_bases import stack_dense_bases
 from .adapters.step_norms import step_row_norms
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
@@ -108,8 +106,6 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
                compile: bool, sync: str = "after_backward",
                bucket_mb: float = 25.0, transport: str = "mlx") -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks)."""
-    if kernels.on_cuda():
-        stack_dense_bases(model)  # MESHTUNE_DORA_NORMS=stacked: DoRA's folded norms a shape at a time (stacked_bases.py)
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
     compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)

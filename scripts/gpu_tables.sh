@@ -6,7 +6,6 @@
 #     scripts/gpu_tables.sh adapters "$OUT"   # one GPU: the adapters issue's table (bench adapters --preset 1b), its kernels checked first (~8 min)
 #     scripts/gpu_tables.sh kernels "$OUT"    # one GPU: the CUDA kernels' tests, then the folded kernel's pieces and knobs timed (~4 min)
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
-#     scripts/gpu_tables.sh stacked "$OUT"    # one GPU: DoRA's norms from stacked bases against the launch (~6 min)
 #     scripts/gpu_tables.sh host "$OUT"       # one GPU: DoRA's host time, kernel dispatch and the step split (~5 min)
 #     scripts/gpu_tables.sh graphs "$OUT"     # one GPU: the host split under MLX's CUDA-graph settings, a process each, in turn (~6 min)
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~4 min)
@@ -66,13 +65,6 @@ case $what in
     timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 ${PROBE_ARGS:-} \
       --only "${PROBE_VARIANTS:-current,W' written 4 loads in flight,tiles of 256 rows of A,tiles of 256 and W' 4 loads in flight,A staged a float at a time}" \
       2>&1 | tee "$out/probe_dora_step.txt" ;;
-  stacked)
-    # One GPU, ~6 min warm: DoRA's folded norms from stacked bases (MESHTUNE_DORA_NORMS=stacked, adapters/stacked_bases.py)
-    # against the norm launch: the CUDA tests (the stacked form against the launch first), then the whole bf16
-    # step (stacking takes dense bases only) with each, LoRA beside them, in one invocation (docs/bench/dora_packed_h200.txt).
-    timeout 150 python3 -m pytest -q tests/test_adapted_linear.py -k cuda 2>&1 | tail -3
-    timeout 400 python3 scripts/probe_dora_step.py --bases bf16 --steps 120 --rounds 12 \
-      --only "current,stacked bases" 2>&1 | grep -v '^check' | tee "$out/probe_stacked.txt" ;;
   host)
     # One GPU, ~5 min: the overlapped step is the host's on an H200 (probe_dora_step --host: the wait for the step
     # before is ~0), so DoRA's extra is host time. What a custom kernel costs to dispatch, alone and as the step's 4

@@ -17,7 +17,6 @@ import mlx.core as mx
 from meshtune.adapters import adapted_linear as AL
 from meshtune.adapters import dora as D
 from meshtune.adapters import kernels as K
-from meshtune.adapters import stacked_bases as SB
 from meshtune.adapters import step_norms
 from meshtune.adapters.base_path import dense_weight_for
 from meshtune.adapters.adapted_linear import adapted_linear
@@ -30,7 +29,6 @@ from packed_magnitudes import PackedMagnitudesAdam  # noqa: E402
 import scaled_weight as SW  # noqa: E402
 
 ORIGINAL = D.DoRALinear.__call__
-ORIGINAL_NORMS = SB.NORMS
 ON_CUDA = K.on_cuda
 
 
@@ -308,15 +306,10 @@ def _reset():
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
     K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
-    SB.NORMS = ORIGINAL_NORMS
 
 
 VARIANTS = {
     "current": _kernels(True),
-    # The dense bases stacked by build_step (MESHTUNE_DORA_NORMS=stacked): the folded norms and W' by MLX ops on
-    # each shape's stack (adapters/stacked_bases.py), or left unstacked: meshtune's launch (the default).
-    "stacked bases": _with(_kernels(True), prepare=_setting(SB, NORMS="stacked")),
-    "norm launch (bases not stacked)": _with(_kernels(True), prepare=_setting(SB, NORMS="launch")),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,

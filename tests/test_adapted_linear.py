@@ -225,37 +225,6 @@ def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
     assert mx.array_equal(gb, ((2 * S) * product).astype(mx.float32) * rs.astype(mx.float32)).item()
 
 
-@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
-def test_stacked_bases_norms_match_the_launch_on_cuda(monkeypatch):
-    """MESHTUNE_DORA_NORMS=stacked on bfloat16 bases: norms, W', rs, A and B' from MLX operations on the shape's
-    stack, as the launch gives them (norms to float32 rounding, W' to an ulp of bfloat16 where rs rounds apart)."""
-    import mlx.nn as nn
-
-    from meshtune.adapters import DoRALinear, kernels, stacked_bases
-
-    monkeypatch.setattr(stacked_bases, "NORMS", "stacked")
-    k = mx.random.split(mx.random.key(6), 3)
-    bases = [nn.Linear(2048, 1024, bias=False) for _ in range(3)]
-    for base in bases:
-        base.set_dtype(mx.bfloat16)
-    layers = [DoRALinear.from_base(base, r=8, scale=20.0) for base in bases]
-    for i, layer in enumerate(layers):
-        layer.lora_b = mx.random.normal(layer.lora_b.shape, key=k[i]) / 64
-    model = nn.Module()
-    model.layers = layers
-    assert stacked_bases.stack_dense_bases(model) == 3
-    stack = stacked_bases.stack_for(layers)
-    args = ([x.lora_a for x in layers], [x.lora_b for x in layers], [x.scale for x in layers], [x.m for x in layers])
-    got = stacked_bases.norms_and_scaled(*stack, *args)
-    want = kernels.row_norms_and_scaled_cuda([x.linear.weight for x in layers], *args, factors=True, stacked=True)
-    for name, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
-        for x, v in zip(gots, wants):
-            x, v = (x.view(), v.view()) if name == "norm" else (x, v)
-            tol = 1e-5 if name == "norm" else 1e-2
-            assert x.dtype == v.dtype and mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol,
-                                                      atol=1e-6).item(), name
-
-
 def test_row_norm_matches_dense_norm():
     from meshtune.adapters.adapted_linear import adapted_row_norm
 

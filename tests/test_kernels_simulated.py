@@ -755,12 +755,11 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     (the default) m's gradient by the sums-only kernel, else by the cotangent kernel."""
     import mlx.optimizers as optim
 
-    from meshtune.adapters import apply_adapters, kernels, stacked_bases
+    from meshtune.adapters import apply_adapters, kernels
     from meshtune.mesh import Mesh
     from meshtune.train import build_step
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
-    monkeypatch.setattr(stacked_bases, "NORMS", "launch")  # the launches (test_stacked_bases_* take the other way)
 
     model = model_factory(layers=2, dim=32)
     apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "self_attn.v_proj"],
@@ -818,9 +817,8 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel; the loss and the
     parameters after two steps are the current step's, on a dense and on a quantized base (SGD:
     the update is the gradient, which Adam's per-element normalisation would blow up at ~0)."""
-    from meshtune.adapters import base_path, kernels, stacked_bases
+    from meshtune.adapters import base_path, kernels
 
-    monkeypatch.setattr(stacked_bases, "NORMS", "launch")  # the launches (test_stacked_bases_* take the other way)
     monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
     dequantized = []  # the bases dequantize_weight was asked for, by id
     original_dequantized = base_path.dequantized_weight
@@ -854,11 +852,10 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
 def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model_factory, monkeypatch, quantized):
     """kernels._WRITE_FACTORS: the folded step's norm launches write every DoRA layer's A and B' = B rs, and
     the layers use them in place of their own casts; two steps give the same losses and parameters, to the bit."""
-    from meshtune.adapters import adapted_linear as AL, base_path, dora, kernels, stacked_bases
+    from meshtune.adapters import adapted_linear as AL, base_path, dora, kernels
 
     monkeypatch.setattr(base_path, "_mode", "dequantized")
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
-    monkeypatch.setattr(stacked_bases, "NORMS", "launch")  # the launch writes the factors (stacked: MLX casts)
     monkeypatch.setattr(kernels, "_WRITE_FACTORS", False)
     want_losses, want = _two_dora_sgd_steps(model_factory, quantized=quantized)
     with_factors = kernels.row_norm_kernel_name(2, scaled=True, factors=True, packed=quantized)
@@ -878,100 +875,6 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
     assert losses == want_losses
     for key, value in want.items():
         assert mx.array_equal(got[key], value).item(), key
-
-
-def test_stacked_bases_train_as_the_norm_launch(simulated, model_factory, monkeypatch):
-    """stacked_bases (MESHTUNE_DORA_NORMS=stacked): build_step holds each shape's dense DoRA bases as one array (the
-    layers' weights views of it, same values), and the folded step takes their norms, W', A and B' by MLX
-    operations on it, with no norm launch; two steps give the launch's losses and parameters."""
-    from meshtune.adapters import kernels, stacked_bases
-
-    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
-    monkeypatch.setattr(stacked_bases, "NORMS", "launch")
-    want_losses, want = _two_dora_sgd_steps(model_factory, quantized=False)
-    launched = {k: v.calls for k, v in simulated.items() if "row_norm" in k}
-    assert launched
-    monkeypatch.setattr(stacked_bases, "NORMS", "stacked")
-    seen = []
-
-    def built(model):
-        layers = [layer for _, layer in model.named_modules() if hasattr(layer, "lora_b")]
-        seen.append([stacked_bases._STACK in layer.__dict__ for layer in layers])
-
-    from meshtune.train import build_step as original_build_step
-
-    def recording_build_step(model, *args, **kw):
-        step = original_build_step(model, *args, **kw)
-        built(model)
-        return step
-
-    monkeypatch.setattr("meshtune.train.build_step", recording_build_step)
-    losses, got = _two_dora_sgd_steps(model_factory, quantized=False)
-    assert seen == [[True] * 4]  # q_proj of both blocks one stack, down_proj's another
-    assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == launched  # none more
-    assert simulated["meshtune_dora_magnitude_b_grad"].calls >= 8  # m's gradient read in the stacked norms
-    assert losses == pytest.approx(want_losses, rel=1e-5)
-    for key, value in want.items():
-        assert mx.allclose(got[key], value, rtol=1e-4, atol=1e-6).item(), key
-
-
-def test_stacked_norms_and_scaled_match_the_launch(simulated, monkeypatch):
-    """stacked_bases.norms_and_scaled (MLX operations on a shape's stack, A in two halves of W's dtype) gives the
-    launch's norms, W', rs, A and B' for each layer, layers handed in another order than the stack's."""
-    import mlx.nn as nn
-
-    from meshtune.adapters import DoRALinear, kernels, stacked_bases
-
-    monkeypatch.setattr(stacked_bases, "NORMS", "stacked")
-    k = mx.random.split(mx.random.key(31), 3)
-    layers = [DoRALinear.from_base(nn.Linear(96, 40, bias=False), r=8, scale=s) for s in (2.0, 0.5, 1.0)]
-    for i, layer in enumerate(layers):
-        layer.lora_b = mx.random.normal(layer.lora_b.shape, key=k[i]) / 4
-    model = nn.Module()
-    model.layers = layers
-    stacked_bases.stack_dense_bases(model)
-    order = layers[::-1]
-    stack = stacked_bases.stack_for(order)
-    args = ([layer.lora_a for layer in order], [layer.lora_b for layer in order], [layer.scale for layer in order],
-            [layer.m for layer in order])
-    got = stacked_bases.norms_and_scaled(*stack, *args)
-    want = kernels.row_norms_and_scaled_cuda([layer.linear.weight for layer in order], *args, factors=True,
-                                             stacked=True)
-    for name, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
-        for x, v in zip(gots, wants):
-            x, v = (x.view(), v.view()) if name == "norm" else (x, v)
-            assert x.shape == v.shape and mx.allclose(x, v, rtol=1e-5, atol=1e-6).item(), name
-
-
-def test_stacked_bases_are_views_with_the_weights_values(monkeypatch):
-    """stack_dense_bases: a shape's dense DoRA bases become views of one stack holding their values; a layer
-    alone in its shape, a quantized base and LoRA layers are left alone; stack_for takes exactly a stack's
-    layers in order; MESHTUNE_DORA_NORMS names its settings."""
-    import mlx.nn as nn
-
-    from meshtune.adapters import DoRALinear, LoRALinear, stacked_bases
-
-    monkeypatch.setattr(stacked_bases, "NORMS", "stacked")
-    bases = [nn.Linear(32, 16, bias=False) for _ in range(3)] + [nn.Linear(32, 8, bias=False)]
-    quantized = nn.QuantizedLinear.from_linear(nn.Linear(32, 16, bias=False), group_size=32, bits=4)
-    layers = [DoRALinear.from_base(b, r=4) for b in bases] + [DoRALinear.from_base(quantized, r=4),
-                                                               LoRALinear.from_base(nn.Linear(32, 16), r=4)]
-    before = [mx.array(layer.linear.weight) for layer in layers[:4]]
-    model = nn.Module()
-    model.layers = layers
-    assert stacked_bases.stack_dense_bases(model) == 3
-    for layer, weight in zip(layers[:4], before):
-        assert mx.array_equal(layer.linear.weight, weight).item()
-    stack, w_sq, indices = stacked_bases.stack_for(layers[:3])
-    assert stack.shape == (3, 16, 32) and sorted(indices) == [0, 1, 2]
-    for layer, i in zip(layers[:3], indices):
-        assert mx.array_equal(stack[i], layer.linear.weight).item() and mx.array_equal(w_sq[i], layer._w_sq).item()
-    assert stacked_bases.stack_for(layers[2::-1])[2] == indices[::-1]  # any order, each layer its own index
-    assert stacked_bases.stack_for(layers[:2]) is None and stacked_bases.stack_for(layers[:3] + layers[3:4]) is None
-    assert all(stacked_bases._STACK not in layer.__dict__ for layer in layers[3:])
-    assert stacked_bases.stack_dense_bases(model) == 0  # taken once
-    with pytest.raises(ValueError, match="MESHTUNE_DORA_NORMS='kernel': use launch"):
-        stacked_bases._norms_setting("kernel")
 
 
 def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monkeypatch):

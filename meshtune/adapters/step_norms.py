@@ -30,7 +30,7 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels, stacked_bases
+from . import kernels
 from .base_path import dense_weight_for, is_quantized, uses_dense_weight
 
 # id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None)
@@ -83,14 +83,9 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
         folded = factors = [None] * len(layers)
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
-            magnitudes = [mx.stop_gradient(layer.m) for layer in layers]
-            stack = stacked_bases.stack_for(layers)
-            if stack is not None:  # the bases held as one array: a few MLX operations for the whole shape
-                norms, w_scaled, rs, *cast = stacked_bases.norms_and_scaled(*stack, *args[1:], magnitudes)
-            else:
-                # Norms stacked: m's gradient kernel reads a layer's in the launch's array (no view a layer).
-                norms, w_scaled, rs, *cast = kernels.row_norms_and_scaled_cuda(
-                    *args, magnitudes, factors=kernels.writes_factors(), stacked=True)
+            # Norms stacked: m's gradient kernel reads a layer's in the launch's array (no view a layer).
+            norms, w_scaled, rs, *cast = kernels.row_norms_and_scaled_cuda(
+                *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors(), stacked=True)
             folded = list(zip(w_scaled, rs))
             factors = list(zip(*cast)) or factors  # (A, B') where the launches wrote them
         else:
