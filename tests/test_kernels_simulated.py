@@ -540,6 +540,46 @@ def test_magnitude_and_b_gradient_from_a_launchs_stacked_norms(simulated):
     assert simulated["meshtune_dora_magnitude_b_grad"].calls == 1
 
 
+def test_magnitude_and_b_gradient_over_many_chunks_and_rows_of_b(simulated):
+    """The sums' second kernel (a block's 8 warps each add every 8th chunk, then each column the 8 sums in
+    order) over 31 chunks, 70 columns (a block of 32 part-filled) and B with 12 rows (more rows than warps):
+    m's gradient as sum_t g y / (rs norm) and d B = (s p) rs, with a zero m giving 0."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(13), 5)
+    rows, cols = 1000, 70
+    g, y = mx.random.normal((rows, cols), key=k[0]), mx.random.normal((rows, cols), key=k[1])
+    m = mx.random.uniform(1.0, 4.0, (cols,), key=k[2]).at[5].multiply(0.0)
+    norm = mx.random.uniform(0.5, 3.0, (cols,), key=k[3])
+    product = mx.random.normal((12, cols), key=k[4])
+    assert kernels.cotangent_grid(rows, cols, g.dtype)[3] == 31
+    dm, gb = kernels.magnitude_grad_cuda(g, y, m, norm, b_product=product, b_scale=1.5)
+    rs = m / norm
+    want = mx.where(rs == 0, 0.0, (g * y).sum(0) / mx.where(rs == 0, 1.0, rs * norm))
+    assert mx.allclose(dm, want, rtol=1e-5, atol=1e-5).item() and dm[5].item() == 0.0
+    assert mx.allclose(gb, 1.5 * product * rs, rtol=1e-6, atol=0).item()
+    assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m, norm)).item()
+
+
+def test_probe_keeps_the_earlier_magnitude_kernel_equal_to_the_current(simulated, monkeypatch):
+    """scripts/probes/dora_variants.py keeps the second sums kernel as it was (a thread a column) for
+    dora_kernel_cost.py to time beside the current one: the same gradients, to float32 rounding."""
+    from pathlib import Path
+
+    from meshtune.adapters import kernels
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    import dora_variants
+
+    k = mx.random.split(mx.random.key(14), 5)
+    g, y = mx.random.normal((400, 70), key=k[0]), mx.random.normal((400, 70), key=k[1])
+    m, norm = mx.random.uniform(1.0, 4.0, (70,), key=k[2]), mx.random.uniform(0.5, 3.0, (70,), key=k[3])
+    product = mx.random.normal((12, 70), key=k[4])
+    got = dora_variants.magnitude_b_grad_a_thread_a_column(g, y, m, norm, product, 1.5)
+    want = kernels.magnitude_grad_cuda(g, y, m, norm, b_product=product, b_scale=1.5)
+    assert mx.allclose(got[0], want[0], rtol=1e-5, atol=1e-6).item() and mx.array_equal(got[1], want[1]).item()
+
+
 @pytest.mark.parametrize("rows, cols", [(100, 40), (7, 16), (300, 18)])  # 16-byte accesses; 18: one column a thread
 def test_cotangent_kernel(simulated, rows, cols):
     from meshtune.adapters import kernels

@@ -366,21 +366,34 @@ _COTANGENT = """
 # its own), so a training step hands each layer no view of its own. @B_GRAD@: with B's gradient in the
 # folded product, d B = s (x A)^T g rs from the product p = (x A)^T g in GT: s p rounded to GT as MLX's
 # multiply by s rounds it (s first rounded to GT, as MLX casts a Python scalar), then times rs, formed here.
+# A block takes 32 columns: its 8 warps sum every 8th chunk of them (warp j chunks j, j + 8, ...: a warp's
+# reads are 32 adjacent floats), then each column adds the 8 sums in warp order, so the order is fixed.
+# One thread a column summing every chunk in turn left 4-24 blocks on the GPU doing 22-128 dependent reads
+# each: ~10 us a launch, 1.19 ms for the 1B step's 112 (docs/bench/dora_stacked_bases_h200.txt).
 _MAGNITUDE_GRAD = """
     const float* norm = norms + off[0];
     RS_FROM_M
-    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ float sums[8][32];
+    int c = threadIdx.x & 31, j = threadIdx.x >> 5;
+    int col = blockIdx.x * 32 + c;
+    float sum = 0.0f;
+    if (col < COLS)
+        for (int k = j; k < CHUNKS; k += 8) sum += part[(long long)k * COLS + col];
+    sums[j][c] = sum;
+    __syncthreads();
     if (col < COLS) {
-        float sum = 0.0f;
-        for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
+        float total = 0.0f;
+        for (int i = 0; i < 8; ++i) total += sums[i][c];
         float rs = row_scale(col);
-        float den = rs * norm[col];
-        dm[col] = den == 0.0f ? 0.0f : sum / den;@B_GRAD@
+        if (j == 0) {
+            float den = rs * norm[col];
+            dm[col] = den == 0.0f ? 0.0f : total / den;
+        }@B_GRAD@
     }
 """
 _B_GRAD = """
         float sc = static_cast<float>(static_cast<GT>(bscale[0]));
-        for (int k = 0; k < R; ++k) {
+        for (int k = j; k < R; k += 8) {  // B's rows shared out over the warps
             long long e = (long long)k * COLS + col;
             gbo[e] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[e]))) * rs;
         }"""
@@ -922,7 +935,7 @@ def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array | StackedNo
     norms, offset = _norm_input(norm)
     inputs = [part, m.astype(mx.float32), norms, offset]
     template = [("COLS", cols), ("CHUNKS", chunks), ("T", dtype)]
-    grid = dict(grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
+    grid = dict(grid=(-(-cols // 32) * 256, 1, 1), threadgroup=(256, 1, 1))  # 32 columns a block
     if b_product is None:
         k = _kernel("meshtune_dora_magnitude_grad", ["part", "m", "norms", "off"], ["dm"], _MAGNITUDE_GRAD)
         (dm,) = k(inputs=inputs, template=template, output_shapes=[(cols,)], output_dtypes=[mx.float32], **grid)

@@ -145,6 +145,12 @@ pieces = {
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
        for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
     "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
+    # The folded step's form: m's and B's gradients, the second kernel's sums spread over a block's warps (current)
+    # or a thread a column (before).
+    "m's and B's gradients (2)": lambda d: list(K.magnitude_grad_cuda(
+        d["g"], d["y"], d["m"], d["w_sq"], b_product=d["b"].astype(dt), b_scale=20.0)),
+    "m's and B's gradients, a thread a column (2)": lambda d: list(V.magnitude_b_grad_a_thread_a_column(
+        d["g"], d["y"], d["m"], d["w_sq"], d["b"].astype(dt), 20.0)),
     "cotangent kernels (2)": cotangent,
     **{f"cotangent, {n} blocks": patched(cotangent, _COTANGENT_BLOCKS=n) for n in (264, 1056, 2112)},
     "cotangent in one launch": lambda d: list(V.one_launch_cotangent(d["g"], d["y"], d["m"], d["w_sq"])),

@@ -71,3 +71,44 @@ def one_launch_cotangent(g, y, m, norm):
                   output_shapes=[(rows, cols), (chunks, cols), (cols,)],
                   output_dtypes=[g.dtype, mx.float32, mx.float32])
     return gz, dm
+
+
+# m's and B's gradient from the column sums' chunks as kernels.py had it before the sums were spread over a
+# block's 8 warps: one thread a column adding every chunk in turn (blocks of 256 columns).
+_COLUMN_A_THREAD = """
+    const float* norm = norms + off[0];
+    auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col < COLS) {
+        float sum = 0.0f;
+        for (int k = 0; k < CHUNKS; ++k) sum += part[(long long)k * COLS + col];
+        float rs = row_scale(col);
+        float den = rs * norm[col];
+        dm[col] = den == 0.0f ? 0.0f : sum / den;
+        float sc = static_cast<float>(static_cast<GT>(bscale[0]));
+        for (int k = 0; k < R; ++k) {
+            long long e = (long long)k * COLS + col;
+            gbo[e] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[e]))) * rs;
+        }
+    }
+"""
+
+
+def magnitude_b_grad_a_thread_a_column(g, y, m, norm, b_product, b_scale):
+    """kernels.magnitude_grad_cuda(..., b_product=, b_scale=) with the second kernel in its earlier form."""
+    rows, cols = g.shape
+    vec, strips, chunk, chunks = K.cotangent_grid(rows, cols, g.dtype)
+    sums = K._kernel("meshtune_dora_column_sums", ["g", "y"], ["part"], K._COLUMN_SUMS)
+    (part,) = sums(inputs=[g, y], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                            ("T", g.dtype), ("YT", y.dtype)],
+                   grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                   output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])
+    k = K._kernel("probe_dora_magnitude_b_grad_a_thread_a_column", ["part", "m", "norms", "off", "gb", "bscale"],
+                  ["dm", "gbo"], _COLUMN_A_THREAD)
+    r = b_product.shape[0]
+    inputs = [part, m.astype(mx.float32), norm, mx.array([0], dtype=mx.int32), b_product,
+              mx.array([b_scale], dtype=mx.float32)]
+    return k(inputs=inputs, template=[("COLS", cols), ("CHUNKS", chunks), ("T", g.dtype), ("R", r),
+                                      ("GT", b_product.dtype)],
+             grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+             output_shapes=[(cols,), (r, cols)], output_dtypes=[mx.float32, mx.float32])
