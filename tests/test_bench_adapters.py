@@ -144,3 +144,56 @@ def test_generation_is_timed_in_interleaved_rounds(monkeypatch):
     assert calls == ["load " + n for n in names] + names * 4
     # Decode calls return 1, 2, 3, ... in call order: model j's rounds return j+1, j+5, j+9, j+13.
     assert got == {n: statistics.median([j + 1, j + 5, j + 9, j + 13]) for j, n in enumerate(names)}
+
+
+def _saved(path, table, out, **ratios):
+    """One invocation's saved output (its table, then its JSON line) with some ratios replaced."""
+    path.write_text("\n".join(table) + "\n" + json.dumps({**out, **ratios}) + "\n")
+    return str(path)
+
+
+def test_combine_judges_the_median_of_each_ratio_over_invocations(bench, tmp_path):
+    """--combine reads each saved invocation's last JSON line, prints every ratio per invocation beside the
+    median, and judges the targets on the medians (stock's medians beside them)."""
+    from conftest import run_cli
+
+    table, out = bench
+    values = {"dora_over_lora_step_bf16": (1.31, 1.02, 1.08), "dora_over_lora_step_4bit": (1.04, 1.17, 1.21),
+              "stock_dora_over_lora_step_bf16": (1.5, 1.4, 1.6)}
+    files = [_saved(tmp_path / f"run{i}.txt", table, out, **{k: v[i] for k, v in values.items()}) for i in range(3)]
+    proc = run_cli("bench", "adapters", "--combine", *files, "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    got = json.loads(lines[-1])
+    assert got["invocations"] == 3 and [r["file"] for r in got["runs"]] == files
+    assert got["dora_over_lora_step_bf16"] == pytest.approx(1.08) and got["targets_met"]["dora_over_lora_step_bf16"]
+    assert got["dora_over_lora_step_4bit"] == pytest.approx(1.17) and not got["targets_met"]["dora_over_lora_step_4bit"]
+    assert got["stock_dora_over_lora_step_bf16"] == pytest.approx(1.5)
+    assert got["qlora_over_lora_step"] == pytest.approx(out["qlora_over_lora_step"])
+    row = next(line for line in lines if line.strip().startswith("step, DoRA / LoRA, 4-bit"))
+    assert re.findall(NUMBER + "x", row)[:4] == ["1.04", "1.17", "1.21", "1.17"] and row.endswith("missed")
+
+
+def test_combine_refuses_what_is_not_one_measurement(bench, tmp_path):
+    """Each bad set of files exits 2 with one line naming the file (and line) and the fix."""
+    from conftest import run_cli
+
+    table, out = bench
+    good = _saved(tmp_path / "good.txt", table, out)
+    other = _saved(tmp_path / "other.txt", table, {**out, "seq_len": out["seq_len"] * 2})
+    no_json = tmp_path / "table_only.txt"
+    no_json.write_text("\n".join(table) + "\n")
+    broken = tmp_path / "broken.txt"
+    broken.write_text("training step\n{\"dora_over_lora_step_bf16\": 1.0,\n")
+    foreign = tmp_path / "foreign.txt"
+    foreign.write_text('{"tokens_per_s": 3}\n')
+    cases = [([good, str(tmp_path / "missing.txt")], "missing.txt: cannot read it"),
+             ([good, str(no_json)], "table_only.txt: no JSON line"),
+             ([good, str(broken)], "broken.txt:2: its JSON line does not parse"),
+             ([good, str(foreign)], "foreign.txt:1: no 'qlora_over_lora_step'"),
+             ([good, other], "other.txt: seq_len is"),
+             ([good], "two or more")]
+    for files, message in cases:
+        proc = run_cli("bench", "adapters", "--combine", *files, timeout=120)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and message in err[0], (files, proc.stderr)

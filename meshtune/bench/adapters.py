@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                         "dispatched while the device runs the one before (auto: on a GPU). Stock mlx-lm's loop "
                         "waits for each step, as mlx_lm.lora does.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
+    p.add_argument("--combine", nargs="+", metavar="RUN", default=None,
+                   help="Time nothing: judge the saved outputs of several --json invocations together, each "
+                        "ratio per invocation and as their median (adapters_runs.py).")
     return p
 
 
@@ -419,6 +422,10 @@ class _Progress:
 
 def main(argv: list[str]) -> int:
     a = _settings(argv)
+    if a.combine:
+        from .adapters_runs import main as combine_runs
+
+        return combine_runs(a.combine, a.json)
     a.keep_freed_memory = a.keep_freed_memory and keep_freed_memory()  # before any model exists
     from ..adapters import set_base_path
 

@@ -1,0 +1,104 @@
+"""`meshtune bench adapters --combine RUN.txt ...`: several invocations' ratios judged together.
+
+One invocation times stock mlx-lm and meshtune side by side in one process, but on an H200 its
+DoRA / LoRA step ratio moved by about 0.1 from one process to the next on the same code and
+machine (1.19x, 1.12x and 0.98x on bf16: docs/bench/adapters_h200_packed.txt, adapters_h200_19.txt),
+more than the target's margin. Each file here is the saved output of one `meshtune bench adapters
+--json` invocation (its last JSON line is read); every ratio, stock's and meshtune's, is shown per
+invocation and as the median over them, and the targets are judged on the medians. The invocations
+must share their settings (preset, shape, batch, device, ...): a mix is refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+# The ratios of one invocation's JSON (meshtune's; stock's carry a "stock_" prefix) and the text of their rows.
+RATIO_ROWS = (("qlora_over_lora_step", "step, 4-bit LoRA / {dense} LoRA"),
+              ("dora_over_lora_step_bf16", "step, DoRA / LoRA, {dense}"),
+              ("dora_over_lora_step_4bit", "step, DoRA / LoRA, 4-bit"),
+              ("dora_over_lora_generate_4bit", "generate tok/s, DoRA / LoRA, 4-bit"),
+              ("dora_over_lora_generate_bf16", "generate tok/s, DoRA / LoRA, {dense}"))
+# Settings the invocations must share for their ratios to be one measurement's.
+SAME_SETTINGS = ("preset", "shape", "device", "dense_dtype", "batch_size", "seq_len", "steps", "rounds",
+                 "gen_tokens", "rank", "scale", "num_layers", "overlap_steps", "base_path")
+_FIX = "pass the saved output of `meshtune bench adapters ... --json`"
+
+
+def load_run(path: str) -> dict:
+    """The JSON object an invocation printed last in the file at `path`."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror}); {_FIX}") from None
+    for number in range(len(lines), 0, -1):
+        line = lines[number - 1].strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            run = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: its JSON line does not parse ({err.msg}); {_FIX}") from None
+        missing = [key for key, _ in RATIO_ROWS for key in (key, "stock_" + key) if key not in run]
+        if missing or not isinstance(run.get("targets"), dict):
+            what = f"no {missing[0]!r}" if missing else "no 'targets'"
+            raise ValueError(f"{path}:{number}: {what}: not a `meshtune bench adapters --json` line; {_FIX}")
+        return run
+    raise ValueError(f"{path}: no JSON line in it; {_FIX}")
+
+
+def combine(runs: list[dict], names: list[str]) -> dict:
+    """Per-invocation ratios, their medians (the bare keys, as one invocation's) and the targets judged on them."""
+    if len(runs) < 2:
+        raise ValueError("--combine takes two or more saved invocations (one is its own table already)")
+    for key in SAME_SETTINGS:
+        for run, name in zip(runs[1:], names[1:]):
+            if run.get(key) != runs[0].get(key):
+                raise ValueError(f"{name}: {key} is {run.get(key)!r} where {names[0]} has {runs[0].get(key)!r}; "
+                                 "combine invocations of the same settings")
+    keys = [k for key, _ in RATIO_ROWS for k in (key, "stock_" + key)]
+    medians = {k: statistics.median(run[k] for run in runs) for k in keys}
+    targets = runs[0]["targets"]
+    met = {key: _met(medians[key], target) for key, target in targets.items()}
+    return {**medians, "targets": targets, "targets_met": met, "invocations": len(runs),
+            "runs": [{"file": name, **{k: run[k] for k in keys}} for run, name in zip(runs, names)],
+            **{key: runs[0].get(key) for key in SAME_SETTINGS}}
+
+
+def _met(value: float, target: str) -> bool:
+    op, bound = target.split()
+    return value <= float(bound) if op == "<=" else value >= float(bound)
+
+
+def print_combined(result: dict) -> None:
+    dense = result.get("dense_dtype") or "dense"
+    runs = result["runs"]
+    print(f"adapters benchmark, {result['invocations']} invocations combined: {result.get('device')}, "
+          f"preset {result.get('preset')}, batch {result.get('batch_size')} x {result.get('seq_len')}, "
+          f"{result.get('steps')} steps in {result.get('rounds')} rounds each")
+    for i, run in enumerate(runs, 1):
+        print(f"  run {i}: {run['file']}")
+    head = "".join(f"{'run ' + str(i):>9}" for i in range(1, len(runs) + 1))
+    print(f"\n{'meshtune ratios':<40}{head}{'median':>9}   target (on the median)")
+    for key, text in RATIO_ROWS:
+        cells = "".join(f"{run[key]:>8.2f}x" for run in runs)
+        target = result["targets"].get(key)
+        verdict = ""
+        if target:
+            op, bound = target.split()
+            verdict = f"{op} {float(bound):.2f}x {'met' if result['targets_met'][key] else 'missed'}"
+        print(f"  {text.format(dense=dense):<38}{cells}{result[key]:>8.2f}x   {verdict}")
+    print(f"\n{'stock mlx-lm ratios':<40}{head}{'median':>9}")
+    for key, text in RATIO_ROWS:
+        cells = "".join(f"{run['stock_' + key]:>8.2f}x" for run in runs)
+        print(f"  {text.format(dense=dense):<38}{cells}{result['stock_' + key]:>8.2f}x")
+
+
+def main(paths: list[str], as_json: bool) -> int:
+    result = combine([load_run(p) for p in paths], list(paths))
+    print_combined(result)
+    if as_json:
+        print(json.dumps(result))
+    return 0
