@@ -14,7 +14,7 @@ demo: $(STAMP)
 
 # Tests import MLX in-process, so the BLAS preload is set here rather than by re-exec.
 test: $(STAMP)
-	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m pytest -q tests
+	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m pytest -q --durations=15 tests
 
 # make soak: 2,000 steps on 2 ranks (memory growth) and 20 short 3-rank runs (no hang); not in `make test`.
 soak: $(STAMP)
