@@ -175,8 +175,11 @@ def test_combine_judges_the_median_of_each_ratio_over_invocations(bench, tmp_pat
 
 
 def test_combine_refuses_what_is_not_one_measurement(bench, tmp_path):
-    """Each bad set of files exits 2 with one line naming the file (and line) and the fix."""
+    """Each bad set of files is refused with one message naming the file (and line) and the fix; on the command
+    line that is exit 2 and one stderr line."""
     from conftest import run_cli
+
+    from meshtune.bench import adapters_runs
 
     table, out = bench
     good = _saved(tmp_path / "good.txt", table, out)
@@ -194,6 +197,9 @@ def test_combine_refuses_what_is_not_one_measurement(bench, tmp_path):
              ([good, other], "other.txt: seq_len is"),
              ([good], "two or more")]
     for files, message in cases:
-        proc = run_cli("bench", "adapters", "--combine", *files, timeout=120)
-        err = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(err) == 1 and message in err[0], (files, proc.stderr)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            adapters_runs.main(files, as_json=False)
+    proc = run_cli("bench", "adapters", "--combine", good, other, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "other.txt: seq_len is" in err[0], proc.stderr
+    assert "combine invocations of the same settings" in err[0] and not proc.stdout.strip()
