@@ -366,26 +366,27 @@ _COTANGENT = """
 # its own), so a training step hands each layer no view of its own. @B_GRAD@: with B's gradient in the
 # folded product, d B = s (x A)^T g rs from the product p = (x A)^T g in GT: s p rounded to GT as MLX's
 # multiply by s rounds it (s first rounded to GT, as MLX casts a Python scalar), then times rs, formed here.
-# A block takes 32 columns: its 8 warps sum every 8th chunk of them (warp j chunks j, j + 8, ...: a warp's
-# reads are 32 adjacent floats), then each column adds the 8 sums in warp order, so the order is fixed.
-# One thread a column summing every chunk in turn left 4-24 blocks on the GPU doing 22-128 dependent reads
-# each: ~10 us a launch, 1.19 ms for the 1B step's 112 (docs/bench/dora_stacked_bases_h200.txt).
+# A block takes 32 columns: its _SUM_WARPS warps sum every _SUM_WARPS-th chunk of them (warp j chunks j,
+# j + 8, ...: a warp's reads are 32 adjacent floats), then each column adds the warps' sums in warp order, so
+# the order is fixed. One thread a column summing every chunk in turn left 4-24 blocks on the GPU doing 22-128
+# dependent reads each (docs/bench/magnitude_sums_h200.txt: 2.23 -> 2.10 ms with the column sums, 112 layers).
+_SUM_WARPS = 8
 _MAGNITUDE_GRAD = """
     const float* norm = norms + off[0];
     RS_FROM_M
-    __shared__ float sums[8][32];
+    __shared__ float sums[WARPS][32];
     int c = threadIdx.x & 31, j = threadIdx.x >> 5;
     int col = blockIdx.x * 32 + c;
     float sum = 0.0f;
     if (col < COLS)
-        for (int k = j; k < CHUNKS; k += 8) sum += part[(long long)k * COLS + col];
+        for (int k = j; k < CHUNKS; k += WARPS) sum += part[(long long)k * COLS + col];
     sums[j][c] = sum;
     __syncthreads();
     if (col < COLS) {
-        float total = 0.0f;
-        for (int i = 0; i < 8; ++i) total += sums[i][c];
         float rs = row_scale(col);
         if (j == 0) {
+            float total = 0.0f;
+            for (int i = 0; i < WARPS; ++i) total += sums[i][c];
             float den = rs * norm[col];
             dm[col] = den == 0.0f ? 0.0f : total / den;
         }@B_GRAD@
@@ -393,7 +394,7 @@ _MAGNITUDE_GRAD = """
 """
 _B_GRAD = """
         float sc = static_cast<float>(static_cast<GT>(bscale[0]));
-        for (int k = j; k < R; k += 8) {  // B's rows shared out over the warps
+        for (int k = j; k < R; k += WARPS) {  // B's rows shared out over the warps
             long long e = (long long)k * COLS + col;
             gbo[e] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[e]))) * rs;
         }"""
@@ -401,8 +402,9 @@ _B_GRAD = """
 # DoRA's row scale rs = m / norm, rounded to the activations' dtype T as the MLX ops round it,
 # computed where it is used (no launch of its own, no rs array).
 _RS_FROM_M = "auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };"
-_MAGNITUDE_AND_B_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M).replace("@B_GRAD@", _B_GRAD)
-_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M).replace("@B_GRAD@", "")
+_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M)
+_MAGNITUDE_AND_B_GRAD = _MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD).replace("WARPS", str(_SUM_WARPS))
+_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("@B_GRAD@", "").replace("WARPS", str(_SUM_WARPS))
 # The cotangent kernel writes g * rs beside the column sums; the sums-only kernel
 # (magnitude_grad_cuda, for a product folded into W' and B', row_norms_and_scaled_cuda) does not.
 _SCALED_COTANGENT = {
@@ -918,6 +920,11 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
     returns (m's gradient, B's = (b_scale * b_product in its dtype) * rs float32), in the same launch: the
     scale's multiply is no operation of its own in the step.
     """
+    return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
+
+
+def column_sums(g: mx.array, y: mx.array) -> mx.array:
+    """sum_t g * y float32 by chunks of rows, (chunks, cols): the first of m's gradient's two launches."""
     rows, cols = g.shape
     vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
     k = _kernel("meshtune_dora_column_sums", ["g", "y"], ["part"], _COLUMN_SUMS)
@@ -925,7 +932,7 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
                                          ("T", g.dtype), ("YT", y.dtype)],
                 grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                 output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])
-    return _magnitude_from_sums(part, m, norm, rs_dtype or g.dtype, b_product, b_scale)
+    return part
 
 
 def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array | StackedNorm, dtype: mx.Dtype,
@@ -935,7 +942,7 @@ def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array | StackedNo
     norms, offset = _norm_input(norm)
     inputs = [part, m.astype(mx.float32), norms, offset]
     template = [("COLS", cols), ("CHUNKS", chunks), ("T", dtype)]
-    grid = dict(grid=(-(-cols // 32) * 256, 1, 1), threadgroup=(256, 1, 1))  # 32 columns a block
+    grid = dict(grid=(-(-cols // 32) * 32 * _SUM_WARPS, 1, 1), threadgroup=(32 * _SUM_WARPS, 1, 1))  # 32 columns a block
     if b_product is None:
         k = _kernel("meshtune_dora_magnitude_grad", ["part", "m", "norms", "off"], ["dm"], _MAGNITUDE_GRAD)
         (dm,) = k(inputs=inputs, template=template, output_shapes=[(cols,)], output_dtypes=[mx.float32], **grid)

@@ -60,6 +60,12 @@ LABELS = {"stock": "stock mlx-lm", "meshtune": "meshtune", "lora": "LoRA", "dora
 # meshtune's targets from the issue: (ratio key, bound, "<=" or ">=").
 TARGETS = (("qlora_over_lora_step", 1.25, "<="), ("dora_over_lora_step_bf16", 1.10, "<="),
            ("dora_over_lora_step_4bit", 1.10, "<="), ("dora_over_lora_generate_4bit", 0.8, ">="))
+# The judged ratios (meshtune's keys; stock's carry a "stock_" prefix) and their rows' text ({dense}: the dense dtype).
+RATIO_ROWS = (("qlora_over_lora_step", "step, 4-bit LoRA / {dense} LoRA"),
+              ("dora_over_lora_step_bf16", "step, DoRA / LoRA, {dense}"),
+              ("dora_over_lora_step_4bit", "step, DoRA / LoRA, 4-bit"),
+              ("dora_over_lora_generate_4bit", "generate tok/s, DoRA / LoRA, 4-bit"),
+              ("dora_over_lora_generate_bf16", "generate tok/s, DoRA / LoRA, {dense}"))
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 PROMPT_TOKENS = 16
 StepRunner = Callable[[mx.array, mx.array], mx.array]
@@ -343,7 +349,7 @@ def ratios(step_s: dict[str, float], gen: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _met(value: float, bound: float, op: str) -> bool:
+def met_target(value: float, bound: float, op: str) -> bool:
     return value <= bound if op == "<=" else value >= bound
 
 
@@ -391,18 +397,14 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
             st, ours = gen[f"stock_{kind}_{base}"], gen[f"meshtune_{kind}_{base}"]
             print(f"  {LABELS[kind] + ' ' + label[base]:<16}{st:>22.1f}{ours:>22.1f}{ours / st:>15.2f}x")
     gpu_note = "" if not _on_cpu() else " (the target is the GPU's; on the CPU the figure stands beside stock's)"
-    rows = (("qlora_over_lora_step", f"step, 4-bit LoRA / {dense} LoRA"),
-            ("dora_over_lora_step_bf16", f"step, DoRA / LoRA, {dense}"),
-            ("dora_over_lora_step_4bit", "step, DoRA / LoRA, 4-bit"),
-            ("dora_over_lora_generate_4bit", "generate tok/s, DoRA / LoRA, 4-bit"),
-            ("dora_over_lora_generate_bf16", f"generate tok/s, DoRA / LoRA, {dense}"))
     bounds = {k: (b, op) for k, b, op in TARGETS}
     print(f"\nratios{'':<32}{LABELS['stock']:>14}{LABELS['meshtune']:>12}{'meshtune by round':>20}   meshtune target")
-    for key, text in rows:
+    for key, text in RATIO_ROWS:
+        text = text.format(dense=dense)
         target = ""
         if key in bounds:
             bound, op = bounds[key]
-            target = f"{op} {bound:.2f}x {'met' if _met(r[key], bound, op) else 'missed'}"
+            target = f"{op} {bound:.2f}x {'met' if met_target(r[key], bound, op) else 'missed'}"
             target += gpu_note if key == "qlora_over_lora_step" else ""
         spread = f"{min(by_round[key]):.2f}-{max(by_round[key]):.2f}x" if key in by_round else ""
         print(f"  {text:<36}{r['stock_' + key]:>13.2f}x{r[key]:>11.2f}x{spread:>20}   {target}")
@@ -458,7 +460,7 @@ def main(argv: list[str]) -> int:
             "step_tok_s": {k: tokens / v for k, v in step_s.items()},
             "generate_tok_s": gen,
             "targets": {k: f"{op} {b}" for k, b, op in TARGETS},
-            "targets_met": {k: _met(r[k], b, op) for k, b, op in TARGETS},
+            "targets_met": {k: met_target(r[k], b, op) for k, b, op in TARGETS},
             "step_ratios_by_round": by_round,
             "device": describe_device(), "dense_dtype": dense, "blas": describe_blas(),
             "keep_freed_memory": a.keep_freed_memory, "overlap_steps": a.overlap,

@@ -15,15 +15,13 @@ import json
 import statistics
 from pathlib import Path
 
-# The ratios of one invocation's JSON (meshtune's; stock's carry a "stock_" prefix) and the text of their rows.
-RATIO_ROWS = (("qlora_over_lora_step", "step, 4-bit LoRA / {dense} LoRA"),
-              ("dora_over_lora_step_bf16", "step, DoRA / LoRA, {dense}"),
-              ("dora_over_lora_step_4bit", "step, DoRA / LoRA, 4-bit"),
-              ("dora_over_lora_generate_4bit", "generate tok/s, DoRA / LoRA, 4-bit"),
-              ("dora_over_lora_generate_bf16", "generate tok/s, DoRA / LoRA, {dense}"))
+from .adapters import RATIO_ROWS, TARGETS, met_target
+
 # Settings the invocations must share for their ratios to be one measurement's.
 SAME_SETTINGS = ("preset", "shape", "device", "dense_dtype", "batch_size", "seq_len", "steps", "rounds",
                  "gen_tokens", "rank", "scale", "num_layers", "overlap_steps", "base_path")
+# Every judged ratio's key, meshtune's and stock's.
+RATIO_KEYS = [k for key, _ in RATIO_ROWS for k in (key, "stock_" + key)]
 _FIX = "pass the saved output of `meshtune bench adapters ... --json`"
 
 
@@ -41,10 +39,9 @@ def load_run(path: str) -> dict:
             run = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: its JSON line does not parse ({err.msg}); {_FIX}") from None
-        missing = [key for key, _ in RATIO_ROWS for key in (key, "stock_" + key) if key not in run]
-        if missing or not isinstance(run.get("targets"), dict):
-            what = f"no {missing[0]!r}" if missing else "no 'targets'"
-            raise ValueError(f"{path}:{number}: {what}: not a `meshtune bench adapters --json` line; {_FIX}")
+        missing = [key for key in RATIO_KEYS if key not in run]
+        if missing:
+            raise ValueError(f"{path}:{number}: no {missing[0]!r}: not a `meshtune bench adapters --json` line; {_FIX}")
         return run
     raise ValueError(f"{path}: no JSON line in it; {_FIX}")
 
@@ -58,18 +55,12 @@ def combine(runs: list[dict], names: list[str]) -> dict:
             if run.get(key) != runs[0].get(key):
                 raise ValueError(f"{name}: {key} is {run.get(key)!r} where {names[0]} has {runs[0].get(key)!r}; "
                                  "combine invocations of the same settings")
-    keys = [k for key, _ in RATIO_ROWS for k in (key, "stock_" + key)]
-    medians = {k: statistics.median(run[k] for run in runs) for k in keys}
-    targets = runs[0]["targets"]
-    met = {key: _met(medians[key], target) for key, target in targets.items()}
-    return {**medians, "targets": targets, "targets_met": met, "invocations": len(runs),
-            "runs": [{"file": name, **{k: run[k] for k in keys}} for run, name in zip(runs, names)],
+    medians = {k: statistics.median(run[k] for run in runs) for k in RATIO_KEYS}
+    return {**medians, "targets": {key: f"{op} {bound}" for key, bound, op in TARGETS},
+            "targets_met": {key: met_target(medians[key], bound, op) for key, bound, op in TARGETS},
+            "invocations": len(runs),
+            "runs": [{"file": name, **{k: run[k] for k in RATIO_KEYS}} for run, name in zip(runs, names)],
             **{key: runs[0].get(key) for key in SAME_SETTINGS}}
-
-
-def _met(value: float, target: str) -> bool:
-    op, bound = target.split()
-    return value <= float(bound) if op == "<=" else value >= float(bound)
 
 
 def print_combined(result: dict) -> None:
@@ -82,13 +73,13 @@ def print_combined(result: dict) -> None:
         print(f"  run {i}: {run['file']}")
     head = "".join(f"{'run ' + str(i):>9}" for i in range(1, len(runs) + 1))
     print(f"\n{'meshtune ratios':<40}{head}{'median':>9}   target (on the median)")
+    bounds = {key: (bound, op) for key, bound, op in TARGETS}
     for key, text in RATIO_ROWS:
         cells = "".join(f"{run[key]:>8.2f}x" for run in runs)
-        target = result["targets"].get(key)
         verdict = ""
-        if target:
-            op, bound = target.split()
-            verdict = f"{op} {float(bound):.2f}x {'met' if result['targets_met'][key] else 'missed'}"
+        if key in bounds:
+            bound, op = bounds[key]
+            verdict = f"{op} {bound:.2f}x {'met' if result['targets_met'][key] else 'missed'}"
         print(f"  {text.format(dense=dense):<38}{cells}{result[key]:>8.2f}x   {verdict}")
     print(f"\n{'stock mlx-lm ratios':<40}{head}{'median':>9}")
     for key, text in RATIO_ROWS:

@@ -96,13 +96,8 @@ _COLUMN_A_THREAD = """
 
 def magnitude_b_grad_a_thread_a_column(g, y, m, norm, b_product, b_scale):
     """kernels.magnitude_grad_cuda(..., b_product=, b_scale=) with the second kernel in its earlier form."""
-    rows, cols = g.shape
-    vec, strips, chunk, chunks = K.cotangent_grid(rows, cols, g.dtype)
-    sums = K._kernel("meshtune_dora_column_sums", ["g", "y"], ["part"], K._COLUMN_SUMS)
-    (part,) = sums(inputs=[g, y], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
-                                            ("T", g.dtype), ("YT", y.dtype)],
-                   grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
-                   output_shapes=[(chunks, cols)], output_dtypes=[mx.float32])
+    part = K.column_sums(g, y)
+    chunks, cols = part.shape
     k = K._kernel("probe_dora_magnitude_b_grad_a_thread_a_column", ["part", "m", "norms", "off", "gb", "bscale"],
                   ["dm", "gbo"], _COLUMN_A_THREAD)
     r = b_product.shape[0]
