@@ -13,8 +13,13 @@ demo: $(STAMP)
 	$(VENV)/bin/meshtune demo
 
 # Tests import MLX in-process, so the BLAS preload is set here rather than by re-exec.
+# Two tests at a time (pytest-xdist; TEST_WORKERS=1 for one), then alone the `serial` ones,
+# which time a lost rank or a watchdog in seconds and must not share the cores.
+TEST_WORKERS ?= 2
+TEST_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS))
 test: $(STAMP)
-	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m pytest -q --durations=15 tests
+	$(TEST_ENV) $(PY) -m pytest -q -p xdist -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=15 tests
+	$(TEST_ENV) $(PY) -m pytest -q -m serial --durations=5 tests
 
 # make soak: 2,000 steps on 2 ranks (memory growth) and 20 short 3-rank runs (no hang); not in `make test`.
 soak: $(STAMP)

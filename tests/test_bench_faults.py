@@ -26,6 +26,7 @@ def test_memory_growth_sees_a_leak_and_passes_a_flat_run():
         memory_growth(_records([1.0] * 2, [1.0] * 2), steps=20)
 
 
+@pytest.mark.serial  # times the exit after the kill
 def test_bench_faults_kill_and_corrupt_cases_end_clean_and_resume_exactly():
     proc = subprocess.run([*CLI, "bench", "faults", "--case", "kill9_rank1", "--case", "corrupt_latest",
                            "--skip-badinput", "--json"], env=env(), capture_output=True, text=True, timeout=300)

@@ -172,6 +172,7 @@ def test_bench_scaling_prints_table_and_json():
     assert 0 < result["weak_scaling_lora"] < 2
 
 
+@pytest.mark.serial  # times the exit after the stop
 def test_a_stopped_rank_makes_the_others_exit_cleanly_and_resume_continues(tmp_path):
     import re
     import signal

@@ -20,6 +20,7 @@ from meshtune.launch import write_ring_hostfile
 from meshtune.watchdog import lost_peer, write_heartbeat
 
 WATCHDOG_S = 6.0
+pytestmark = pytest.mark.serial  # each test times the exit after a fault
 WHY = {signal.SIGKILL: r"killed by signal 9 \(SIGKILL\)", signal.SIGSTOP: r"stopped \(SIGSTOP\)"}
 
 
