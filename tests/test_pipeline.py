@@ -168,6 +168,9 @@ def test_pipeline_with_accumulation_and_clipping_matches_one_process(tmp_path):
 # 4 ranks: DP2 x PP2 on the ring backend (no Group.split). The suite's one run of that layout against one process
 # (4 ranks on a 2-core machine are slow: MLX's ring waits by spinning), so it checks the uninterrupted run too.
 # DoRA under pipelines is test_meshtune_train_pipelines_match_one_process's 1f1b-dora case.
+# Every run here is pinned (meshtune launch --pin: a core and one BLAS thread a rank; the one-process reference as a
+# rank of one): 4 spinning ranks on 2 cores took 53 s unpinned, 28 s pinned, and single-threaded stages drift from a
+# reference on the machine's BLAS threads past the tolerance Adam allows here (lora_b, 1e-4).
 @pytest.mark.parametrize("ranks, damage", [(2, False), (2, True), (4, False)])
 def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
     # Adam, so the optimizer state matters; 4 steps saving every 2, then --resume to 6.
@@ -175,7 +178,8 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
     cli = [sys.executable, "-m", "meshtune.cli"]
     args = ["train", "--train.steps_per_report", "2", "--steps-per-eval", "2", "--save-every", "2",
             "--train.val_batches", "2", "--optimizer", "adam", "--learning-rate", "0.001", "--batch-size", "8"]
-    two = [*cli, "launch", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", "2"]
+    one = [*cli, "launch", "--pin", "-n", "1", "--", *cli, *args]
+    two = [*cli, "launch", "--pin", "-n", str(ranks), "--", *cli, *args, "--parallel.pp", "2"]
 
     def run(command, *more):
         proc = subprocess.run([*command, *more], env=env, capture_output=True, text=True, timeout=300)
@@ -183,7 +187,7 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
         return proc
 
     if not damage:
-        run([*cli, *args], "--iters", "6", "--adapter-path", str(tmp_path / "one"))
+        run(one, "--iters", "6", "--adapter-path", str(tmp_path / "one"))
     run(two, "--iters", "6", "--adapter-path", str(tmp_path / "whole"))
     # The run as if stopped after its step-4 checkpoint: a copy without the step-6 one (a launch fewer than
     # training to 4 separately: ~20 s for 4 ranks on 2 cores). The resume below drops the copy's later reports.
@@ -200,7 +204,7 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
         (newest / "stage1.safetensors").write_bytes(bytes(data))
     if ranks == 2 and not damage:  # one process resumes the stages' checkpoint too, reading every shard
         shutil.copytree(tmp_path / "parts", tmp_path / "single")
-        assert "resumed from step 4" in run([*cli, *args], "--iters", "6", "--resume", "--adapter-path",
+        assert "resumed from step 4" in run(one, "--iters", "6", "--resume", "--adapter-path",
                                             str(tmp_path / "single")).stdout
     out = run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
     assert f"resumed from step {2 if damage else 4}" in out
