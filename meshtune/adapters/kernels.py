@@ -361,7 +361,7 @@ _COTANGENT = """
     }
 """
 
-# m's gradient from the chunks' column sums: a thread per column, chunks added in order. The layer's
+# m's gradient from the chunks' column sums (the second launch; below, how a block adds them). The layer's
 # norms are entries off[0] onward of `norms` (a launch's stacked norms, StackedNorm; 0 for an array of
 # its own), so a training step hands each layer no view of its own. @B_GRAD@: with B's gradient in the
 # folded product, d B = s (x A)^T g rs from the product p = (x A)^T g in GT: s p rounded to GT as MLX's
@@ -402,9 +402,6 @@ _B_GRAD = """
 # DoRA's row scale rs = m / norm, rounded to the activations' dtype T as the MLX ops round it,
 # computed where it is used (no launch of its own, no rs array).
 _RS_FROM_M = "auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };"
-_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("RS_FROM_M", _RS_FROM_M)
-_MAGNITUDE_AND_B_GRAD = _MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD).replace("WARPS", str(_SUM_WARPS))
-_MAGNITUDE_GRAD = _MAGNITUDE_GRAD.replace("@B_GRAD@", "").replace("WARPS", str(_SUM_WARPS))
 # The cotangent kernel writes g * rs beside the column sums; the sums-only kernel
 # (magnitude_grad_cuda, for a product folded into W' and B', row_norms_and_scaled_cuda) does not.
 _SCALED_COTANGENT = {
@@ -438,6 +435,9 @@ def _fill(source: str, parts: dict[str, str]) -> str:
 
 _COLUMN_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _SUMS_ONLY)
 _COTANGENT = _fill(_COTANGENT.replace("RS_FROM_M", _RS_FROM_M), _SCALED_COTANGENT)
+_MAGNITUDE_PARTS = {"RS_FROM_M": _RS_FROM_M, "WARPS": str(_SUM_WARPS)}
+_MAGNITUDE_AND_B_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD), _MAGNITUDE_PARTS)
+_MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PARTS)
 
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528

@@ -353,6 +353,14 @@ def met_target(value: float, bound: float, op: str) -> bool:
     return value <= bound if op == "<=" else value >= bound
 
 
+def target_verdict(key: str, value: float) -> str:
+    """'<= 1.10x met' (or missed) for a ratio with a target, '' for one without."""
+    for target, bound, op in TARGETS:
+        if target == key:
+            return f"{op} {bound:.2f}x {'met' if met_target(value, bound, op) else 'missed'}"
+    return ""
+
+
 def _crossovers() -> dict[str, int | None]:
     """meshtune's measured quantized/dense crossover per layer shape (None: never dense)."""
     from ..adapters import base_path
@@ -397,15 +405,10 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
             st, ours = gen[f"stock_{kind}_{base}"], gen[f"meshtune_{kind}_{base}"]
             print(f"  {LABELS[kind] + ' ' + label[base]:<16}{st:>22.1f}{ours:>22.1f}{ours / st:>15.2f}x")
     gpu_note = "" if not _on_cpu() else " (the target is the GPU's; on the CPU the figure stands beside stock's)"
-    bounds = {k: (b, op) for k, b, op in TARGETS}
     print(f"\nratios{'':<32}{LABELS['stock']:>14}{LABELS['meshtune']:>12}{'meshtune by round':>20}   meshtune target")
     for key, text in RATIO_ROWS:
         text = text.format(dense=dense)
-        target = ""
-        if key in bounds:
-            bound, op = bounds[key]
-            target = f"{op} {bound:.2f}x {'met' if met_target(r[key], bound, op) else 'missed'}"
-            target += gpu_note if key == "qlora_over_lora_step" else ""
+        target = target_verdict(key, r[key]) + (gpu_note if key == "qlora_over_lora_step" else "")
         spread = f"{min(by_round[key]):.2f}-{max(by_round[key]):.2f}x" if key in by_round else ""
         print(f"  {text:<36}{r['stock_' + key]:>13.2f}x{r[key]:>11.2f}x{spread:>20}   {target}")
     print("  (by round: the lowest and highest of the ratio taken from each round's median steps alone)")

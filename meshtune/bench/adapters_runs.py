@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .adapters import RATIO_ROWS, TARGETS, met_target
+from .adapters import RATIO_ROWS, TARGETS, met_target, target_verdict
 
 # Settings the invocations must share for their ratios to be one measurement's.
 SAME_SETTINGS = ("preset", "shape", "device", "dense_dtype", "batch_size", "seq_len", "steps", "rounds",
@@ -73,14 +73,9 @@ def print_combined(result: dict) -> None:
         print(f"  run {i}: {run['file']}")
     head = "".join(f"{'run ' + str(i):>9}" for i in range(1, len(runs) + 1))
     print(f"\n{'meshtune ratios':<40}{head}{'median':>9}   target (on the median)")
-    bounds = {key: (bound, op) for key, bound, op in TARGETS}
     for key, text in RATIO_ROWS:
         cells = "".join(f"{run[key]:>8.2f}x" for run in runs)
-        verdict = ""
-        if key in bounds:
-            bound, op = bounds[key]
-            verdict = f"{op} {bound:.2f}x {'met' if result['targets_met'][key] else 'missed'}"
-        print(f"  {text.format(dense=dense):<38}{cells}{result[key]:>8.2f}x   {verdict}")
+        print(f"  {text.format(dense=dense):<38}{cells}{result[key]:>8.2f}x   {target_verdict(key, result[key])}")
     print(f"\n{'stock mlx-lm ratios':<40}{head}{'median':>9}")
     for key, text in RATIO_ROWS:
         cells = "".join(f"{run['stock_' + key]:>8.2f}x" for run in runs)

@@ -77,7 +77,7 @@ def one_launch_cotangent(g, y, m, norm):
 # block's 8 warps: one thread a column adding every chunk in turn (blocks of 256 columns).
 _COLUMN_A_THREAD = """
     const float* norm = norms + off[0];
-    auto row_scale = [&](int c) { return static_cast<float>(static_cast<T>(m[c] / norm[c])); };
+    RS_FROM_M
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col < COLS) {
         float sum = 0.0f;
@@ -91,7 +91,7 @@ _COLUMN_A_THREAD = """
             gbo[e] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[e]))) * rs;
         }
     }
-"""
+""".replace("RS_FROM_M", K._RS_FROM_M)
 
 
 def magnitude_b_grad_a_thread_a_column(g, y, m, norm, b_product, b_scale):
