@@ -56,17 +56,21 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             b = [mx.random.normal((r, 48), key=next(k)) for _ in range(2)]
             m = [mx.ones((48,))] * 2
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
-            for loads, quads, tile in ((1, True, None), (4, True, 2048), (8, False, None)):
-                monkeypatch.setattr(kernels, "_SCALED_LOADS", loads)
-                monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
-                monkeypatch.setattr(kernels, "_TILE_FLOATS", tile)
-                kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
-            kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True)  # with A and B' (_WRITE_FACTORS)
-            # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator runs them).
-            packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32), mx.ones((48, inp // 64), dtype=dtype),
-                                           mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
-            if kernels.reads_packed(packed[0], r):
-                kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, factors=True)
+            # The folded launch with A resident (_RESIDENT_A; where the layout takes it: rank 8, 2048 wide) and staged.
+            for resident in (True, False):
+                monkeypatch.setattr(kernels, "_RESIDENT_A", resident)
+                for loads, quads, tile in ((1, True, None), (4, True, 2048), (8, False, None)):
+                    monkeypatch.setattr(kernels, "_SCALED_LOADS", loads)
+                    monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
+                    monkeypatch.setattr(kernels, "_TILE_FLOATS", tile)
+                    kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
+                kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True)  # with A and B' (_WRITE_FACTORS)
+                # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator runs them).
+                packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32),
+                                               mx.ones((48, inp // 64), dtype=dtype),
+                                               mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
+                if kernels.reads_packed(packed[0], r):
+                    kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, factors=True)
             monkeypatch.setattr(kernels, "_TWO_PASS", True)  # the two passes: segment sums, then W' or the norms
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
             kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)

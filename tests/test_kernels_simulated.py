@@ -283,6 +283,60 @@ def test_smaller_tiles_of_a_give_the_same_bits(simulated, monkeypatch, tile_floa
     _assert_same_bits(_both_kernels(*case), want, tile_floats)
 
 
+@pytest.mark.parametrize("inp, out, r, dtype, rows", [
+    (256, 45, 8, mx.bfloat16, 16),  # 32 threads of 8 columns; 45 rows: blocks of 16, batches of 4, the last short
+    (512, 70, 8, mx.bfloat16, 64),  # 64 threads (two warps added through shared memory); one block, part-filled
+    (384, 19, 5, mx.float32, 8),  # 4 columns a thread (float32), rank 5, three warps
+])
+def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, inp, out, r, dtype, rows):
+    """kernels._RESIDENT_A: the folded launch with A held in registers (a thread's columns of every row) gives the
+    staged kernel's norms and rs (float32 sums in another order: within 1e-6), W' = rs W from those rs, and A and
+    B' = B rs, two layers a launch, rows not a multiple of a block or a batch."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(inp + out), 8)
+    ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(dtype) for i in (0, 1)]
+    a = [mx.random.normal((inp, r), key=k[i]) / 8 for i in (2, 3)]
+    b = [mx.random.normal((r, out), key=k[i]) / 8 for i in (4, 5)]
+    ms = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (6, 7)]
+    monkeypatch.setattr(kernels, "RESIDENT_ROWS", rows)
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, factors=True)
+    assert simulated[kernels.row_norm_kernel_name(2, True, True, resident=True)].calls == 1
+    monkeypatch.setattr(kernels, "_RESIDENT_A", False)
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, factors=True)
+    assert simulated[kernels.row_norm_kernel_name(2, True, True)].calls == 1
+    norms, scaled, row_scales, a_cast, b_scaled = got
+    for n, want_n, rs, want_rs, m, w, sw, ac, a_l, bs, b_l in zip(norms, want[0], row_scales, want[2], ms, ws,
+                                                                 scaled, a_cast, a, b_scaled, b):
+        assert mx.allclose(n, want_n, rtol=1e-6).item() and mx.allclose(rs, want_rs, rtol=1e-6).item()
+        assert mx.allclose(rs, m / n, rtol=1e-6).item()
+        assert mx.array_equal(sw, (rs[:, None] * w.astype(mx.float32)).astype(dtype)).item()
+        assert mx.array_equal(ac, a_l.astype(dtype)).item() and mx.array_equal(bs, (b_l * rs).astype(dtype)).item()
+
+
+def test_resident_folded_kernel_reads_quantized_weights_packed(simulated, monkeypatch):
+    """The resident-A launch on a 4-bit base read packed gives what it gives on the dequantized weight."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(5), 8)
+    layers = [nn.QuantizedLinear.from_linear(nn.Linear(512, 37, bias=False), group_size=64, bits=4) for _ in range(2)]
+    packed = [kernels.packed_weight(layer) for layer in layers]
+    dense = [mx.dequantize(w.packed, w.scales, w.biases, group_size=64, bits=4) for w in packed]
+    a = [mx.random.normal((512, 8), key=k[i]) / 8 for i in range(2)]
+    b = [mx.random.normal((8, 37), key=k[2 + i]) for i in range(2)]
+    ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[4 + i]) for i in range(2)]
+    monkeypatch.setattr(kernels, "RESIDENT_ROWS", 16)
+    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [2.0, 0.5], ms, factors=True)
+    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 0.5], ms, factors=True)
+    assert simulated[kernels.row_norm_kernel_name(2, True, True, packed=True, resident=True)].calls == 1
+    assert simulated[kernels.row_norm_kernel_name(2, True, True, resident=True)].calls == 1
+    for kind, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
+        for g, w in zip(gots, wants):
+            assert g.shape == w.shape and mx.allclose(g, w, rtol=1e-6, atol=1e-6).item(), kind
+
+
 @pytest.mark.parametrize("loads", [4, 8])
 @pytest.mark.parametrize("inp, dtype", [(2100, mx.bfloat16), (600, mx.float32), (70, mx.bfloat16)])
 def test_scaled_weight_pass_with_loads_in_flight_writes_the_same_bits(simulated, monkeypatch, loads, inp, dtype):

@@ -598,6 +598,125 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
     return source
 
 
+# The folded launch with A resident (_RESIDENT_A, on): a thread takes VEC consecutive columns of every row
+# (IN = VEC x the block's threads) and holds A's rows for those columns in registers, loaded once a block;
+# the block takes RESIDENT_ROWS rows of one layer, RESIDENT_BATCH at a time: their loads in flight
+# together, each row's adapted elements d_j = w_ij + s sum_k A_jk B_ki squared and summed by the thread,
+# the warps' sums added through shared memory (one barrier a batch), and the row written as W' = rs W
+# from the registers it was read into (W read once, not again from the L2 cache). The one-pass kernel
+# above stages A through shared memory once per 16 rows (as many bytes of A moved as of W, and 4 floats
+# read from shared memory per element of W): the 1B step's launches ran at ~0.3-1.1 TB/s on an H200 by
+# the bytes they move. Taken where a row fits one block's threads with A's VEC x R floats at most 64
+# registers (rank 8 on a bfloat16 or 4-bit base, rows up to 4096 wide); elsewhere the staged kernel.
+_RESIDENT_A = True
+RESIDENT_ROWS = 64
+RESIDENT_BATCH = 4
+_RESIDENT_MAX_THREADS = 512
+_RESIDENT_MAX_A_REGISTERS = 64
+
+_ROW_NORM_RESIDENT = """
+    struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
+    constexpr int NT = IN / VEC;
+    constexpr int NW = NT / 32;
+    __shared__ float red[2][RB][NW];
+    __shared__ float cbs[RPB * R];
+    int tid = threadIdx.x;
+    int lane = tid & 31;
+    int warp = tid >> 5;
+    const WT* w;
+    const float* a;
+    const float* b;
+    const float* mm;
+    @SELECT@
+    float sc = s[blockIdx.y];
+@LAYER_OUTPUTS@
+@READ_W@
+    bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+    int row_begin = blockIdx.x * RPB;
+    int row_end = min(row_begin + RPB, OUT);
+    // s * B's column for each of the block's rows, (row, k), staged once.
+    for (int e = tid; e < RPB * R; e += NT) {
+        int i = row_begin + e / R;
+        cbs[e] = i < OUT ? sc * b[(long long)(e % R) * OUT + i] : 0.0f;
+    }
+    int c0 = tid * VEC;
+    float ar[VEC][R];  // A's rows for this thread's columns: (c0 + v, k)
+    #pragma unroll
+    for (int v = 0; v < VEC; ++v)
+        #pragma unroll
+        for (int k = 0; k < R; ++k) ar[v][k] = a[(long long)(c0 + v) * R + k];
+    __syncthreads();
+    int buf = 0;
+    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
+        WVec wv[RB];
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) {
+            const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
+            float acc = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+                float t = static_cast<float>(wv[q].v[v]);
+                #pragma unroll
+                for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
+                acc += t * t;
+            }
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+            if (lane == 0) red[buf][q][warp] = acc;
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) {
+            int i = i0 + q;
+            if (i >= row_end) continue;
+            float total = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < NW; ++j) total += red[buf][q][j];
+            float nrm = sqrtf(total);
+            float rs = static_cast<float>(static_cast<WT>(mm[i] / nrm));
+            if (tid == 0) {
+                norm[i] = nrm;
+                rso[i] = rs;
+            }
+@WRITE_B@            WVec o;
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<WT>(rs * static_cast<float>(wv[q].v[v]));
+            long long off = (long long)i * IN + c0;
+            if (ws_aligned) {
+                *reinterpret_cast<WVec*>(ws + off) = o;
+            } else {
+                #pragma unroll
+                for (int v = 0; v < VEC; ++v) ws[off + v] = o.v[v];
+            }
+        }
+        buf ^= 1;
+    }
+"""
+_WRITE_B_RESIDENT = """            for (int k = tid; k < R; k += NT)
+                bso[(long long)k * OUT + i] = static_cast<WT>(b[(long long)k * OUT + i] * rs);
+"""
+
+
+def _resident_layout(r: int, inp: int, vec: int) -> bool:
+    """Whether the folded launch keeps A resident (_RESIDENT_A) for rank r, rows `inp` wide, `vec` columns a thread."""
+    threads = inp // vec
+    return (_RESIDENT_A and not _TWO_PASS and inp % (32 * vec) == 0 and threads <= _RESIDENT_MAX_THREADS
+            and vec * r <= _RESIDENT_MAX_A_REGISTERS)
+
+
+def _row_norm_resident_source(layers: int, factors: bool, packed: bool) -> str:
+    """The resident-A folded kernel for `layers` layers (see _ROW_NORM_RESIDENT), as _row_norm_source makes the staged one."""
+    source = _ROW_NORM_RESIDENT.replace("@SELECT@", _select(
+        layers, "w = w{i}; a = a{i}; b = b{i}; mm = m{i};" + (" qs = qs{i}; qb = qb{i};" if packed else "")))
+    if packed:
+        source = source.replace("    const WT* w;\n", "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;\n", 1)
+    outputs = [_NORM_OUTPUT, _SCALED_OUTPUTS] + ([_FACTOR_OUTPUTS] if factors else [])
+    source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs)).replace(
+        "@READ_W@", _READ_PACKED_W if packed else _READ_W).replace("@WRITE_B@", _WRITE_B_RESIDENT if factors else "")
+    return source + (_WRITE_A if factors else "")
+
+
 def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],
                    scales: list[float]) -> list[mx.array]:
     """||W + s (A B)^T||_row float32 of each layer, for layers of one shape: W (out, in), A (in, r), B (r, out).
@@ -620,11 +739,12 @@ def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: lis
     return _row_norms(weights, a, b, scales, magnitudes, factors, stacked)
 
 
-def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False) -> str:
+def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False, resident: bool = False) -> str:
     """The row-norm kernel's name for a launch of `layers` layers (with W' and rs where `scaled`, with A and B' too
-    where `factors`, reading quantized weights where `packed`): what MLX caches it by, and what the simulated
-    tests count launches by."""
-    kind = ("_packed" if packed else "") + ("_scaled_factors" if factors else "_scaled" if scaled else "")
+    where `factors`, reading quantized weights where `packed`, holding A in registers where `resident`): what MLX
+    caches it by, and what the simulated tests count launches by."""
+    kind = (("_resident" if resident else "") + ("_packed" if packed else "")
+            + ("_scaled_factors" if factors else "_scaled" if scaled else ""))
     return f"meshtune_dora_row_norm{kind}_{layers}"
 
 
@@ -662,23 +782,35 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     names = [f"{p}{i}" for p in ("w", "qs", "qb")[:1 + 2 * packed] + ("a", "b") + (("m",) if scaled else ())
              for i in range(n)] + ["s"]
     outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
+    w_inputs = ([w.packed for w in weights] + [w.scales for w in weights] + [w.biases for w in weights]
+                if packed else weights)
+    inputs = [*w_inputs, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
+              *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)]
+    output_shapes = ([(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
+                     + ([(n * inp, r), (n * r, out)] if factors else []))
+    output_dtypes = [mx.float32] + ([wt, mx.float32] if scaled else []) + ([wt, wt] if factors else [])
+    vec = layout[1] if packed else 16 // wt.size
+    if scaled and _resident_layout(r, inp, vec):
+        k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident=True), names, outputs,
+                    _row_norm_resident_source(n, factors, packed))
+        res = k(inputs=inputs, template=[("R", r), ("IN", inp), ("OUT", out), ("VEC", vec), ("RPB", RESIDENT_ROWS),
+                                         ("RB", RESIDENT_BATCH), ("WT", wt)]
+                + ([("QB", weights[0].bits), ("GS", weights[0].group_size)] if packed else []),
+                grid=(-(-out // RESIDENT_ROWS) * (inp // vec), n, 1), threadgroup=(inp // vec, 1, 1),
+                output_shapes=output_shapes, output_dtypes=output_dtypes)
+        return _per_layer(res, n, stacked)
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
     k = _kernel(row_norm_kernel_name(n, scaled, factors, packed), names, outputs,
                 _row_norm_source(n, scaled, factors, packed))
     rows, vec, tile = layout
     blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
-    w_inputs = ([w.packed for w in weights] + [w.scales for w in weights] + [w.biases for w in weights]
-                if packed else weights)
-    res = k(inputs=[*w_inputs, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
-                    *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)],
+    res = k(inputs=inputs,
             template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
                       ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
                       ("WT", wt)] + ([("QB", weights[0].bits), ("GS", weights[0].group_size)] if packed else []),
             grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
-            output_shapes=[(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
-            + ([(n * inp, r), (n * r, out)] if factors else []),
-            output_dtypes=[mx.float32] + ([wt, mx.float32] if scaled else []) + ([wt, wt] if factors else []))
+            output_shapes=output_shapes, output_dtypes=output_dtypes)
     return _per_layer(res, n, stacked)
 
 

@@ -98,6 +98,17 @@ ONES = {n: mx.ones((n,)) for n in (H, I, KV)}
 mx.eval(ONES)
 
 
+def folded_step_launch(w, a, b, s):
+    """The folded launch as a training step makes it (step_norms.py): norms, W', rs, and A and B' where written."""
+    return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w],
+                                                      factors=K.writes_factors()) for x in part]
+
+
+def packed(d):
+    """A layer's 4-bit base as the folded step hands it to the launch (kernels.PackedWeight)."""
+    return K.PackedWeight(*d["Wq"], bits=4, group_size=64)
+
+
 def cotangent(d):
     return list(K.cotangent_cuda(d["g"], d["y"], d["m"], d["w_sq"]))
 
@@ -127,6 +138,14 @@ pieces = {
     "row norms, a launch a shape (7)": by_shape(K.row_norms_cuda),
     **{f"  the same, {g} row groups a block": patched(by_shape(K.row_norms_cuda), _ROW_GROUPS=g) for g in (2, 4, 8)},
     "row norms and W' = rs W, a launch a shape (7)": by_shape(norms_and_scaled),
+    # kernels._RESIDENT_A (A held in registers; the shapes 2048 wide: all but the 2048 x 6144 down projection)
+    "folded step launch (7)": by_shape(folded_step_launch),
+    "  the same, A staged (not resident)": patched(by_shape(folded_step_launch), _RESIDENT_A=False),
+    **{f"  resident, {rows} rows a block, batches of {rb}": patched(by_shape(folded_step_launch), RESIDENT_ROWS=rows,
+                                                                   RESIDENT_BATCH=rb)
+       for rows, rb in ((32, 4), (128, 4), (64, 2), (64, 8))},
+    "4-bit packed folded step launch (7)": by_shape(folded_step_launch, weight=packed),
+    "  4-bit, A staged (not resident)": patched(by_shape(folded_step_launch, weight=packed), _RESIDENT_A=False),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
     **{f"  W' written {n} loads in flight": patched(by_shape(norms_and_scaled), _SCALED_LOADS=n) for n in (2, 4, 8)},
