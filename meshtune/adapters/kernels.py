@@ -609,8 +609,8 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
 # the bytes they move. Taken where a row fits one block's threads with A's VEC x R floats at most 64
 # registers (rank 8 on a bfloat16 or 4-bit base, rows up to 4096 wide); elsewhere the staged kernel.
 _RESIDENT_A = True
-RESIDENT_ROWS = 64
-RESIDENT_BATCH = 4
+RESIDENT_ROWS = 128
+RESIDENT_BATCH = 2
 _RESIDENT_MAX_THREADS = 512
 _RESIDENT_MAX_A_REGISTERS = 64
 
@@ -640,11 +640,23 @@ _ROW_NORM_RESIDENT = """
         cbs[e] = i < OUT ? sc * b[(long long)(e % R) * OUT + i] : 0.0f;
     }
     int c0 = tid * VEC;
-    float ar[VEC][R];  // A's rows for this thread's columns: (c0 + v, k)
-    #pragma unroll
-    for (int v = 0; v < VEC; ++v)
+    float ar[VEC][R];  // A's rows for this thread's columns: (c0 + v, k), VEC * R consecutive floats
+    const float* at = a + (long long)c0 * R;
+    if ((VEC * R) % 4 == 0 && reinterpret_cast<unsigned long long>(at) % 16 == 0) {
         #pragma unroll
-        for (int k = 0; k < R; ++k) ar[v][k] = a[(long long)(c0 + v) * R + k];
+        for (int e = 0; e < VEC * R / 4; ++e) {
+            float4 f = reinterpret_cast<const float4*>(at)[e];
+            ar[(4 * e) / R][(4 * e) % R] = f.x;
+            ar[(4 * e + 1) / R][(4 * e + 1) % R] = f.y;
+            ar[(4 * e + 2) / R][(4 * e + 2) % R] = f.z;
+            ar[(4 * e + 3) / R][(4 * e + 3) % R] = f.w;
+        }
+    } else {
+        #pragma unroll
+        for (int v = 0; v < VEC; ++v)
+            #pragma unroll
+            for (int k = 0; k < R; ++k) ar[v][k] = at[v * R + k];
+    }
     __syncthreads();
     int buf = 0;
     for (int i0 = row_begin; i0 < row_end; i0 += RB) {

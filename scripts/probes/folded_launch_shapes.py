@@ -22,10 +22,10 @@ p.add_argument("--bits", type=int, default=0, help="0: a bfloat16 base; 4: a 4-b
 args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 SHAPES = {(H, H): 32, (KV, H): 32, (I, H): 32, (H, I): 16}  # (out, in): layers of the 1b model
-LAYOUTS = {"staged": dict(_RESIDENT_A=False), "resident 64x4": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=4),
-           "resident 64x2": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=2),
-           "resident 32x2": dict(RESIDENT_ROWS=32, RESIDENT_BATCH=2),
-           "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2)}
+LAYOUTS = {"staged": dict(_RESIDENT_A=False), "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2),
+           "resident 128x1": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=1),
+           "resident 256x2": dict(RESIDENT_ROWS=256, RESIDENT_BATCH=2),
+           "resident 64x4": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=4)}
 
 
 def layers_of(out, inp, n):
