@@ -36,6 +36,8 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   first; on an H200 it costs about the dense launch and spares the 112 dequantizes of the 1B step
   (docs/bench/dora_packed_h200.txt). m's gradient kernel reads a layer's norms in the launch's array
   (StackedNorm) and forms B's gradient (s p) rs in the same launch: no per-layer views or multiplies.
+- Resident A (_RESIDENT_A, on): where a row fits one block's threads, the folded launch keeps each
+  thread's rows of A in registers and writes W' from the row it read (W read once, A once a block).
 - Two passes (_TWO_PASS, off): the norms by segments of columns, a thread a row, then W' a
   warp a row; as fast as the one pass on an H200 (docs/bench/dora_two_pass_h200.txt).
 
@@ -607,7 +609,9 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
 # above stages A through shared memory once per 16 rows (as many bytes of A moved as of W, and 4 floats
 # read from shared memory per element of W): the 1B step's launches ran at ~0.3-1.1 TB/s on an H200 by
 # the bytes they move. Taken where a row fits one block's threads with A's VEC x R floats at most 64
-# registers (rank 8 on a bfloat16 or 4-bit base, rows up to 4096 wide); elsewhere the staged kernel.
+# registers (rank 8 on a bfloat16 or 4-bit base, rows up to 4096 wide); elsewhere the staged kernel. On an H200
+# the 1B model's launches took 0.4-0.8 ms less on bf16 and 1.4-1.6 ms less on 4-bit bases than staged, 128 rows x 2 the
+# best of the layouts swept (scripts/probes/folded_launch_shapes.py; docs/bench/adapters_h200_21.txt).
 _RESIDENT_A = True
 RESIDENT_ROWS = 128
 RESIDENT_BATCH = 2
