@@ -95,6 +95,16 @@ _READ_W = """    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(
     };
 """
 
+# Every row-norm kernel's layer, after its own declarations: the layer's arrays (@SELECT@, by blockIdx.y), its
+# scale s, its rows of the launch's outputs and W's loads (read_w).
+_LAYER_ARRAYS = """    const WT* w;
+    const float* a;
+    const float* b;
+    @SELECT@
+    float sc = s[blockIdx.y];
+@LAYER_OUTPUTS@
+@READ_W@"""
+
 _ROW_NORM = """
     // Block: G groups of WARPS warps, RPW adjacent rows of W each, of layer blockIdx.y: the
     // launch takes L layers of one shape, a switch (written by row_norms_cuda) points w, a and b at
@@ -114,13 +124,7 @@ _ROW_NORM = """
     float* sa = reinterpret_cast<float*>(sa4);
     int tid = threadIdx.x;
     int lane = tid & 31;
-    const WT* w;
-    const float* a;
-    const float* b;
-    @SELECT@
-    float sc = s[blockIdx.y];
-@LAYER_OUTPUTS@
-@READ_W@
+@LAYER_ARRAYS@
     // The block's rows: G groups of WARPS * RPW, a warp's RPW adjacent rows in each; every
     // staged tile of A serves all G groups (one group: A staged once for WARPS * RPW rows).
     auto first_row = [&](int g) { return ((blockIdx.x * G + g) * WARPS + (tid >> 5)) * RPW; };
@@ -263,9 +267,8 @@ _READ_PACKED_W = """    bool aligned = true;  // a lane's VEC elements come from
         return r;
     };
 """
-_ROW_NORM_PACKED = _ROW_NORM.replace("@READ_W@", _READ_PACKED_W).replace(
-    "    const WT* w;\n", "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;\n", 1)
-_ROW_NORM = _ROW_NORM.replace("@READ_W@", _READ_W)
+# A packed weight's arrays where a dense one has w (the packed words, their scales and biases).
+_PACKED_DECLS = "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;\n"
 
 
 class PackedWeight(NamedTuple):
@@ -573,7 +576,7 @@ _FACTOR_OUTPUTS = ("    WT* aso = ass + (long long)blockIdx.y * IN * R;\n"
                    "    WT* bso = bss + (long long)blockIdx.y * R * OUT;")
 # B' = B rs for row i (B is (R, OUT): column i), by the warp's lanes; then the layer's A in W's dtype, the
 # layer's blocks striding over it.
-_WRITE_B = """            for (int k = lane; k < R; k += 32)
+_WRITE_B = """            for (int k = @THREAD@; k < R; k += @THREADS@)
                 bso[(long long)k * OUT + i] = static_cast<WT>(b[(long long)k * OUT + i] * rs);
 """
 _WRITE_A = """
@@ -584,20 +587,31 @@ _SCALED_OUTPUTS = ("    WT* ws = wss + (long long)blockIdx.y * OUT * IN;\n"
                    "    float* rso = rss + (long long)blockIdx.y * OUT;")
 
 
-def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, packed: bool = False) -> str:
-    """The row-norm kernel with its @SELECT@ pointing w, a and b (and with `scaled`, m; where `packed`, the
-    quantized weight's scales and biases) at layer blockIdx.y's arrays, and the norms (and W' and rs; with
-    `factors`, A and B' too) at its rows of the launch's outputs."""
+def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, packed: bool = False,
+                     resident: bool = False) -> str:
+    """The row-norm kernel (the staged one, or with `resident` the folded one holding A in registers) with its
+    @SELECT@ pointing w, a and b (and with `scaled`, m; where `packed`, the quantized weight's scales and biases)
+    at layer blockIdx.y's arrays, and the norms (and W' and rs; with `factors`, A and B' too) at its rows of the
+    launch's outputs."""
+    if resident and not scaled:
+        raise ValueError("_row_norm_source: the resident layout is the folded launch's (scaled) only")
     extra = (" mm = m{i};" if scaled else "") + (" qs = qs{i}; qb = qb{i};" if packed else "")
-    source = (_ROW_NORM_PACKED if packed else _ROW_NORM).replace(
+    source = (_ROW_NORM_RESIDENT if resident else _ROW_NORM).replace("@LAYER_ARRAYS@", _LAYER_ARRAYS).replace(
         "@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
+    if packed:
+        source = source.replace("    const WT* w;\n", _PACKED_DECLS, 1)
     outputs = [_NORM_OUTPUT] + ([_SCALED_OUTPUTS] if scaled else []) + ([_FACTOR_OUTPUTS] if factors else [])
-    source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs))
+    source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs)).replace(
+        "@READ_W@", _READ_PACKED_W if packed else _READ_W)
     if scaled:
-        epilogue = _SCALED_EPILOGUE.replace("@WRITE_B@", _WRITE_B if factors else "")
-        source = (source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1) + epilogue
-                  + (_WRITE_A if factors else ""))
-    return source
+        # B' = B rs for row i by the threads that share the row: a warp's lanes (staged) or the block's (resident).
+        write_b = _WRITE_B.replace("@THREAD@", "tid" if resident else "lane").replace(
+            "@THREADS@", "NT" if resident else "32") if factors else ""
+        source = source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1)
+        # The resident kernel writes W' (and B') as it goes; the staged one after its norms (the epilogue).
+        source = (source.replace("@WRITE_B@", write_b) if resident
+                  else source + _SCALED_EPILOGUE.replace("@WRITE_B@", write_b))
+    return source + (_WRITE_A if factors else "")
 
 
 # The folded launch with A resident (_RESIDENT_A, on): a thread takes VEC consecutive columns of every row
@@ -610,8 +624,8 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
 # read from shared memory per element of W): the 1B step's launches ran at ~0.3-1.1 TB/s on an H200 by
 # the bytes they move. Taken where a row fits one block's threads with A's VEC x R floats at most 64
 # registers (rank 8 on a bfloat16 or 4-bit base, rows up to 4096 wide); elsewhere the staged kernel. On an H200
-# the 1B model's launches took 0.4-0.8 ms less on bf16 and 1.4-1.6 ms less on 4-bit bases than staged, 128 rows x 2 the
-# best of the layouts swept (scripts/probes/folded_launch_shapes.py; docs/bench/adapters_h200_21.txt).
+# the 1B model's launches took 0.4-0.8 ms less on bf16 and 1.4-1.6 ms less on 4-bit bases than staged (the probe's
+# rows summed by hand), 128 rows x 2 the best of the layouts swept (scripts/probes/folded_launch_shapes.py; docs/bench/adapters_h200_21.txt).
 _RESIDENT_A = True
 RESIDENT_ROWS = 128
 RESIDENT_BATCH = 2
@@ -627,14 +641,7 @@ _ROW_NORM_RESIDENT = """
     int tid = threadIdx.x;
     int lane = tid & 31;
     int warp = tid >> 5;
-    const WT* w;
-    const float* a;
-    const float* b;
-    const float* mm;
-    @SELECT@
-    float sc = s[blockIdx.y];
-@LAYER_OUTPUTS@
-@READ_W@
+@LAYER_ARRAYS@
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
     int row_begin = blockIdx.x * RPB;
     int row_end = min(row_begin + RPB, OUT);
@@ -709,9 +716,6 @@ _ROW_NORM_RESIDENT = """
         buf ^= 1;
     }
 """
-_WRITE_B_RESIDENT = """            for (int k = tid; k < R; k += NT)
-                bso[(long long)k * OUT + i] = static_cast<WT>(b[(long long)k * OUT + i] * rs);
-"""
 
 
 def _resident_layout(r: int, inp: int, vec: int) -> bool:
@@ -719,18 +723,6 @@ def _resident_layout(r: int, inp: int, vec: int) -> bool:
     threads = inp // vec
     return (_RESIDENT_A and not _TWO_PASS and inp % (32 * vec) == 0 and threads <= _RESIDENT_MAX_THREADS
             and vec * r <= _RESIDENT_MAX_A_REGISTERS)
-
-
-def _row_norm_resident_source(layers: int, factors: bool, packed: bool) -> str:
-    """The resident-A folded kernel for `layers` layers (see _ROW_NORM_RESIDENT), as _row_norm_source makes the staged one."""
-    source = _ROW_NORM_RESIDENT.replace("@SELECT@", _select(
-        layers, "w = w{i}; a = a{i}; b = b{i}; mm = m{i};" + (" qs = qs{i}; qb = qb{i};" if packed else "")))
-    if packed:
-        source = source.replace("    const WT* w;\n", "    const unsigned* w;\n    const WT* qs;\n    const WT* qb;\n", 1)
-    outputs = [_NORM_OUTPUT, _SCALED_OUTPUTS] + ([_FACTOR_OUTPUTS] if factors else [])
-    source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs)).replace(
-        "@READ_W@", _READ_PACKED_W if packed else _READ_W).replace("@WRITE_B@", _WRITE_B_RESIDENT if factors else "")
-    return source + (_WRITE_A if factors else "")
 
 
 def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],
@@ -805,27 +797,25 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     output_shapes = ([(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
                      + ([(n * inp, r), (n * r, out)] if factors else []))
     output_dtypes = [mx.float32] + ([wt, mx.float32] if scaled else []) + ([wt, wt] if factors else [])
-    vec = layout[1] if packed else 16 // wt.size
-    if scaled and _resident_layout(r, inp, vec):
-        k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident=True), names, outputs,
-                    _row_norm_resident_source(n, factors, packed))
-        res = k(inputs=inputs, template=[("R", r), ("IN", inp), ("OUT", out), ("VEC", vec), ("RPB", RESIDENT_ROWS),
-                                         ("RB", RESIDENT_BATCH), ("WT", wt)]
-                + ([("QB", weights[0].bits), ("GS", weights[0].group_size)] if packed else []),
-                grid=(-(-out // RESIDENT_ROWS) * (inp // vec), n, 1), threadgroup=(inp // vec, 1, 1),
-                output_shapes=output_shapes, output_dtypes=output_dtypes)
-        return _per_layer(res, n, stacked)
+    quantized = [("QB", weights[0].bits), ("GS", weights[0].group_size)] if packed else []
     # WT puts W's dtype in the name MLX caches the compiled kernel by (the inputs' dtypes are
     # not in it): a float32 W must not run a bfloat16 W's kernel. Likewise T and YT below.
-    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed), names, outputs,
-                _row_norm_source(n, scaled, factors, packed))
-    rows, vec, tile = layout
-    blocks = -(-out // (_WARPS * rows * _ROW_GROUPS))
-    res = k(inputs=inputs,
-            template=[("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                      ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
-                      ("WT", wt)] + ([("QB", weights[0].bits), ("GS", weights[0].group_size)] if packed else []),
-            grid=(blocks * _WARPS * 32, n, 1), threadgroup=(_WARPS * 32, 1, 1),
+    resident_vec = layout[1] if packed else 16 // wt.size  # a packed word a thread, else a 16-byte load
+    resident = scaled and _resident_layout(r, inp, resident_vec)
+    if resident:
+        template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", RESIDENT_ROWS),
+                    ("RB", RESIDENT_BATCH), ("WT", wt)]
+        threads = inp // resident_vec
+        grid = (-(-out // RESIDENT_ROWS) * threads, n, 1)
+    else:
+        rows, vec, tile = layout
+        template = [("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
+                    ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS), ("WT", wt)]
+        threads = _WARPS * 32
+        grid = (-(-out // (_WARPS * rows * _ROW_GROUPS)) * threads, n, 1)
+    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident), names, outputs,
+                _row_norm_source(n, scaled, factors, packed, resident))
+    res = k(inputs=inputs, template=template + quantized, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=output_shapes, output_dtypes=output_dtypes)
     return _per_layer(res, n, stacked)
 

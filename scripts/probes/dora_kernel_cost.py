@@ -89,9 +89,10 @@ def by_shape(row_norms, weight=lambda d: d["W"]):
     return run
 
 
-def norms_and_scaled(w, a, b, s):
-    """The folded step's kernel (kernels.FOLD_ROW_SCALE): the norms, W' = rs W, rs, A and B', m = 1."""
-    return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w]) for x in part]
+def norms_and_scaled(w, a, b, s, factors=False):
+    """The folded step's kernel (kernels.FOLD_ROW_SCALE): the norms, W' = rs W and rs (with `factors`, A and B'), m = 1."""
+    return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w], factors=factors)
+            for x in part]
 
 
 ONES = {n: mx.ones((n,)) for n in (H, I, KV)}
@@ -100,8 +101,7 @@ mx.eval(ONES)
 
 def folded_step_launch(w, a, b, s):
     """The folded launch as a training step makes it (step_norms.py): norms, W', rs, and A and B' where written."""
-    return [x for part in K.row_norms_and_scaled_cuda(w, a, b, s, [ONES[v.shape[0]] for v in w],
-                                                      factors=K.writes_factors()) for x in part]
+    return norms_and_scaled(w, a, b, s, factors=K.writes_factors())
 
 
 def packed(d):
