@@ -283,16 +283,22 @@ def test_smaller_tiles_of_a_give_the_same_bits(simulated, monkeypatch, tile_floa
     _assert_same_bits(_both_kernels(*case), want, tile_floats)
 
 
-@pytest.mark.parametrize("inp, out, r, dtype, rows", [
-    (256, 45, 8, mx.bfloat16, 16),  # 32 threads of 8 columns; 45 rows: blocks of 16, batches of 4, the last short
-    (512, 70, 8, mx.bfloat16, 64),  # 64 threads (two warps added through shared memory); one block, part-filled
-    (384, 19, 5, mx.float32, 8),  # 4 columns a thread (float32), rank 5, three warps
+@pytest.mark.parametrize("inp, out, r, dtype, rows, batch, prefetch", [
+    (256, 45, 8, mx.bfloat16, 16, 3, True),  # 32 threads of 8 columns; 45 rows: blocks of 16, batches of 3, the last short
+    (256, 45, 8, mx.bfloat16, 16, 3, False),  # the same, each batch's rows loaded after the one before is written
+    (512, 70, 8, mx.bfloat16, 64, 2, True),  # 64 threads (two warps added through shared memory); one block, part-filled
+    (384, 19, 5, mx.float32, 8, 2, True),  # 4 columns a thread (float32), rank 5, three warps
 ])
-def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, inp, out, r, dtype, rows):
+def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, inp, out, r, dtype, rows, batch,
+                                                       prefetch):
     """kernels._RESIDENT_A: the folded launch with A held in registers (a thread's columns of every row) gives the
     staged kernel's norms and rs (float32 sums in another order: within 1e-6), W' = rs W from those rs, and A and
-    B' = B rs, two layers a launch, rows not a multiple of a block or a batch."""
+    B' = B rs, two layers a launch, rows not a multiple of a block or a batch, the next batch's rows loaded
+    ahead (RESIDENT_PREFETCH) or not."""
     from meshtune.adapters import kernels
+
+    monkeypatch.setattr(kernels, "RESIDENT_BATCH", batch)
+    monkeypatch.setattr(kernels, "RESIDENT_PREFETCH", prefetch)
 
     k = mx.random.split(mx.random.key(inp + out), 8)
     ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(dtype) for i in (0, 1)]
@@ -422,7 +428,7 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert mx.allclose(got[0], want[0], rtol=1e-5).item()
     for g1, g2 in zip(got[1], want[1]):
         assert mx.allclose(g1, g2, rtol=1e-4, atol=1e-5).item()
-    assert simulated["meshtune_dora_column_sums"].calls == 1
+    assert simulated["meshtune_dora_magnitude_b_strip"].calls == 1
 
 
 @pytest.mark.parametrize("variant, launches_in_step", [("bound: folded with W' held (no norm launches)", 0),
@@ -519,17 +525,59 @@ def test_row_norm_kernel_writing_factors(simulated, inp, out, r, dtype):
     assert simulated["meshtune_dora_row_norm_scaled_factors_2"].calls == 1
 
 
-def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
-    """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs (chunks of rows added in order)."""
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_magnitude_gradient_kernel_alone(simulated, monkeypatch, one_launch):
+    """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs, in one launch (a block's strip of
+    columns over every row) or, without _ONE_LAUNCH_MAGNITUDE, chunks of rows then their sum in order."""
     from meshtune.adapters import kernels
 
     monkeypatch.setattr(kernels, "_COTANGENT_BLOCKS", 8)
+    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", one_launch)
     k = mx.random.split(mx.random.key(11), 3)
     g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
     m = mx.random.uniform(1.0, 4.0, (40,), key=k[2]).at[3].multiply(0.0)
     norm = mx.full((40,), 2.0)
-    assert mx.array_equal(kernels.magnitude_grad_cuda(g, y, m, norm), kernels.cotangent_cuda(g, y, m, norm)[1]).item()
-    assert simulated["meshtune_dora_column_sums"].calls == 1
+    got, want = kernels.magnitude_grad_cuda(g, y, m, norm), kernels.cotangent_cuda(g, y, m, norm)[1]
+    # The same sums in another order where the launch is one.
+    assert (mx.allclose(got, want, rtol=1e-5, atol=1e-6) if one_launch else mx.array_equal(got, want)).item()
+    assert got[3].item() == 0.0
+    launches = {n: kern.calls for n, kern in simulated.items()}  # cotangent_cuda: its kernel and the chunks' sum
+    assert launches == {"meshtune_dora_cotangent": 1, **({"meshtune_dora_magnitude_strip": 1,
+                                                          "meshtune_dora_magnitude_grad": 1} if one_launch else
+                                                         {"meshtune_dora_column_sums": 1,
+                                                          "meshtune_dora_magnitude_grad": 2})}
+
+
+@pytest.mark.parametrize("rows, cols, dtype, lanes", [
+    (1000, 72, mx.float32, 4),    # 16 columns a block: the last of 5 blocks part-filled
+    (333, 48, mx.bfloat16, 2),    # 8 columns a thread, 2 lanes a row: 3 blocks, rows not a multiple of the groups
+    (300, 18, mx.float32, 32),    # 18 columns: a column a lane, a warp a row's segment
+    (64, 4096, mx.bfloat16, 2),   # 256 blocks, fewer rows than a block's groups of lanes
+])
+def test_one_launch_magnitude_gradient_matches_the_two_launches(simulated, monkeypatch, rows, cols, dtype, lanes):
+    """The one-launch kernel (_MAGNITUDE_STRIP: a block's columns over every row, the lanes of a column added by a
+    butterfly, then the warps in order) gives the two launches' m gradient to float32 rounding, with a zero m
+    giving 0, and B's gradient (s p) rs to the bit, for a layer's norms read in a launch's stacked array."""
+    from meshtune.adapters import kernels
+
+    assert kernels.strip_layout(cols, dtype)[1] == lanes
+    k = mx.random.split(mx.random.key(cols), 6)
+    g = mx.random.normal((rows, cols), key=k[0]).astype(dtype)
+    y = mx.random.normal((rows, cols), key=k[1]).astype(dtype)
+    m = mx.random.uniform(1.0, 4.0, (cols,), key=k[2]).at[5].multiply(0.0)
+    launch = mx.random.uniform(0.5, 3.0, (3 * cols,), key=k[3])
+    stacked = kernels.StackedNorm(launch, cols, cols)
+    product = mx.random.normal((12, cols), key=k[4]).astype(dtype)
+    got = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=1.5, rs_dtype=dtype)
+    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", False)
+    want = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=1.5, rs_dtype=dtype)
+    assert mx.allclose(got[0], want[0], rtol=1e-5, atol=1e-5).item() and got[0][5].item() == 0.0
+    assert mx.array_equal(got[1], want[1]).item()
+    sums = (g.astype(mx.float32) * y.astype(mx.float32)).sum(0)
+    rs = m / stacked.view()  # not rounded to bfloat16: the simulator's element types are all float
+    assert mx.allclose(got[0], mx.where(rs == 0, 0.0, sums / mx.where(rs == 0, 1.0, rs * stacked.view())),
+                       rtol=1e-5, atol=1e-5).item()
+    assert simulated["meshtune_dora_magnitude_b_strip"].calls == 1
 
 
 @pytest.mark.parametrize("bits, group_size, inp", [(4, 64, 2112), (8, 32, 320), (2, 64, 1088)])
@@ -591,14 +639,16 @@ def test_magnitude_and_b_gradient_from_a_launchs_stacked_norms(simulated):
     assert mx.array_equal(stacked.view(), norm).item()
     assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m, norm)).item()
     assert mx.allclose(gb, 2.5 * product * (m / norm), rtol=1e-6, atol=0).item()
-    assert simulated["meshtune_dora_magnitude_b_grad"].calls == 1
+    assert simulated["meshtune_dora_magnitude_b_strip"].calls == 1
 
 
-def test_magnitude_and_b_gradient_over_many_chunks_and_rows_of_b(simulated):
-    """The sums' second kernel (a block's 8 warps each add every 8th chunk, then each column the 8 sums in
-    order) over 31 chunks, 70 columns (a block of 32 part-filled) and B with 12 rows (more rows than warps):
+def test_magnitude_and_b_gradient_over_many_chunks_and_rows_of_b(simulated, monkeypatch):
+    """The two-launch form's second kernel (a block's 8 warps each add every 8th chunk, then each column the 8 sums
+    in order) over 31 chunks, 70 columns (a block of 32 part-filled) and B with 12 rows (more rows than warps):
     m's gradient as sum_t g y / (rs norm) and d B = (s p) rs, with a zero m giving 0."""
     from meshtune.adapters import kernels
+
+    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", False)
 
     k = mx.random.split(mx.random.key(13), 5)
     rows, cols = 1000, 70
@@ -797,7 +847,7 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
             assert simulated["meshtune_dora_row_norm_packed_scaled_factors_1"].calls == 1
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
             # m's and B's gradients in one launch a layer, each reading its norms in its launch's array.
-            assert simulated["meshtune_dora_magnitude_b_grad"].calls == 4
+            assert simulated["meshtune_dora_magnitude_b_strip"].calls == 4
     finally:
         base_path.set_base_path("auto")
     # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).
@@ -866,8 +916,8 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     mx.eval(ce, n, model.parameters())
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
     assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {_step_norm_kernel(fold, layers=2): 2}
-    assert simulated["meshtune_dora_column_sums" if fold else "meshtune_dora_cotangent"].calls == 4
-    assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
+    assert simulated["meshtune_dora_magnitude_b_strip" if fold else "meshtune_dora_cotangent"].calls == 4
+    assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_magnitude_b_strip") not in simulated
 
 
 def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
@@ -933,7 +983,7 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     assert _step_norm_kernel(fold=True, layers=2, quantized=quantized) not in simulated
     losses, folded = trained(True)
     assert _calls(simulated, _step_norm_kernel(fold=True, layers=2, quantized=quantized)) >= 1
-    assert simulated["meshtune_dora_column_sums"].calls == 8
+    assert simulated["meshtune_dora_magnitude_b_strip"].calls == 8
     # A 4-bit DoRA base is read packed by the step's launch, which writes W': it is never dequantized (unfolded,
     # each step dequantizes it once, in step_norms, for the norm kernel and the layer's products).
     assert Counter(i for i in dequantized if i in dora_bases) == {}

@@ -444,6 +444,84 @@ _MAGNITUDE_PARTS = {"RS_FROM_M": _RS_FROM_M, "WARPS": str(_SUM_WARPS)}
 _MAGNITUDE_AND_B_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD), _MAGNITUDE_PARTS)
 _MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PARTS)
 
+# m's (and B's) gradient for a folded product in one launch a layer (_ONE_LAUNCH_MAGNITUDE, on): a block takes a
+# strip of CB = LPR x VEC columns over every row, LPR lanes a row's segment (VEC columns each, one 16-byte access
+# where aligned; 32 bytes of g and of y a row at LPR = 2 on 2-byte types), its NT / LPR groups of lanes striding
+# over the rows. A column's sum: its lanes in a warp by a butterfly, then the warps' sums in warp order, so the
+# order is fixed and no second launch adds chunks. The two-launch form (column_sums, then _MAGNITUDE_AND_B_GRAD)
+# cost the 1B step 224 launches for 112 layers, 2.58 ms of GPU time on an H200 (ncu, each launch alone:
+# docs/bench/dora_stacked_bases_h200.txt), ~10 us of it each second launch's.
+_ONE_LAUNCH_MAGNITUDE = True
+_STRIP_LANES = 2  # LPR: lanes a row's segment (2-byte types; 4-byte ones take 4, so 16 columns either way)
+_STRIP_THREADS = 512  # NT
+_MAGNITUDE_STRIP = """
+    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+    constexpr int CB = LPR * VEC;
+    constexpr int WARPS = NT / 32;
+    __shared__ float sums[WARPS][CB];
+    const float* norm = norms + off[0];
+    auto row_scale = [&](int c) { return static_cast<float>(static_cast<RT>(m[c] / norm[c])); };
+    int tid = threadIdx.x;
+    int lane = tid & 31;
+    int c0 = blockIdx.x * CB + (tid % LPR) * VEC;
+    bool aligned = VEC > 1 && reinterpret_cast<unsigned long long>(g) % sizeof(Vec) == 0
+        && reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0;
+    float acc[VEC];
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
+        #pragma unroll 4
+        for (int t = tid / LPR; t < ROWS; t += NT / LPR) {
+            long long o = (long long)t * COLS + c0;
+            Vec gv, yv;
+            if (aligned) {
+                gv = *reinterpret_cast<const Vec*>(g + o);
+                yv = *reinterpret_cast<const Vec*>(y + o);
+            } else {
+                for (int v = 0; v < VEC; ++v) {
+                    gv.v[v] = g[o + v];
+                    yv.v[v] = y[o + v];
+                }
+            }
+            for (int v = 0; v < VEC; ++v) acc[v] += static_cast<float>(gv.v[v]) * static_cast<float>(yv.v[v]);
+        }
+    }
+    for (int s = LPR; s < 32; s <<= 1)  // the warp's lanes of one segment: lane % LPR stays
+        for (int v = 0; v < VEC; ++v) acc[v] += __shfl_xor_sync(0xffffffff, acc[v], s);
+    if (lane < LPR)
+        for (int v = 0; v < VEC; ++v) sums[tid >> 5][lane * VEC + v] = acc[v];
+    __syncthreads();
+    for (int c = tid; c < CB; c += NT) {
+        int col = blockIdx.x * CB + c;
+        if (col < COLS) {
+            float total = 0.0f;
+            for (int j = 0; j < WARPS; ++j) total += sums[j][c];
+            float den = row_scale(col) * norm[col];
+            dm[col] = den == 0.0f ? 0.0f : total / den;
+        }
+    }@B_GRAD@
+"""
+# d B = s (x A)^T g rs for the strip's columns, as _B_GRAD forms it (s p rounded to GT, then times rs).
+_STRIP_B_GRAD = """
+    float sc = static_cast<float>(static_cast<GT>(bscale[0]));
+    for (int e = tid; e < R * CB; e += NT) {
+        int col = blockIdx.x * CB + e % CB;
+        if (col < COLS) {
+            long long i = (long long)(e / CB) * COLS + col;
+            gbo[i] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[i]))) * row_scale(col);
+        }
+    }"""
+_MAGNITUDE_STRIP_B = _MAGNITUDE_STRIP.replace("@B_GRAD@", _STRIP_B_GRAD)
+_MAGNITUDE_STRIP = _MAGNITUDE_STRIP.replace("@B_GRAD@", "")
+
+
+def strip_layout(cols: int, dtype: mx.Dtype) -> tuple[int, int]:
+    """(columns a thread, lanes a row's segment) of the one-launch magnitude kernel's blocks."""
+    vec = 16 // dtype.size
+    if cols % vec:
+        return 1, 32  # a column a lane, a warp a row's segment
+    return vec, max(1, _STRIP_LANES * dtype.size // 2)  # the same bytes a segment whatever the dtype
+
+
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
 
@@ -629,6 +707,9 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
 _RESIDENT_A = True
 RESIDENT_ROWS = 128
 RESIDENT_BATCH = 2
+# The next batch's rows loaded before this one's sums (PF): twice the bytes in flight a thread, RB x VEC / 2 more
+# registers (bf16); without, a batch's loads wait for the one before to be written.
+RESIDENT_PREFETCH = True
 _RESIDENT_MAX_THREADS = 512
 _RESIDENT_MAX_A_REGISTERS = 64
 
@@ -670,10 +751,15 @@ _ROW_NORM_RESIDENT = """
     }
     __syncthreads();
     int buf = 0;
+    WVec wv[RB];
+    #pragma unroll
+    for (int q = 0; q < RB; ++q) wv[q] = read_w(min(row_begin + q, row_end - 1), c0);  // past the end: read, not kept
     for (int i0 = row_begin; i0 < row_end; i0 += RB) {
-        WVec wv[RB];
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
+        WVec nx[RB];
+        if (PF) {  // the next batch's rows in flight while this one is summed and written
+            #pragma unroll
+            for (int q = 0; q < RB; ++q) nx[q] = read_w(min(i0 + RB + q, row_end - 1), c0);
+        }
         #pragma unroll
         for (int q = 0; q < RB; ++q) {
             const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
@@ -713,6 +799,8 @@ _ROW_NORM_RESIDENT = """
                 for (int v = 0; v < VEC; ++v) ws[off + v] = o.v[v];
             }
         }
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) wv[q] = PF ? nx[q] : read_w(min(i0 + RB + q, row_end - 1), c0);
         buf ^= 1;
     }
 """
@@ -804,7 +892,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     resident = scaled and _resident_layout(r, inp, resident_vec)
     if resident:
         template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", RESIDENT_ROWS),
-                    ("RB", RESIDENT_BATCH), ("WT", wt)]
+                    ("RB", RESIDENT_BATCH), ("PF", int(RESIDENT_PREFETCH)), ("WT", wt)]
         threads = inp // resident_vec
         grid = (-(-out // RESIDENT_ROWS) * threads, n, 1)
     else:
@@ -1056,9 +1144,28 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
 
     rs = m / norm rounded to `rs_dtype` (default g's). With `b_product` (r, cols), (x A)^T g for B' = B rs,
     returns (m's gradient, B's = (b_scale * b_product in its dtype) * rs float32), in the same launch: the
-    scale's multiply is no operation of its own in the step.
+    scale's multiply is no operation of its own in the step. One launch (_MAGNITUDE_STRIP); without
+    _ONE_LAUNCH_MAGNITUDE two, the chunks' column sums and then their sum in order.
     """
-    return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
+    if not _ONE_LAUNCH_MAGNITUDE:
+        return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
+    rows, cols = g.shape
+    vec, lanes = strip_layout(cols, g.dtype)
+    norms, offset = _norm_input(norm)
+    inputs = [g, y, m.astype(mx.float32), norms, offset]
+    template = [("ROWS", rows), ("COLS", cols), ("VEC", vec), ("LPR", lanes), ("NT", _STRIP_THREADS),
+                ("T", g.dtype), ("YT", y.dtype), ("RT", rs_dtype or g.dtype)]
+    launch = dict(grid=(-(-cols // (vec * lanes)) * _STRIP_THREADS, 1, 1), threadgroup=(_STRIP_THREADS, 1, 1))
+    if b_product is None:
+        k = _kernel("meshtune_dora_magnitude_strip", ["g", "y", "m", "norms", "off"], ["dm"], _MAGNITUDE_STRIP)
+        (dm,) = k(inputs=inputs, template=template, output_shapes=[(cols,)], output_dtypes=[mx.float32], **launch)
+        return dm
+    r = b_product.shape[0]
+    k = _kernel("meshtune_dora_magnitude_b_strip", ["g", "y", "m", "norms", "off", "gb", "bscale"], ["dm", "gbo"],
+                _MAGNITUDE_STRIP_B)
+    scale = mx.array([b_scale], dtype=mx.float32)  # data, not an operation: a constant in a compiled step
+    return k(inputs=inputs + [b_product, scale], template=template + [("R", r), ("GT", b_product.dtype)],
+             output_shapes=[(cols,), (r, cols)], output_dtypes=[mx.float32, mx.float32], **launch)
 
 
 def column_sums(g: mx.array, y: mx.array) -> mx.array:

@@ -130,6 +130,11 @@ def patched(piece, **constants):
     return run
 
 
+def m_and_b_grads(d):
+    """The folded step's m and B gradients for a layer (adapted_linear's backward)."""
+    return list(K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"], b_product=d["b"].astype(dt), b_scale=20.0))
+
+
 pieces = {
     "launch floor (1-element add)": lambda d: [one + 1.0],
     "row norms, a launch a layer": row_norm,
@@ -144,7 +149,12 @@ pieces = {
     **{f"  resident, {rows} rows a block, batches of {rb}": patched(by_shape(folded_step_launch), RESIDENT_ROWS=rows,
                                                                    RESIDENT_BATCH=rb)
        for rows, rb in ((32, 4), (128, 4), (64, 2), (64, 8))},
+    "  resident, no prefetch (a batch's rows loaded after the last is written)": patched(
+        by_shape(folded_step_launch), RESIDENT_PREFETCH=False),
+    "  the staged launch (down projection) with tiles of 256 rows of A": patched(by_shape(folded_step_launch),
+                                                                                  _TILE_FLOATS=2048),
     "4-bit packed folded step launch (7)": by_shape(folded_step_launch, weight=packed),
+    "  4-bit, no prefetch": patched(by_shape(folded_step_launch, weight=packed), RESIDENT_PREFETCH=False),
     "  4-bit, A staged (not resident)": patched(by_shape(folded_step_launch, weight=packed), _RESIDENT_A=False),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),
@@ -163,11 +173,16 @@ pieces = {
         norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
        for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
-    "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
+    "m's sums kernels (2)": patched(lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
+                                    _ONE_LAUNCH_MAGNITUDE=False),
     # The folded step's form: m's and B's gradients, the second kernel's sums spread over a block's warps (current)
     # or a thread a column (before).
-    "m's and B's gradients (2)": lambda d: list(K.magnitude_grad_cuda(
-        d["g"], d["y"], d["m"], d["w_sq"], b_product=d["b"].astype(dt), b_scale=20.0)),
+    "m's and B's gradients (2)": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=False),
+    # kernels._ONE_LAUNCH_MAGNITUDE: a block's strip of columns over every row, one launch a layer
+    "m's and B's gradients, one launch": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=True),
+    **{f"  one launch, {lanes} lanes a row, {nt} threads": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=True,
+                                                                   _STRIP_LANES=lanes, _STRIP_THREADS=nt)
+       for lanes, nt in ((4, 512), (2, 256), (1, 512), (2, 1024))},
     "m's and B's gradients, a thread a column (2)": lambda d: list(V.magnitude_b_grad_a_thread_a_column(
         d["g"], d["y"], d["m"], d["w_sq"], d["b"].astype(dt), 20.0)),
     "cotangent kernels (2)": cotangent,

@@ -2,7 +2,8 @@
 
 Development probe (adapters issue): for each weight shape of the bench's 1b model, the launch a
 training step makes for that shape's layers (every layer its own W, A, B, m), timed alone
-(synchronised before and after, median of --reps) in each kernel layout, interleaved rep by rep,
+(--launches of it evaluated together, synchronised before and after, median of --reps) in each
+kernel layout, interleaved rep by rep,
 with the bytes it moves (W read, W' written) over its time.
 
     python scripts/probes/folded_launch_shapes.py [--reps 15] [--bits 0|4]
@@ -19,13 +20,15 @@ p = argparse.ArgumentParser()
 p.add_argument("--reps", type=int, default=15)
 p.add_argument("--rank", type=int, default=8)
 p.add_argument("--bits", type=int, default=0, help="0: a bfloat16 base; 4: a 4-bit base read packed")
+p.add_argument("--launches", type=int, default=4,
+               help="launches a timing, evaluated together (the synchronisation and dispatch floor shared)")
 args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 SHAPES = {(H, H): 32, (KV, H): 32, (I, H): 32, (H, I): 16}  # (out, in): layers of the 1b model
-LAYOUTS = {"staged": dict(_RESIDENT_A=False), "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2),
-           "resident 128x1": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=1),
-           "resident 256x2": dict(RESIDENT_ROWS=256, RESIDENT_BATCH=2),
-           "resident 64x4": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=4)}
+LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged, tiles 256": dict(_RESIDENT_A=False, _TILE_FLOATS=2048),
+           "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2, RESIDENT_PREFETCH=True),
+           "128x2, no prefetch": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2, RESIDENT_PREFETCH=False),
+           "resident 64x2": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=2, RESIDENT_PREFETCH=True)}
 
 
 def layers_of(out, inp, n):
@@ -54,7 +57,7 @@ def launch(ws, a, b, m, settings):
 
 
 print(f"{mx.default_device()}, rank {args.rank}, {'bf16' if not args.bits else f'{args.bits}-bit packed'} bases; "
-      f"ms a launch (median of {args.reps}, layouts interleaved) and TB/s by W read + W' written")
+      f"ms a launch ({args.launches} a timing, median of {args.reps}, layouts interleaved) and TB/s by W read + W' written")
 print(f"{'shape (out x in) x layers':28s}" + "".join(f"{k:>18s}" for k in LAYOUTS))
 for (out, inp), n in SHAPES.items():
     ws, a, b, m = layers_of(out, inp, n)
@@ -63,11 +66,11 @@ for (out, inp), n in SHAPES.items():
         for name, settings in LAYOUTS.items():
             mx.synchronize()
             t0 = time.perf_counter()
-            outs = launch(ws, a, b, m, settings)
-            mx.eval([x for part in outs[1:] for x in part], outs[0][0].launch)
+            outs = [launch(ws, a, b, m, settings) for _ in range(args.launches)]
+            mx.eval([[x for part in o[1:] for x in part] + [o[0][0].launch] for o in outs])
             t1 = time.perf_counter()
             if rep:
-                times[name].append(t1 - t0)
+                times[name].append((t1 - t0) / args.launches)
             del outs
     moved = n * out * inp * (2 + (args.bits / 8 if args.bits else 2))
     cells = []

@@ -22,6 +22,7 @@ from meshtune.cuda import RecordingKernel
 
 p = argparse.ArgumentParser()
 p.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+p.add_argument("--only", default="", help="settings whose label contains this")
 a = p.parse_args()
 
 SHAPES = ((2048, 6144, 32), (6144, 2048, 16), (2048, 2048, 32))  # (in, out, layers a launch) of the 1b preset
@@ -30,7 +31,8 @@ SETTINGS = {"default": {}, "W' 4 loads in flight": {"_SCALED_LOADS": 4},
             "tiles of 256, W' 4 loads in flight": {"_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
             "8 warps x 1 row": {"_ROWS_PER_WARP": 1},
             "8 warps x 1 row, tiles of 256, 4 loads": {"_ROWS_PER_WARP": 1, "_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
-            "two passes": {"_TWO_PASS": True}, "two passes, W' 4 loads in flight": {"_TWO_PASS": True, "_SCALED_LOADS": 4}}
+            "two passes": {"_TWO_PASS": True}, "two passes, W' 4 loads in flight": {"_TWO_PASS": True, "_SCALED_LOADS": 4},
+            "resident A, no prefetch": {"RESIDENT_PREFETCH": False}}
 
 
 def resources(source: str, tmp: Path) -> tuple[int, int]:
@@ -56,6 +58,8 @@ print(f"{'kernel (1b step, bf16, rank 8)':<58}{'in x out':<14}registers  smem B 
 with tempfile.TemporaryDirectory() as d:
     tmp = Path(d)
     for label, knobs in SETTINGS.items():
+        if a.only not in label:
+            continue
         saved = {k: getattr(K, k) for k in knobs}
         for k, v in knobs.items():
             setattr(K, k, v)
@@ -69,7 +73,8 @@ with tempfile.TemporaryDirectory() as d:
                 K.row_norms_and_scaled_cuda(*args, [mx.ones((out,))] * n)
                 for func in sorted(set(sources) - before):  # the two-pass layout: two kernels
                     regs, smem = resources(sources[func], tmp)
-                    threads = K._SEGMENT_THREADS if "segment_sums" in func else K._WARPS * 32
+                    threads = (K._SEGMENT_THREADS if "segment_sums" in func else inp // 8 if "resident" in func
+                               else K._WARPS * 32)
                     blocks = blocks_an_sm(regs, smem, threads)
                     part = ", segment sums" if "segment_sums" in func else ", W'" if "scale_rows" in func else ""
                     print(f"  norms and W', {label + part:<42}{inp:>5} x {out:<5}{regs:>11}{smem:>8}{blocks:>11}"
