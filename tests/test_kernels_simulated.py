@@ -283,23 +283,18 @@ def test_smaller_tiles_of_a_give_the_same_bits(simulated, monkeypatch, tile_floa
     _assert_same_bits(_both_kernels(*case), want, tile_floats)
 
 
-@pytest.mark.parametrize("inp, out, r, dtype, rows, batch, prefetch", [
-    (256, 45, 8, mx.bfloat16, 16, 3, True),  # 32 threads of 8 columns; 45 rows: blocks of 16, batches of 3, the last short
-    (256, 45, 8, mx.bfloat16, 16, 3, False),  # the same, each batch's rows loaded after the one before is written
-    (512, 70, 8, mx.bfloat16, 64, 2, True),  # 64 threads (two warps added through shared memory); one block, part-filled
-    (384, 19, 5, mx.float32, 8, 2, True),  # 4 columns a thread (float32), rank 5, three warps
+@pytest.mark.parametrize("inp, out, r, dtype, rows, batch", [
+    (256, 45, 8, mx.bfloat16, 16, 3),  # 32 threads of 8 columns; 45 rows: blocks of 16, batches of 3, the last short
+    (512, 70, 8, mx.bfloat16, 64, 2),  # 64 threads (two warps added through shared memory); one block, part-filled
+    (384, 19, 5, mx.float32, 8, 2),  # 4 columns a thread (float32), rank 5, three warps
 ])
-def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, inp, out, r, dtype, rows, batch,
-                                                       prefetch):
+def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, inp, out, r, dtype, rows, batch):
     """kernels._RESIDENT_A: the folded launch with A held in registers (a thread's columns of every row) gives the
     staged kernel's norms and rs (float32 sums in another order: within 1e-6), W' = rs W from those rs, and A and
-    B' = B rs, two layers a launch, rows not a multiple of a block or a batch, the next batch's rows loaded
-    ahead (RESIDENT_PREFETCH) or not."""
+    B' = B rs, two layers a launch, rows not a multiple of a block or a batch."""
     from meshtune.adapters import kernels
 
     monkeypatch.setattr(kernels, "RESIDENT_BATCH", batch)
-    monkeypatch.setattr(kernels, "RESIDENT_PREFETCH", prefetch)
-
     k = mx.random.split(mx.random.key(inp + out), 8)
     ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(dtype) for i in (0, 1)]
     a = [mx.random.normal((inp, r), key=k[i]) / 8 for i in (2, 3)]

@@ -707,9 +707,6 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
 _RESIDENT_A = True
 RESIDENT_ROWS = 128
 RESIDENT_BATCH = 2
-# The next batch's rows loaded before this one's sums (PF): twice the bytes in flight a thread, RB x VEC / 2 more
-# registers (bf16); without, a batch's loads wait for the one before to be written.
-RESIDENT_PREFETCH = True
 _RESIDENT_MAX_THREADS = 512
 _RESIDENT_MAX_A_REGISTERS = 64
 
@@ -751,15 +748,10 @@ _ROW_NORM_RESIDENT = """
     }
     __syncthreads();
     int buf = 0;
-    WVec wv[RB];
-    #pragma unroll
-    for (int q = 0; q < RB; ++q) wv[q] = read_w(min(row_begin + q, row_end - 1), c0);  // past the end: read, not kept
     for (int i0 = row_begin; i0 < row_end; i0 += RB) {
-        WVec nx[RB];
-        if (PF) {  // the next batch's rows in flight while this one is summed and written
-            #pragma unroll
-            for (int q = 0; q < RB; ++q) nx[q] = read_w(min(i0 + RB + q, row_end - 1), c0);
-        }
+        WVec wv[RB];
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
         #pragma unroll
         for (int q = 0; q < RB; ++q) {
             const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
@@ -799,8 +791,6 @@ _ROW_NORM_RESIDENT = """
                 for (int v = 0; v < VEC; ++v) ws[off + v] = o.v[v];
             }
         }
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) wv[q] = PF ? nx[q] : read_w(min(i0 + RB + q, row_end - 1), c0);
         buf ^= 1;
     }
 """
@@ -892,7 +882,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     resident = scaled and _resident_layout(r, inp, resident_vec)
     if resident:
         template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", RESIDENT_ROWS),
-                    ("RB", RESIDENT_BATCH), ("PF", int(RESIDENT_PREFETCH)), ("WT", wt)]
+                    ("RB", RESIDENT_BATCH), ("WT", wt)]
         threads = inp // resident_vec
         grid = (-(-out // RESIDENT_ROWS) * threads, n, 1)
     else:

@@ -26,9 +26,8 @@ args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 SHAPES = {(H, H): 32, (KV, H): 32, (I, H): 32, (H, I): 16}  # (out, in): layers of the 1b model
 LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged, tiles 256": dict(_RESIDENT_A=False, _TILE_FLOATS=2048),
-           "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2, RESIDENT_PREFETCH=True),
-           "128x2, no prefetch": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2, RESIDENT_PREFETCH=False),
-           "resident 64x2": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=2, RESIDENT_PREFETCH=True)}
+           "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2),
+           "resident 64x2": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=2)}
 
 
 def layers_of(out, inp, n):
