@@ -548,6 +548,7 @@ def test_magnitude_gradient_kernel_alone(simulated, monkeypatch, one_launch):
     (333, 48, mx.bfloat16, 2),    # 8 columns a thread, 2 lanes a row: 3 blocks, rows not a multiple of the groups
     (300, 18, mx.float32, 32),    # 18 columns: a column a lane, a warp a row's segment
     (64, 4096, mx.bfloat16, 2),   # 256 blocks, fewer rows than a block's groups of lanes
+    (2100, 48, mx.bfloat16, 2),   # two steps of U = 4 rows a thread (1024 rows), then 52 rows one at a time
 ])
 def test_one_launch_magnitude_gradient_matches_the_two_launches(simulated, monkeypatch, rows, cols, dtype, lanes):
     """The one-launch kernel (_MAGNITUDE_STRIP: a block's columns over every row, the lanes of a column added by a
@@ -573,6 +574,11 @@ def test_one_launch_magnitude_gradient_matches_the_two_launches(simulated, monke
     assert mx.allclose(got[0], mx.where(rs == 0, 0.0, sums / mx.where(rs == 0, 1.0, rs * stacked.view())),
                        rtol=1e-5, atol=1e-5).item()
     assert simulated["meshtune_dora_magnitude_b_strip"].calls == 1
+    # Rows loaded U at a time (_STRIP_ROWS) are summed in the order one at a time sums them: the same bits.
+    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", True)
+    monkeypatch.setattr(kernels, "_STRIP_ROWS", 1)
+    one = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=1.5, rs_dtype=dtype)
+    assert mx.array_equal(one[0], got[0]).item() and mx.array_equal(one[1], got[1]).item()
 
 
 @pytest.mark.parametrize("bits, group_size, inp", [(4, 64, 2112), (8, 32, 320), (2, 64, 1088)])

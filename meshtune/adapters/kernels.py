@@ -454,6 +454,9 @@ _MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PART
 _ONE_LAUNCH_MAGNITUDE = True
 _STRIP_LANES = 2  # LPR: lanes a row's segment (2-byte types; 4-byte ones take 4, so 16 columns either way)
 _STRIP_THREADS = 512  # NT
+# Rows a thread loads before summing them (U): with one at a time an H200 ran the kernel at 2.2 TB/s, its warps
+# waiting on memory (ncu: 69 cycles a warp between instructions; scripts/probes/ncu_launch.py).
+_STRIP_ROWS = 4
 _MAGNITUDE_STRIP = """
     struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
     constexpr int CB = LPR * VEC;
@@ -468,9 +471,25 @@ _MAGNITUDE_STRIP = """
         && reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0;
     float acc[VEC];
     for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    constexpr int STRIDE = NT / LPR;  // rows between a thread's
+    int t = tid / LPR;
+    if (c0 < COLS && aligned) {  // U rows a step, their 2 U 16-byte loads in flight before any is summed
+        for (; t + (U - 1) * STRIDE < ROWS; t += U * STRIDE) {
+            Vec gv[U], yv[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                long long o = (long long)(t + u * STRIDE) * COLS + c0;
+                gv[u] = *reinterpret_cast<const Vec*>(g + o);
+                yv[u] = *reinterpret_cast<const Vec*>(y + o);
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u)
+                for (int v = 0; v < VEC; ++v)
+                    acc[v] += static_cast<float>(gv[u].v[v]) * static_cast<float>(yv[u].v[v]);
+        }
+    }
     if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
-        #pragma unroll 4
-        for (int t = tid / LPR; t < ROWS; t += NT / LPR) {
+        for (; t < ROWS; t += STRIDE) {  // the rows left (all of them where not aligned), in the same order
             long long o = (long long)t * COLS + c0;
             Vec gv, yv;
             if (aligned) {
@@ -1143,7 +1162,7 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
     vec, lanes = strip_layout(cols, g.dtype)
     norms, offset = _norm_input(norm)
     inputs = [g, y, m.astype(mx.float32), norms, offset]
-    template = [("ROWS", rows), ("COLS", cols), ("VEC", vec), ("LPR", lanes), ("NT", _STRIP_THREADS),
+    template = [("ROWS", rows), ("COLS", cols), ("VEC", vec), ("LPR", lanes), ("NT", _STRIP_THREADS), ("U", _STRIP_ROWS),
                 ("T", g.dtype), ("YT", y.dtype), ("RT", rs_dtype or g.dtype)]
     launch = dict(grid=(-(-cols // (vec * lanes)) * _STRIP_THREADS, 1, 1), threadgroup=(_STRIP_THREADS, 1, 1))
     if b_product is None:
