@@ -175,11 +175,8 @@ pieces = {
     # The folded step's form: m's and B's gradients, the second kernel's sums spread over a block's warps (current)
     # or a thread a column (before).
     "m's and B's gradients (2)": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=False),
-    # kernels._ONE_LAUNCH_MAGNITUDE: a block's strip of columns over every row, one launch a layer
+    # kernels._ONE_LAUNCH_MAGNITUDE: the column sums' blocks, the last block of a strip adding its chunks
     "m's and B's gradients, one launch": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=True),
-    **{f"  one launch, {lanes} lanes a row, {nt} threads, {u} rows a load": patched(
-        m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=True, _STRIP_LANES=lanes, _STRIP_THREADS=nt, _STRIP_ROWS=u)
-       for lanes, nt, u in ((2, 512, 1), (4, 512, 4), (2, 512, 8), (4, 512, 8), (4, 256, 8), (2, 256, 8))},
     "m's and B's gradients, a thread a column (2)": lambda d: list(V.magnitude_b_grad_a_thread_a_column(
         d["g"], d["y"], d["m"], d["w_sq"], d["b"].astype(dt), 20.0)),
     "cotangent kernels (2)": cotangent,
