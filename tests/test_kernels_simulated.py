@@ -423,7 +423,7 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert mx.allclose(got[0], want[0], rtol=1e-5).item()
     for g1, g2 in zip(got[1], want[1]):
         assert mx.allclose(g1, g2, rtol=1e-4, atol=1e-5).item()
-    assert simulated["meshtune_dora_magnitude_b_one_launch"].calls == 1
+    assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
 @pytest.mark.parametrize("variant, launches_in_step", [("bound: folded with W' held (no norm launches)", 0),
@@ -520,69 +520,45 @@ def test_row_norm_kernel_writing_factors(simulated, inp, out, r, dtype):
     assert simulated["meshtune_dora_row_norm_scaled_factors_2"].calls == 1
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_magnitude_gradient_kernel_alone(simulated, monkeypatch, one_launch):
-    """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs, to the bit: chunks of rows, then their
-    sums in order, by the last block of each strip (one launch) or by a second launch."""
+def test_magnitude_gradient_kernel_alone(simulated, monkeypatch):
+    """magnitude_grad_cuda: cotangent_cuda's m gradient without its g * rs (chunks of rows added in order)."""
     from meshtune.adapters import kernels
 
     monkeypatch.setattr(kernels, "_COTANGENT_BLOCKS", 8)
-    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", one_launch)
     k = mx.random.split(mx.random.key(11), 3)
     g, y = mx.random.normal((100, 40), key=k[0]), mx.random.normal((100, 40), key=k[1])
     m = mx.random.uniform(1.0, 4.0, (40,), key=k[2]).at[3].multiply(0.0)
     norm = mx.full((40,), 2.0)
-    got = kernels.magnitude_grad_cuda(g, y, m, norm)
-    assert mx.array_equal(got, kernels.cotangent_cuda(g, y, m, norm)[1]).item() and got[3].item() == 0.0
-    launches = {n: kern.calls for n, kern in simulated.items()}  # cotangent_cuda: its kernel and the chunks' sum
-    assert launches == {"meshtune_dora_cotangent": 1, **({"meshtune_dora_magnitude_one_launch": 1,
-                                                          "meshtune_dora_magnitude_grad": 1} if one_launch else
-                                                         {"meshtune_dora_column_sums": 1,
-                                                          "meshtune_dora_magnitude_grad": 2})}
+    assert mx.array_equal(kernels.magnitude_grad_cuda(g, y, m, norm), kernels.cotangent_cuda(g, y, m, norm)[1]).item()
+    assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
 @pytest.mark.parametrize("rows, cols, dtype", [
-    (1000, 70, mx.float32),    # one strip of 128 columns part-filled, 31 chunks: the last block adds them
+    (1000, 70, mx.float32),    # 31 chunks of rows: the last block of each strip adds them
     (333, 48, mx.bfloat16),    # 8 columns a thread, 10 chunks, the last one short
-    (300, 18, mx.float32),     # 18 columns: a column a thread (unaligned widths)
     (64, 4096, mx.bfloat16),   # 16 strips of 2 chunks: a ticket counter each
 ])
-def test_one_launch_magnitude_gradient_matches_the_two_launches(simulated, monkeypatch, rows, cols, dtype):
-    """The one-launch kernel (column sums by chunks, the last block of a strip adding them: _LAST_BLOCK_SUMS) gives
-    the two launches' m and B gradients to the bit, with a zero m giving 0, for a layer's norms read in a launch's
-    stacked array; and m's gradient is sum_t g y / (rs norm)."""
+def test_probe_one_launch_magnitude_gradient_is_the_two_launches(simulated, monkeypatch, rows, cols, dtype):
+    """scripts/probes/dora_variants.py's one-launch m and B gradients (column sums by chunks, the last block of a
+    strip adding them in the second launch's order) give kernels.magnitude_grad_cuda's to the bit. Blocks run one
+    after another here: that only the last block finishes a strip is for a GPU to show (the probe checks it there)."""
+    from pathlib import Path
+
     from meshtune.adapters import kernels
 
-    k = mx.random.split(mx.random.key(cols), 6)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    import dora_variants
+
+    k = mx.random.split(mx.random.key(cols), 5)
     g = mx.random.normal((rows, cols), key=k[0]).astype(dtype)
     y = mx.random.normal((rows, cols), key=k[1]).astype(dtype)
     m = mx.random.uniform(1.0, 4.0, (cols,), key=k[2]).at[5].multiply(0.0)
-    launch = mx.random.uniform(0.5, 3.0, (3 * cols,), key=k[3])
-    stacked = kernels.StackedNorm(launch, cols, cols)
+    stacked = kernels.StackedNorm(mx.random.uniform(0.5, 3.0, (3 * cols,), key=k[3]), cols, cols)
     product = mx.random.normal((12, cols), key=k[4]).astype(dtype)
-    got = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=1.5, rs_dtype=dtype)
-    alone = kernels.magnitude_grad_cuda(g, y, m, stacked, rs_dtype=dtype)
-    assert simulated["meshtune_dora_magnitude_b_one_launch"].calls == 1
-    assert simulated["meshtune_dora_magnitude_one_launch"].calls == 1
-    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", False)
+    got = dora_variants.one_launch_magnitude_b_grad(g, y, m, stacked, product, 1.5, rs_dtype=dtype)
     want = kernels.magnitude_grad_cuda(g, y, m, stacked, b_product=product, b_scale=1.5, rs_dtype=dtype)
-    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(alone, want[0]).item()
-    assert mx.array_equal(got[1], want[1]).item() and got[0][5].item() == 0.0
-    sums = (g.astype(mx.float32) * y.astype(mx.float32)).sum(0)
-    rs = m / stacked.view()  # not rounded to bfloat16: the simulator's element types are all float
-    assert mx.allclose(got[0], mx.where(rs == 0, 0.0, sums / mx.where(rs == 0, 1.0, rs * stacked.view())),
-                       rtol=1e-5, atol=1e-5).item()
-
-
-def test_one_launch_magnitude_calls_take_counters_of_their_own(simulated):
-    """Each call takes its own counters from the pool (calls of a step may run at once), going round the pool."""
-    from meshtune.adapters import kernels
-
-    g = mx.ones((64, 600))
-    first = [kernels._counters(kernels.cotangent_grid(64, 600, g.dtype)[1])[1].item() for _ in range(3)]
-    assert first[1] - first[0] == first[2] - first[1] == 5  # 600 columns: 5 strips of 128
-    pool, start = kernels._counters(kernels._COUNTER_POOL - first[2])
-    assert start.item() == 0 and pool.size == kernels._COUNTER_POOL and pool.dtype == mx.uint32
+    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+    assert got[0][5].item() == 0.0 and simulated["probe_dora_magnitude_b_one_launch"].calls == 1
 
 
 @pytest.mark.parametrize("bits, group_size, inp", [(4, 64, 2112), (8, 32, 320), (2, 64, 1088)])
@@ -644,16 +620,14 @@ def test_magnitude_and_b_gradient_from_a_launchs_stacked_norms(simulated):
     assert mx.array_equal(stacked.view(), norm).item()
     assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m, norm)).item()
     assert mx.allclose(gb, 2.5 * product * (m / norm), rtol=1e-6, atol=0).item()
-    assert simulated["meshtune_dora_magnitude_b_one_launch"].calls == 1
+    assert simulated["meshtune_dora_magnitude_b_grad"].calls == 1
 
 
-def test_magnitude_and_b_gradient_over_many_chunks_and_rows_of_b(simulated, monkeypatch):
-    """The two-launch form's second kernel (a block's 8 warps each add every 8th chunk, then each column the 8 sums
-    in order) over 31 chunks, 70 columns (a block of 32 part-filled) and B with 12 rows (more rows than warps):
+def test_magnitude_and_b_gradient_over_many_chunks_and_rows_of_b(simulated):
+    """The sums' second kernel (a block's 8 warps each add every 8th chunk, then each column the 8 sums in
+    order) over 31 chunks, 70 columns (a block of 32 part-filled) and B with 12 rows (more rows than warps):
     m's gradient as sum_t g y / (rs norm) and d B = (s p) rs, with a zero m giving 0."""
     from meshtune.adapters import kernels
-
-    monkeypatch.setattr(kernels, "_ONE_LAUNCH_MAGNITUDE", False)
 
     k = mx.random.split(mx.random.key(13), 5)
     rows, cols = 1000, 70
@@ -852,7 +826,7 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
             assert simulated["meshtune_dora_row_norm_packed_scaled_factors_1"].calls == 1
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
             # m's and B's gradients in one launch a layer, each reading its norms in its launch's array.
-            assert simulated["meshtune_dora_magnitude_b_one_launch"].calls == 4
+            assert simulated["meshtune_dora_magnitude_b_grad"].calls == 4
     finally:
         base_path.set_base_path("auto")
     # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).
@@ -921,8 +895,8 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     mx.eval(ce, n, model.parameters())
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
     assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {_step_norm_kernel(fold, layers=2): 2}
-    assert simulated["meshtune_dora_magnitude_b_one_launch" if fold else "meshtune_dora_cotangent"].calls == 4
-    assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_magnitude_b_one_launch") not in simulated
+    assert simulated["meshtune_dora_column_sums" if fold else "meshtune_dora_cotangent"].calls == 4
+    assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
 
 
 def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
@@ -988,7 +962,7 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     assert _step_norm_kernel(fold=True, layers=2, quantized=quantized) not in simulated
     losses, folded = trained(True)
     assert _calls(simulated, _step_norm_kernel(fold=True, layers=2, quantized=quantized)) >= 1
-    assert simulated["meshtune_dora_magnitude_b_one_launch"].calls == 8
+    assert simulated["meshtune_dora_column_sums"].calls == 8
     # A 4-bit DoRA base is read packed by the step's launch, which writes W': it is never dequantized (unfolded,
     # each step dequantizes it once, in step_norms, for the norm kernel and the layer's products).
     assert Counter(i for i in dequantized if i in dora_bases) == {}

@@ -444,75 +444,6 @@ _MAGNITUDE_PARTS = {"RS_FROM_M": _RS_FROM_M, "WARPS": str(_SUM_WARPS)}
 _MAGNITUDE_AND_B_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD), _MAGNITUDE_PARTS)
 _MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PARTS)
 
-# m's (and B's) gradient for a folded product in one launch a layer (_ONE_LAUNCH_MAGNITUDE, on): column_sums' blocks
-# (a strip of columns by a chunk of rows each, a warp's row segment 32 x 16 bytes), then the last block of a strip to
-# write its chunk's sums adds every chunk's as _MAGNITUDE_GRAD does (warp j chunks j, j + 8, ...; then the warps in
-# order: the same bits as the two launches) and writes m's and B's gradients. "Last" is a ticket: a counter a strip,
-# taken by an atomic add after the block's sums are fenced, reset to 0 by the block that took the last ticket. The
-# counters are a pool (_counters) the kernels write through their const input, each call its own slice of it
-# (calls of one step may run at once), so no launch zeroes them. The two-launch form cost the 1B step 224 launches
-# for 112 layers; a block a column strip over every row (32-byte row segments) in one launch took 3.9 ms of GPU time
-# against the two launches' 2.6 (ncu, each launch alone; docs/bench/adapters_h200_22.txt).
-_ONE_LAUNCH_MAGNITUDE = True
-_LAST_BLOCK_SUMS = """
-    __threadfence();  // this block's sums, seen by whichever block takes the last ticket
-    __syncthreads();
-    __shared__ unsigned int ticket;
-    unsigned int* count = const_cast<unsigned int*>(counts) + first[0] + blockIdx.x;
-    if (tid == 0) ticket = atomicAdd(count, 1u);
-    __syncthreads();
-    if (ticket != gridDim.y - 1) return;
-    auto row_scale = [&](int c) { return static_cast<float>(static_cast<RT>(m[c] / norm[c])); };
-    float tot[VEC];
-    for (int v = 0; v < VEC; ++v) tot[v] = 0.0f;
-    if (c0 < COLS)
-        for (int k = warp; k < (int)gridDim.y; k += 8)  // past the L1: other blocks wrote them
-            for (int v = 0; v < VEC; ++v) tot[v] += __ldcg(part + (long long)k * COLS + c0 + v);
-    for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = tot[v];
-    __syncthreads();
-    for (int c = tid; c < CB; c += 256) {
-        int col = blockIdx.x * CB + c;
-        if (col < COLS) {
-            float total = 0.0f;
-            for (int j = 0; j < 8; ++j) total += sums[j][c];
-            float den = row_scale(col) * norm[col];
-            dm[col] = den == 0.0f ? 0.0f : total / den;
-        }
-    }@B_GRAD@
-    if (tid == 0) *count = 0u;  // for the next step's call
-"""
-# d B = s (x A)^T g rs for the strip's columns, as _B_GRAD forms it (s p rounded to GT, then times rs).
-_LAST_BLOCK_B_GRAD = """
-    float sc = static_cast<float>(static_cast<GT>(bscale[0]));
-    for (int e = tid; e < R * CB; e += 256) {
-        int col = blockIdx.x * CB + e % CB;
-        if (col < COLS) {
-            long long i = (long long)(e / CB) * COLS + col;
-            gbo[i] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[i]))) * row_scale(col);
-        }
-    }"""
-# A layer's norms at off[0] of the launch's stacked array (StackedNorm), as _MAGNITUDE_GRAD reads them.
-_NORM_AT_OFFSET = "    const float* norm = norms + off[0];\n"
-_MAGNITUDE_ONE_LAUNCH = _NORM_AT_OFFSET + _COLUMN_SUMS + _LAST_BLOCK_SUMS.replace("@B_GRAD@", "")
-_MAGNITUDE_B_ONE_LAUNCH = _NORM_AT_OFFSET + _COLUMN_SUMS + _LAST_BLOCK_SUMS.replace("@B_GRAD@", _LAST_BLOCK_B_GRAD)
-_COUNTER_POOL = 1 << 20  # counters (4 MB): a step's calls take ~1500 on the 1B model
-_counter_pool: list = []  # [pool array, next free counter]
-
-
-def _counters(n: int) -> tuple[mx.array, mx.array]:
-    """(the counter pool, int32 (1,) index of n counters of it no other call in flight uses). A compiled step
-    takes its slices once, when traced; eager calls go round the pool, thousands of calls apart."""
-    if not _counter_pool:
-        pool = mx.zeros((_COUNTER_POOL,), dtype=mx.uint32)
-        mx.eval(pool)  # held evaluated: a lazy array closed over by a compiled step is rebuilt on every call
-        _counter_pool.extend([pool, 0])
-    pool, start = _counter_pool
-    if start + n > pool.size:
-        start = 0
-    _counter_pool[1] = start + n
-    return pool, mx.array([start], dtype=mx.int32)
-
-
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
 _COTANGENT_BLOCKS = 528
 
@@ -1125,31 +1056,9 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
 
     rs = m / norm rounded to `rs_dtype` (default g's). With `b_product` (r, cols), (x A)^T g for B' = B rs,
     returns (m's gradient, B's = (b_scale * b_product in its dtype) * rs float32), in the same launch: the
-    scale's multiply is no operation of its own in the step. One launch (_LAST_BLOCK_SUMS); without
-    _ONE_LAUNCH_MAGNITUDE two, the chunks' column sums and then their sum, in the same order (the same bits).
+    scale's multiply is no operation of its own in the step.
     """
-    if not _ONE_LAUNCH_MAGNITUDE:
-        return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
-    rows, cols = g.shape
-    vec, strips, chunk, chunks = cotangent_grid(rows, cols, g.dtype)
-    norms, offset = _norm_input(norm)
-    pool, first = _counters(strips)
-    inputs = [g, y, m.astype(mx.float32), norms, offset, pool, first]
-    names = ["g", "y", "m", "norms", "off", "counts", "first"]
-    template = [("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec), ("T", g.dtype), ("YT", y.dtype),
-                ("RT", rs_dtype or g.dtype)]
-    shapes, dtypes = [(chunks, cols), (cols,)], [mx.float32, mx.float32]
-    launch = dict(grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1))
-    if b_product is None:
-        k = _kernel("meshtune_dora_magnitude_one_launch", names, ["part", "dm"], _MAGNITUDE_ONE_LAUNCH)
-        return k(inputs=inputs, template=template, output_shapes=shapes, output_dtypes=dtypes, **launch)[1]
-    r = b_product.shape[0]
-    k = _kernel("meshtune_dora_magnitude_b_one_launch", names + ["gb", "bscale"], ["part", "dm", "gbo"],
-                _MAGNITUDE_B_ONE_LAUNCH)
-    scale = mx.array([b_scale], dtype=mx.float32)  # data, not an operation: a constant in a compiled step
-    _, dm, gb = k(inputs=inputs + [b_product, scale], template=template + [("R", r), ("GT", b_product.dtype)],
-                  output_shapes=shapes + [(r, cols)], output_dtypes=dtypes + [mx.float32], **launch)
-    return dm, gb
+    return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
 
 
 def column_sums(g: mx.array, y: mx.array) -> mx.array:

@@ -170,13 +170,13 @@ pieces = {
         norms_and_scaled, weight=lambda d: mx.dequantize(*d["Wq"], group_size=64, bits=4)),
     **{f"  W' block {w},{q},{g}": patched(by_shape(norms_and_scaled), _WARPS=w, _ROWS_PER_WARP=q, _ROW_GROUPS=g)
        for w, q, g in ((8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 2, 4), (8, 1, 4), (8, 4, 1), (8, 4, 2))},
-    "m's sums kernels (2)": patched(lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
-                                    _ONE_LAUNCH_MAGNITUDE=False),
+    "m's sums kernels (2)": lambda d: [K.magnitude_grad_cuda(d["g"], d["y"], d["m"], d["w_sq"])],
     # The folded step's form: m's and B's gradients, the second kernel's sums spread over a block's warps (current)
     # or a thread a column (before).
-    "m's and B's gradients (2)": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=False),
-    # kernels._ONE_LAUNCH_MAGNITUDE: the column sums' blocks, the last block of a strip adding its chunks
-    "m's and B's gradients, one launch": patched(m_and_b_grads, _ONE_LAUNCH_MAGNITUDE=True),
+    "m's and B's gradients (2)": m_and_b_grads,
+    # dora_variants.py: the column sums' blocks, the last block of a strip adding its chunks
+    "m's and B's gradients, one launch": lambda d: list(V.one_launch_magnitude_b_grad(
+        d["g"], d["y"], d["m"], d["w_sq"], d["b"].astype(dt), 20.0)),
     "m's and B's gradients, a thread a column (2)": lambda d: list(V.magnitude_b_grad_a_thread_a_column(
         d["g"], d["y"], d["m"], d["w_sq"], d["b"].astype(dt), 20.0)),
     "cotangent kernels (2)": cotangent,
