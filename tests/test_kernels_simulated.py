@@ -283,6 +283,24 @@ def test_smaller_tiles_of_a_give_the_same_bits(simulated, monkeypatch, tile_floa
     _assert_same_bits(_both_kernels(*case), want, tile_floats)
 
 
+def test_folded_launch_stages_a_by_smaller_tiles(simulated, monkeypatch):
+    """kernels.FOLDED_TILE_ROWS: the staged folded launch (norms and W') holds 256 rows of A a tile at rank 8
+    (the norms-only kernel 1024), and gives what 1024-row tiles give, to the bit; a tile under a warp's
+    16-byte loads of W is not taken."""
+    from meshtune.adapters import kernels
+
+    assert kernels._row_scale_layout(8, 6144, 2, folded=True)[1:] == (8, 256)  # the 1B model's down projection
+    assert kernels._row_scale_layout(8, 6144, 2)[1:] == (8, 1024)
+    assert kernels._row_scale_layout(64, 6144, 2, folded=True)[2] == kernels._row_scale_layout(64, 6144, 2)[2]
+    monkeypatch.setattr(kernels, "FOLDED_TILE_ROWS", 128)
+    assert kernels._row_scale_layout(8, 6144, 2, folded=True)[1:] == (8, 1024)  # 128 < 32 lanes x 8 columns
+    case = _one_layer(9, 8, 2100)
+    monkeypatch.setattr(kernels, "FOLDED_TILE_ROWS", 1024)
+    want = _both_kernels(*case)
+    monkeypatch.setattr(kernels, "FOLDED_TILE_ROWS", 256)
+    _assert_same_bits(_both_kernels(*case), want, 256)
+
+
 @pytest.mark.parametrize("inp, out, r, dtype, rows, batch", [
     (256, 45, 8, mx.bfloat16, 16, 3),  # 32 threads of 8 columns; 45 rows: blocks of 16, batches of 3, the last short
     (512, 70, 8, mx.bfloat16, 64, 2),  # 64 threads (two warps added through shared memory); one block, part-filled

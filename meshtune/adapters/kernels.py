@@ -375,6 +375,7 @@ _COTANGENT = """
 # j + 8, ...: a warp's reads are 32 adjacent floats), then each column adds the warps' sums in warp order, so
 # the order is fixed. One thread a column summing every chunk in turn left 4-24 blocks on the GPU doing 22-128
 # dependent reads each (docs/bench/magnitude_sums_h200.txt: 2.23 -> 2.10 ms with the column sums, 112 layers).
+# A warp's chunks are loaded before any is added (PER_WARP registers: 16 at 128 chunks).
 _SUM_WARPS = 8
 _MAGNITUDE_GRAD = """
     const float* norm = norms + off[0];
@@ -382,13 +383,21 @@ _MAGNITUDE_GRAD = """
     __shared__ float sums[WARPS][32];
     int c = threadIdx.x & 31, j = threadIdx.x >> 5;
     int col = blockIdx.x * 32 + c;
+    // Every chunk's load issued before the first add (then m's and the norm's): read one after another,
+    // each waiting on the add before it, they took ~10 us a layer on an H200 (ncu), for ~0.5 MB read.
+    constexpr int PER_WARP = (CHUNKS + WARPS - 1) / WARPS;
+    float got[PER_WARP];
+    #pragma unroll
+    for (int q = 0; q < PER_WARP; ++q)
+        got[q] = col < COLS && j + q * WARPS < CHUNKS ? part[(long long)(j + q * WARPS) * COLS + col] : 0.0f;
+    float rs = col < COLS ? row_scale(col) : 0.0f;
     float sum = 0.0f;
-    if (col < COLS)
-        for (int k = j; k < CHUNKS; k += WARPS) sum += part[(long long)k * COLS + col];
+    #pragma unroll
+    for (int q = 0; q < PER_WARP; ++q)
+        if (j + q * WARPS < CHUNKS) sum += got[q];  // chunks j, j + WARPS, ... in turn, as before
     sums[j][c] = sum;
     __syncthreads();
     if (col < COLS) {
-        float rs = row_scale(col);
         if (j == 0) {
             float total = 0.0f;
             for (int i = 0; i < WARPS; ++i) total += sums[i][c];
@@ -479,17 +488,27 @@ def _default_tile_floats(r: int) -> int:
     return 8192 if r <= 32 else 4096
 
 
-def _row_scale_layout(r: int, inp: int, weight_bytes: int) -> tuple[int, int, int]:
+# Rows of A a shared tile holds in the folded launch's staged layout (where they are fewer than the default
+# tile's): 127 registers a thread, two blocks an SM, not 141 and one (scripts/probes/kernel_registers.py). On an
+# H200 the staged folded launch took 1.080 -> 0.985 ms for the 1B model's 16 down projections (2048 x 6144), and
+# 0.9-0.92x the time on its other shapes, layouts interleaved (docs/bench/adapters_h200_22.txt); the norms-only
+# kernel stays on the default tile (2.14 -> 2.40 ms with 256 rows, docs/bench/dora_two_pass_h200.txt).
+FOLDED_TILE_ROWS = 256
+
+
+def _row_scale_layout(r: int, inp: int, weight_bytes: int, folded: bool = False) -> tuple[int, int, int]:
     """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds).
 
     Rows a warp: each value of A read from shared memory serves them all, but they hold r
     registers each and fewer rows a block means more blocks for narrow layers. Columns:
     one 16-byte load of W where the input width allows. Tile: about 32 KiB of float32
     (16 KiB past r = 32), under the 48 KiB a block may hold statically, a multiple of a
-    warp's columns.
+    warp's columns; `folded` (the launch writing W'): FOLDED_TILE_ROWS rows where that is less.
     """
     rows = _ROWS_PER_WARP or (2 if r <= 16 else 1)
     floats = _TILE_FLOATS or _default_tile_floats(r)
+    if folded and not _TILE_FLOATS and FOLDED_TILE_ROWS >= 32 * (16 // weight_bytes):  # a warp's 16-byte loads
+        floats = min(floats, FOLDED_TILE_ROWS * r)
     vec = 16 // weight_bytes
     while vec > 1 and (inp % vec or floats // r < 32 * vec):
         vec //= 2
@@ -781,7 +800,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
            or y.shape != (r, out) or packed and w[3:] != weights[0][3:] for w, x, y in zip(weights, a, b)):
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype "
                          "(and one packing: bits and group size)")
-    layout = _packed_layout(r, weights[0]) if packed else _row_scale_layout(r, inp, wt.size)
+    layout = _packed_layout(r, weights[0]) if packed else _row_scale_layout(r, inp, wt.size, magnitudes is not None)
     if packed and (layout is None or magnitudes is None):
         raise ValueError("row_norms_cuda: a packed weight goes to the folded launch only, where reads_packed()")
     if _TWO_PASS:

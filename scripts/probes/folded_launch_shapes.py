@@ -25,7 +25,7 @@ p.add_argument("--launches", type=int, default=4,
 args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 SHAPES = {(H, H): 32, (KV, H): 32, (I, H): 32, (H, I): 16}  # (out, in): layers of the 1b model
-LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged, tiles 256": dict(_RESIDENT_A=False, _TILE_FLOATS=2048),
+LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged, tiles 1024": dict(_RESIDENT_A=False, FOLDED_TILE_ROWS=1024),
            "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2),
            "resident 64x2": dict(RESIDENT_ROWS=64, RESIDENT_BATCH=2)}
 
