@@ -8,7 +8,9 @@
 #     scripts/gpu_tables.sh probes "$OUT"     # one GPU: the adapters issue's open question, DoRA's step (~5 min)
 #     scripts/gpu_tables.sh host "$OUT"       # one GPU: DoRA's host time, kernel dispatch and the step split (~5 min)
 #     scripts/gpu_tables.sh graphs "$OUT"     # one GPU: the host split under MLX's CUDA-graph settings, a process each, in turn (~6 min)
-#     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~4 min)
+#     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~2-4 min)
+#     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
+#     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -86,6 +88,22 @@ case $what in
       env $setting timeout 300 python3 scripts/probe_dora_step.py --bases ${GRAPH_BASES:-bf16} --steps 30 --rounds 3 \
         --host --only current 2>&1 | grep -v '^check' | tee -a "$out/probe_graphs.txt"
     done ;;
+  candidates)
+    # One GPU, ~5 min: the kernel candidates the twenty-second session left untimed, checked against the current
+    # kernels on the GPU first (the resident launch in two phases and the one-launch m and B gradients, to the bit),
+    # then the folded launch shape by shape (bf16, 4-bit) and the pieces over a 1B step's layers.
+    timeout 170 python3 -m pytest -q tests/test_adapted_linear.py -k "cuda or fold or packed or kernel" 2>&1 \
+      | tail -3 | tee "$out/tests.txt"
+    (cd scripts/probes && timeout 60 python3 folded_launch_shapes.py --reps 9 \
+      && timeout 40 python3 folded_launch_shapes.py --reps 5 --bits 4) 2>&1 | tee "$out/shapes.txt"
+    (cd scripts/probes && timeout 90 python3 dora_kernel_cost.py --reps 7 --only \
+      "launch floor|folded step|resident A in two|the staged|4-bit packed|4-bit, resident|m's and B's") 2>&1 \
+      | tee "$out/cost.txt" ;;
+  candidate-steps)
+    # One GPU, ~5 min: the 1B bf16 step with each candidate, interleaved with the current code and LoRA.
+    timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \
+      --only "current,resident A in two phases,m and B gradients in one launch (last block)" 2>&1 \
+      | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).
     # ncu times each launch alone (serialised; caches and clocks as they are) from profile_step's

@@ -225,6 +225,49 @@ def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
     assert mx.array_equal(gb, ((2 * S) * product).astype(mx.float32) * rs.astype(mx.float32)).item()
 
 
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+@pytest.mark.parametrize("bits", [0, 4])
+def test_resident_launch_in_two_phases_gives_the_same_bits_on_cuda(bits, monkeypatch):
+    """kernels.RESIDENT_PHASES = 2 on the GPU, where blocks run at once: the one-phase launch's norms, W', rs, A
+    and B' to the bit, for the 1B model's 6144 x 2048 layers (bf16, or 4-bit read packed), three a launch; and
+    m's and B's gradients in one launch (scripts/probes/dora_variants.py, a ticket counter a strip) are the two
+    launches', twice on the same counters (each last block resets its own)."""
+    import sys
+    from pathlib import Path
+
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(6), 8)
+    out, inp, r = 6144, 2048, 8
+    ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(mx.bfloat16) for i in range(3)]
+    if bits:
+        ws = [kernels.packed_weight(nn.QuantizedLinear.from_linear(nn.Linear(inp, out, bias=False), group_size=64,
+                                                                   bits=bits)) for _ in ws]
+    a0, a1 = (mx.random.normal((inp, r), key=k[3 + i]) / 8 for i in range(2))
+    a = [a0, a1, a0]
+    b = [mx.random.normal((r, out), key=k[5]) / 8] * 3
+    m = [mx.random.uniform(0.5, 2.0, (out,), key=k[6])] * 3
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S, S], m, factors=True)
+    monkeypatch.setattr(kernels, "RESIDENT_PHASES", 2)
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S, S], m, factors=True)
+    for name, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
+        assert all(mx.array_equal(x, v).item() for x, v in zip(gots, wants)), name
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    sys.modules.pop("dora_variants", None)
+    import dora_variants
+
+    g = mx.random.normal((4096, out), key=k[7]).astype(mx.bfloat16)
+    y = (g * 0.5 + 0.25).astype(mx.bfloat16)
+    product = b[0].astype(mx.bfloat16)
+    two = kernels.magnitude_grad_cuda(g, y, m[0], want[0][1], b_product=product, b_scale=S)
+    for _ in range(2):
+        dora_variants._next_counter = 0  # the same counters both times
+        one = dora_variants.one_launch_magnitude_b_grad(g, y, m[0], want[0][1], product, S)
+        assert mx.array_equal(one[0], two[0]).item() and mx.array_equal(one[1], two[1]).item()
+
+
 def test_row_norm_matches_dense_norm():
     from meshtune.adapters.adapted_linear import adapted_row_norm
 
