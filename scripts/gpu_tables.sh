@@ -102,7 +102,7 @@ case $what in
   candidate-steps)
     # One GPU, ~5 min: the 1B bf16 step with each candidate, interleaved with the current code and LoRA.
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \
-      --only "current,resident A in two phases,m and B gradients in one launch (last block)" 2>&1 \
+      --only "current,resident A in two phases,m and B gradients in one launch (last block),Adam on m packed" 2>&1 \
       | tee "$out/probe_dora_step.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).
