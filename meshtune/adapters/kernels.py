@@ -491,7 +491,8 @@ def _default_tile_floats(r: int) -> int:
 # Rows of A a shared tile holds in the folded launch's staged layout (where they are fewer than the default
 # tile's): 127 registers a thread, two blocks an SM, not 141 and one (scripts/probes/kernel_registers.py). On an
 # H200 the staged folded launch took 1.080 -> 0.985 ms for the 1B model's 16 down projections (2048 x 6144), and
-# 0.9-0.92x the time on its other shapes, layouts interleaved (docs/bench/adapters_h200_22.txt); the norms-only
+# 0.85-0.93x the time on its other shapes, layouts interleaved, one invocation (docs/bench/adapters_h200_22.txt,
+# block 1: "staged, tiles 256" against "staged"); the norms-only
 # kernel stays on the default tile (2.14 -> 2.40 ms with 256 rows, docs/bench/dora_two_pass_h200.txt).
 FOLDED_TILE_ROWS = 256
 
@@ -653,6 +654,27 @@ RESIDENT_BATCH = 2
 _RESIDENT_MAX_THREADS = 512
 _RESIDENT_MAX_A_REGISTERS = 64
 
+# A batch of RB rows for the resident layouts: their loads in flight together, then each row's adapted elements
+# d_j = w_ij + s sum_k A_jk B_ki squared and summed by the thread, a warp butterfly, and @KEEP@ the warp's sum.
+_BATCH_SUMS = """    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
+        WVec wv[RB];
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) {
+            const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
+            float acc = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+                float t = static_cast<float>(wv[q].v[v]);
+                #pragma unroll
+                for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
+                acc += t * t;
+            }
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+            @KEEP@
+        }
+"""
 _ROW_NORM_RESIDENT = """
     struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
     constexpr int NT = IN / VEC;
@@ -691,24 +713,7 @@ _ROW_NORM_RESIDENT = """
     }
     __syncthreads();
     int buf = 0;
-    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
-        WVec wv[RB];
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) {
-            const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
-            float acc = 0.0f;
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-                float t = static_cast<float>(wv[q].v[v]);
-                #pragma unroll
-                for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
-                acc += t * t;
-            }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-            if (lane == 0) red[buf][q][warp] = acc;
-        }
+@BATCH_SUMS@
         __syncthreads();
         #pragma unroll
         for (int q = 0; q < RB; ++q) {
@@ -737,6 +742,8 @@ _ROW_NORM_RESIDENT = """
         buf ^= 1;
     }
 """
+_ROW_NORM_RESIDENT = _ROW_NORM_RESIDENT.replace(
+    "@BATCH_SUMS@\n", _BATCH_SUMS.replace("@KEEP@", "if (lane == 0) red[buf][q][warp] = acc;"))
 
 
 # Two phases (RESIDENT_PHASES = 2, off): the resident layout's block first takes every one of its rows' sums
@@ -752,25 +759,7 @@ RESIDENT_PHASE_ROWS = 32
 RESIDENT_WRITE_ROWS = 4
 _ROW_NORM_RESIDENT_PHASES = _ROW_NORM_RESIDENT[:_ROW_NORM_RESIDENT.index("    int buf = 0;")].replace(
     "    __shared__ float red[2][RB][NW];\n",
-    "    __shared__ float red[RPB][NW];\n    __shared__ float rsv[RPB];\n") + """    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
-        WVec wv[RB];
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) {
-            const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
-            float acc = 0.0f;
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-                float t = static_cast<float>(wv[q].v[v]);
-                #pragma unroll
-                for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
-                acc += t * t;
-            }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-            if (lane == 0 && i0 + q < row_end) red[i0 + q - row_begin][warp] = acc;
-        }
-    }
+    "    __shared__ float red[RPB][NW];\n    __shared__ float rsv[RPB];\n") + _BATCH_SUMS.replace("@KEEP@", "if (lane == 0 && i0 + q < row_end) red[i0 + q - row_begin][warp] = acc;") + """    }
     __syncthreads();
     for (int e = tid; e < row_end - row_begin; e += NT) {  // a thread a row
         int i = row_begin + e;
