@@ -92,7 +92,7 @@ case $what in
     # One GPU, ~5 min: the kernel candidates the twenty-second session left untimed, checked against the current
     # kernels on the GPU first (the resident launch in two phases and the one-launch m and B gradients, to the bit),
     # then the folded launch shape by shape (bf16, 4-bit) and the pieces over a 1B step's layers.
-    timeout 170 python3 -m pytest -q tests/test_adapted_linear.py -k "cuda or fold or packed or kernel" 2>&1 \
+    timeout 200 python3 -m pytest -q tests/test_adapted_linear.py -k "cuda or fold or packed or kernel" 2>&1 \
       | tail -3 | tee "$out/tests.txt"
     (cd scripts/probes && timeout 60 python3 folded_launch_shapes.py --reps 9 \
       && timeout 40 python3 folded_launch_shapes.py --reps 5 --bits 4) 2>&1 | tee "$out/shapes.txt"
