@@ -156,22 +156,18 @@ def _on_the_unfolded_step(variant):
     return built
 
 
-def _no_magnitude_sums(self, x):
-    """Bound: the folded step with m's gradient left 0 (no sums kernels): what m's pass over g and y costs."""
-    _reset()
-    K.magnitude_grad_cuda = _zero_magnitude_grad
-    return ORIGINAL(self, x)
-
-
-def _one_launch_magnitude_sums(self, x):
-    """The folded step with m's and B's gradients in one launch a layer (dora_variants: the last block of a strip
-    adds the chunks' sums, the two launches' bits)."""
-    _reset()
-    K.magnitude_grad_cuda = _one_launch_magnitude_grad
-    return ORIGINAL(self, x)
+def _magnitude_grad_as(grad):
+    """The folded step with kernels.magnitude_grad_cuda replaced by `grad` (its arguments, its results)."""
+    def variant(self, x):
+        _reset()
+        K.magnitude_grad_cuda = grad
+        return ORIGINAL(self, x)
+    return variant
 
 
 def _one_launch_magnitude_grad(g, y, m, norm, b_product=None, b_scale=1.0, rs_dtype=None):
+    """m's and B's gradients in one launch a layer (dora_variants: the last block of a strip adds the chunks' sums,
+    the two launches' bits); m's alone as before."""
     if b_product is None:
         return ORIGINAL_SUMS(g, y, m, norm, rs_dtype=rs_dtype)
     return V.one_launch_magnitude_b_grad(g, y, m, norm, b_product, b_scale, rs_dtype=rs_dtype)
@@ -184,6 +180,10 @@ def _zero_magnitude_grad(g, y, m, norm, b_product=None, b_scale=1.0, rs_dtype=No
     norm = norm.view() if isinstance(norm, K.StackedNorm) else norm
     rs = (m / norm).astype(rs_dtype or g.dtype).astype(mx.float32)
     return mx.zeros_like(m), (b_scale * b_product).astype(mx.float32) * rs
+
+
+# Bound: the folded step with m's gradient left 0 (no sums kernels): what m's pass over g and y costs.
+_no_magnitude_sums = _magnitude_grad_as(_zero_magnitude_grad)
 
 
 def _w_sq_outside_state(model):
@@ -346,7 +346,7 @@ VARIANTS = {
     "scaled weight (rs folded into W and B)": _scaled_weight,
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
-    "m and B gradients in one launch (last block)": _one_launch_magnitude_sums,
+    "m and B gradients in one launch (last block)": _magnitude_grad_as(_one_launch_magnitude_grad),
     "resident A in two phases": _with(_kernels(True), prepare=_setting(K, RESIDENT_PHASES=2)),
     "folded tiles of 1024 rows of A (before)": _with(_kernels(True), prepare=_setting(K, FOLDED_TILE_ROWS=1024)),
     "bound: folded with W' held (no norm launches)": _held_fold,

@@ -482,18 +482,12 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert simulated["meshtune_dora_column_sums"].calls == 1
 
 
-@pytest.mark.parametrize("variant, kernel", [
-    ("resident A in two phases", "meshtune_dora_row_norm_resident_phases_scaled_factors_2"),
-    ("m and B gradients in one launch (last block)", "probe_dora_magnitude_b_one_launch"),
-    ("folded tiles of 1024 rows of A (before)", None),
-])
-def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, variant, kernel):
-    """probe_dora_step's variants of this session's kernels (the resident launch in two phases, m's and B's
-    gradients in one launch, the staged launch's earlier tiles): the current step's loss and gradients, to the bit."""
+def _probe_step_model(monkeypatch, hidden: int, intermediate: int):
+    """(probe_dora_step, a 1-block DoRA model on the probe's adapters, loss-and-gradient of one batch under the
+    step's norms): DoRALinear.__call__ is put back after the test."""
     import sys
 
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
 
     from meshtune.adapters import dora as D, step_norms
     from meshtune.bench.models import Shape, add_adapters, build_model, perturb_adapters
@@ -504,10 +498,8 @@ def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, v
     import probe_dora_step as P
 
     monkeypatch.setattr(D.DoRALinear, "__call__", D.DoRALinear.__call__)  # put back after the test
-    # 128 wide: float32 rows of 128 fit the resident layout (32 threads of 4 columns); the 256-wide down projection
-    # does not (2 warps of 4 columns: fine) -- both layouts run.
-    model = build_model(Shape(arch="qwen3", layers=1, hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=64),
-                        mx.float32, quantized=False, seed=0)
+    model = build_model(Shape(arch="qwen3", layers=1, hidden=hidden, intermediate=intermediate, heads=2, kv_heads=1,
+                              vocab=64), mx.float32, quantized=False, seed=0)
     add_adapters(model, impl="meshtune", kind="dora", num_layers=-1, rank=4, scale=2.0)
     perturb_adapters(model, seed=1)
     model.train()
@@ -517,6 +509,24 @@ def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, v
         with step_norms.step_row_norms(model, tok[:, :-1].size):
             return nn.value_and_grad(model, lambda m: nn.losses.cross_entropy(m(tok[:, :-1]), tok[:, 1:]).mean())(model)
 
+    return P, model, value_and_grad
+
+
+@pytest.mark.parametrize("variant, kernel", [
+    ("resident A in two phases", "meshtune_dora_row_norm_resident_phases_scaled_factors_2"),
+    ("m and B gradients in one launch (last block)", "probe_dora_magnitude_b_one_launch"),
+    ("folded tiles of 1024 rows of A (before)", None),
+])
+def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, variant, kernel):
+    """probe_dora_step's variants of this session's kernels (the resident launch in two phases, m's and B's
+    gradients in one launch, the staged launch's earlier tiles): the current step's loss and gradients, to the bit."""
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import dora as D
+
+    # 128 wide: float32 rows of 128 fit the resident layout (32 threads of 4 columns); the 256-wide down projection
+    # does not (2 warps of 4 columns: fine) -- both layouts run.
+    P, model, value_and_grad = _probe_step_model(monkeypatch, hidden=128, intermediate=256)
     want_l, want_g = value_and_grad()
     mx.eval(want_l, want_g)
     step = P.VARIANTS[variant]
@@ -542,31 +552,11 @@ def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch
     """probe_dora_step's "bound: folded with W' held" variants: the norms, W' and rs taken once before the step
     give, at those parameters, the current folded step's loss and gradients, with no norm launch in the step
     or with the step's own launches still made (their W' a dependency of the held one)."""
-    import sys
-
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from meshtune.adapters import dora as D, step_norms
-    from meshtune.bench.models import Shape, add_adapters, build_model, perturb_adapters
+    from meshtune.adapters import dora as D
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
-    sys.modules.pop("probe_dora_step", None)
-    import probe_dora_step as P
-
-    monkeypatch.setattr(D.DoRALinear, "__call__", D.DoRALinear.__call__)  # put back after the test
-    model = build_model(Shape(arch="qwen3", layers=1, hidden=32, intermediate=64, heads=2, kv_heads=1, vocab=64),
-                        mx.float32, quantized=False, seed=0)
-    add_adapters(model, impl="meshtune", kind="dora", num_layers=-1, rank=4, scale=2.0)
-    perturb_adapters(model, seed=1)
-    model.train()
-    tok = mx.random.randint(0, 64, (2, 9), key=mx.random.key(3))
-
-    def value_and_grad():
-        with step_norms.step_row_norms(model, tok[:, :-1].size):
-            return nn.value_and_grad(model, lambda m: nn.losses.cross_entropy(m(tok[:, :-1]), tok[:, 1:]).mean())(model)
-
+    P, model, value_and_grad = _probe_step_model(monkeypatch, hidden=32, intermediate=64)
     want_l, want_g = value_and_grad()
     step_kernel = _step_norm_kernel(fold=True, layers=1)
     launches = _calls(simulated, step_kernel)

@@ -616,8 +616,8 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
     if resident and not scaled:
         raise ValueError("_row_norm_source: the resident layout is the folded launch's (scaled) only")
     extra = (" mm = m{i};" if scaled else "") + (" qs = qs{i}; qb = qb{i};" if packed else "")
-    body = (_ROW_NORM_RESIDENT_PHASES if resident and RESIDENT_PHASES == 2 else _ROW_NORM_RESIDENT) if resident \
-        else _ROW_NORM
+    phases = resident and RESIDENT_PHASES == 2
+    body = _ROW_NORM_RESIDENT_PHASES if phases else _ROW_NORM_RESIDENT if resident else _ROW_NORM
     source = body.replace("@LAYER_ARRAYS@", _LAYER_ARRAYS).replace(
         "@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
     if packed:
@@ -627,7 +627,7 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
         "@READ_W@", _READ_PACKED_W if packed else _READ_W)
     if scaled:
         # B' = B rs for row i by the threads that share the row: a warp's lanes (staged) or the block's (resident).
-        thread, threads = ("0", "1") if resident and RESIDENT_PHASES == 2 else ("tid", "NT") if resident else ("lane", "32")
+        thread, threads = ("0", "1") if phases else ("tid", "NT") if resident else ("lane", "32")
         write_b = _WRITE_B.replace("@THREAD@", thread).replace("@THREADS@", threads) if factors else ""
         source = source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1)
         # The resident kernel writes W' (and B') as it goes; the staged one after its norms (the epilogue).

@@ -114,56 +114,37 @@ def magnitude_b_grad_a_thread_a_column(g, y, m, norm, b_product, b_scale):
 
 
 # kernels.magnitude_grad_cuda's folded form in one launch: the last block of a strip adds every chunk's sums as
-# kernels._MAGNITUDE_GRAD does (warp j chunks j, j + 8, ...; then the warps in order), then m's and B's gradients.
-_LAST_BLOCK_SUMS = """
-    __threadfence();  // this block's sums, seen by whichever block takes the last ticket
-    __syncthreads();
-    __shared__ unsigned int ticket;
-    unsigned int* count = const_cast<unsigned int*>(counts) + blockIdx.x;
-    if (tid == 0) ticket = atomicAdd(count, 1u);
-    __syncthreads();
-    if (ticket != gridDim.y - 1) return;
-    auto row_scale = [&](int c) { return static_cast<float>(static_cast<RT>(m[c] / norm[c])); };
-    float tot[VEC];
-    for (int v = 0; v < VEC; ++v) tot[v] = 0.0f;
-    if (c0 < COLS)
-        for (int k = warp; k < (int)gridDim.y; k += 8)  // past the L1: other blocks wrote them
-            for (int v = 0; v < VEC; ++v) tot[v] += __ldcg(part + (long long)k * COLS + c0 + v);
-    for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = tot[v];
-    __syncthreads();
-    for (int c = tid; c < CB; c += 256) {
-        int col = blockIdx.x * CB + c;
-        if (col < COLS) {
-            float total = 0.0f;
-            for (int j = 0; j < 8; ++j) total += sums[j][c];
-            float den = row_scale(col) * norm[col];
-            dm[col] = den == 0.0f ? 0.0f : total / den;
+# kernels._MAGNITUDE_GRAD does (warp j chunks j, j + 8, ...; then the warps in order), then m's and B's gradients
+# (d B = s (x A)^T g rs as kernels._B_GRAD forms it: s p rounded to GT, then times rs).
+_MAGNITUDE_B_FINISH = """
+        auto row_scale = [&](int c) { return static_cast<float>(static_cast<RT>(m[c] / norm[c])); };
+        float tot[VEC];
+        for (int v = 0; v < VEC; ++v) tot[v] = 0.0f;
+        if (c0 < COLS)
+            for (int k = warp; k < (int)gridDim.y; k += 8)  // past the L1: other blocks wrote them
+                for (int v = 0; v < VEC; ++v) tot[v] += __ldcg(part + (long long)k * COLS + c0 + v);
+        for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = tot[v];
+        __syncthreads();
+        for (int c = tid; c < CB; c += 256) {
+            int col = blockIdx.x * CB + c;
+            if (col < COLS) {
+                float total = 0.0f;
+                for (int j = 0; j < 8; ++j) total += sums[j][c];
+                float den = row_scale(col) * norm[col];
+                dm[col] = den == 0.0f ? 0.0f : total / den;
+            }
         }
-    }@B_GRAD@
-    if (tid == 0) *count = 0u;  // for the next step's call
+        float sc = static_cast<float>(static_cast<GT>(bscale[0]));
+        for (int e = tid; e < R * CB; e += 256) {
+            int col = blockIdx.x * CB + e % CB;
+            if (col < COLS) {
+                long long i = (long long)(e / CB) * COLS + col;
+                gbo[i] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[i]))) * row_scale(col);
+            }
+        }
 """
-# d B = s (x A)^T g rs for the strip's columns, as _B_GRAD forms it (s p rounded to GT, then times rs).
-_LAST_BLOCK_B_GRAD = """
-    float sc = static_cast<float>(static_cast<GT>(bscale[0]));
-    for (int e = tid; e < R * CB; e += 256) {
-        int col = blockIdx.x * CB + e % CB;
-        if (col < COLS) {
-            long long i = (long long)(e / CB) * COLS + col;
-            gbo[i] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[i]))) * row_scale(col);
-        }
-    }"""
-# d B = s (x A)^T g rs for the strip's columns, as kernels._B_GRAD forms it.
-_LAST_BLOCK_B_GRAD = """
-    float sc = static_cast<float>(static_cast<GT>(bscale[0]));
-    for (int e = tid; e < R * CB; e += 256) {
-        int col = blockIdx.x * CB + e % CB;
-        if (col < COLS) {
-            long long i = (long long)(e / CB) * COLS + col;
-            gbo[i] = static_cast<float>(static_cast<GT>(sc * static_cast<float>(gb[i]))) * row_scale(col);
-        }
-    }"""
 _ONE_LAUNCH_MAGNITUDE_B = ("    const float* norm = norms + off[0];\n" + K._COLUMN_SUMS
-                           + _LAST_BLOCK_SUMS.replace("@B_GRAD@", _LAST_BLOCK_B_GRAD))
+                           + _LAST_BLOCK.replace("FINISH", _MAGNITUDE_B_FINISH))
 
 
 def one_launch_magnitude_b_grad(g, y, m, norm, b_product, b_scale, rs_dtype=None):
@@ -172,7 +153,7 @@ def one_launch_magnitude_b_grad(g, y, m, norm, b_product, b_scale, rs_dtype=None
     vec, strips, chunk, chunks = K.cotangent_grid(rows, cols, g.dtype)
     norms, offset = K._norm_input(norm)
     k = K._kernel("probe_dora_magnitude_b_one_launch",
-                  ["g", "y", "m", "norms", "off", "counts", "gb", "bscale"], ["part", "dm", "gbo"],
+                  ["g", "y", "m", "norms", "off", "count", "gb", "bscale"], ["part", "dm", "gbo"],
                   _ONE_LAUNCH_MAGNITUDE_B)
     inputs = [g, y, m.astype(mx.float32), norms, offset, counters(strips), b_product,
               mx.array([b_scale], dtype=mx.float32)]
