@@ -36,6 +36,22 @@ def kernel(name: str, inputs: list[str], outputs: list[str], source: str):
     return _kernels[key]
 
 
+# MLX's CUDA allocator puts every array of 8 bytes or less in one small pool of managed memory, which the
+# host writes each new Python scalar into and the GPU reads across the bus (advised accessed-by, never
+# migrated). A one-int offset and a one-float scale read from there held m's gradient launch at 11-25 us a
+# layer on an H200, growing with its blocks (ncu, docs/bench/adapters_h200_23.txt): the constants our
+# kernels read are padded out of that pool.
+KERNEL_CONSTANT_BYTES = 16
+
+
+def kernel_constant(values: list, dtype: mx.Dtype) -> mx.array:
+    """`values` as an array a kernel reads (entries 0 .. len - 1), zero-padded to KERNEL_CONSTANT_BYTES at least.
+
+    Data, not an operation: a compiled step holds it as a constant."""
+    pad = max(0, -(-KERNEL_CONSTANT_BYTES // dtype.size) - len(values))
+    return mx.array(list(values) + [0] * pad, dtype=dtype)
+
+
 # The CUDA type MLX's CUDA build gives each dtype in a kernel's parameters.
 CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int32_t",
               mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint8: "uint8_t", mx.bool_: "bool"}

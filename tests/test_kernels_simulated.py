@@ -744,6 +744,35 @@ def test_magnitude_and_b_gradient_over_many_chunks_and_rows_of_b(simulated):
     assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m, norm)).item()
 
 
+def test_no_kernel_reads_an_array_of_8_bytes_or_less(simulated, monkeypatch):
+    """MLX's CUDA allocator keeps arrays of 8 bytes or less in a managed pool the GPU reads across the bus
+    (cuda.kernel_constant): the folded launch's scales with one layer, m's gradient's offset into a launch's
+    norms and B's scale are all handed to the kernels padded past it, the kernels' results unchanged."""
+    from meshtune.adapters import kernels
+
+    smallest = {}
+    made = kernels._kernel
+
+    def recording(name, inputs, outputs, source):
+        inner = made(name, inputs, outputs, source)
+
+        def call(*, inputs, **kw):
+            smallest[name] = min(smallest.get(name, 1 << 30), *(a.nbytes for a in inputs))
+            return inner(inputs=inputs, **kw)
+        return call
+
+    monkeypatch.setattr(kernels, "_kernel", recording)
+    k = mx.random.split(mx.random.key(14), 6)
+    w, a, b = mx.random.normal((24, 64), key=k[0]), mx.random.normal((64, 4), key=k[1]), mx.random.normal((4, 24), key=k[2])
+    m = mx.random.uniform(1.0, 2.0, (24,), key=k[3])
+    norms, _, _ = kernels.row_norms_and_scaled_cuda([w], [a], [b], [2.0], [m], stacked=True)
+    g, y = mx.random.normal((40, 24), key=k[4]), mx.random.normal((40, 24), key=k[5])
+    dm, gb = kernels.magnitude_grad_cuda(g, y, m, norms[0], b_product=b, b_scale=2.0)
+    assert mx.allclose(gb, 2.0 * b * (m / norms[0].view()), rtol=1e-6, atol=0).item()
+    assert set(smallest) >= {"meshtune_dora_column_sums", "meshtune_dora_magnitude_b_grad"}, smallest
+    assert min(smallest.values()) > 8, smallest
+
+
 def test_probe_keeps_the_earlier_magnitude_kernel_equal_to_the_current(simulated, monkeypatch):
     """scripts/probes/dora_variants.py keeps the second sums kernel as it was (a thread a column) for
     dora_kernel_cost.py to time beside the current one: the same gradients, to float32 rounding."""

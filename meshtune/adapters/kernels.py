@@ -57,7 +57,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cuda import kernel as _kernel, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
+from ..cuda import kernel as _kernel, kernel_constant, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
 
 _WARPS = 8  # warps a block
 _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1
@@ -871,7 +871,7 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     w_inputs = ([w.packed for w in weights] + [w.scales for w in weights] + [w.biases for w in weights]
                 if packed else weights)
     inputs = [*w_inputs, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
-              *(m.astype(mx.float32) for m in magnitudes or []), mx.array(scales, dtype=mx.float32)]
+              *(m.astype(mx.float32) for m in magnitudes or []), kernel_constant(scales, mx.float32)]
     output_shapes = ([(n * out,)] + ([(n * out, inp), (n * out,)] if scaled else [])
                      + ([(n * inp, r), (n * r, out)] if factors else []))
     output_dtypes = [mx.float32] + ([wt, mx.float32] if scaled else []) + ([wt, wt] if factors else [])
@@ -1065,7 +1065,7 @@ def _row_norms_two_pass(weights: list[mx.array], a: list[mx.array], b: list[mx.a
     sums = _kernel(f"meshtune_dora_segment_sums_{n}", [f"{p}{i}" for p in "wab" for i in range(n)] + ["s"], ["part"],
                    _SEGMENT_SUMS.replace("@SELECT@", _select(n, "w = w{i}; a = a{i}; b = b{i};")))
     (part,) = sums(inputs=[*weights, *(x.astype(mx.float32) for x in a), *(y.astype(mx.float32) for y in b),
-                           mx.array(scales, dtype=mx.float32)],
+                           kernel_constant(scales, mx.float32)],
                    template=[("R", r), *common, ("NT", _SEGMENT_THREADS), ("TJ", tile), ("U", _SEGMENT_LOADS)],
                    grid=(-(-out // _SEGMENT_THREADS) * segs * _SEGMENT_THREADS, n, 1),
                    threadgroup=(_SEGMENT_THREADS, 1, 1), output_shapes=[(n, segs, out)], output_dtypes=[mx.float32])
@@ -1107,10 +1107,9 @@ class StackedNorm(NamedTuple):
 
 
 def _norm_input(norm: mx.array | StackedNorm) -> tuple[mx.array, mx.array]:
-    """(norms array, int32 (1,) offset of the layer's first) for the magnitude-gradient kernel."""
+    """(norms array, int32 offset of the layer's first in entry 0) for the magnitude-gradient kernel."""
     start = norm.start if isinstance(norm, StackedNorm) else 0
-    # Data, not an operation: a compiled step holds the offset as a constant.
-    return (norm.launch if isinstance(norm, StackedNorm) else norm), mx.array([start], dtype=mx.int32)
+    return (norm.launch if isinstance(norm, StackedNorm) else norm), kernel_constant([start], mx.int32)
 
 
 def cotangent_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array) -> tuple[mx.array, mx.array]:
@@ -1167,7 +1166,7 @@ def _magnitude_from_sums(part: mx.array, m: mx.array, norm: mx.array | StackedNo
     r = b_product.shape[0]
     k = _kernel("meshtune_dora_magnitude_b_grad", ["part", "m", "norms", "off", "gb", "bscale"], ["dm", "gbo"],
                 _MAGNITUDE_AND_B_GRAD)
-    scale = mx.array([b_scale], dtype=mx.float32)  # data, not an operation: a constant in a compiled step
+    scale = kernel_constant([b_scale], mx.float32)
     dm, gb = k(inputs=inputs + [b_product, scale], template=template + [("R", r), ("GT", b_product.dtype)],
                output_shapes=[(cols,), (r, cols)], output_dtypes=[mx.float32, mx.float32], **grid)
     return dm, gb
