@@ -41,7 +41,10 @@ def kernel(name: str, inputs: list[str], outputs: list[str], source: str):
 # migrated). A one-int offset and a one-float scale read from there held m's gradient launch at 11-25 us a
 # layer on an H200, growing with its blocks (ncu, docs/bench/adapters_h200_23.txt): the constants our
 # kernels read are padded out of that pool.
+# One array a value: made once, its page moves to the GPU at its first read and stays (an uncompiled step
+# would otherwise write a new one each call, and the GPU fault it in each time).
 KERNEL_CONSTANT_BYTES = 16
+_constants: dict[tuple, mx.array] = {}
 
 
 def kernel_constant(values: list, dtype: mx.Dtype) -> mx.array:
@@ -49,7 +52,10 @@ def kernel_constant(values: list, dtype: mx.Dtype) -> mx.array:
 
     Data, not an operation: a compiled step holds it as a constant."""
     pad = max(0, -(-KERNEL_CONSTANT_BYTES // dtype.size) - len(values))
-    return mx.array(list(values) + [0] * pad, dtype=dtype)
+    key = (tuple(values), str(dtype), pad)
+    if key not in _constants:
+        _constants[key] = mx.array(list(values) + [0] * pad, dtype=dtype)
+    return _constants[key]
 
 
 # The CUDA type MLX's CUDA build gives each dtype in a kernel's parameters.
