@@ -11,6 +11,7 @@
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~2-4 min)
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
+#     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -104,6 +105,18 @@ case $what in
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \
       --only "current,resident A in two phases,m and B gradients in one launch (last block),Adam on m packed" 2>&1 \
       | tee "$out/probe_dora_step.txt" ;;
+  scalar-pool)
+    # GPU time (ncu, each launch alone) of scalar_pool.py's four pieces, a process each: m's and B's gradients
+    # with their constants padded and of 4 bytes, and an Adam-shaped update with lr a 4-byte scalar and padded.
+    for piece in 1 2 3 4; do
+      (cd scripts/probes && timeout 120 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+        --clock-control none --profile-from-start off python3 scalar_pool.py --profile $piece \
+        > "$out/ncu_scalar_pool_$piece.csv" 2>/dev/null)
+      python3 -c "import csv, sys; rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10 and r[0].isdigit()]
+print('piece', sys.argv[2], len(rows), 'launches', round(sum(float(r[-1].replace(',', '')) for r in rows) / 1e6, 3), 'ms GPU')" \
+        "$out/ncu_scalar_pool_$piece.csv" $piece
+    done 2>&1 | tee "$out/scalar_pool_ncu.txt"
+    (cd scripts/probes && timeout 100 python3 scalar_pool.py --reps 9) 2>&1 | tee -a "$out/scalar_pool_ncu.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).
     # ncu times each launch alone (serialised; caches and clocks as they are) from profile_step's

@@ -8,6 +8,10 @@ rep by rep in one process:
 - an Adam-shaped update (p - lr * g) over the step's 336 adapter and magnitude arrays, lr a 4-byte scalar
   (MLX's optimizers keep it so) and lr a view of a 16-byte array.
     python3 scripts/probes/scalar_pool.py [--reps 9]
+Wall time is the host's where dispatch outruns the GPU (an H200 on a slow host: the pieces differed by
+1% though ncu put the gradients' second launch at 0.39 against 1.94 ms). With --profile PIECE one
+evaluation of that piece (1-4, in the order above) runs between cudaProfilerStart and Stop, for
+`ncu --profile-from-start off` (gpu_tables.sh scalar-pool sums each piece's GPU time).
 """
 import argparse
 import statistics
@@ -21,6 +25,7 @@ from meshtune.adapters import kernels as K
 p = argparse.ArgumentParser()
 p.add_argument("--reps", type=int, default=9)
 p.add_argument("--tokens", type=int, default=4096)
+p.add_argument("--profile", type=int, default=0, help="1-4: one evaluation of that piece under the CUDA profiler")
 args = p.parse_args()
 H, I, KV, R = 2048, 6144, 1024, 8
 outs = [H, KV, KV, H, I, I, H] * 16
@@ -81,6 +86,22 @@ pieces = {
     "p - lr * g, lr a 4-byte scalar (336 arrays)": adam_like(lr_scalar),
     "p - lr * g, lr a view of 16 bytes (336 arrays)": adam_like(lr_padded),
 }
+if args.profile:
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from step_kernels import cudart  # noqa: E402
+
+    piece = list(pieces.values())[args.profile - 1]
+    for _ in range(2):  # compiled, warm
+        mx.eval(piece())
+    mx.synchronize()
+    rt = cudart()
+    rt.cudaProfilerStart()
+    mx.eval(piece())
+    mx.synchronize()
+    rt.cudaProfilerStop()
+    raise SystemExit(0)
 times = {k: [] for k in pieces}
 for rep in range(args.reps + 1):
     for name, piece in pieces.items():
