@@ -14,7 +14,7 @@ import hashlib
 
 import mlx.core as mx
 
-from ..cuda import kernel
+from ..cuda import kernel, kernel_constant
 
 # Arrays per kernel: each is a pointer argument, and a kernel's arguments are limited (4 KiB).
 MAX_ARRAYS = 256
@@ -53,7 +53,7 @@ def pack_cuda(arrays: list[mx.array], dtype: mx.Dtype) -> mx.array:
     k = kernel(f"meshtune_pack_{n}_{hashlib.sha1(dtypes.encode()).hexdigest()[:12]}", names + ["offs"], ["out"],
                _source(n))
     blocks = max(1, min(1024, -(-max(a.size for a in arrays) // 256)))
-    (out,) = k(inputs=[*arrays, mx.array(offsets, dtype=mx.int64)], template=[("T", dtype)],
+    (out,) = k(inputs=[*arrays, kernel_constant(offsets, mx.int64)], template=[("T", dtype)],
                grid=(blocks * 256, n, 1), threadgroup=(256, 1, 1),
                output_shapes=[(offsets[-1],)], output_dtypes=[dtype])
     return out

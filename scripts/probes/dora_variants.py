@@ -105,8 +105,8 @@ def magnitude_b_grad_a_thread_a_column(g, y, m, norm, b_product, b_scale):
     k = K._kernel("probe_dora_magnitude_b_grad_a_thread_a_column", ["part", "m", "norms", "off", "gb", "bscale"],
                   ["dm", "gbo"], _COLUMN_A_THREAD)
     r = b_product.shape[0]
-    inputs = [part, m.astype(mx.float32), norm, mx.array([0], dtype=mx.int32), b_product,
-              mx.array([b_scale], dtype=mx.float32)]
+    inputs = [part, m.astype(mx.float32), norm, K.kernel_constant([0], mx.int32), b_product,
+              K.kernel_constant([b_scale], mx.float32)]
     return k(inputs=inputs, template=[("COLS", cols), ("CHUNKS", chunks), ("T", g.dtype), ("R", r),
                                       ("GT", b_product.dtype)],
              grid=(-(-cols // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
@@ -156,7 +156,7 @@ def one_launch_magnitude_b_grad(g, y, m, norm, b_product, b_scale, rs_dtype=None
                   ["g", "y", "m", "norms", "off", "count", "gb", "bscale"], ["part", "dm", "gbo"],
                   _ONE_LAUNCH_MAGNITUDE_B)
     inputs = [g, y, m.astype(mx.float32), norms, offset, counters(strips), b_product,
-              mx.array([b_scale], dtype=mx.float32)]
+              K.kernel_constant([b_scale], mx.float32)]
     _, dm, gb = k(inputs=inputs, template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
                                            ("T", g.dtype), ("YT", y.dtype), ("RT", rs_dtype or g.dtype),
                                            ("R", b_product.shape[0]), ("GT", b_product.dtype)],
