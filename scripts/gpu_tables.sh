@@ -91,19 +91,19 @@ case $what in
     done ;;
   candidates)
     # One GPU, ~5 min: the kernel candidates the twenty-second session left untimed, checked against the current
-    # kernels on the GPU first (the resident launch in two phases and the one-launch m and B gradients, to the bit),
-    # then the folded launch shape by shape (bf16, 4-bit) and the pieces over a 1B step's layers.
+    # kernels on the GPU first (the one-launch m and B gradients, to the bit), then the folded launch shape by
+    # shape (bf16, 4-bit) and the pieces over a 1B step's layers.
     timeout 200 python3 -m pytest -q tests/test_adapted_linear.py -k "cuda or fold or packed or kernel" 2>&1 \
       | tail -3 | tee "$out/tests.txt"
     (cd scripts/probes && timeout 60 python3 folded_launch_shapes.py --reps 9 \
       && timeout 40 python3 folded_launch_shapes.py --reps 5 --bits 4) 2>&1 | tee "$out/shapes.txt"
     (cd scripts/probes && timeout 90 python3 dora_kernel_cost.py --reps 7 --only \
-      "launch floor|folded step|resident A in two|the staged|4-bit packed|4-bit, resident|m's and B's") 2>&1 \
+      "launch floor|folded step|the staged|4-bit packed|m's and B's") 2>&1 \
       | tee "$out/cost.txt" ;;
   candidate-steps)
     # One GPU, ~5 min: the 1B bf16 step with each candidate, interleaved with the current code and LoRA.
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \
-      --only "current,resident A in two phases,m and B gradients in one launch (last block),Adam on m packed" 2>&1 \
+      --only "current,m and B gradients in one launch (last block),Adam on m packed" 2>&1 \
       | tee "$out/probe_dora_step.txt" ;;
   scalar-pool)
     # GPU time (ncu, each launch alone) of scalar_pool.py's four pieces, a process each: m's and B's gradients

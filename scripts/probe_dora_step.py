@@ -243,7 +243,7 @@ def _separate_rows(self, x):
 ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS = K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda
 ORIGINAL_LOOKUP_SCALED, ORIGINAL_COVERED = step_norms.lookup_scaled, step_norms._covered
 ORIGINAL_FOLD = K.FOLD_ROW_SCALE
-ORIGINAL_RESIDENT_PHASES, ORIGINAL_FOLDED_TILE_ROWS = K.RESIDENT_PHASES, K.FOLDED_TILE_ROWS
+ORIGINAL_FOLDED_TILE_ROWS = K.FOLDED_TILE_ROWS
 
 
 def _norm_per_layer(self, x):
@@ -321,7 +321,7 @@ def _reset():
     K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS = ORIGINAL_LAYOUT
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
     K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
-    K.RESIDENT_PHASES, K.FOLDED_TILE_ROWS = ORIGINAL_RESIDENT_PHASES, ORIGINAL_FOLDED_TILE_ROWS
+    K.FOLDED_TILE_ROWS = ORIGINAL_FOLDED_TILE_ROWS
 
 
 VARIANTS = {
@@ -347,7 +347,6 @@ VARIANTS = {
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
     "m and B gradients in one launch (last block)": _magnitude_grad_as(_one_launch_magnitude_grad),
-    "resident A in two phases": _with(_kernels(True), prepare=_setting(K, RESIDENT_PHASES=2)),
     "folded tiles of 1024 rows of A (before)": _with(_kernels(True), prepare=_setting(K, FOLDED_TILE_ROWS=1024)),
     "bound: folded with W' held (no norm launches)": _held_fold,
     "bound: folded with W' held in the products (norms launched)": _held_products,

@@ -227,11 +227,11 @@ def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("bits", [0, 4])
-def test_resident_launch_in_two_phases_gives_the_same_bits_on_cuda(bits, monkeypatch):
-    """kernels.RESIDENT_PHASES = 2 on the GPU, where blocks run at once: the one-phase launch's norms, W', rs, A
-    and B' to the bit, for the 1B model's 6144 x 2048 layers (bf16, or 4-bit read packed), three a launch; and
-    m's and B's gradients in one launch (scripts/probes/dora_variants.py, a ticket counter a strip) are the two
-    launches', twice on the same counters (each last block resets its own)."""
+def test_probe_one_launch_magnitude_b_gives_the_two_launches_bits_on_cuda(bits, monkeypatch):
+    """On the GPU, where blocks run at once: m's and B's gradients in one launch (scripts/probes/dora_variants.py,
+    a ticket counter a strip) are the two launches' to the bit, twice on the same counters (each last block resets
+    its own), at the norms of the folded launch for the 1B model's 6144 x 2048 layers (bf16, or 4-bit read packed),
+    three a launch."""
     import sys
     from pathlib import Path
 
@@ -250,10 +250,6 @@ def test_resident_launch_in_two_phases_gives_the_same_bits_on_cuda(bits, monkeyp
     b = [mx.random.normal((r, out), key=k[5]) / 8] * 3
     m = [mx.random.uniform(0.5, 2.0, (out,), key=k[6])] * 3
     want = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S, S], m, factors=True)
-    monkeypatch.setattr(kernels, "RESIDENT_PHASES", 2)
-    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S, S], m, factors=True)
-    for name, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
-        assert all(mx.array_equal(x, v).item() for x, v in zip(gots, wants)), name
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
     sys.modules.pop("dora_variants", None)
     import dora_variants

@@ -333,44 +333,6 @@ def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, i
         assert mx.array_equal(ac, a_l.astype(dtype)).item() and mx.array_equal(bs, (b_l * rs).astype(dtype)).item()
 
 
-@pytest.mark.parametrize("inp, out, r, dtype, rows, batch, write_rows, bits", [
-    (256, 45, 8, mx.bfloat16, 16, 3, 4, 0),  # 45 rows: blocks of 16, batches of 3 and writes of 4, the last short
-    (512, 70, 8, mx.bfloat16, 32, 2, 3, 0),  # two warps' sums added by a thread a row; 3 blocks, the last part-filled
-    (384, 19, 5, mx.float32, 8, 2, 4, 0),  # 4 columns a thread (float32), rank 5
-    (512, 37, 8, mx.bfloat16, 16, 2, 4, 4),  # a 4-bit base read packed, in both phases
-])
-def test_resident_folded_kernel_in_two_phases_gives_the_same_bits(simulated, monkeypatch, inp, out, r, dtype, rows,
-                                                                  batch, write_rows, bits):
-    """kernels.RESIDENT_PHASES = 2: every row's sums first (no barrier between rows), then the norms a thread a
-    row, then W' from a second read: the one-phase kernel's sums in its order, so its norms, W', rs, A and B' to
-    the bit, two layers a launch, rows not a multiple of a block, a batch or a write."""
-    import mlx.nn as nn
-
-    from meshtune.adapters import kernels
-
-    k = mx.random.split(mx.random.key(inp + out + bits), 8)
-    if bits:
-        layers = [nn.QuantizedLinear.from_linear(nn.Linear(inp, out, bias=False), group_size=64, bits=bits)
-                  for _ in range(2)]
-        ws = [kernels.packed_weight(layer) for layer in layers]
-    else:
-        ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(dtype) for i in (0, 1)]
-    a = [mx.random.normal((inp, r), key=k[i]) / 8 for i in (2, 3)]
-    b = [mx.random.normal((r, out), key=k[i]) / 8 for i in (4, 5)]
-    ms = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (6, 7)]
-    monkeypatch.setattr(kernels, "RESIDENT_BATCH", batch)
-    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, factors=True)
-    monkeypatch.setattr(kernels, "RESIDENT_PHASES", 2)
-    monkeypatch.setattr(kernels, "RESIDENT_PHASE_ROWS", rows)
-    monkeypatch.setattr(kernels, "RESIDENT_WRITE_ROWS", write_rows)
-    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, factors=True)
-    for kind, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
-        for g, w in zip(gots, wants):
-            assert mx.array_equal(g, w).item(), kind
-    assert simulated[kernels.row_norm_kernel_name(2, True, True, packed=bool(bits), resident=True)].calls == 1
-    assert simulated[kernels.row_norm_kernel_name(2, True, True, packed=bool(bits), resident=True, phases=2)].calls == 1
-
-
 def test_resident_folded_kernel_reads_quantized_weights_packed(simulated, monkeypatch):
     """The resident-A launch on a 4-bit base read packed gives what it gives on the dequantized weight."""
     import mlx.nn as nn
@@ -513,13 +475,12 @@ def _probe_step_model(monkeypatch, hidden: int, intermediate: int):
 
 
 @pytest.mark.parametrize("variant, kernel", [
-    ("resident A in two phases", "meshtune_dora_row_norm_resident_phases_scaled_factors_2"),
     ("m and B gradients in one launch (last block)", "probe_dora_magnitude_b_one_launch"),
     ("folded tiles of 1024 rows of A (before)", None),
 ])
 def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, variant, kernel):
-    """probe_dora_step's variants of this session's kernels (the resident launch in two phases, m's and B's
-    gradients in one launch, the staged launch's earlier tiles): the current step's loss and gradients, to the bit."""
+    """probe_dora_step's variants of this session's kernels (m's and B's gradients in one launch, the staged
+    launch's earlier tiles): the current step's loss and gradients, to the bit."""
     from mlx.utils import tree_flatten
 
     from meshtune.adapters import dora as D

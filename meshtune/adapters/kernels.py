@@ -616,8 +616,7 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
     if resident and not scaled:
         raise ValueError("_row_norm_source: the resident layout is the folded launch's (scaled) only")
     extra = (" mm = m{i};" if scaled else "") + (" qs = qs{i}; qb = qb{i};" if packed else "")
-    phases = resident and RESIDENT_PHASES == 2
-    body = _ROW_NORM_RESIDENT_PHASES if phases else _ROW_NORM_RESIDENT if resident else _ROW_NORM
+    body = _ROW_NORM_RESIDENT if resident else _ROW_NORM
     source = body.replace("@LAYER_ARRAYS@", _LAYER_ARRAYS).replace(
         "@SELECT@", _select(layers, "w = w{i}; a = a{i}; b = b{i};" + extra))
     if packed:
@@ -627,7 +626,7 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
         "@READ_W@", _READ_PACKED_W if packed else _READ_W)
     if scaled:
         # B' = B rs for row i by the threads that share the row: a warp's lanes (staged) or the block's (resident).
-        thread, threads = ("0", "1") if phases else ("tid", "NT") if resident else ("lane", "32")
+        thread, threads = ("tid", "NT") if resident else ("lane", "32")
         write_b = _WRITE_B.replace("@THREAD@", thread).replace("@THREADS@", threads) if factors else ""
         source = source.replace("    const float* b;\n", "    const float* b;\n" + _SCALED_DECLS, 1)
         # The resident kernel writes W' (and B') as it goes; the staged one after its norms (the epilogue).
@@ -654,7 +653,7 @@ RESIDENT_BATCH = 2
 _RESIDENT_MAX_THREADS = 512
 _RESIDENT_MAX_A_REGISTERS = 64
 
-# A batch of RB rows for the resident layouts: their loads in flight together, then each row's adapted elements
+# A batch of RB rows for the resident layout: their loads in flight together, then each row's adapted elements
 # d_j = w_ij + s sum_k A_jk B_ki squared and summed by the thread, a warp butterfly, and @KEEP@ the warp's sum.
 _BATCH_SUMS = """    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
         WVec wv[RB];
@@ -746,55 +745,6 @@ _ROW_NORM_RESIDENT = _ROW_NORM_RESIDENT.replace(
     "@BATCH_SUMS@\n", _BATCH_SUMS.replace("@KEEP@", "if (lane == 0) red[buf][q][warp] = acc;"))
 
 
-# Two phases (RESIDENT_PHASES = 2, off): the resident layout's block first takes every one of its rows' sums
-# (RESIDENT_BATCH rows' loads in flight, each warp's sum to shared memory: no barrier between rows), then the
-# rows' norms and row scales a thread a row, then W' = rs W from a second read of its rows (RESIDENT_PHASE_ROWS
-# of them, 128 KB of a 2048-wide bf16 W: mostly from the L2 cache), RESIDENT_WRITE_ROWS rows' loads in flight.
-# The sums are the one-phase kernel's in its order: the same bits. On an H200 the one-phase launch for the 1B
-# model's 6144 x 2048 layers (32) took 859 us, 1.9 TB/s, at 2 blocks of 8 warps an SM (126 registers, A's 64
-# among them), each warp waiting ~10 cycles an instruction (ncu, docs/bench/adapters_h200_22.txt): a barrier
-# a batch of 2 rows. Not yet timed.
-RESIDENT_PHASES = 1
-RESIDENT_PHASE_ROWS = 32
-RESIDENT_WRITE_ROWS = 4
-_ROW_NORM_RESIDENT_PHASES = _ROW_NORM_RESIDENT[:_ROW_NORM_RESIDENT.index("    int buf = 0;")].replace(
-    "    __shared__ float red[2][RB][NW];\n",
-    "    __shared__ float red[RPB][NW];\n    __shared__ float rsv[RPB];\n") + _BATCH_SUMS.replace("@KEEP@", "if (lane == 0 && i0 + q < row_end) red[i0 + q - row_begin][warp] = acc;") + """    }
-    __syncthreads();
-    for (int e = tid; e < row_end - row_begin; e += NT) {  // a thread a row
-        int i = row_begin + e;
-        float total = 0.0f;
-        for (int j = 0; j < NW; ++j) total += red[e][j];
-        float nrm = sqrtf(total);
-        float rs = static_cast<float>(static_cast<WT>(mm[i] / nrm));
-        norm[i] = nrm;
-        rso[i] = rs;
-        rsv[e] = rs;
-@WRITE_B@    }
-    __syncthreads();
-    for (int i0 = row_begin; i0 < row_end; i0 += WB) {
-        WVec wv[WB];
-        #pragma unroll
-        for (int q = 0; q < WB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);
-        #pragma unroll
-        for (int q = 0; q < WB; ++q) {
-            int i = i0 + q;
-            if (i >= row_end) continue;
-            float rs = rsv[i - row_begin];
-            WVec o;
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<WT>(rs * static_cast<float>(wv[q].v[v]));
-            long long off = (long long)i * IN + c0;
-            if (ws_aligned) {
-                *reinterpret_cast<WVec*>(ws + off) = o;
-            } else {
-                #pragma unroll
-                for (int v = 0; v < VEC; ++v) ws[off + v] = o.v[v];
-            }
-        }
-    }
-"""
-
 def _resident_layout(r: int, inp: int, vec: int) -> bool:
     """Whether the folded launch keeps A resident (_RESIDENT_A) for rank r, rows `inp` wide, `vec` columns a thread."""
     threads = inp // vec
@@ -824,12 +774,11 @@ def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: lis
     return _row_norms(weights, a, b, scales, magnitudes, factors, stacked)
 
 
-def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False, resident: bool = False,
-                         phases: int = 1) -> str:
+def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False, resident: bool = False) -> str:
     """The row-norm kernel's name for a launch of `layers` layers (with W' and rs where `scaled`, with A and B' too
-    where `factors`, reading quantized weights where `packed`, holding A in registers where `resident`, in two
-    phases where `phases` is 2): what MLX caches it by, and what the simulated tests count launches by."""
-    kind = (("_resident" + ("_phases" if phases == 2 else "") if resident else "") + ("_packed" if packed else "")
+    where `factors`, reading quantized weights where `packed`, holding A in registers where `resident`): what MLX
+    caches it by, and what the simulated tests count launches by."""
+    kind = (("_resident" if resident else "") + ("_packed" if packed else "")
             + ("_scaled_factors" if factors else "_scaled" if scaled else ""))
     return f"meshtune_dora_row_norm{kind}_{layers}"
 
@@ -881,18 +830,17 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     resident_vec = layout[1] if packed else 16 // wt.size  # a packed word a thread, else a 16-byte load
     resident = scaled and _resident_layout(r, inp, resident_vec)
     if resident:
-        rows = RESIDENT_PHASE_ROWS if RESIDENT_PHASES == 2 else RESIDENT_ROWS
-        template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", rows),
-                    ("RB", RESIDENT_BATCH), ("WT", wt)] + ([("WB", RESIDENT_WRITE_ROWS)] if RESIDENT_PHASES == 2 else [])
+        template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", RESIDENT_ROWS),
+                    ("RB", RESIDENT_BATCH), ("WT", wt)]
         threads = inp // resident_vec
-        grid = (-(-out // rows) * threads, n, 1)
+        grid = (-(-out // RESIDENT_ROWS) * threads, n, 1)
     else:
         rows, vec, tile = layout
         template = [("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
                     ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS), ("WT", wt)]
         threads = _WARPS * 32
         grid = (-(-out // (_WARPS * rows * _ROW_GROUPS)) * threads, n, 1)
-    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident, RESIDENT_PHASES), names, outputs,
+    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident), names, outputs,
                 _row_norm_source(n, scaled, factors, packed, resident))
     res = k(inputs=inputs, template=template + quantized, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=output_shapes, output_dtypes=output_dtypes)

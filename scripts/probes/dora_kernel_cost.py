@@ -151,9 +151,7 @@ pieces = {
        for rows, rb in ((32, 4), (128, 4), (64, 2), (64, 8))},
     "  the staged launch (down projection) with tiles of 1024 rows of A (before)": patched(
         by_shape(folded_step_launch), FOLDED_TILE_ROWS=1024),
-    "  resident A in two phases": patched(by_shape(folded_step_launch), RESIDENT_PHASES=2),
     "4-bit packed folded step launch (7)": by_shape(folded_step_launch, weight=packed),
-    "  4-bit, resident A in two phases": patched(by_shape(folded_step_launch, weight=packed), RESIDENT_PHASES=2),
     "  4-bit, A staged (not resident)": patched(by_shape(folded_step_launch, weight=packed), _RESIDENT_A=False),
     "  W' with A staged a float at a time": patched(by_shape(norms_and_scaled), _STAGE_QUADS=False),
     "  norms alone, A staged a float at a time": patched(by_shape(K.row_norms_cuda), _STAGE_QUADS=False),

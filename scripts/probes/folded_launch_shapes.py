@@ -26,10 +26,7 @@ args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 SHAPES = {(H, H): 32, (KV, H): 32, (I, H): 32, (H, I): 16}  # (out, in): layers of the 1b model
 LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged, tiles 1024": dict(_RESIDENT_A=False, FOLDED_TILE_ROWS=1024),
-           "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2),
-           "2 phases, 32x2": dict(RESIDENT_PHASES=2, RESIDENT_PHASE_ROWS=32, RESIDENT_BATCH=2),
-           "2 phases, 64x4": dict(RESIDENT_PHASES=2, RESIDENT_PHASE_ROWS=64, RESIDENT_BATCH=4),
-           "2 phases, 16x2": dict(RESIDENT_PHASES=2, RESIDENT_PHASE_ROWS=16, RESIDENT_BATCH=2)}
+           "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2)}
 
 
 def layers_of(out, inp, n):

@@ -31,8 +31,7 @@ SETTINGS = {"default": {}, "W' 4 loads in flight": {"_SCALED_LOADS": 4},
             "tiles of 256, W' 4 loads in flight": {"_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
             "8 warps x 1 row": {"_ROWS_PER_WARP": 1},
             "8 warps x 1 row, tiles of 256, 4 loads": {"_ROWS_PER_WARP": 1, "_TILE_FLOATS": 2048, "_SCALED_LOADS": 4},
-            "two passes": {"_TWO_PASS": True}, "two passes, W' 4 loads in flight": {"_TWO_PASS": True, "_SCALED_LOADS": 4},
-            "resident A in two phases": {"RESIDENT_PHASES": 2}}
+            "two passes": {"_TWO_PASS": True}, "two passes, W' 4 loads in flight": {"_TWO_PASS": True, "_SCALED_LOADS": 4}}
 
 
 def resources(source: str, tmp: Path) -> tuple[int, int]:
