@@ -90,7 +90,7 @@ case $what in
         --host --only current 2>&1 | grep -v '^check' | tee -a "$out/probe_graphs.txt"
     done ;;
   candidates)
-    # One GPU, ~5 min: the kernel candidates the twenty-second session left untimed, checked against the current
+    # One GPU, ~5 min: the kernel candidates, checked against the current
     # kernels on the GPU first (the one-launch m and B gradients, to the bit), then the folded launch shape by
     # shape (bf16, 4-bit) and the pieces over a 1B step's layers.
     timeout 200 python3 -m pytest -q tests/test_adapted_linear.py -k "cuda or fold or packed or kernel" 2>&1 \
