@@ -106,16 +106,17 @@ case $what in
       --only "current,m and B gradients in one launch (last block),Adam on m packed" 2>&1 \
       | tee "$out/probe_dora_step.txt" ;;
   scalar-pool)
-    # GPU time (ncu, each launch alone) of scalar_pool.py's four pieces, a process each: m's and B's gradients
-    # with their constants padded and of 4 bytes, and an Adam-shaped update with lr a 4-byte scalar and padded.
+    # GPU time (ncu, each launch alone) of scalar_pool.py's four pieces, a process each, then step_kernels.py's
+    # totals pair by pair: m's and B's gradients with their constants padded against 4 bytes, and an Adam-shaped
+    # update with lr padded against a 4-byte scalar.
     for piece in 1 2 3 4; do
       (cd scripts/probes && timeout 120 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
         --clock-control none --profile-from-start off python3 scalar_pool.py --profile $piece \
         > "$out/ncu_scalar_pool_$piece.csv" 2>/dev/null)
-      python3 -c "import csv, sys; rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10 and r[0].isdigit()]
-print('piece', sys.argv[2], len(rows), 'launches', round(sum(float(r[-1].replace(',', '')) for r in rows) / 1e6, 3), 'ms GPU')" \
-        "$out/ncu_scalar_pool_$piece.csv" $piece
-    done 2>&1 | tee "$out/scalar_pool_ncu.txt"
+    done
+    { python3 scripts/probes/step_kernels.py --summary "$out/ncu_scalar_pool_1.csv" "$out/ncu_scalar_pool_2.csv"
+      python3 scripts/probes/step_kernels.py --summary "$out/ncu_scalar_pool_4.csv" "$out/ncu_scalar_pool_3.csv"
+    } 2>&1 | tee "$out/scalar_pool_ncu.txt"
     (cd scripts/probes && timeout 100 python3 scalar_pool.py --reps 9) 2>&1 | tee -a "$out/scalar_pool_ncu.txt" ;;
   profile)
     # DoRA's GPU time a step, kernel by kernel beside LoRA's (PROFILE_BASE=4bit for the quantized base).

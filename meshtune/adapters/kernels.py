@@ -653,27 +653,6 @@ RESIDENT_BATCH = 2
 _RESIDENT_MAX_THREADS = 512
 _RESIDENT_MAX_A_REGISTERS = 64
 
-# A batch of RB rows for the resident layout: their loads in flight together, then each row's adapted elements
-# d_j = w_ij + s sum_k A_jk B_ki squared and summed by the thread, a warp butterfly, and @KEEP@ the warp's sum.
-_BATCH_SUMS = """    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
-        WVec wv[RB];
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
-        #pragma unroll
-        for (int q = 0; q < RB; ++q) {
-            const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
-            float acc = 0.0f;
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-                float t = static_cast<float>(wv[q].v[v]);
-                #pragma unroll
-                for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
-                acc += t * t;
-            }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-            @KEEP@
-        }
-"""
 _ROW_NORM_RESIDENT = """
     struct alignas(sizeof(WT) * VEC) WVec { WT v[VEC]; };
     constexpr int NT = IN / VEC;
@@ -712,7 +691,24 @@ _ROW_NORM_RESIDENT = """
     }
     __syncthreads();
     int buf = 0;
-@BATCH_SUMS@
+    for (int i0 = row_begin; i0 < row_end; i0 += RB) {
+        WVec wv[RB];
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
+        #pragma unroll
+        for (int q = 0; q < RB; ++q) {
+            const float* cb = cbs + (min(i0 + q, row_end - 1) - row_begin) * R;
+            float acc = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+                float t = static_cast<float>(wv[q].v[v]);
+                #pragma unroll
+                for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
+                acc += t * t;
+            }
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+            if (lane == 0) red[buf][q][warp] = acc;
+        }
         __syncthreads();
         #pragma unroll
         for (int q = 0; q < RB; ++q) {
@@ -741,8 +737,6 @@ _ROW_NORM_RESIDENT = """
         buf ^= 1;
     }
 """
-_ROW_NORM_RESIDENT = _ROW_NORM_RESIDENT.replace(
-    "@BATCH_SUMS@\n", _BATCH_SUMS.replace("@KEEP@", "if (lane == 0) red[buf][q][warp] = acc;"))
 
 
 def _resident_layout(r: int, inp: int, vec: int) -> bool:

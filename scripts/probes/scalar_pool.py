@@ -11,7 +11,7 @@ rep by rep in one process:
 Wall time is the host's where dispatch outruns the GPU (an H200 on a slow host: the pieces differed by
 1% though ncu put the gradients' second launch at 0.39 against 1.94 ms). With --profile PIECE one
 evaluation of that piece (1-4, in the order above) runs between cudaProfilerStart and Stop, for
-`ncu --profile-from-start off` (gpu_tables.sh scalar-pool sums each piece's GPU time).
+`ncu --profile-from-start off` (gpu_tables.sh scalar-pool: step_kernels.py --summary sets the pairs side by side).
 """
 import argparse
 import statistics
