@@ -559,6 +559,50 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
 
 
+def test_a_launch_of_twelve_layers_gives_each_layer_its_own_outputs(simulated):
+    """A folded launch of more than kernels.SPLIT_PARTS layers (its outputs' views from nested splits): each
+    layer's norms, W', rs, A and B' are the ones a launch of that layer alone writes, bit for bit."""
+    from meshtune.adapters import kernels
+
+    n, inp, out, r = 12, 24, 19, 3
+    k = mx.random.split(mx.random.key(12), 4 * n)
+    ws = [mx.random.normal((out, inp), key=k[i]) * 0.2 for i in range(n)]
+    a = [mx.random.normal((inp, r), key=k[n + i]) * 0.1 for i in range(n)]
+    b = [mx.random.normal((r, out), key=k[2 * n + i]) * 0.1 for i in range(n)]
+    ms = [mx.random.uniform(0.5, 2, (out,), key=k[3 * n + i]) for i in range(n)]
+    scales = [0.5 + i for i in range(n)]
+    together = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms, factors=True)
+    assert [len(part) for part in together] == [n] * 5
+    for i in range(n):
+        alone = kernels.row_norms_and_scaled_cuda(ws[i:i + 1], a[i:i + 1], b[i:i + 1], scales[i:i + 1], ms[i:i + 1],
+                                                  factors=True)
+        for got, want in zip((part[i] for part in together), (part[0] for part in alone)):
+            assert got.shape == want.shape and mx.array_equal(got, want).item(), i
+    assert simulated[f"meshtune_dora_row_norm_scaled_factors_{n}"].calls == 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 10, 11, 28, 32, 100])  # a launch takes 32 layers at most
+def test_layer_views_are_split_parts_in_few_graph_nodes(n):
+    """kernels.layer_views: mx.split's n parts (same values and shapes, no copies), and as Split nodes of at
+    most SPLIT_PARTS parts, not MLX's Slice a part beyond 10 (a node a layer for the host on every step)."""
+    import io
+    import re
+
+    from meshtune.adapters import kernels
+
+    x = mx.arange(n * 6).reshape(n * 3, 2) + 0
+    views = kernels.layer_views(x, n)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *views)
+    nodes = Counter(re.findall(r'label ="([^"]+)"', dot.getvalue()))
+    assert nodes["Slice"] == 0
+    assert nodes["Split"] <= (0 if n == 1 else 1 + -(-n // kernels.SPLIT_PARTS))
+    want = mx.split(x, n) if n > 1 else [x]
+    assert len(views) == n
+    for got, ref in zip(views, want):
+        assert got.shape == ref.shape and mx.array_equal(got, ref).item()
+
+
 @pytest.mark.parametrize("inp, out, r, dtype", [(64, 40, 4, mx.bfloat16), (24, 19, 3, mx.float32),
                                                 (40, 70, 40, mx.bfloat16)])  # rank 40: B' a lane past 32
 def test_row_norm_kernel_writing_factors(simulated, inp, out, r, dtype):

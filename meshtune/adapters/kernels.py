@@ -843,14 +843,35 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
 
 def _per_layer(outputs: list[mx.array], n: int, stacked: bool = False) -> tuple[list, ...]:
     """A launch's outputs for n layers (norms, then W', then rs; each the layers' rows one after another),
-    as a list of n layers' arrays each: views of the one array (mx.split), no copies. With `stacked` the
+    as a list of n layers' arrays each: views of the one array (layer_views), no copies. With `stacked` the
     norms (the first output) are StackedNorm entries instead."""
-    views = [mx.split(x, n) if n > 1 else [x] for x in outputs[stacked:]]
+    views = [layer_views(x, n) for x in outputs[stacked:]]
     if not stacked:
         return tuple(views)
     size = outputs[0].size // n
     return ([StackedNorm(outputs[0], i * size, size) for i in range(n)],
             *views)
+
+
+# MLX's split is one graph node (a Split, its parts siblings) for up to 10 parts and a Slice a part beyond
+# (mlx/ops.cpp). A launch's 28 layers' views of W', A and B' were 84 Slices, 336 nodes a step of the 1B model
+# (graph_nodes.py --cuda), each built and dispatched by the host on every step; split in groups they are 4 a
+# launch's output.
+SPLIT_PARTS = 10
+
+
+def layer_views(x: mx.array, n: int) -> list[mx.array]:
+    """x's n equal parts along axis 0, views of it, from nested splits of at most SPLIT_PARTS parts each."""
+    if n == 1:
+        return [x]
+    if n <= SPLIT_PARTS:
+        return mx.split(x, n)
+    groups = min(SPLIT_PARTS, -(-n // SPLIT_PARTS))
+    size = -(-n // groups)  # parts a group, the last group the rest
+    rows = x.shape[0] // n
+    counts = [min(size, n - start) for start in range(0, n, size)]
+    bounds = [start * rows for start in range(size, n, size)]
+    return [view for group, count in zip(mx.split(x, bounds), counts) for view in layer_views(group, count)]
 
 
 # Two passes (_TWO_PASS): the norms by segments of columns, then W' row by row. The one-pass kernel
