@@ -1,7 +1,9 @@
 """Where DoRA's extra step time goes in the whole 1B model, and which rewrite removes it.
 
 Development probe (adapters issue): python scripts/probe_dora_step.py [--preset 1b] [--bases bf16,4bit]
-    [--only "current,..."] [--host]
+    [--only "current,..."] [--host] [--copies K]
+--copies builds K models of LoRA and of each variant (one process's models differed by up to ~20% in host
+time on an H200, docs/bench/adapters_h200_24.txt: a variant against another needs more than one of each).
 --host splits each overlapped step into build, dispatch and the wait for the step before: on an H200
 the wait is ~0, so the step is the host's (docs/bench/dora_host_h200.txt). Each variant swaps DoRALinear's training forward (and its optimizer, where it names one);
 LoRA is the baseline. Timed like `meshtune bench adapters` (interleaved rounds, median).
@@ -9,6 +11,7 @@ The bound variants drop work (no norm, no m-gradient) and are not DoRA: they onl
 what each part costs.
 """
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -470,7 +473,13 @@ def main():
                    help="also split each configuration's overlapped step into the host's dispatch (mx.async_eval: on a "
                         "GPU stream MLX encodes every kernel on the calling thread), the wait for the step before, and "
                         "the rest (the compiled call that builds the graph, Python)")
+    p.add_argument("--copies", type=int, default=1,
+                   help="build LoRA's and each variant's model this many times, timed in the same interleaved rounds, "
+                        "and report each copy and the median of the copies: on an H200 the same code's host time moved "
+                        "by up to ~20%% from one process (one model) to the next (docs/bench/adapters_h200_24.txt, block 5)")
     args, rest = p.parse_known_args()
+    if args.copies < 1:
+        p.error(f"--copies {args.copies}: give 1 or more models a configuration")
     host = _HostTimes() if args.host else None
     a = B._settings(["--preset", args.preset, *rest])
     shape = B.shape_of(a)
@@ -478,46 +487,70 @@ def main():
     variants = {k: v for k, v in VARIANTS.items() if not args.only or k in args.only.split(",")}
     check_exact(shape, a, dtype, set(variants))
     for base in args.bases.split(","):
-        lora_run = B.build_step("meshtune", "lora", base, a, shape, dtype)
-        steps = {"lora": (lambda: host.timed("lora", lora_run)) if host else lora_run}
-        steps["lora"].finish = lora_run.finish
-        for name, fn in variants.items():
-            # Each variant's model traces its compiled step with its own forward at first call, from
-            # the settings put back (step_row_norms runs before the forward's _reset: a flag the last
-            # variant's prepare step set, the fold off, would otherwise carry over to this one's norms).
-            D.DoRALinear.__call__ = fn
-            _reset()
-            adam, B.optim.Adam = B.optim.Adam, getattr(fn, "optimizer", B.optim.Adam)  # the variant's optimizer, if any
-            add = B.add_adapters
-            if getattr(fn, "prepare", None):  # the variant's change to the model (frozen parameters), if any
-                B.add_adapters = lambda model, *args, add=add, prepare=fn.prepare, **kw: (
-                    add(model, *args, **kw), prepare(model))
-            # The step's norms are taken before the forward, so the variant's form of them is set
-            # before its step is traced (at its first call), and put back after.
-            K.row_norms_cuda = getattr(fn, "row_norms", ORIGINAL_ROW_NORMS)
-            try:
-                run = B.build_step("meshtune", "dora", base, a, shape, dtype)
-                run()
-            finally:
-                B.optim.Adam, B.add_adapters = adam, add
-                K.row_norms_cuda = ORIGINAL_ROW_NORMS
-
-            def bound(run=run, fn=fn, name=name):
-                D.DoRALinear.__call__ = fn
-                return host.timed(name, run) if host else run()
-            bound.finish = run.finish  # a step still in flight (overlapped steps, runtime.overlap_steps)
-            steps[name] = bound
+        steps = {}
+        for copy in range(args.copies):
+            steps.update(_configurations(base, a, shape, dtype, variants, host,
+                                         suffix=f" #{copy + 1}" if args.copies > 1 else ""))
         ms = B.time_steps(steps, a)
-        lora = ms["lora"]
-        print(f"{base}: batch {a.batch_size} x {a.seq_len}, {a.steps} steps in {a.rounds} rounds, steps "
-              + ("overlapped" if a.overlap else "one after another"))
-        for k, v in ms.items():
-            print(f"  {base} {k:<28} {v * 1e3:8.2f} ms  {v / lora:5.3f}x LoRA", flush=True)
+        _report(base, a, ms, args.copies)
         if host:
             host.report(base)
         del steps
         B._release()
     return 0
+
+
+def _configurations(base, a, shape, dtype, variants, host, suffix=""):
+    """{name + suffix: a timed step}: LoRA's, then each variant's DoRA step, each on a model of its own."""
+    lora_run = B.build_step("meshtune", "lora", base, a, shape, dtype)
+    steps = {"lora" + suffix: (lambda: host.timed("lora" + suffix, lora_run)) if host else lora_run}
+    steps["lora" + suffix].finish = lora_run.finish
+    for name, fn in variants.items():
+        # Each variant's model traces its compiled step with its own forward at first call, from
+        # the settings put back (step_row_norms runs before the forward's _reset: a flag the last
+        # variant's prepare step set, the fold off, would otherwise carry over to this one's norms).
+        D.DoRALinear.__call__ = fn
+        _reset()
+        adam, B.optim.Adam = B.optim.Adam, getattr(fn, "optimizer", B.optim.Adam)  # the variant's optimizer, if any
+        add = B.add_adapters
+        if getattr(fn, "prepare", None):  # the variant's change to the model (frozen parameters), if any
+            B.add_adapters = lambda model, *args, add=add, prepare=fn.prepare, **kw: (
+                add(model, *args, **kw), prepare(model))
+        # The step's norms are taken before the forward, so the variant's form of them is set
+        # before its step is traced (at its first call), and put back after.
+        K.row_norms_cuda = getattr(fn, "row_norms", ORIGINAL_ROW_NORMS)
+        try:
+            run = B.build_step("meshtune", "dora", base, a, shape, dtype)
+            run()
+        finally:
+            B.optim.Adam, B.add_adapters = adam, add
+            K.row_norms_cuda = ORIGINAL_ROW_NORMS
+
+        def bound(run=run, fn=fn, name=name + suffix):
+            D.DoRALinear.__call__ = fn
+            return host.timed(name, run) if host else run()
+        bound.finish = run.finish  # a step still in flight (overlapped steps, runtime.overlap_steps)
+        steps[name + suffix] = bound
+    return steps
+
+
+def _report(base, a, ms, copies):
+    """Each configuration's median step against LoRA's; with copies, each copy against its own copy's LoRA, then
+    the median over the copies of each configuration and its ratio."""
+    print(f"{base}: batch {a.batch_size} x {a.seq_len}, {a.steps} steps in {a.rounds} rounds, steps "
+          + ("overlapped" if a.overlap else "one after another") + (f", {copies} models a configuration" if copies > 1 else ""))
+    for k, v in ms.items():
+        lora = ms["lora" + k[k.rfind(" #"):]] if copies > 1 else ms["lora"]
+        print(f"  {base} {k:<28} {v * 1e3:8.2f} ms  {v / lora:5.3f}x LoRA", flush=True)
+    if copies > 1:
+        kinds: dict[str, list[float]] = {}
+        for k, v in ms.items():
+            kinds.setdefault(k[:k.rfind(" #")], []).append(v)
+        lora = statistics.median(kinds["lora"])
+        print(f"{base}: the median of the {copies} models a configuration (their spread)")
+        for k, vs in kinds.items():
+            print(f"  {base} {k:<28} {statistics.median(vs) * 1e3:8.2f} ms  {statistics.median(vs) / lora:5.3f}x LoRA"
+                  f"  ({min(vs) * 1e3:.2f}-{max(vs) * 1e3:.2f})", flush=True)
 
 
 if __name__ == "__main__":
