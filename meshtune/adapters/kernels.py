@@ -854,9 +854,9 @@ def _per_layer(outputs: list[mx.array], n: int, stacked: bool = False) -> tuple[
 
 
 # MLX's split is one graph node (a Split, its parts siblings) for up to 10 parts and a Slice a part beyond
-# (mlx/ops.cpp). A launch's 28 layers' views of W', A and B' were 84 Slices, 336 nodes a step of the 1B model
-# (graph_nodes.py --cuda), each built and dispatched by the host on every step; split in groups they are 4 a
-# launch's output.
+# (mlx/ops.cpp). The 1B model's four launches (32, 32, 32 and 16 layers) made a Slice a layer for each of W', A
+# and B': 336 nodes a step, each built and dispatched by the host on every step (graph_nodes.py --cuda); split in
+# groups of at most 10 they are 5 or 3 Split nodes a launch's output.
 SPLIT_PARTS = 10
 
 
