@@ -12,6 +12,7 @@
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
+#     scripts/gpu_tables.sh copies "$OUT"     # one GPU: three models each of LoRA and DoRA in one process, the host split (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
 #     scripts/gpu_tables.sh four-pipeline "$OUT"   # kind nvidia-h200-x4: bench pipeline P=4, and DP2 x PP2 (~450 s)
@@ -105,6 +106,11 @@ case $what in
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \
       --only "current,m and B gradients in one launch (last block),Adam on m packed" 2>&1 \
       | tee "$out/probe_dora_step.txt" ;;
+  copies)
+    # One GPU, ~4 min: whether one process's models of the same code differ in host time as its processes did
+    # (docs/bench/adapters_h200_24.txt, block 5): three of LoRA's and three of DoRA's, timed in the same rounds.
+    timeout 330 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 --host \
+      --only current --copies 3 2>&1 | tee "$out/probe_dora_step_copies.txt" ;;
   scalar-pool)
     # GPU time (ncu, each launch alone) of scalar_pool.py's four pieces, a process each, then step_kernels.py's
     # totals pair by pair: m's and B's gradients with their constants padded against 4 bytes, and an Adam-shaped
