@@ -189,6 +189,30 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+def test_a_folded_launch_of_twelve_layers_gives_a_lone_launchs_bits_on_cuda():
+    """A folded launch of more than kernels.SPLIT_PARTS layers, its outputs handed out by nested splits, then used
+    by a matmul as the step uses W', A and B': each layer's outputs and products are a launch of its own's, bit for bit."""
+    from meshtune.adapters import kernels
+
+    n, out, inp, r = 12, 2048, 1024, 8
+    k = mx.random.split(mx.random.key(12), 5)
+    ws = list((mx.random.normal((n, out, inp), key=k[0]) / 8).astype(mx.bfloat16))
+    a = list(mx.random.normal((n, inp, r), key=k[1]) / 8)
+    b = list(mx.random.normal((n, r, out), key=k[2]) / 8)
+    ms = list(mx.random.uniform(0.5, 2.0, (n, out), key=k[3]))
+    x = mx.random.normal((256, inp), key=k[4]).astype(mx.bfloat16)
+    together = kernels.row_norms_and_scaled_cuda(ws, a, b, [S] * n, ms, factors=True)
+    for i in range(n):
+        alone = kernels.row_norms_and_scaled_cuda(ws[i:i + 1], a[i:i + 1], b[i:i + 1], [S], ms[i:i + 1], factors=True)
+        for name, got, want in zip(("norm", "W'", "rs", "A", "B'"), (part[i] for part in together),
+                                   (part[0] for part in alone)):
+            assert got.shape == want.shape and mx.array_equal(got, want).item(), (i, name)
+        w_scaled, a_cast, b_scaled = together[1][i], together[3][i], together[4][i]
+        assert mx.array_equal(x @ w_scaled.T + (x @ a_cast) @ b_scaled,
+                              x @ alone[1][0].T + (x @ alone[3][0]) @ alone[4][0]).item(), i
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
     """The folded step's launch on a quantized base read packed gives what it gives on the dequantized weight, and
