@@ -487,12 +487,14 @@ def main():
     variants = {k: v for k, v in VARIANTS.items() if not args.only or k in args.only.split(",")}
     check_exact(shape, a, dtype, set(variants))
     for base in args.bases.split(","):
-        steps = {}
+        steps, configurations = {}, {}  # configurations: a step's name -> (kind, copy suffix)
         for copy in range(args.copies):
-            steps.update(_configurations(base, a, shape, dtype, variants, host,
-                                         suffix=f" #{copy + 1}" if args.copies > 1 else ""))
+            suffix = f" #{copy + 1}" if args.copies > 1 else ""
+            for name, run in _configurations(base, a, shape, dtype, variants, host, suffix).items():
+                steps[name + suffix] = run
+                configurations[name + suffix] = (name, suffix)
         ms = B.time_steps(steps, a)
-        _report(base, a, ms, args.copies)
+        _report(base, a, ms, configurations, args.copies)
         if host:
             host.report(base)
         del steps
@@ -501,10 +503,11 @@ def main():
 
 
 def _configurations(base, a, shape, dtype, variants, host, suffix=""):
-    """{name + suffix: a timed step}: LoRA's, then each variant's DoRA step, each on a model of its own."""
+    """{name: a timed step}: LoRA's, then each variant's DoRA step, each on a model of its own (`suffix`: the
+    copy's, in the names --host reports)."""
     lora_run = B.build_step("meshtune", "lora", base, a, shape, dtype)
-    steps = {"lora" + suffix: (lambda: host.timed("lora" + suffix, lora_run)) if host else lora_run}
-    steps["lora" + suffix].finish = lora_run.finish
+    steps = {"lora": (lambda: host.timed("lora" + suffix, lora_run)) if host else lora_run}
+    steps["lora"].finish = lora_run.finish
     for name, fn in variants.items():
         # Each variant's model traces its compiled step with its own forward at first call, from
         # the settings put back (step_row_norms runs before the forward's _reset: a flag the last
@@ -530,22 +533,22 @@ def _configurations(base, a, shape, dtype, variants, host, suffix=""):
             D.DoRALinear.__call__ = fn
             return host.timed(name, run) if host else run()
         bound.finish = run.finish  # a step still in flight (overlapped steps, runtime.overlap_steps)
-        steps[name + suffix] = bound
+        steps[name] = bound
     return steps
 
 
-def _report(base, a, ms, copies):
-    """Each configuration's median step against LoRA's; with copies, each copy against its own copy's LoRA, then
-    the median over the copies of each configuration and its ratio."""
+def _report(base, a, ms, configurations, copies):
+    """Each configuration's median step against its copy's LoRA; with copies, then the median over the copies
+    of each configuration and its ratio."""
     print(f"{base}: batch {a.batch_size} x {a.seq_len}, {a.steps} steps in {a.rounds} rounds, steps "
           + ("overlapped" if a.overlap else "one after another") + (f", {copies} models a configuration" if copies > 1 else ""))
     for k, v in ms.items():
-        lora = ms["lora" + k[k.rfind(" #"):]] if copies > 1 else ms["lora"]
+        lora = ms["lora" + configurations[k][1]]
         print(f"  {base} {k:<28} {v * 1e3:8.2f} ms  {v / lora:5.3f}x LoRA", flush=True)
     if copies > 1:
         kinds: dict[str, list[float]] = {}
         for k, v in ms.items():
-            kinds.setdefault(k[:k.rfind(" #")], []).append(v)
+            kinds.setdefault(configurations[k][0], []).append(v)
         lora = statistics.median(kinds["lora"])
         print(f"{base}: the median of the {copies} models a configuration (their spread)")
         for k, vs in kinds.items():

@@ -866,12 +866,10 @@ def layer_views(x: mx.array, n: int) -> list[mx.array]:
         return [x]
     if n <= SPLIT_PARTS:
         return mx.split(x, n)
-    groups = min(SPLIT_PARTS, -(-n // SPLIT_PARTS))
-    size = -(-n // groups)  # parts a group, the last group the rest
-    rows = x.shape[0] // n
-    counts = [min(size, n - start) for start in range(0, n, size)]
-    bounds = [start * rows for start in range(size, n, size)]
-    return [view for group, count in zip(mx.split(x, bounds), counts) for view in layer_views(group, count)]
+    size = -(-n // min(SPLIT_PARTS, -(-n // SPLIT_PARTS)))  # parts a group (at most SPLIT_PARTS groups), the last the rest
+    starts = range(0, n, size)
+    groups = mx.split(x, [start * (x.shape[0] // n) for start in starts[1:]])
+    return [view for group, start in zip(groups, starts) for view in layer_views(group, min(size, n - start))]
 
 
 # Two passes (_TWO_PASS): the norms by segments of columns, then W' row by row. The one-pass kernel

@@ -4,29 +4,37 @@ width, timed in 8 interleaved rounds of 10 calls; each model's median, least and
 
 Development probe (adapters issue): python scripts/probes/build_copies.py
 """
-import sys, time, statistics
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-import step_graph as G
+import os
+import statistics
+import sys
+import time
+
 import mlx.core as mx
-from meshtune import cuda
-from meshtune.adapters import kernels as K, step_norms
-from meshtune.bench.models import Shape
-K._kernel, K.on_cuda, cuda.on_cuda = G.stand_in, (lambda: True), (lambda: True)
-step_norms._gpu_memory = lambda: 140 * 2**30
-shape = Shape(arch="qwen3", layers=16, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
-class Batch: batch_size, seq_len = 1, 16
-inst = {}
-for kind in ["lora", "dora"]*3:
-    step, state, tokens, lengths = G.meshtune_step(kind, Batch, shape, mx.float32)
-    for _ in range(3):
-        ce,n,_,_=step(tokens,lengths,None,None,True); mx.eval(state,ce,n)
-    inst[f"{kind}{len(inst)//2}"] = (step, state, tokens, lengths)
-times = {k: [] for k in inst}
-for r in range(8):
-    for k,(step,state,tokens,lengths) in inst.items():
-        t=time.perf_counter()
-        for _ in range(10):
-            ce,n,_,_=step(tokens,lengths,None,None,True)
-        times[k].append((time.perf_counter()-t)/10*1e3)
-        mx.eval(state,ce,n)
-for k,v in times.items(): print(k, "build ms median %.2f  min %.2f max %.2f" % (statistics.median(v), min(v), max(v)))
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _steps import interleaved, meshtune_step  # noqa: E402
+from step_graph import Batch, stub_cuda  # noqa: E402
+
+
+def main():
+    shape = stub_cuda(16)
+    runs = {}
+    for copy in range(3):
+        for kind in ("lora", "dora"):
+            step, state, tokens, lengths = meshtune_step(kind, Batch, shape, mx.float32)
+
+            def run(step=step, state=state, tokens=tokens, lengths=lengths):
+                """ms a call of the compiled step (the build), over 10 calls; then the calls evaluated."""
+                tic = time.perf_counter()
+                for _ in range(10):
+                    ce, n, _, _ = step(tokens, lengths, None, None, True)
+                ms = (time.perf_counter() - tic) / 10 * 1e3
+                mx.eval(state, ce, n)
+                return ms
+            runs[f"{kind}{copy}"] = run
+    for name, times in interleaved(runs, 8, rounds=8).items():
+        print(f"{name} build ms median {statistics.median(times):.2f}  min {min(times):.2f} max {max(times):.2f}")
+
+
+if __name__ == "__main__":
+    main()

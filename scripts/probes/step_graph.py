@@ -39,6 +39,19 @@ def stand_in(name, input_names, output_names, source):
     return call
 
 
+class Batch:
+    """The probes' batch: one sequence of 16 tokens (the graph does not depend on its size)."""
+    batch_size, seq_len = 1, 16
+
+
+def stub_cuda(layers: int) -> Shape:
+    """Report CUDA present with every kernel a stand-in and an H200's memory (so "auto" folds); the bench model's
+    shape at `layers` blocks and a small width."""
+    K._kernel, K.on_cuda, cuda.on_cuda = stand_in, (lambda: True), (lambda: True)
+    step_norms._gpu_memory = lambda: 140 * 2**30
+    return Shape(arch="qwen3", layers=layers, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=16)
@@ -47,12 +60,7 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--diff", action="store_true")
     a = p.parse_args()
-    K._kernel, K.on_cuda, cuda.on_cuda = stand_in, (lambda: True), (lambda: True)
-    step_norms._gpu_memory = lambda: 140 * 2**30  # an H200's: "auto" folds
-    shape = Shape(arch="qwen3", layers=a.layers, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
-
-    class Batch:
-        batch_size, seq_len = 1, 16
+    shape = stub_cuda(a.layers)
 
     counts = {}
     print(f"{a.layers} blocks, CUDA path stubbed on {mx.default_device()}; build ms a call (median of {a.reps} reps "
