@@ -12,6 +12,7 @@
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
+#     scripts/gpu_tables.sh pinning "$OUT"    # one GPU: the host split with the threads as started and pinned, a process each (~6 min)
 #     scripts/gpu_tables.sh copies "$OUT"     # one GPU: three models each of LoRA and DoRA in one process, the host split (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
 #     scripts/gpu_tables.sh four-scaling  "$OUT"   # kind nvidia-h200-x4: bench scaling on 1, 2 and 4 GPUs (~150 s)
@@ -111,6 +112,17 @@ case $what in
     # (docs/bench/adapters_h200_24.txt, block 5): three of LoRA's and three of DoRA's, timed in the same rounds.
     timeout 330 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 --host \
       --only current --copies 3 2>&1 | tee "$out/probe_dora_step_copies.txt" ;;
+  pinning)
+    # One GPU, ~6 min: whether the process-to-process spread of the host's time (adapters_h200_24.txt, block 5) is
+    # where its threads run: the machine's CPUs and the GPU's node, then processes in turn with the threads as
+    # started and with the main thread alone on a core of the GPU's node (scripts/probes/pinning.py).
+    python3 -c "import sys; sys.path.insert(0, 'scripts/probes'); import pinning; print(pinning.describe())"
+    nvidia-smi topo -m 2>&1 | head -8
+    for pin in ${PIN_MODES:-none main none main}; do
+      echo "== --pin $pin"
+      timeout 110 python3 scripts/probe_dora_step.py --bases bf16 --steps 40 --rounds 4 --host --only current \
+        --pin $pin 2>&1 | grep -v "^check"
+    done 2>&1 | tee "$out/probe_pinning.txt" ;;
   scalar-pool)
     # GPU time (ncu, each launch alone) of scalar_pool.py's four pieces, a process each, then step_kernels.py's
     # totals pair by pair: m's and B's gradients with their constants padded against 4 bytes, and an Adam-shaped

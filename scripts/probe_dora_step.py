@@ -477,6 +477,9 @@ def main():
                    help="build LoRA's and each variant's model this many times, timed in the same interleaved rounds, "
                         "and report each copy and the median of the copies: on an H200 the same code's host time moved "
                         "by up to ~20%% from one process (one model) to the next (docs/bench/adapters_h200_24.txt, block 5)")
+    p.add_argument("--pin", default="", choices=["", "none", "node", "main"],
+                   help="pin the process's threads before timing (scripts/probes/pinning.py): node, the GPU's NUMA "
+                        "node; main, the main thread alone on a core; none, print where they run and leave them")
     args, rest = p.parse_known_args()
     if args.copies < 1:
         p.error(f"--copies {args.copies}: give 1 or more models a configuration")
@@ -493,8 +496,13 @@ def main():
             for name, run in _configurations(base, a, shape, dtype, variants, host, suffix).items():
                 steps[name + suffix] = run
                 configurations[name + suffix] = (name, suffix)
+        if args.pin:
+            import pinning
+            print(pinning.describe() + "\n" + pinning.pin(args.pin), flush=True)
         ms = B.time_steps(steps, a)
         _report(base, a, ms, configurations, args.copies)
+        if args.pin:
+            print(f"threads after timing (--pin {args.pin}):\n" + pinning.threads(), flush=True)
         if host:
             host.report(base)
         del steps
