@@ -12,6 +12,7 @@
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
+#     scripts/gpu_tables.sh nsys-host "$OUT"  # one GPU: LoRA's and DoRA's host time by primitive under nsys (NVTX), a process each (~3 min)
 #     scripts/gpu_tables.sh pinning "$OUT"    # one GPU: the host split with the threads as started and pinned, a process each (~6 min)
 #     scripts/gpu_tables.sh copies "$OUT"     # one GPU: three models each of LoRA and DoRA in one process, the host split (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
@@ -112,6 +113,19 @@ case $what in
     # (docs/bench/adapters_h200_24.txt, block 5): three of LoRA's and three of DoRA's, timed in the same rounds.
     timeout 330 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 --host \
       --only current --copies 3 2>&1 | tee "$out/probe_dora_step_copies.txt" ;;
+  nsys-host)
+    # One GPU, ~3 min, where nsys is installed: LoRA's and DoRA's 1B steps, a process each, under nsys (NVTX and CUDA API
+    # only); MLX's CUDA build marks each primitive's eval_gpu with an NVTX range, so the per-range sums attribute the
+    # host's time a step by primitive. The reports stay in /tmp; their summaries come back.
+    NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+    [ -n "$NSYS" ] || { echo "no nsys on this machine"; exit 1; }
+    for kind in lora dora; do
+      timeout 150 "$NSYS" profile -t nvtx,cuda --sample=none --cpuctxsw=none --force-overwrite=true -o /tmp/steps_$kind \
+        python3 scripts/probes/one_kind_steps.py --kind $kind --steps ${NSYS_STEPS:-30} 2>&1 | grep -v "^\[bench\|Collecting\|Generating\|Processing"
+      timeout 90 "$NSYS" stats -r nvtx_sum,cuda_api_sum --force-export=true /tmp/steps_$kind.nsys-rep \
+        > "$out/nsys_$kind.txt" 2>&1
+      head -40 "$out/nsys_$kind.txt"
+    done ;;
   pinning)
     # One GPU, ~6 min: whether the process-to-process spread of the host's time (adapters_h200_24.txt, block 5) is
     # where its threads run: the machine's CPUs and the GPU's node, then processes in turn with the threads as
