@@ -42,3 +42,26 @@ def test_packed_magnitudes_make_adams_updates(model_factory, monkeypatch):
                               .sum(-1).sqrt()).item()
     assert packed.state["packed_m"]["m"].shape == (2 * (32 + 16),)
     assert not any(k.endswith(".m.m") for k, _ in tree_flatten(packed.state))
+
+
+def test_split_views_cut_the_packed_vector_in_few_graph_nodes(monkeypatch):
+    """split_views: the layers' parts of the packed vector (values and sizes as slices give them), from Split
+    nodes of at most kernels.SPLIT_PARTS parts and no Slice a layer (the 1B model's 112 magnitudes)."""
+    import io
+    import re
+    from collections import Counter
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    from packed_magnitudes import split_views
+
+    sizes = [2048, 1024, 1024, 2048, 6144, 6144, 2048] * 16
+    x = mx.arange(sum(sizes)) + 0
+    views = split_views(x, sizes)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *views)
+    nodes = Counter(re.findall(r'label ="([^"]+)"', dot.getvalue()))
+    assert nodes["Slice"] == 0 and 0 < nodes["Split"] <= 15  # 12 groups of 10, and 3 above them
+    start = 0
+    for view, size in zip(views, sizes, strict=True):
+        assert mx.array_equal(view, x[start:start + size]).item()
+        start += size

@@ -10,12 +10,13 @@ from meshtune.mesh import Mesh
 from meshtune.train import build_step
 
 
-def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None):
-    """(step, state, tokens, lengths): `step(tokens, lengths, None, None, True)` is one optimizer step."""
+def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None, optimizer=optim.Adam):
+    """(step, state, tokens, lengths): `step(tokens, lengths, None, None, True)` is one optimizer step
+    (`optimizer`: the class, optim.Adam or a probe's)."""
     model = build_model(shape, dtype, quantized=quantized, seed=0)
     add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
     model.train()
-    opt = optim.Adam(learning_rate=1e-5)
+    opt = optimizer(learning_rate=1e-5)
     step = build_step(model, opt, mesh or Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, opt.state, mx.random.state]
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(0))

@@ -36,14 +36,15 @@ class StandIn:
         return kernel(*inputs)
 
 
-def count(kind, layers, cuda):
+def count(kind, layers, cuda, optimizer=None):
     from _steps import meshtune_step
     from meshtune.bench import adapters as B
     from meshtune.bench.models import Shape
 
     a = B._settings(["--preset", "tiny"])
     shape = Shape(arch="qwen3", layers=layers, hidden=128, intermediate=384, heads=4, kv_heads=2, vocab=512)
-    step, state, tokens, lengths = meshtune_step(kind, a, shape, mx.bfloat16 if cuda else mx.float32)
+    extra = {"optimizer": optimizer} if optimizer else {}
+    step, state, tokens, lengths = meshtune_step(kind, a, shape, mx.bfloat16 if cuda else mx.float32, **extra)
     mx.eval(state)
     out = step(tokens, lengths, None, None, True)
     with tempfile.TemporaryDirectory() as d:
@@ -64,12 +65,21 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--packed-m", action="store_true",
+                   help="DoRA's step with packed_magnitudes.PackedMagnitudesAdam (every m updated as one vector)")
     args = p.parse_args()
     if args.cuda:
         from meshtune.adapters import kernels
+        from meshtune.parallel import pack_kernel
         kernels.on_cuda = lambda: True
-        kernels._kernel = lambda *a, **k: StandIn()
-    res = {k: count(k, args.layers, args.cuda) for k in ("lora", "dora")}
+        kernels._kernel = pack_kernel.kernel = lambda *a, **k: StandIn()
+    optimizer = None
+    if args.packed_m:
+        import packed_magnitudes
+        optimizer = packed_magnitudes.PackedMagnitudesAdam
+        if args.cuda:
+            packed_magnitudes.on_cuda = lambda: True
+    res = {k: count(k, args.layers, args.cuda, optimizer if k == "dora" else None) for k in ("lora", "dora")}
     keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
     print(f"compiled step, {args.layers} layers, {'CUDA path (a kernel: one CustomTransforms)' if args.cuda else 'CPU path'}: nodes")
     print(f"{'primitive':28s} {'lora':>6s} {'dora':>6s}")

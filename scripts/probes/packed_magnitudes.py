@@ -4,9 +4,16 @@ Development probe (adapters issue): not used by meshtune. A compiled DoRA step c
 fused Adam update per layer for m (112 for the 1B bench model, each on a vector of a few
 thousand floats; scripts/probes/graph_nodes.py), launches whose work is tiny. Here the
 magnitudes' gradients and values are packed (one kernel each on CUDA, parallel/pack_kernel.py),
-updated once, and sliced back; Adam is elementwise, so the result is the per-layer one.
+updated once, and cut back into the layers' vectors by nested splits (split_views: a Split node
+per 10 parts, where slices made a node a layer); Adam is elementwise, so the result is the per-layer one.
 probe_dora_step.py times it ("Adam on m packed"); tests/test_probe_packed_magnitudes.py
 checks it against plain Adam.
+
+It saves no graph node (`python scripts/probes/graph_nodes.py --cuda --packed-m`: DoRA 4957 nodes against 4943
+with per-layer Adam, LoRA 4729): in a compiled step each m's Adam update is one fused kernel together with
+train.apply's division of its gradient by the token count; packed, the division stays one kernel a layer
+(CompiledBroadcastDivide, 112) and the packs and splits come on top. Only magnitudes held packed through the
+whole step (the model's m as views of one trained vector) would take those 112 nodes out.
 """
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -14,6 +21,22 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from meshtune.cuda import on_cuda
 from meshtune.parallel.pack_kernel import pack_cuda
+
+
+def split_views(x, sizes):
+    """x (1-D) cut into consecutive parts of `sizes`, views of it, from nested splits of at most
+    kernels.SPLIT_PARTS parts each (MLX makes a Slice node a part beyond that many: kernels.layer_views)."""
+    from meshtune.adapters.kernels import SPLIT_PARTS
+
+    if len(sizes) == 1:
+        return [x]
+    if len(sizes) <= SPLIT_PARTS:
+        bounds = [sum(sizes[:i]) for i in range(1, len(sizes))]
+        return mx.split(x, bounds)
+    # Groups of SPLIT_PARTS parts at the bottom (a Split node each), the groups themselves cut the same way above.
+    groups = [sizes[i:i + SPLIT_PARTS] for i in range(0, len(sizes), SPLIT_PARTS)]
+    parts = split_views(x, [sum(g) for g in groups])
+    return [view for part, g in zip(parts, groups) for view in split_views(part, g)]
 
 
 def _pack(arrays):
@@ -41,9 +64,6 @@ class PackedMagnitudesAdam(optim.Adam):
             self.state["packed_m"] = {}
             self.init_single(p, self.state["packed_m"])
         new = self.apply_single(_pack([grads[k] for k in keys]), p, self.state["packed_m"])
-        start = 0
-        for k in keys:
-            n = values[k].size
-            updated[k] = new[start:start + n].astype(values[k].dtype)
-            start += n
+        for k, view in zip(keys, split_views(new, [values[k].size for k in keys])):
+            updated[k] = view.reshape(values[k].shape).astype(values[k].dtype)
         return tree_unflatten(list(updated.items()))
