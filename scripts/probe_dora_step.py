@@ -160,9 +160,11 @@ def _on_the_unfolded_step(variant):
 
 
 def _magnitude_grad_as(grad):
-    """The folded step with kernels.magnitude_grad_cuda replaced by `grad` (its arguments, its results)."""
+    """The folded step with B's product by a matmul (kernels.B_PRODUCT_IN_SUMS off) and kernels.magnitude_grad_cuda
+    replaced by `grad` (its arguments, its results)."""
     def variant(self, x):
         _reset()
+        K.B_PRODUCT_IN_SUMS = False
         K.magnitude_grad_cuda = grad
         return ORIGINAL(self, x)
     return variant
@@ -235,6 +237,13 @@ def _kernels(on):
     return variant
 
 
+def _b_product_by_matmul(self, x):
+    """The current layer with B's product (x A)^T g by a matmul, as before kernels.B_PRODUCT_IN_SUMS."""
+    _reset()
+    K.B_PRODUCT_IN_SUMS = False
+    return ORIGINAL(self, x)
+
+
 def _separate_rows(self, x):
     """MLX ops, W A as its own r-row product instead of r extra rows on the activations' product."""
     _reset()
@@ -301,6 +310,7 @@ def _mlx_cotangent(side):
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS = K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS
 ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS = K._TWO_PASS, K._WRITE_FACTORS
+ORIGINAL_B_IN_SUMS = K.B_PRODUCT_IN_SUMS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -325,10 +335,12 @@ def _reset():
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
     K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
     K.FOLDED_TILE_ROWS = ORIGINAL_FOLDED_TILE_ROWS
+    K.B_PRODUCT_IN_SUMS = ORIGINAL_B_IN_SUMS
 
 
 VARIANTS = {
     "current": _kernels(True),
+    "B's product by a matmul (before)": _b_product_by_matmul,
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,

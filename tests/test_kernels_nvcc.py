@@ -84,6 +84,9 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             stacked = kernels.StackedNorm(mx.ones((2 * cols,)), cols, cols)
             kernels.magnitude_grad_cuda(g, y, mx.ones((cols,)), stacked, b_product=mx.ones((8, cols), dtype=dtype),
                                         b_scale=2.0)
+            # B's product summed in the column sums' pass (B_PRODUCT_IN_SUMS), ranks 8 and 64 (fewer columns a thread)
+            for r in (8, 64):
+                kernels.magnitude_and_b_grad_cuda(g, y, mx.ones((64, r), dtype=dtype), mx.ones((cols,)), stacked, 2.0)
     pack_cuda([mx.ones((3, 4), dtype=mx.bfloat16), mx.ones((5,))], mx.float32)
     assert len(recorded) >= 20, sorted(recorded)
     # Whole translation units of several kernels, one nvcc a core (the headers parsed once a unit, not once a

@@ -107,6 +107,11 @@ class SimulatedKernel:
                 for f, s, d in zip(files_out, output_shapes, output_dtypes)]
 
 
+# The folded backward's kernels for m's and B's gradients (kernels.B_PRODUCT_IN_SUMS, on): B's product summed in the
+# column sums' pass, then the chunks added.
+FOLDED_SUMS, FOLDED_GRAD = "meshtune_dora_column_and_b_sums", "meshtune_dora_magnitude_b_sums_grad"
+
+
 @pytest.fixture
 def simulated(build_dir, monkeypatch):
     """CUDA as far as meshtune can tell, with every kernel simulated; returns the kernels made."""
@@ -441,7 +446,7 @@ def test_probe_scaled_weight_product(simulated, monkeypatch):
     assert mx.allclose(got[0], want[0], rtol=1e-5).item()
     for g1, g2 in zip(got[1], want[1]):
         assert mx.allclose(g1, g2, rtol=1e-4, atol=1e-5).item()
-    assert simulated["meshtune_dora_column_sums"].calls == 1
+    assert simulated[FOLDED_SUMS].calls == 1
 
 
 def _probe_step_model(monkeypatch, hidden: int, intermediate: int):
@@ -487,6 +492,10 @@ def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, v
 
     # 128 wide: float32 rows of 128 fit the resident layout (32 threads of 4 columns); the 256-wide down projection
     # does not (2 warps of 4 columns: fine) -- both layouts run.
+    from meshtune.adapters import kernels
+
+    if kernel == "probe_dora_magnitude_b_one_launch":  # a variant of the two launches after B's product by a matmul
+        monkeypatch.setattr(kernels, "B_PRODUCT_IN_SUMS", False)
     P, model, value_and_grad = _probe_step_model(monkeypatch, hidden=128, intermediate=256)
     want_l, want_g = value_and_grad()
     mx.eval(want_l, want_g)
@@ -959,8 +968,8 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
         if fold:
             assert simulated["meshtune_dora_row_norm_packed_scaled_factors_1"].calls == 1
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
-            # m's and B's gradients in one launch a layer, each reading its norms in its launch's array.
-            assert simulated["meshtune_dora_magnitude_b_grad"].calls == 4
+            # m's and B's gradients from the sums a layer, each reading its norms in its launch's array.
+            assert simulated[FOLDED_GRAD].calls == 4
     finally:
         base_path.set_base_path("auto")
     # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).
@@ -1029,8 +1038,8 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     mx.eval(ce, n, model.parameters())
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
     assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {_step_norm_kernel(fold, layers=2): 2}
-    assert simulated["meshtune_dora_column_sums" if fold else "meshtune_dora_cotangent"].calls == 4
-    assert ("meshtune_dora_cotangent" if fold else "meshtune_dora_column_sums") not in simulated
+    assert simulated[FOLDED_SUMS if fold else "meshtune_dora_cotangent"].calls == 4
+    assert ("meshtune_dora_cotangent" if fold else FOLDED_SUMS) not in simulated
 
 
 def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
@@ -1068,14 +1077,16 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
     return losses, dict(tree_flatten(model.trainable_parameters()))
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_folded_training_step_trains_as_the_current_one(simulated, model_factory, monkeypatch, quantized):
+@pytest.mark.parametrize("quantized, b_in_sums", [(False, True), (True, True), (False, False)])
+def test_folded_training_step_trains_as_the_current_one(simulated, model_factory, monkeypatch, quantized, b_in_sums):
     """kernels.FOLD_ROW_SCALE: the step writes W' = rs W beside the norms and every DoRA layer runs
     LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel; the loss and the
     parameters after two steps are the current step's, on a dense and on a quantized base (SGD:
-    the update is the gradient, which Adam's per-element normalisation would blow up at ~0)."""
+    the update is the gradient, which Adam's per-element normalisation would blow up at ~0). B's product
+    summed with m's sums (kernels.B_PRODUCT_IN_SUMS, the default) or by a matmul."""
     from meshtune.adapters import base_path, kernels
 
+    monkeypatch.setattr(kernels, "B_PRODUCT_IN_SUMS", b_in_sums)
     monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
     dequantized = []  # the bases dequantize_weight was asked for, by id
     original_dequantized = base_path.dequantized_weight
@@ -1096,7 +1107,7 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     assert _step_norm_kernel(fold=True, layers=2, quantized=quantized) not in simulated
     losses, folded = trained(True)
     assert _calls(simulated, _step_norm_kernel(fold=True, layers=2, quantized=quantized)) >= 1
-    assert simulated["meshtune_dora_column_sums"].calls == 8
+    assert simulated[FOLDED_SUMS if b_in_sums else "meshtune_dora_column_sums"].calls == 8
     # A 4-bit DoRA base is read packed by the step's launch, which writes W': it is never dequantized (unfolded,
     # each step dequantizes it once, in step_norms, for the norm kernel and the layer's products).
     assert Counter(i for i in dequantized if i in dora_bases) == {}
@@ -1173,3 +1184,27 @@ def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monke
     assert mx.allclose(v0, v1, rtol=1e-6).item()
     for (name, a), (_, b) in zip(tree_flatten(g0), tree_flatten(g1)):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item(), name
+
+
+@pytest.mark.parametrize("rows, cols, r, dtype", [(100, 40, 4, mx.bfloat16), (1000, 70, 12, mx.float32),
+                                                  (37, 24, 8, mx.bfloat16), (300, 18, 3, mx.float16)])
+def test_b_product_summed_with_the_magnitude_sums(simulated, rows, cols, r, dtype):
+    """magnitude_and_b_grad_cuda (B_PRODUCT_IN_SUMS): the column sums' pass also sums (x A)^T g by chunks, the
+    second kernel adds the chunks in order: m's gradient as magnitude_grad_cuda's (the same column sums), and
+    B's as magnitude_grad_cuda's from the matmul's product, to float32 rounding of the product's sum. 1000 rows:
+    several chunks; 70 and 18 columns: blocks part-filled, one column a thread; rank 12: more rows of B than warps."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(21), 5)
+    g, y = mx.random.normal((rows, cols), key=k[0]).astype(dtype), mx.random.normal((rows, cols), key=k[1]).astype(dtype)
+    u = mx.random.normal((rows, r), key=k[2]).astype(dtype)
+    m = mx.random.uniform(1.0, 4.0, (cols,), key=k[3]).at[5].multiply(0.0)
+    norm = mx.random.uniform(0.5, 3.0, (cols,), key=k[4])
+    dm, gb = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, 1.5, rs_dtype=dtype)
+    product = (u.astype(mx.float32).T @ g.astype(mx.float32))
+    want_dm, want_gb = kernels.magnitude_grad_cuda(g, y, m, norm, b_product=product, b_scale=1.5, rs_dtype=dtype)
+    assert dm.shape == (cols,) and gb.shape == (r, cols) and dm.dtype == gb.dtype == mx.float32
+    assert mx.allclose(dm, want_dm, rtol=1e-5, atol=1e-5).item() and dm[5].item() == 0.0
+    assert mx.allclose(gb, want_gb, rtol=1e-4, atol=1e-4).item()
+    assert simulated["meshtune_dora_column_and_b_sums"].calls == 1
+    assert simulated["meshtune_dora_magnitude_b_sums_grad"].calls == 1

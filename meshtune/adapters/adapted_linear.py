@@ -159,7 +159,12 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
                       else dora_cotangent(g, outputs[0], outputs[1], norm))
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
-        if folded and on_kernels:  # m's gradient from the output kept, and d B = s (x A)^T g rs, in one launch
+        if folded and on_kernels and kernels.B_PRODUCT_IN_SUMS:
+            # m's gradient from the output kept, and d B = s (x A)^T g rs with (x A)^T g summed in the same pass
+            # over g (no matmul for it): two launches.
+            dm, gb = kernels.magnitude_and_b_grad_cuda(g, outputs[0], xl @ ac, m, given_norm, scale,
+                                                       rs_dtype=weight.dtype)
+        elif folded and on_kernels:  # m's gradient from the output kept, and d B = s (x A)^T g rs, in one launch
             dm, gb = kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm, b_product=(xl @ ac).T @ gz,
                                                  b_scale=scale, rs_dtype=weight.dtype)
         elif folded:
