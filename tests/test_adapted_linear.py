@@ -213,6 +213,27 @@ def test_a_folded_launch_of_twelve_layers_gives_a_lone_launchs_bits_on_cuda():
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+@pytest.mark.parametrize("cols, r", [(6144, 8), (1024, 8), (2048, 64)])
+def test_b_product_in_the_sums_pass_matches_the_matmul_on_cuda(cols, r):
+    """kernels.magnitude_and_b_grad_cuda (B_PRODUCT_IN_SUMS) at the 1B step's sizes (4096 tokens, bf16): m's
+    gradient as magnitude_grad_cuda's and B's as from cuBLAS's product (x A)^T g, to bfloat16 rounding (the
+    product's sum runs in another order, float32 either way)."""
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(9), 5)
+    g = mx.random.normal((4096, cols), key=k[0]).astype(mx.bfloat16)
+    y = mx.random.normal((4096, cols), key=k[1]).astype(mx.bfloat16)
+    u = mx.random.normal((4096, r), key=k[2]).astype(mx.bfloat16)
+    m = mx.random.uniform(0.5, 2.0, (cols,), key=k[3])
+    norm = mx.random.uniform(0.5, 2.0, (cols,), key=k[4])
+    dm, gb = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, 2 * S)
+    want_dm, want_gb = kernels.magnitude_grad_cuda(g, y, m, norm, b_product=u.T @ g, b_scale=2 * S)
+    assert mx.allclose(dm, want_dm, rtol=1e-4, atol=1e-3).item(), mx.abs(dm - want_dm).max().item()
+    assert mx.allclose(gb, want_gb, rtol=2e-2, atol=1e-2 * mx.abs(want_gb).max().item()).item(), \
+        mx.abs(gb - want_gb).max().item()
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
     """The folded step's launch on a quantized base read packed gives what it gives on the dequantized weight, and

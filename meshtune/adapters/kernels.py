@@ -36,6 +36,11 @@ the host's dispatch is a large part of a GPU step (scripts/probes/dispatch_cost.
   first; on an H200 it costs about the dense launch and spares the 112 dequantizes of the 1B step
   (docs/bench/dora_packed_h200.txt). m's gradient kernel reads a layer's norms in the launch's array
   (StackedNorm) and forms B's gradient (s p) rs in the same launch: no per-layer views or multiplies.
+- B's product in the sums' pass (B_PRODUCT_IN_SUMS, on): `magnitude_and_b_grad_cuda` sums (x A)^T g by chunks
+  in the column sums' pass over g, so the folded backward has no matmul for B's gradient (a cuBLAS launch
+  a layer, which MLX's CUDA build records by stream capture) and reads g once; with the launches' A and B'
+  (no casts) a DoRA layer's step has as many launches as a LoRA layer's (graph_nodes.py --cuda: 4725 nodes
+  a step against LoRA's 4729; 4943 before).
 - Resident A (_RESIDENT_A, on): where a row fits one block's threads, the folded launch keeps each
   thread's rows of A in registers and writes W' from the row it read (W read once, A once a block).
 - Two passes (_TWO_PASS, off): the norms by segments of columns, a thread a row, then W' a
