@@ -12,6 +12,7 @@
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
+#     scripts/gpu_tables.sh b-in-sums "$OUT"  # one GPU: B's product in the sums' pass checked, then the step with and without it (~5 min)
 #     scripts/gpu_tables.sh nsys-host "$OUT"  # one GPU: LoRA's and DoRA's host time by primitive under nsys (NVTX), a process each (~3 min)
 #     scripts/gpu_tables.sh pinning "$OUT"    # one GPU: the host split with the threads as started and pinned, a process each (~6 min)
 #     scripts/gpu_tables.sh copies "$OUT"     # one GPU: three models each of LoRA and DoRA in one process, the host split (~4 min)
@@ -113,6 +114,12 @@ case $what in
     # (docs/bench/adapters_h200_24.txt, block 5): three of LoRA's and three of DoRA's, timed in the same rounds.
     timeout 330 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 --host \
       --only current --copies 3 2>&1 | tee "$out/probe_dora_step_copies.txt" ;;
+  b-in-sums)
+    # One GPU, ~5 min: B's product in the sums' pass (kernels.B_PRODUCT_IN_SUMS) checked against cuBLAS's product, then
+    # DoRA's step with it and with the matmul as before, beside LoRA, two models each, bf16 and 4-bit.
+    timeout 150 python3 -m pytest -q tests/test_adapted_linear.py -k "b_product or fold or packed" 2>&1 | tail -3
+    timeout 400 python3 scripts/probe_dora_step.py --bases bf16,4bit --steps 40 --rounds 4 --host --copies 2 \
+      --only "current,B's product by a matmul (before)" 2>&1 | tee "$out/probe_b_in_sums.txt" ;;
   nsys-host)
     # One GPU, ~3 min, where nsys is installed: LoRA's and DoRA's 1B steps, a process each, under nsys (NVTX and CUDA API
     # only); MLX's CUDA build marks each primitive's eval_gpu with an NVTX range, so the per-range sums attribute the
