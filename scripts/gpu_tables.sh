@@ -115,11 +115,13 @@ case $what in
     timeout 330 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 --host \
       --only current --copies 3 2>&1 | tee "$out/probe_dora_step_copies.txt" ;;
   b-in-sums)
-    # One GPU, ~5 min: B's product in the sums' pass (kernels.B_PRODUCT_IN_SUMS) checked against cuBLAS's product, then
-    # DoRA's step with it and with the matmul as before, beside LoRA, two models each, bf16 and 4-bit.
-    timeout 150 python3 -m pytest -q tests/test_adapted_linear.py -k "b_product or fold or packed" 2>&1 | tail -3
-    timeout 400 python3 scripts/probe_dora_step.py --bases bf16,4bit --steps 40 --rounds 4 --host --copies 2 \
-      --only "current,B's product by a matmul (before)" 2>&1 | tee "$out/probe_b_in_sums.txt" ;;
+    # One GPU, ~6 min: B's product in the sums' pass (kernels.B_PRODUCT_IN_SUMS) checked against cuBLAS's product, then
+    # DoRA's step with it and with the matmul as before, beside LoRA, two models each (PROBE_BASES=4bit for 4-bit).
+    # The one-launch form (the chunks added by each strip's last block) beside them.
+    timeout 150 python3 -m pytest -q tests/test_adapted_linear.py -k "b_product or b_sums or fold or packed" 2>&1 | tail -3
+    timeout 420 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host --copies 2 \
+      --only "current,B's product by a matmul (before),B in the sums in one launch (last block)" 2>&1 \
+      | tee "$out/probe_b_in_sums.txt" ;;
   nsys-host)
     # One GPU, ~3 min, where nsys is installed: LoRA's and DoRA's 1B steps, a process each, under nsys (NVTX and CUDA API
     # only); MLX's CUDA build marks each primitive's eval_gpu with an NVTX range, so the per-range sums attribute the

@@ -244,6 +244,14 @@ def _b_product_by_matmul(self, x):
     return ORIGINAL(self, x)
 
 
+def _b_sums_one_launch(self, x):
+    """The current layer with B's product in the sums' pass and the chunks added by the last block of each strip
+    (dora_variants.one_launch_magnitude_and_b_sums): one launch a layer for m's and B's gradients."""
+    _reset()
+    K.magnitude_and_b_grad_cuda = V.one_launch_magnitude_and_b_sums
+    return ORIGINAL(self, x)
+
+
 def _separate_rows(self, x):
     """MLX ops, W A as its own r-row product instead of r extra rows on the activations' product."""
     _reset()
@@ -310,7 +318,7 @@ def _mlx_cotangent(side):
 ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS = K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS
 ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS = K._TWO_PASS, K._WRITE_FACTORS
-ORIGINAL_B_IN_SUMS = K.B_PRODUCT_IN_SUMS
+ORIGINAL_B_IN_SUMS, ORIGINAL_B_SUMS = K.B_PRODUCT_IN_SUMS, K.magnitude_and_b_grad_cuda
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -335,12 +343,13 @@ def _reset():
     K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS = ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS
     K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
     K.FOLDED_TILE_ROWS = ORIGINAL_FOLDED_TILE_ROWS
-    K.B_PRODUCT_IN_SUMS = ORIGINAL_B_IN_SUMS
+    K.B_PRODUCT_IN_SUMS, K.magnitude_and_b_grad_cuda = ORIGINAL_B_IN_SUMS, ORIGINAL_B_SUMS
 
 
 VARIANTS = {
     "current": _kernels(True),
     "B's product by a matmul (before)": _b_product_by_matmul,
+    "B in the sums in one launch (last block)": _b_sums_one_launch,
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,

@@ -320,3 +320,33 @@ def test_row_norm_matches_dense_norm():
     want = 1 / mx.sqrt((dense * dense).sum(-1))
     got = 1 / adapted_row_norm((w * w).sum(-1), w @ a, b.T, a.T @ a, S)
     assert mx.allclose(got, want, rtol=1e-4).item()
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+@pytest.mark.parametrize("cols", [6144, 1024])
+def test_probe_one_launch_b_sums_give_the_two_launches_on_cuda(cols, monkeypatch):
+    """On the GPU, where blocks run at once: dora_variants.one_launch_magnitude_and_b_sums (the last block of each
+    strip adds its chunks) gives magnitude_and_b_grad_cuda's m gradient to float32 rounding and B's to a bfloat16
+    step (B's sum, added in another order, is rounded to bfloat16 before the scale), twice on the
+    same counters (each last block resets its own), at the 1B step's sizes (4096 tokens, bf16, rank 8)."""
+    import sys
+    from pathlib import Path
+
+    from meshtune.adapters import kernels
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    sys.modules.pop("dora_variants", None)
+    import dora_variants
+
+    k = mx.random.split(mx.random.key(10), 5)
+    g = mx.random.normal((4096, cols), key=k[0]).astype(mx.bfloat16)
+    y = mx.random.normal((4096, cols), key=k[1]).astype(mx.bfloat16)
+    u = mx.random.normal((4096, 8), key=k[2]).astype(mx.bfloat16)
+    m = mx.random.uniform(0.5, 2.0, (cols,), key=k[3])
+    norm = mx.random.uniform(0.5, 2.0, (cols,), key=k[4])
+    two = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, S)
+    for _ in range(2):
+        dora_variants._next_counter = 0  # the same counters both times
+        one = dora_variants.one_launch_magnitude_and_b_sums(g, y, u, m, norm, S)
+        assert mx.allclose(one[0], two[0], rtol=1e-5, atol=1e-4).item()
+        assert mx.allclose(one[1], two[1], rtol=1e-2, atol=1e-5 * mx.abs(two[1]).max().item()).item()

@@ -1208,3 +1208,25 @@ def test_b_product_summed_with_the_magnitude_sums(simulated, rows, cols, r, dtyp
     assert mx.allclose(gb, want_gb, rtol=1e-4, atol=1e-4).item()
     assert simulated["meshtune_dora_column_and_b_sums"].calls == 1
     assert simulated["meshtune_dora_magnitude_b_sums_grad"].calls == 1
+
+
+@pytest.mark.parametrize("rows, cols, r", [(1000, 70, 12), (300, 48, 8)])
+def test_probe_one_launch_b_sums_match_the_two_launches(simulated, monkeypatch, rows, cols, r):
+    """scripts/probes/dora_variants.py's one-launch form of magnitude_and_b_grad_cuda (the last block of each strip
+    adds its chunks, a ticket a block): the two launches' m and B gradients to float32 rounding, norms read at a
+    launch's offset. (The simulator hands a kernel copies of its inputs, so the counters' reset shows on a GPU only.)"""
+    from meshtune.adapters import kernels
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "probes"))
+    import dora_variants
+
+    k = mx.random.split(mx.random.key(22), 5)
+    g, y = mx.random.normal((rows, cols), key=k[0]), mx.random.normal((rows, cols), key=k[1])
+    u = mx.random.normal((rows, r), key=k[2])
+    m = mx.random.uniform(1.0, 4.0, (cols,), key=k[3]).at[5].multiply(0.0)
+    stacked = kernels.StackedNorm(mx.random.uniform(0.5, 3.0, (3 * cols,), key=k[4]), cols, cols)
+    want = kernels.magnitude_and_b_grad_cuda(g, y, u, m, stacked, 1.5)
+    got = dora_variants.one_launch_magnitude_and_b_sums(g, y, u, m, stacked, 1.5)
+    assert mx.allclose(got[0], want[0], rtol=1e-5, atol=1e-5).item() and got[0][5].item() == 0.0
+    assert mx.allclose(got[1], want[1], rtol=1e-5, atol=1e-5).item()
+    assert simulated["probe_dora_magnitude_b_sums_one_launch"].calls == 1

@@ -17,6 +17,8 @@ on a GPU by probe_dora_step.py before it times them.
   gradients) in one launch: column_sums' blocks, the last block of a strip adding the chunks
   in the second launch's order (the same bits). On an H200 slower than the two launches
   (112 layers: 3.90 vs 2.98 ms eval, docs/bench/adapters_h200_22.txt).
+- `one_launch_magnitude_and_b_sums`: kernels.magnitude_and_b_grad_cuda (B's product in the sums'
+  pass) in one launch, on its grid (264 blocks, fewer chunks than above); not yet timed.
 """
 
 import mlx.core as mx
@@ -163,4 +165,55 @@ def one_launch_magnitude_b_grad(g, y, m, norm, b_product, b_scale, rs_dtype=None
                   grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
                   output_shapes=[(chunks, cols), (cols,), (b_product.shape[0], cols)],
                   output_dtypes=[mx.float32, mx.float32, mx.float32])
+    return dm, gb
+
+
+# kernels.magnitude_and_b_grad_cuda (B's product in the sums' pass) in one launch: the last block of a strip adds
+# the chunks' column sums and B's rows, a thread a column, each in chunk order (not the second kernel's order:
+# equal to float32 rounding), then m's gradient and d B = (s p) rs as kernels._B_FROM_SUMS forms them.
+_B_SUMS_FINISH = """
+        auto row_scale = [&](int c) { return static_cast<float>(static_cast<RT>(m[c] / norm[c])); };
+        float sc = static_cast<float>(static_cast<GT>(bscale[0]));
+        for (int c = tid; c < CB; c += 256) {
+            int col = blockIdx.x * CB + c;
+            if (col < COLS) {
+                float total = 0.0f;
+                for (int q = 0; q < (int)gridDim.y; ++q) total += __ldcg(part + (long long)q * COLS + col);
+                float rs = row_scale(col);
+                float den = rs * norm[col];
+                dm[col] = den == 0.0f ? 0.0f : total / den;
+                for (int k = 0; k < R; ++k) {
+                    float p = 0.0f;
+                    for (int q = 0; q < (int)gridDim.y; ++q) p += __ldcg(bpart + ((long long)q * R + k) * COLS + col);
+                    float pr = static_cast<float>(static_cast<GT>(p));
+                    gbo[(long long)k * COLS + col] = static_cast<float>(static_cast<GT>(sc * pr)) * rs;
+                }
+            }
+        }
+"""
+_ONE_LAUNCH_B_SUMS = ("    const float* norm = norms + off[0];\n" + K._COLUMN_AND_B_SUMS
+                      + _LAST_BLOCK.replace("FINISH", _B_SUMS_FINISH))
+
+
+def one_launch_magnitude_and_b_sums(g, y, u, m, norm, b_scale, rs_dtype=None):
+    """kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, b_scale, rs_dtype=) in one launch (its grid)."""
+    rows, cols = g.shape
+    r = u.shape[-1]
+    vec = 16 // g.dtype.size
+    while vec > 1 and (cols % vec or r * vec > K._B_SUMS_FLOATS):
+        vec //= 2
+    strips = -(-cols // (32 * vec))
+    chunk = -(-rows // max(1, min(-(-K._B_SUMS_BLOCKS // strips), rows // 32)))
+    chunks = -(-rows // chunk)
+    norms, offset = K._norm_input(norm)
+    k = K._kernel("probe_dora_magnitude_b_sums_one_launch",
+                  ["g", "y", "u", "m", "norms", "off", "count", "bscale"], ["part", "bpart", "dm", "gbo"],
+                  _ONE_LAUNCH_B_SUMS)
+    inputs = [g, y, u, m.astype(mx.float32), norms, offset, counters(strips), K.kernel_constant([b_scale], mx.float32)]
+    _, _, dm, gb = k(inputs=inputs, template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                              ("R", r), ("T", g.dtype), ("YT", y.dtype), ("UT", u.dtype),
+                                              ("RT", rs_dtype or g.dtype), ("GT", g.dtype)],
+                     grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                     output_shapes=[(chunks, cols), (chunks, r, cols), (cols,), (r, cols)],
+                     output_dtypes=[mx.float32] * 4)
     return dm, gb
