@@ -117,10 +117,10 @@ case $what in
   b-in-sums)
     # One GPU, ~6 min: B's product in the sums' pass (kernels.B_PRODUCT_IN_SUMS) checked against cuBLAS's product, then
     # DoRA's step with it and with the matmul as before, beside LoRA, two models each (PROBE_BASES=4bit for 4-bit).
-    # The one-launch form (the chunks added by each strip's last block) beside them.
+    # The one-launch form (the chunks added by each strip's last block) and four columns a thread beside them.
     timeout 150 python3 -m pytest -q tests/test_adapted_linear.py -k "b_product or b_sums or fold or packed" 2>&1 | tail -3
     timeout 420 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host --copies 2 \
-      --only "current,B's product by a matmul (before),B in the sums in one launch (last block)" 2>&1 \
+      --only "current,B's product by a matmul (before),B in the sums in one launch (last block),B sums 32 floats a thread" 2>&1 \
       | tee "$out/probe_b_in_sums.txt" ;;
   nsys-host)
     # One GPU, ~3 min, where nsys is installed: LoRA's and DoRA's 1B steps, a process each, under nsys (NVTX and CUDA API

@@ -252,6 +252,16 @@ def _b_sums_one_launch(self, x):
     return ORIGINAL(self, x)
 
 
+def _b_sums_floats(floats):
+    """The current layer with at most `floats` of B's sums a thread in the sums' pass (kernels._B_SUMS_FLOATS:
+    64 gives rank 8 eight columns a thread, 113 registers, two blocks an SM; 32 four columns, more blocks)."""
+    def variant(self, x):
+        _reset()
+        K._B_SUMS_FLOATS = floats
+        return ORIGINAL(self, x)
+    return variant
+
+
 def _separate_rows(self, x):
     """MLX ops, W A as its own r-row product instead of r extra rows on the activations' product."""
     _reset()
@@ -319,6 +329,7 @@ ORIGINAL_LAYOUT = K._WARPS, K._ROWS_PER_WARP, K._COTANGENT_BLOCKS, K._ROW_GROUPS
 ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS = K._SCALED_LOADS, K._STAGE_QUADS, K._TILE_FLOATS
 ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS = K._TWO_PASS, K._WRITE_FACTORS
 ORIGINAL_B_IN_SUMS, ORIGINAL_B_SUMS = K.B_PRODUCT_IN_SUMS, K.magnitude_and_b_grad_cuda
+ORIGINAL_B_SUMS_FLOATS = K._B_SUMS_FLOATS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -344,12 +355,14 @@ def _reset():
     K._TWO_PASS, K._WRITE_FACTORS = ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS
     K.FOLDED_TILE_ROWS = ORIGINAL_FOLDED_TILE_ROWS
     K.B_PRODUCT_IN_SUMS, K.magnitude_and_b_grad_cuda = ORIGINAL_B_IN_SUMS, ORIGINAL_B_SUMS
+    K._B_SUMS_FLOATS = ORIGINAL_B_SUMS_FLOATS
 
 
 VARIANTS = {
     "current": _kernels(True),
     "B's product by a matmul (before)": _b_product_by_matmul,
     "B in the sums in one launch (last block)": _b_sums_one_launch,
+    "B sums 32 floats a thread": _b_sums_floats(32),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,
