@@ -159,13 +159,12 @@ def _on_the_unfolded_step(variant):
     return built
 
 
-def _magnitude_grad_as(grad):
-    """The folded step with B's product by a matmul (kernels.B_PRODUCT_IN_SUMS off) and kernels.magnitude_grad_cuda
-    replaced by `grad` (its arguments, its results)."""
+def _kernels_with(**settings):
+    """The current layer with kernels.py's names in `settings` set (_reset puts each back)."""
     def variant(self, x):
         _reset()
-        K.B_PRODUCT_IN_SUMS = False
-        K.magnitude_grad_cuda = grad
+        for name, value in settings.items():
+            setattr(K, name, value)
         return ORIGINAL(self, x)
     return variant
 
@@ -188,7 +187,7 @@ def _zero_magnitude_grad(g, y, m, norm, b_product=None, b_scale=1.0, rs_dtype=No
 
 
 # Bound: the folded step with m's gradient left 0 (no sums kernels): what m's pass over g and y costs.
-_no_magnitude_sums = _magnitude_grad_as(_zero_magnitude_grad)
+_no_magnitude_sums = _kernels_with(B_PRODUCT_IN_SUMS=False, magnitude_grad_cuda=_zero_magnitude_grad)
 
 
 def _w_sq_outside_state(model):
@@ -233,31 +232,6 @@ def _kernels(on):
     def variant(self, x):
         _reset()
         K.on_cuda = ON_CUDA if on else (lambda: False)
-        return ORIGINAL(self, x)
-    return variant
-
-
-def _b_product_by_matmul(self, x):
-    """The current layer with B's product (x A)^T g by a matmul, as before kernels.B_PRODUCT_IN_SUMS."""
-    _reset()
-    K.B_PRODUCT_IN_SUMS = False
-    return ORIGINAL(self, x)
-
-
-def _b_sums_one_launch(self, x):
-    """The current layer with B's product in the sums' pass and the chunks added by the last block of each strip
-    (dora_variants.one_launch_magnitude_and_b_sums): one launch a layer for m's and B's gradients."""
-    _reset()
-    K.magnitude_and_b_grad_cuda = V.one_launch_magnitude_and_b_sums
-    return ORIGINAL(self, x)
-
-
-def _b_sums_floats(floats):
-    """The current layer with at most `floats` of B's sums a thread in the sums' pass (kernels._B_SUMS_FLOATS:
-    64 gives rank 8 eight columns a thread, 113 registers, two blocks an SM; 32 four columns, more blocks)."""
-    def variant(self, x):
-        _reset()
-        K._B_SUMS_FLOATS = floats
         return ORIGINAL(self, x)
     return variant
 
@@ -360,9 +334,12 @@ def _reset():
 
 VARIANTS = {
     "current": _kernels(True),
-    "B's product by a matmul (before)": _b_product_by_matmul,
-    "B in the sums in one launch (last block)": _b_sums_one_launch,
-    "B sums 32 floats a thread": _b_sums_floats(32),
+    "B's product by a matmul (before)": _kernels_with(B_PRODUCT_IN_SUMS=False),
+    # one launch a layer for m's and B's gradients: each strip's last block adds the chunks
+    "B in the sums in one launch (last block)": _kernels_with(
+        magnitude_and_b_grad_cuda=V.one_launch_magnitude_and_b_sums),
+    # rank 8 four columns a thread (fewer registers than eight's 113, more blocks an SM)
+    "B sums 32 floats a thread": _kernels_with(_B_SUMS_FLOATS=32),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,
@@ -383,7 +360,8 @@ VARIANTS = {
     "scaled weight (rs folded into W and B)": _scaled_weight,
     "unfolded (rs on the sum and the cotangent)": _kernels(True),
     "bound: folded with no m sums": _no_magnitude_sums,
-    "m and B gradients in one launch (last block)": _magnitude_grad_as(_one_launch_magnitude_grad),
+    "m and B gradients in one launch (last block)": _kernels_with(
+        B_PRODUCT_IN_SUMS=False, magnitude_grad_cuda=_one_launch_magnitude_grad),
     "folded tiles of 1024 rows of A (before)": _with(_kernels(True), prepare=_setting(K, FOLDED_TILE_ROWS=1024)),
     "bound: folded with W' held (no norm launches)": _held_fold,
     "bound: folded with W' held in the products (norms launched)": _held_products,

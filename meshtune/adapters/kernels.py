@@ -446,72 +446,26 @@ _SUMS_ONLY = {
 }
 
 
-def _fill(source: str, parts: dict[str, str]) -> str:
-    for key, text in parts.items():
-        source = source.replace(key, text)
-    return source
-
-
-_COLUMN_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _SUMS_ONLY)
-_COTANGENT = _fill(_COTANGENT.replace("RS_FROM_M", _RS_FROM_M), _SCALED_COTANGENT)
-_MAGNITUDE_PARTS = {"RS_FROM_M": _RS_FROM_M, "WARPS": str(_SUM_WARPS)}
-_MAGNITUDE_TEMPLATE = _MAGNITUDE_GRAD  # @B_GRAD@ still open: B_PRODUCT_IN_SUMS's second kernel fills it below
-_MAGNITUDE_AND_B_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD), _MAGNITUDE_PARTS)
-_MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PARTS)
-
-# Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
-_COTANGENT_BLOCKS = 528
-
 # B's product in the sums' pass (B_PRODUCT_IN_SUMS, on): the folded backward's d B = s (x A)^T g rs took a cuBLAS
 # matmul a layer, (r x tokens) by (tokens x out), a second pass over g beside the column sums' pass, and a graph
-# node the host dispatches by stream capture. Here the column sums' blocks also sum u_tk g_ti for B's R rows (u =
-# x A, each row's R values read once by a warp), by chunks of rows; a second kernel adds the chunks in a fixed
-# order for m's gradient and B's, p rounded to the activations' dtype as the matmul's output is, then (s p) rs as
-# _B_GRAD forms it. A thread keeps R x VEC sums (VEC columns, at most _B_SUMS_FLOATS floats), so VEC shrinks as
+# node the host dispatches by stream capture. Here the column sums' blocks (the template above) also sum u_tk g_ti
+# for B's R rows (u = x A, each row's R values read once by a warp), by chunks of rows, and write them to `bpart`
+# after the column sums, a row of B at a time through the same shared buffer; a second kernel adds the chunks in a
+# fixed order for m's gradient and B's, p rounded to the activations' dtype as the matmul's output is, then (s p) rs
+# as _B_GRAD forms it. A thread keeps R x VEC sums (VEC columns, at most _B_SUMS_FLOATS floats), so VEC shrinks as
 # the rank grows; blocks aim at _B_SUMS_BLOCKS, fewer than the column sums' alone, so the second kernel adds
 # fewer chunks (each thread adds a row of B's chunks in turn).
 B_PRODUCT_IN_SUMS = True
 _B_SUMS_BLOCKS = 264
 _B_SUMS_FLOATS = 64
-
-_COLUMN_AND_B_SUMS = """
-    // Block: 8 warps on 32 * VEC columns, a thread on VEC consecutive columns, the warps striding over the
-    // block's chunk of rows (as the column sums' kernel). Besides sum_t g y a thread sums u_tk g for
-    // k < R (u = x A, (ROWS, R)); at the end the block's 8 warps' sums are added in warp order, the column
-    // sums to its row of `part`, then B's rows one after another to its R rows of `bpart`.
-    struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
-    constexpr int CB = 32 * VEC;
-    __shared__ float sums[8][CB];
-    int tid = threadIdx.x;
-    int lane = tid & 31;
-    int warp = tid >> 5;
-    int c0 = blockIdx.x * CB + lane * VEC;
-    int t0 = blockIdx.y * CHUNK;
-    int t1 = min(t0 + CHUNK, ROWS);
-    bool aligned = VEC > 1 && (reinterpret_cast<unsigned long long>(g) % sizeof(Vec) == 0)
-        && (reinterpret_cast<unsigned long long>(y) % sizeof(Vec) == 0);
-    float acc[VEC];
-    float bacc[R][VEC];
+_B_SUMS = {
+    "@GZ_ALIGNED@": "",
+    "@ROW_SCALES@": """float bacc[R][VEC];
     #pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-        acc[v] = 0.0f;
+    for (int k = 0; k < R; ++k)
         #pragma unroll
-        for (int k = 0; k < R; ++k) bacc[k][v] = 0.0f;
-    }
-    if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out
-        for (int t = t0 + warp; t < t1; t += 8) {
-            long long off = (long long)t * COLS + c0;
-            Vec gv, yv;
-            if (aligned) {
-                gv = *reinterpret_cast<const Vec*>(g + off);
-                yv = *reinterpret_cast<const Vec*>(y + off);
-            } else {
-                for (int v = 0; v < VEC; ++v) {
-                    gv.v[v] = g[off + v];
-                    yv.v[v] = y[off + v];
-                }
-            }
-            float uk[R];
+        for (int v = 0; v < VEC; ++v) bacc[k][v] = 0.0f;""",
+    "@ELEMENT@": """float uk[R];
             #pragma unroll
             for (int k = 0; k < R; ++k) uk[k] = static_cast<float>(u[(long long)t * R + k]);
             #pragma unroll
@@ -520,33 +474,28 @@ _COLUMN_AND_B_SUMS = """
                 acc[v] += gf * static_cast<float>(yv.v[v]);
                 #pragma unroll
                 for (int k = 0; k < R; ++k) bacc[k][v] += uk[k] * gf;
-            }
-        }
-    }
+            }""",
+}
+_B_ROWS = """
     #pragma unroll
-    for (int k = -1; k < R; ++k) {
+    for (int k = 0; k < R; ++k) {
+        __syncthreads();  // the shared sums' last reads are done
         #pragma unroll
-        for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = k < 0 ? acc[v] : bacc[k < 0 ? 0 : k][v];
+        for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = bacc[k][v];
         __syncthreads();
         for (int c = tid; c < CB; c += 256) {
             int col = blockIdx.x * CB + c;
             if (col < COLS) {
                 float total = 0.0f;
                 for (int w = 0; w < 8; ++w) total += sums[w][c];
-                if (k < 0) {
-                    part[(long long)blockIdx.y * COLS + col] = total;
-                } else {
-                    bpart[((long long)blockIdx.y * R + k) * COLS + col] = total;
-                }
+                bpart[((long long)blockIdx.y * R + k) * COLS + col] = total;
             }
         }
-        __syncthreads();
     }
 """
-
-# The second kernel of B_PRODUCT_IN_SUMS: m's gradient as _MAGNITUDE_GRAD adds the chunks, then B's rows shared out
-# over the warps (warp j rows j, j + WARPS, ...), each thread adding its row's chunks in order, LOADS at a time
-# loaded before they are added; p = that sum rounded to GT, d B = (s p rounded to GT) rs.
+# The second kernel's B part: B's rows shared out over the warps (warp j rows j, j + WARPS, ...), each thread adding
+# its row's chunks in order, LOADS at a time loaded before they are added; p = that sum rounded to GT, d B = (s p
+# rounded to GT) rs.
 _B_FROM_SUMS = """
         float sc = static_cast<float>(static_cast<GT>(bscale[0]));
         constexpr int LOADS = 16;
@@ -564,7 +513,25 @@ _B_FROM_SUMS = """
             float pr = static_cast<float>(static_cast<GT>(p));
             gbo[(long long)k * COLS + col] = static_cast<float>(static_cast<GT>(sc * pr)) * rs;
         }"""
-_MAGNITUDE_AND_B_SUMS = _fill(_MAGNITUDE_TEMPLATE.replace("@B_GRAD@", _B_FROM_SUMS), _MAGNITUDE_PARTS)
+
+
+def _fill(source: str, parts: dict[str, str]) -> str:
+    for key, text in parts.items():
+        source = source.replace(key, text)
+    return source
+
+
+_COLUMN_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _SUMS_ONLY)
+_COLUMN_AND_B_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _B_SUMS) + _B_ROWS
+_COTANGENT = _fill(_COTANGENT.replace("RS_FROM_M", _RS_FROM_M), _SCALED_COTANGENT)
+_MAGNITUDE_PARTS = {"RS_FROM_M": _RS_FROM_M, "WARPS": str(_SUM_WARPS)}
+_MAGNITUDE_AND_B_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD), _MAGNITUDE_PARTS)
+_MAGNITUDE_AND_B_SUMS = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_FROM_SUMS), _MAGNITUDE_PARTS)
+_MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PARTS)
+
+# Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
+_COTANGENT_BLOCKS = 528
+
 
 # Whether a training step folds DoRA's row scale into the weights (step_norms.py writes W' = rs W
 # beside the norms; adapted_linear's folded product): LoRA's product on W' and B', m's gradient
@@ -1210,6 +1177,16 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
     return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
 
 
+def b_sums_grid(rows: int, cols: int, r: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
+    """(columns a thread takes, column strips, rows a chunk, chunks) of the B sums' blocks (B_PRODUCT_IN_SUMS)."""
+    vec = 16 // dtype.size
+    while vec > 1 and (cols % vec or r * vec > _B_SUMS_FLOATS):
+        vec //= 2
+    strips = -(-cols // (32 * vec))
+    chunk = -(-rows // max(1, min(-(-_B_SUMS_BLOCKS // strips), rows // 32)))
+    return vec, strips, chunk, -(-rows // chunk)
+
+
 def magnitude_and_b_grad_cuda(g: mx.array, y: mx.array, u: mx.array, m: mx.array, norm: mx.array | StackedNorm,
                               b_scale: float, rs_dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
     """(m's gradient, B's) for the folded product, B's product (x A)^T g taken in the column sums' pass
@@ -1220,12 +1197,7 @@ def magnitude_and_b_grad_cuda(g: mx.array, y: mx.array, u: mx.array, m: mx.array
     """
     rows, cols = g.shape
     r = u.shape[-1]
-    vec = 16 // g.dtype.size
-    while vec > 1 and (cols % vec or r * vec > _B_SUMS_FLOATS):
-        vec //= 2
-    strips = -(-cols // (32 * vec))
-    chunk = -(-rows // max(1, min(-(-_B_SUMS_BLOCKS // strips), rows // 32)))
-    chunks = -(-rows // chunk)
+    vec, strips, chunk, chunks = b_sums_grid(rows, cols, r, g.dtype)
     sums = _kernel("meshtune_dora_column_and_b_sums", ["g", "y", "u"], ["part", "bpart"], _COLUMN_AND_B_SUMS)
     part, bpart = sums(inputs=[g, y, u], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
                                                    ("R", r), ("T", g.dtype), ("YT", y.dtype), ("UT", u.dtype)],

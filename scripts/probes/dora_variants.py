@@ -199,12 +199,7 @@ def one_launch_magnitude_and_b_sums(g, y, u, m, norm, b_scale, rs_dtype=None):
     """kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, b_scale, rs_dtype=) in one launch (its grid)."""
     rows, cols = g.shape
     r = u.shape[-1]
-    vec = 16 // g.dtype.size
-    while vec > 1 and (cols % vec or r * vec > K._B_SUMS_FLOATS):
-        vec //= 2
-    strips = -(-cols // (32 * vec))
-    chunk = -(-rows // max(1, min(-(-K._B_SUMS_BLOCKS // strips), rows // 32)))
-    chunks = -(-rows // chunk)
+    vec, strips, chunk, chunks = K.b_sums_grid(rows, cols, r, g.dtype)
     norms, offset = K._norm_input(norm)
     k = K._kernel("probe_dora_magnitude_b_sums_one_launch",
                   ["g", "y", "u", "m", "norms", "off", "count", "bscale"], ["part", "bpart", "dm", "gbo"],
