@@ -1,6 +1,6 @@
 """Registers, shared memory and blocks an SM holds for the 1B step's DoRA row-norm kernels.
 
-Development probe (adapters issue), no GPU needed: the kernels' sources for the bench
+Development probe (adapters issue), no GPU needed (then the backward's m and B gradient kernels, below): the kernels' sources for the bench
 model's three weight shapes (bf16, rank 8, a launch a shape) are built as MLX's CUDA build
 builds them (meshtune.cuda.compiled_source) under each setting of kernels.py's knobs, and
 compiled by nvcc for the H200 (sm_90) with ptxas's resource report. An SM has 65536
@@ -81,3 +81,28 @@ with tempfile.TemporaryDirectory() as d:
         finally:
             for k, v in saved.items():
                 setattr(K, k, v)
+
+# The folded backward's m and B gradient kernels for the 1b step's output widths at 4096 tokens (bf16): B's product
+# in the sums' pass (B_PRODUCT_IN_SUMS) at ranks 8, 16 and 64, and the column sums without it (rank 8), 256 threads.
+print(f"{'kernel (1b step backward, bf16, 4096 tokens)':<58}{'rank x out':<14}registers  smem B  blocks/SM  warps/SM")
+with tempfile.TemporaryDirectory() as d:
+    tmp = Path(d)
+    sources = {}
+    K._kernel = lambda name, i, o, s: RecordingKernel(sources, name, i, o, s)
+    for out in (1024, 2048, 6144):
+        g = mx.zeros((4096, out), dtype=mx.bfloat16)
+        for r in (8, 16, 64):
+            calls = [("B in the sums' pass", lambda: K.magnitude_and_b_grad_cuda(
+                g, g, mx.zeros((4096, r), dtype=mx.bfloat16), mx.ones((out,)), mx.ones((out,)), 2.0))]
+            if r == 8:
+                calls.append(("column sums, B by a matmul", lambda: K.magnitude_grad_cuda(
+                    g, g, mx.ones((out,)), mx.ones((out,)), b_product=mx.zeros((8, out), dtype=mx.bfloat16),
+                    b_scale=2.0)))
+            for label, call in calls:
+                before = set(sources)
+                call()
+                for func in sorted(set(sources) - before):
+                    regs, smem = resources(sources[func], tmp)
+                    blocks = blocks_an_sm(regs, smem, 256)
+                    part = ", 2nd" if "magnitude" in func else ""  # the kernel that adds the chunks
+                    print(f"  {label + part:<56}{r:>5} x {out:<5}{regs:>11}{smem:>8}{blocks:>11}{blocks * 8:>10}")
