@@ -22,6 +22,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
+from . import multi_adam
 from .adapters.step_norms import step_row_norms
 from .checkpoint import TrainingState
 from .losses import masked_ce_sum
@@ -120,6 +121,10 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
 
     def apply(grads: Any, tokens: mx.array) -> None:
         """The update from gradients and token count already summed over the ranks."""
+        if max_grad_norm <= 0 and multi_adam.supports(optimizer):
+            # Adam on CUDA: float32 parameters GROUP to a launch, the division by the tokens inside.
+            multi_adam.update(optimizer, model, grads, tokens)
+            return
         grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
         if max_grad_norm > 0:
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)

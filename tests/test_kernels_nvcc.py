@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.optimizers as optim
 import pytest
 
 from meshtune.cuda import RecordingKernel
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc (CUDA toolkit) to 
 
 @pytest.fixture
 def recorded(monkeypatch):
+    from meshtune import multi_adam
     from meshtune.adapters import kernels
     from meshtune.parallel import pack_kernel
 
@@ -36,6 +38,7 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(kernels, "_kernel", kernel)
     monkeypatch.setattr(pack_kernel, "kernel", kernel)
+    monkeypatch.setattr(multi_adam, "_kernel", kernel)
     return sources
 
 
@@ -88,7 +91,13 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             for r in (8, 64):
                 kernels.magnitude_and_b_grad_cuda(g, y, mx.ones((64, r), dtype=dtype), mx.ones((cols,)), stacked, 2.0)
     pack_cuda([mx.ones((3, 4), dtype=mx.bfloat16), mx.ones((5,))], mx.float32)
+    # Adam's grouped update: a full group of GROUP tensors (the kernel's parameters at their largest) and a short one.
+    from meshtune import multi_adam
+    params = {"w": [mx.ones((40, 3)) for _ in range(multi_adam.GROUP + 2)]}
+    for opt in (optim.Adam(1e-3), optim.AdamW(1e-3, bias_correction=True)):
+        multi_adam.apply_gradients(opt, params, params, mx.array(3))
     assert len(recorded) >= 20, sorted(recorded)
+    assert sum("multi_adam" in f for f in recorded) == 4, sorted(recorded)  # two group sizes x two optimizers' constants
     # Whole translation units of several kernels, one nvcc a core (the headers parsed once a unit, not once a
     # kernel: 79 s -> ~15 s on 2 cores); a unit that fails is compiled kernel by kernel to name the culprit.
     units = max(1, min(os.cpu_count() or 2, 4))

@@ -115,6 +115,7 @@ FOLDED_SUMS, FOLDED_GRAD = "meshtune_dora_column_and_b_sums", "meshtune_dora_mag
 @pytest.fixture
 def simulated(build_dir, monkeypatch):
     """CUDA as far as meshtune can tell, with every kernel simulated; returns the kernels made."""
+    from meshtune import multi_adam
     from meshtune.adapters import kernels
     from meshtune.parallel import data_parallel, pack_kernel
 
@@ -126,8 +127,10 @@ def simulated(build_dir, monkeypatch):
 
     monkeypatch.setattr(kernels, "_kernel", kernel)
     monkeypatch.setattr(pack_kernel, "kernel", kernel)
+    monkeypatch.setattr(multi_adam, "_kernel", kernel)
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
     monkeypatch.setattr(data_parallel, "on_cuda", lambda: True)
+    monkeypatch.setattr(multi_adam, "on_cuda", lambda: True)
     return made
 
 
@@ -1230,3 +1233,77 @@ def test_probe_one_launch_b_sums_match_the_two_launches(simulated, monkeypatch, 
     assert mx.allclose(got[0], want[0], rtol=1e-5, atol=1e-5).item() and got[0][5].item() == 0.0
     assert mx.allclose(got[1], want[1], rtol=1e-5, atol=1e-5).item()
     assert simulated["probe_dora_magnitude_b_sums_one_launch"].calls == 1
+
+
+@pytest.mark.parametrize("kind, options", [("Adam", {}), ("Adam", {"bias_correction": True}),
+                                           ("AdamW", {"weight_decay": 0.1, "bias_correction": True}),
+                                           ("AdamW", {"weight_decay": 0.0})])
+def test_multi_tensor_adam_updates_as_mlx_adam(simulated, monkeypatch, kind, options):
+    """multi_adam's grouped launches give mlx's optimizer's parameters, m and v from gradients / tokens, three steps
+    with a scheduled learning rate: five float32 leaves three to a launch (two launches), sizes inside and across a
+    block's 1024 elements; a bfloat16 leaf takes mlx's own update."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from meshtune import multi_adam
+
+    monkeypatch.setattr(multi_adam, "GROUP", 3)
+    shapes = [(7, 3), (1100,), (2, 600), (5,), (1025,)]
+    k = iter(mx.random.split(mx.random.key(5), 40))
+
+    def tree(scale):
+        return {"layers": [{"w": scale * mx.random.normal(s, key=next(k))} for s in shapes],
+                "half": (scale * mx.random.normal((9,), key=next(k))).astype(mx.bfloat16)}
+
+    def optimizer():
+        return getattr(optim, kind)(learning_rate=optim.linear_schedule(3e-2, 1e-2, 3), **options)
+
+    import mlx.optimizers as optim
+    ours, theirs = optimizer(), optimizer()
+    p_ours = p_theirs = tree(1.0)
+    tokens = mx.array(37, dtype=mx.int32)
+    for _ in range(3):
+        grads = tree(40.0)
+        p_ours = multi_adam.apply_gradients(ours, grads, p_ours, tokens)
+        p_theirs = theirs.apply_gradients(tree_map(lambda g: g / tokens.astype(g.dtype), grads), p_theirs)
+    for (name, got), (_, want) in zip(tree_flatten([p_ours, ours.state]), tree_flatten([p_theirs, theirs.state])):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-7).item(), (name, mx.abs(got - want).max().item())
+    assert simulated["meshtune_multi_adam_3"].calls == 3 and simulated["meshtune_multi_adam_2"].calls == 3
+
+
+def test_training_step_updates_by_the_multi_tensor_adam(simulated, model_factory, monkeypatch):
+    """train.build_step with Adam on CUDA updates by multi_adam (the division by the tokens in its launch): three
+    steps of LoRA train as mlx's own Adam does (multi_adam.supports false), and its launch ran each step."""
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from meshtune import multi_adam
+    from meshtune.adapters import apply_adapters
+    from meshtune.mesh import Mesh
+    from meshtune.train import build_step
+
+    def train(fused: bool):
+        monkeypatch.setattr(multi_adam, "supports", lambda opt: fused)
+        mx.random.seed(0)
+        model = model_factory(layers=2, dim=64)
+        apply_adapters(model, fine_tune_type="lora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
+                       rank=4, scale=2.0, dropout=0.0)
+        model.train()
+        step = build_step(model, optim.Adam(learning_rate=1e-2, bias_correction=True), Mesh.single(),
+                          max_grad_norm=0.0, compile=False)
+        tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
+        lengths = mx.array([[0, 9], [0, 7]])
+        losses = []
+        for _ in range(3):
+            ce, n, _, _ = step(tokens, lengths, None, None, True)
+            mx.eval(ce, n, model.parameters())
+            losses.append((ce / n).item())
+        return losses, dict(tree_flatten(model.trainable_parameters()))
+
+    want_losses, want = train(False)
+    assert not simulated
+    got_losses, got = train(True)
+    assert simulated["meshtune_multi_adam_8"].calls == 3  # A and B of 2 layers x 2 projections, one launch a step
+    assert got_losses == pytest.approx(want_losses, rel=1e-5) and want_losses[2] < want_losses[0]
+    for name, w in want.items():
+        assert mx.allclose(got[name], w, rtol=1e-5, atol=1e-6).item(), name
