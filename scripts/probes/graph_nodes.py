@@ -69,10 +69,12 @@ def main():
                    help="DoRA's step with packed_magnitudes.PackedMagnitudesAdam (every m updated as one vector)")
     args = p.parse_args()
     if args.cuda:
+        from meshtune import multi_adam
         from meshtune.adapters import kernels
         from meshtune.parallel import pack_kernel
         kernels.on_cuda = lambda: True
-        kernels._kernel = pack_kernel.kernel = lambda *a, **k: StandIn()
+        kernels._kernel = pack_kernel.kernel = multi_adam._kernel = lambda *a, **k: StandIn()
+        multi_adam.on_cuda = lambda: True
     optimizer = None
     if args.packed_m:
         import packed_magnitudes
