@@ -166,3 +166,13 @@ def apply_gradients(optimizer: optim.Adam, grads: Any, parameters: Any, tokens: 
 def update(optimizer: optim.Adam, model: nn.Module, grads: Any, tokens: mx.array) -> None:
     """optimizer.update(model, grads / tokens), by `apply_gradients` (supports(optimizer) must hold)."""
     model.update(apply_gradients(optimizer, grads, model, tokens))
+
+
+def update_if_supported(optimizer: optim.Optimizer, model: nn.Module, grads: Any, tokens: mx.array,
+                        max_grad_norm: float) -> bool:
+    """`update` where it applies (Adam or AdamW on CUDA, no clipping: the clip needs every divided gradient
+    first); False, nothing done, where the caller updates by mlx's own path."""
+    if max_grad_norm > 0 or not supports(optimizer):
+        return False
+    update(optimizer, model, grads, tokens)
+    return True

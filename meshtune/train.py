@@ -121,10 +121,8 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
 
     def apply(grads: Any, tokens: mx.array) -> None:
         """The update from gradients and token count already summed over the ranks."""
-        if max_grad_norm <= 0 and multi_adam.supports(optimizer):
-            # Adam on CUDA: float32 parameters GROUP to a launch, the division by the tokens inside.
-            multi_adam.update(optimizer, model, grads, tokens)
-            return
+        if multi_adam.update_if_supported(optimizer, model, grads, tokens, max_grad_norm):
+            return  # Adam on CUDA: float32 parameters GROUP to a launch, the division by the tokens inside
         grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
         if max_grad_norm > 0:
             grads, _ = optim.clip_grad_norm(grads, max_grad_norm)

@@ -25,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
+from .. import multi_adam
 from ..mesh import Mesh
 from ..adapters.step_norms import step_row_norms
 from ..losses import masked_ce_sum, target_mask
@@ -313,7 +314,11 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     """
     mesh = stage.mesh
     n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
-    grads = tree_map(lambda g: g / n.astype(g.dtype), sum_shared(stage, grads))
+    grads = sum_shared(stage, grads)
+    if multi_adam.update_if_supported(optimizer, stage.model, grads, n, max_grad_norm):
+        mx.eval(stage.model.state, optimizer.state)
+        return n
+    grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
     if max_grad_norm > 0:
         from mlx.utils import tree_flatten, tree_unflatten
 
