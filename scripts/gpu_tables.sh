@@ -12,6 +12,7 @@
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
+#     scripts/gpu_tables.sh multi-adam "$OUT"  # one GPU: multi_adam's CUDA tests, then the bench twice (~8 min)
 #     scripts/gpu_tables.sh b-in-sums "$OUT"  # one GPU: B's product in the sums' pass checked, then the step with and without it (~5 min)
 #     scripts/gpu_tables.sh nsys-host "$OUT"  # one GPU: LoRA's and DoRA's host time by primitive under nsys (NVTX), a process each (~3 min)
 #     scripts/gpu_tables.sh pinning "$OUT"    # one GPU: the host split with the threads as started and pinned, a process each (~6 min)
@@ -122,6 +123,15 @@ case $what in
     timeout 420 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host --copies 2 \
       --only "current,B's product by a matmul (before),B in the sums in one launch (last block),B sums 32 floats a thread" 2>&1 \
       | tee "$out/probe_b_in_sums.txt" ;;
+  multi-adam)
+    # One GPU, ~8 min: multi_adam's CUDA tests (the grouped Adam update against mlx's, eager and compiled), then the
+    # bench twice, a process each (both use the grouped update: LoRA's and DoRA's steps alike); --combine them here.
+    timeout 90 python3 -m pytest -q tests/test_multi_adam.py 2>&1 | tail -3 | tee "$out/tests_multi_adam.txt"
+    for run in ${BENCH_RUNS:-1 2}; do
+      timeout 240 python3 -m meshtune.cli bench adapters --preset 1b --steps 120 --rounds 12 --gen-tokens 32 --json \
+        > "$out/adapters_h200_run$run.txt" 2>&1
+      grep "timed the steps" "$out/adapters_h200_run$run.txt"
+    done ;;
   nsys-host)
     # One GPU, ~3 min, where nsys is installed: LoRA's and DoRA's 1B steps, a process each, under nsys (NVTX and CUDA API
     # only); MLX's CUDA build marks each primitive's eval_gpu with an NVTX range, so the per-range sums attribute the
