@@ -4,11 +4,15 @@ Development probe (adapters issue), for MLX's CUDA build (off CUDA both are mlx'
     python scripts/probes/adam_paths.py [--bases bf16] [--copies 2] [--host] [bench adapters flags]
 Each configuration is its own model (copies of each, since one process's models differ in host time),
 timed in interleaved rounds as `meshtune bench adapters` times them; --host splits each step into the
-compiled call (build), mx.async_eval (dispatch) and the wait for the step before.
+compiled call (build), mx.async_eval (dispatch) and the wait for the step before, and prints the main
+thread's CPU time a step in user and in kernel mode (/proc's thread counters, summed over the timed calls):
+time in the kernel is the driver's (ioctl) and the memory manager's (mmap, page faults).
 """
 import argparse
+import os
 import statistics
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +24,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_dora_step import _HostTimes  # noqa: E402
 
 SUPPORTS = multi_adam.supports
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu() -> tuple[float, float]:
+    """This thread's (user, system) CPU seconds so far."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+class _CpuTimes:
+    """Each configuration's main-thread user and system seconds over its timed calls, and the calls."""
+
+    def __init__(self):
+        self.spent: dict[str, list[float]] = {}
+
+    def timed(self, name, run):
+        u, s = _thread_cpu()
+        out = run()
+        u2, s2 = _thread_cpu()
+        got = self.spent.setdefault(name, [0.0, 0.0, 0])
+        got[0] += u2 - u
+        got[1] += s2 - s
+        got[2] += 1
+        return out
+
+    def report(self):
+        print("main thread's CPU ms a step (all calls, warm-up included)   user  system")
+        for name, (u, s, n) in self.spent.items():
+            print(f"  {name:<28} {u / n * 1e3:8.2f} {s / n * 1e3:8.2f}", flush=True)
+        self.spent.clear()
 
 
 def _built(kind, base, a, shape, dtype, grouped):
@@ -42,6 +77,7 @@ def main():
     a = B._settings(["--preset", "1b", *rest])
     shape, dtype = B.shape_of(a), (mx.float32 if B._on_cpu() else mx.bfloat16)
     host = _HostTimes() if args.host else None
+    cpu = _CpuTimes()
     print(f"multi_adam.supports(Adam) here: {SUPPORTS(B.optim.Adam(1e-5))}", flush=True)
     for base in args.bases.split(","):
         steps, kinds = {}, {}
@@ -50,7 +86,8 @@ def main():
                 for grouped in (False, True):
                     name = f"{kind} {'multi_adam' if grouped else 'mlx Adam'} #{copy + 1}"
                     run = _built(kind, base, a, shape, dtype, grouped)
-                    timed = (lambda run=run, name=name: host.timed(name, run)) if host else run
+                    hosted = (lambda run=run, name=name: host.timed(name, run)) if host else run
+                    timed = (lambda hosted=hosted, name=name: cpu.timed(name, hosted))
                     timed.finish = run.finish
                     steps[name], kinds[name] = timed, name.rsplit(" #", 1)[0]
         ms = B.time_steps(steps, a)
@@ -66,6 +103,7 @@ def main():
                   f"LoRA with mlx Adam  ({min(vs) * 1e3:.2f}-{max(vs) * 1e3:.2f})", flush=True)
         if host:
             host.report(base)
+        cpu.report()
         del steps
         B._release()
     return 0
