@@ -5,7 +5,8 @@ small width (the count does not depend on width), meshtune's step compiled as tr
 compiles it, the graph of one call exported with mx.export_to_dot and its nodes counted.
 With --cuda the CUDA code path is traced, each CUDA kernel standing in as one
 `CustomTransforms` node (adapted_linear's own custom function is one more a layer, for
-LoRA too), which is what a GPU would dispatch.
+LoRA too), which is what a GPU would dispatch. Also the graph's arrays and edges (a stand-in's
+edges count its forward's outputs as inputs too, so they overstate a CUDA kernel's).
     python scripts/probes/graph_nodes.py [--cuda] [--layers 16]
 """
 import argparse
@@ -36,6 +37,15 @@ class StandIn:
         return kernel(*inputs)
 
 
+def stand_in_cuda_kernels():
+    """Trace meshtune's CUDA code path here: every CUDA kernel a StandIn."""
+    from meshtune import multi_adam
+    from meshtune.adapters import kernels
+    from meshtune.parallel import pack_kernel
+    kernels.on_cuda = multi_adam.on_cuda = lambda: True
+    kernels._kernel = pack_kernel.kernel = multi_adam._kernel = lambda *a, **k: StandIn()
+
+
 def count(kind, layers, cuda, optimizer=None):
     from _steps import meshtune_step
     from meshtune.bench import adapters as B
@@ -53,7 +63,13 @@ def count(kind, layers, cuda, optimizer=None):
                          *[v for v in _leaves(state)])
         text = open(path).read()
     names = re.findall(r'label\s*=\s*"([A-Za-z_]+)', text)
-    return Counter(n for n in names if not n.startswith("array"))
+    counts = Counter(n for n in names if not n.startswith("array"))
+    edges = re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M)
+    # arrays: every end of an edge that is not an operation's node (the graph's inputs among them)
+    nodes = set(re.findall(r'\{ (\d+) \[label', text))
+    counts[" arrays"] = len({end for edge in edges for end in edge if end not in nodes})
+    counts[" edges"] = len(edges)
+    return counts
 
 
 def _leaves(tree):
@@ -69,12 +85,7 @@ def main():
                    help="DoRA's step with packed_magnitudes.PackedMagnitudesAdam (every m updated as one vector)")
     args = p.parse_args()
     if args.cuda:
-        from meshtune import multi_adam
-        from meshtune.adapters import kernels
-        from meshtune.parallel import pack_kernel
-        kernels.on_cuda = lambda: True
-        kernels._kernel = pack_kernel.kernel = multi_adam._kernel = lambda *a, **k: StandIn()
-        multi_adam.on_cuda = lambda: True
+        stand_in_cuda_kernels()
     optimizer = None
     if args.packed_m:
         import packed_magnitudes
@@ -82,12 +93,15 @@ def main():
         if args.cuda:
             packed_magnitudes.on_cuda = lambda: True
     res = {k: count(k, args.layers, args.cuda, optimizer if k == "dora" else None) for k in ("lora", "dora")}
+    totals = {k: {kind: res[kind].pop(k) for kind in res} for k in (" arrays", " edges")}
     keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
     print(f"compiled step, {args.layers} layers, {'CUDA path (a kernel: one CustomTransforms)' if args.cuda else 'CPU path'}: nodes")
     print(f"{'primitive':28s} {'lora':>6s} {'dora':>6s}")
     for k in keys:
         print(f"{k:28s} {res['lora'][k]:6d} {res['dora'][k]:6d}")
     print(f"{'total':28s} {sum(res['lora'].values()):6d} {sum(res['dora'].values()):6d}")
+    for k, by_kind in totals.items():  # what the compiled call builds besides the nodes
+        print(f"{k.strip():28s} {by_kind['lora']:6d} {by_kind['dora']:6d}")
 
 
 if __name__ == "__main__":
