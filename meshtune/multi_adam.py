@@ -12,10 +12,16 @@ mlx.optimizers.Adam / AdamW's apply_single, in float32.
 The optimizer's state stays mlx's (step, learning_rate, and m and v by parameter), so checkpoints,
 resume and schedules see no difference. Other dtypes (a bfloat16 full fine-tune) and other optimizers
 take mlx's own update; so does everything off CUDA (CPU, Metal).
+
+Off unless MESHTUNE_MULTI_ADAM=1: on one H200 the 1B bench's steps did not get faster with it (LoRA
+57.1 against 54.7 ms with mlx's Adam, DoRA 67.7 against 68.1, two models each in one process:
+scripts/probes/adam_paths.py, docs/bench/adam_paths_h200_27.txt). The steps there are the host's, and
+the grouped launches cost the host about what the launches they replace did.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -75,9 +81,23 @@ def _group_kernel(n: int):
                    _SOURCE.format(cases=cases, items=ITEMS, threads=THREADS))
 
 
+ENV = "MESHTUNE_MULTI_ADAM"
+
+
+def _setting(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: use 1 (Adam's and AdamW's float32 updates {GROUP} tensors to a CUDA "
+                         f"launch) or 0 (the default: mlx's update, a launch a parameter)")
+    return value == "1"
+
+
+ENABLED = _setting(os.environ.get(ENV, "0"))
+
+
 def supports(optimizer: optim.Optimizer) -> bool:
-    """Whether `update` takes this optimizer here: Adam or AdamW (not a subclass) on MLX's CUDA build."""
-    return on_cuda() and type(optimizer) in (optim.Adam, optim.AdamW)
+    """Whether `update` takes this optimizer here: MESHTUNE_MULTI_ADAM=1, and Adam or AdamW (not a subclass)
+    on MLX's CUDA build."""
+    return ENABLED and on_cuda() and type(optimizer) in (optim.Adam, optim.AdamW)
 
 
 def _coefficients(optimizer: optim.Adam, tokens: mx.array) -> tuple[mx.array, mx.array]:

@@ -124,11 +124,11 @@ case $what in
       --only "current,B's product by a matmul (before),B in the sums in one launch (last block),B sums 32 floats a thread" 2>&1 \
       | tee "$out/probe_b_in_sums.txt" ;;
   multi-adam)
-    # One GPU: multi_adam's CUDA tests (the grouped Adam update against mlx's, eager and compiled), then the bench
+    # One GPU: multi_adam's CUDA tests (the grouped Adam update against mlx's, eager and compiled), then the bench with it
     # (~6-8 min a run: give each its own call, BENCH_RUNS=1 then BENCH_RUNS=2); --combine the runs here.
     timeout 90 python3 -m pytest -q tests/test_multi_adam.py 2>&1 | tail -3 | tee "$out/tests_multi_adam.txt"
     for run in ${BENCH_RUNS:-1 2}; do
-      timeout 540 python3 -m meshtune.cli bench adapters --preset 1b --steps 120 --rounds 12 --gen-tokens 32 --json \
+      MESHTUNE_MULTI_ADAM=1 timeout 540 python3 -m meshtune.cli bench adapters --preset 1b --steps 120 --rounds 12 --gen-tokens 32 --json \
         > "$out/adapters_h200_run$run.txt" 2>&1
       grep "timed the steps" "$out/adapters_h200_run$run.txt"
     done ;;

@@ -14,11 +14,22 @@ from meshtune.cuda import on_cuda
 cuda_only = pytest.mark.skipif(not on_cuda(), reason="MLX's CUDA build and an NVIDIA GPU")
 
 
-def test_only_adam_on_cuda_takes_the_grouped_update():
+def test_only_adam_on_cuda_takes_the_grouped_update_and_only_when_asked(monkeypatch):
+    monkeypatch.setattr(multi_adam, "ENABLED", True)
     assert multi_adam.supports(optim.Adam(1e-3)) == on_cuda()
     assert multi_adam.supports(optim.AdamW(1e-3)) == on_cuda()
     assert not multi_adam.supports(optim.SGD(1e-3))
     assert not multi_adam.supports(optim.Lion(1e-3))
+    monkeypatch.setattr(multi_adam, "on_cuda", lambda: True)
+    assert multi_adam.supports(optim.Adam(1e-3))
+    monkeypatch.setattr(multi_adam, "ENABLED", False)  # the default: mlx's own update
+    assert not multi_adam.supports(optim.Adam(1e-3)) and not multi_adam.supports(optim.AdamW(1e-3))
+
+
+def test_the_setting_takes_0_or_1_and_names_itself_otherwise():
+    assert multi_adam._setting("1") and not multi_adam._setting("0")
+    with pytest.raises(ValueError, match=r"MESHTUNE_MULTI_ADAM='yes': use 1 .* or 0 \(the default"):
+        multi_adam._setting("yes")
 
 
 @cuda_only

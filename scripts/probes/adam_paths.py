@@ -23,6 +23,7 @@ from meshtune.bench import adapters as B
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_dora_step import _HostTimes  # noqa: E402
 
+multi_adam.ENABLED = True  # as MESHTUNE_MULTI_ADAM=1 sets it; each configuration below picks its update
 SUPPORTS = multi_adam.supports
 TICK = os.sysconf("SC_CLK_TCK")
 
