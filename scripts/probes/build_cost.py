@@ -5,7 +5,9 @@ Development probe (adapters issue). On an H200 DoRA's step spent ~3.5 ms more th
 (probe_dora_step.py --host: "build"), before MLX dispatched a kernel. That call replays the traced graph, which does
 not depend on the backend: here the CUDA kernels stand in as one node each (graph_nodes.py), the model is the 1B
 bench's 16 layers at a small width, and each call is timed alone, then evaluated (untimed).
-    python scripts/probes/build_cost.py [--steps 200] [--layers 16]
+    cd scripts/probes && OPENBLAS_NUM_THREADS=1 python build_cost.py [--steps 200] [--layers 16]
+(one BLAS thread: OpenBLAS's threads spin after each evaluation and take the timed call's core on a small machine).
+On a 2-core CPU: LoRA 17-21 ms, DoRA 23-29 ms, with MESHTUNE_DORA_FOLD=0 as with auto.
 """
 import argparse
 import statistics
