@@ -30,6 +30,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from .cuda import kernel as _kernel, kernel_constant, on_cuda
+from .env import choice
 
 GROUP = 64  # tensors a launch: 7 pointers each (p, g, m, v in; p, m, v out) keep the parameters under 4 KB
 THREADS = 256
@@ -85,10 +86,8 @@ ENV = "MESHTUNE_MULTI_ADAM"
 
 
 def _setting(value: str) -> bool:
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (Adam's and AdamW's float32 updates {GROUP} tensors to a CUDA "
-                         f"launch) or 0 (the default: mlx's update, a launch a parameter)")
-    return value == "1"
+    return choice(ENV, value, {"1": True, "0": False}, f"1 (Adam's and AdamW's float32 updates {GROUP} tensors to a "
+                  "CUDA launch) or 0 (the default: mlx's update, a launch a parameter)")
 
 
 ENABLED = _setting(os.environ.get(ENV, "0"))

@@ -63,6 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cuda import kernel as _kernel, kernel_constant, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
+from ..env import choice
 
 _WARPS = 8  # warps a block
 _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1
@@ -547,10 +548,8 @@ FOLD_MEMORY_SHARE = 0.125
 
 
 def _fold_setting(value: str) -> bool | str:
-    if value not in FOLD_SETTINGS:
-        raise ValueError(f"{FOLD_ENV}={value!r}: use auto (the default: fold DoRA's row scale into the weights "
-                         f"while a dense base's folded copies fit in 1/8 of the GPU's memory), 1 (always) or 0 (never)")
-    return FOLD_SETTINGS[value]
+    return choice(FOLD_ENV, value, FOLD_SETTINGS, "auto (the default: fold DoRA's row scale into the weights while a "
+                  "dense base's folded copies fit in 1/8 of the GPU's memory), 1 (always) or 0 (never)")
 
 
 FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "auto"))

@@ -4,9 +4,9 @@ Development probe (adapters issue), for MLX's CUDA build (off CUDA both are mlx'
     python scripts/probes/adam_paths.py [--bases bf16] [--copies 2] [--host] [bench adapters flags]
 Each configuration is its own model (copies of each, since one process's models differ in host time),
 timed in interleaved rounds as `meshtune bench adapters` times them; --host splits each step into the
-compiled call (build), mx.async_eval (dispatch) and the wait for the step before, and prints the main
-thread's CPU time a step in user and in kernel mode (/proc's thread counters, summed over the timed calls):
-time in the kernel is the driver's (ioctl) and the memory manager's (mmap, page faults).
+compiled call (build), mx.async_eval (dispatch) and the wait for the step before. Last, the main thread's
+CPU time a step in user and in kernel mode (/proc's thread counters, summed over every call): time in the
+kernel is the driver's (ioctl) and the memory manager's (mmap, page faults).
 """
 import argparse
 import os
@@ -23,8 +23,6 @@ from meshtune.bench import adapters as B
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_dora_step import _HostTimes  # noqa: E402
 
-multi_adam.ENABLED = True  # as MESHTUNE_MULTI_ADAM=1 sets it; each configuration below picks its update
-SUPPORTS = multi_adam.supports
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -59,13 +57,14 @@ class _CpuTimes:
 
 
 def _built(kind, base, a, shape, dtype, grouped):
-    """A step of `kind`, traced (at its first call) with the grouped Adam update or with mlx's."""
-    multi_adam.supports = SUPPORTS if grouped else (lambda optimizer: False)
+    """A step of `kind`, traced (at its first call) with the grouped Adam update (as MESHTUNE_MULTI_ADAM=1)
+    or with mlx's."""
+    enabled, multi_adam.ENABLED = multi_adam.ENABLED, grouped
     try:
         run = B.build_step("meshtune", kind, base, a, shape, dtype)
         run()
     finally:
-        multi_adam.supports = SUPPORTS
+        multi_adam.ENABLED = enabled
     return run
 
 
@@ -79,7 +78,7 @@ def main():
     shape, dtype = B.shape_of(a), (mx.float32 if B._on_cpu() else mx.bfloat16)
     host = _HostTimes() if args.host else None
     cpu = _CpuTimes()
-    print(f"multi_adam.supports(Adam) here: {SUPPORTS(B.optim.Adam(1e-5))}", flush=True)
+    print(f"multi_adam's CUDA path here: {multi_adam.on_cuda()}", flush=True)
     for base in args.bases.split(","):
         steps, kinds = {}, {}
         for copy in range(args.copies):

@@ -47,6 +47,7 @@ def stand_in_cuda_kernels():
 
 
 def count(kind, layers, cuda, optimizer=None):
+    """(nodes by primitive, {"arrays": n, "edges": n}) of one compiled step's graph."""
     from _steps import meshtune_step
     from meshtune.bench import adapters as B
     from meshtune.bench.models import Shape
@@ -63,13 +64,11 @@ def count(kind, layers, cuda, optimizer=None):
                          *[v for v in _leaves(state)])
         text = open(path).read()
     names = re.findall(r'label\s*=\s*"([A-Za-z_]+)', text)
-    counts = Counter(n for n in names if not n.startswith("array"))
     edges = re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, re.M)
     # arrays: every end of an edge that is not an operation's node (the graph's inputs among them)
     nodes = set(re.findall(r'\{ (\d+) \[label', text))
-    counts[" arrays"] = len({end for edge in edges for end in edge if end not in nodes})
-    counts[" edges"] = len(edges)
-    return counts
+    arrays = {end for edge in edges for end in edge if end not in nodes}
+    return Counter(n for n in names if not n.startswith("array")), {"arrays": len(arrays), "edges": len(edges)}
 
 
 def _leaves(tree):
@@ -92,16 +91,16 @@ def main():
         optimizer = packed_magnitudes.PackedMagnitudesAdam
         if args.cuda:
             packed_magnitudes.on_cuda = lambda: True
-    res = {k: count(k, args.layers, args.cuda, optimizer if k == "dora" else None) for k in ("lora", "dora")}
-    totals = {k: {kind: res[kind].pop(k) for kind in res} for k in (" arrays", " edges")}
+    counted = {k: count(k, args.layers, args.cuda, optimizer if k == "dora" else None) for k in ("lora", "dora")}
+    res = {k: nodes for k, (nodes, _) in counted.items()}
     keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
     print(f"compiled step, {args.layers} layers, {'CUDA path (a kernel: one CustomTransforms)' if args.cuda else 'CPU path'}: nodes")
     print(f"{'primitive':28s} {'lora':>6s} {'dora':>6s}")
     for k in keys:
         print(f"{k:28s} {res['lora'][k]:6d} {res['dora'][k]:6d}")
     print(f"{'total':28s} {sum(res['lora'].values()):6d} {sum(res['dora'].values()):6d}")
-    for k, by_kind in totals.items():  # what the compiled call builds besides the nodes
-        print(f"{k.strip():28s} {by_kind['lora']:6d} {by_kind['dora']:6d}")
+    for k in ("arrays", "edges"):  # what the compiled call builds besides the nodes
+        print(f"{k:28s} {counted['lora'][1][k]:6d} {counted['dora'][1][k]:6d}")
 
 
 if __name__ == "__main__":
