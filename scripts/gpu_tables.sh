@@ -15,6 +15,7 @@
 #     scripts/gpu_tables.sh multi-adam "$OUT"  # one GPU: multi_adam's CUDA tests, then the bench twice (~8 min)
 #     scripts/gpu_tables.sh b-in-sums "$OUT"  # one GPU: B's product in the sums' pass checked, then the step with and without it (~5 min)
 #     scripts/gpu_tables.sh nsys-host "$OUT"  # one GPU: LoRA's and DoRA's host time by primitive under nsys (NVTX), a process each (~3 min)
+#     scripts/gpu_tables.sh pyspy-host "$OUT"  # one GPU: LoRA's and DoRA's host time by native function under py-spy, a process each (~4 min)
 #     scripts/gpu_tables.sh pinning "$OUT"    # one GPU: the host split with the threads as started and pinned, a process each (~6 min)
 #     scripts/gpu_tables.sh copies "$OUT"     # one GPU: three models each of LoRA and DoRA in one process, the host split (~4 min)
 #     scripts/gpu_tables.sh pipeline "$OUT"   # bench pipeline, 2 stages over NCCL
@@ -145,6 +146,21 @@ case $what in
         > "$out/nsys_$kind.txt" 2>&1
       head -40 "$out/nsys_$kind.txt"
     done ;;
+  pyspy-host)
+    # One GPU, ~4 min on a warm machine (the first process compiles MLX's kernels), py-spy on PATH (its wheel installed
+    # beside MLX's: prepare-mlx-cuda py-spy): LoRA's and DoRA's 1B steps, a process each, PYSPY_PASSES times in turn,
+    # sampled with native frames for PYSPY_SECONDS after the warm-up (py-spy attached by the probe: sampling a process
+    # from its start stalled it past 10 minutes); the raw profiles come back, and their fold: samples a step by native
+    # function (scripts/probes/host_profile.py). Sampling slows the step 3-4x: read the fold as shares, not ms.
+    for pass in $(seq ${PYSPY_PASSES:-2}); do
+      for kind in lora dora; do
+        timeout 130 python3 scripts/probes/host_profile.py --kind $kind --seconds ${PYSPY_SECONDS:-15} \
+          --rate ${PYSPY_RATE:-100} --pyspy "$out/pyspy_${kind}_$pass.txt" --steps-file "$out/pyspy_${kind}_$pass.txt.steps" 2>&1
+      done
+    done
+    profiles=()
+    for f in "$out"/pyspy_{lora,dora}_{1..9}.txt; do [ -e "$f" ] && profiles+=("$f"); done  # what py-spy wrote
+    python3 scripts/probes/host_profile.py --fold "${profiles[@]}" 2>&1 | tee "$out/pyspy_host_fold.txt" | head -150 ;;
   pinning)
     # One GPU, ~6 min: whether the process-to-process spread of the host's time (adapters_h200_24.txt, block 5) is
     # where its threads run: the machine's CPUs and the GPU's node, then processes in turn with the threads as
