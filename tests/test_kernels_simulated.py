@@ -1221,13 +1221,16 @@ def test_b_product_summed_with_the_magnitude_sums(simulated, rows, cols, r, dtyp
 
 
 @pytest.mark.parametrize("rows, cols, r, dtype", [(1000, 70, 12, mx.float32), (37, 24, 8, mx.bfloat16),
-                                                  (300, 18, 3, mx.float16), (50, 16, 40, mx.float32)])
+                                                  (300, 18, 3, mx.float16), (50, 16, 40, mx.float32),
+                                                  (120, 40, 16, mx.float32), (64, 32, 2, mx.float32),
+                                                  (33, 8, 32, mx.float32)])
 def test_low_rank_cotangent_summed_in_the_same_pass(simulated, rows, cols, r, dtype):
     """magnitude_and_b_grad_cuda with B' (LOW_RANK_IN_SUMS): g B'^T from the sums' pass, each warp adding its lanes'
     parts of a row and the second kernel the strips' parts, equal to the matmul's product to rounding in g's dtype;
     m's and B's gradients as without it, to float32 rounding of their sums (half the columns a thread, so other
     chunks) and B's product's rounding to g's dtype. 70 columns: the last strip's lanes past the columns read
-    zeros and still take part in the warp's sums; rank 40: more products a row than lanes."""
+    zeros and still take part in the warp's sums; ranks 2, 8, 16 and 32 the reduce-scatter, 3, 12 and 40 a butterfly
+    a product (40: more products a row than lanes)."""
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(23), 6)

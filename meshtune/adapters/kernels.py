@@ -520,8 +520,8 @@ _B_FROM_SUMS = """
 # backward's g B'^T (tokens x r, the input of A's gradient and of x's low-rank term) is another cuBLAS matmul a layer,
 # a second pass over g and a node the host dispatches by stream capture (the host's costliest kind of node, ~15 us,
 # docs/bench/pyspy_host_h200_28.txt). Here each thread also keeps B' at its VEC columns and, for every row its warp
-# takes, its part of the row's R products; the warp adds its 32 lanes' parts (an xor butterfly: every lane ends with
-# the same bits) and writes them to `gpart` (strips x rows x R, float32). Every lane then takes every row, the lanes
+# takes, its part of the row's R products; the warp adds its 32 lanes' parts (xor shuffles: a reduce-scatter where R
+# is a power of two up to 32, else a butterfly a product) and writes them to `gpart` (strips x rows x R, float32). Every lane then takes every row, the lanes
 # past the last column reading zeros, so the whole warp is in each shuffle. The second kernel's extra blocks add
 # the strips' parts in order and round to the activations' dtype, as the matmul's output is rounded.
 LOW_RANK_IN_SUMS = False
@@ -560,15 +560,34 @@ _LOW_RANK_SUMS = {
                     lr[k] += gf * bv[k][v];
                 }
             }
-            float mine = 0.0f;  // lane j keeps the row's product j (of each 32)
-            #pragma unroll
-            for (int k = 0; k < R; ++k) {
-                float sk = lr[k];
+            long long row_at = ((long long)blockIdx.x * ROWS + t) * R;
+            if ((R & (R - 1)) == 0 && R <= 32) {
+                // A reduce-scatter: at each level a lane keeps half of its products (the half its bit names) and
+                // adds its partner's part of them, log2 R levels; then the lanes holding the same product add
+                // theirs. R = 8: 9 shuffles a row, not 40.
+                int kk = 0, o = 16;
                 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) sk += __shfl_xor_sync(0xffffffff, sk, o);
-                if ((k & 31) == lane) mine = sk;
-                if (((k & 31) == 31 || k == R - 1) && lane <= (k & 31))
-                    gpart[((long long)blockIdx.x * ROWS + t) * R + (k & ~31) + lane] = mine;
+                for (int half = R / 2; half >= 1; half /= 2, o >>= 1) {
+                    bool up = lane & o;
+                    #pragma unroll
+                    for (int j = 0; j < half; ++j) {
+                        float send = up ? lr[j] : lr[j + half];
+                        lr[j] = (up ? lr[j + half] : lr[j]) + __shfl_xor_sync(0xffffffff, send, o);
+                    }
+                    kk += up ? half : 0;
+                }
+                for (; o > 0; o >>= 1) lr[0] += __shfl_xor_sync(0xffffffff, lr[0], o);
+                if ((lane & (32 / R - 1)) == 0) gpart[row_at + kk] = lr[0];
+            } else {
+                float mine = 0.0f;  // lane j keeps the row's product j (of each 32)
+                #pragma unroll
+                for (int k = 0; k < R; ++k) {
+                    float sk = lr[k];
+                    #pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) sk += __shfl_xor_sync(0xffffffff, sk, o);
+                    if ((k & 31) == lane) mine = sk;
+                    if (((k & 31) == 31 || k == R - 1) && lane <= (k & 31)) gpart[row_at + (k & ~31) + lane] = mine;
+                }
             }""",
 }
 
@@ -1252,7 +1271,7 @@ def b_sums_grid(rows: int, cols: int, r: int, dtype: mx.Dtype,
     """(columns a thread takes, column strips, rows a chunk, chunks) of the B sums' blocks (B_PRODUCT_IN_SUMS).
 
     With `low_rank` (g B'^T in the same pass, LOW_RANK_IN_SUMS) a thread also keeps B' at its columns: R x VEC
-    floats more, so half the columns a thread (rank 8 on sm_90: 96 registers, two blocks an SM, against 170 and one
+    floats more, so half the columns a thread (rank 8 on sm_90: 108 registers, two blocks an SM, against 170 and one
     with the B sums' columns; scripts/probes/kernel_registers.py)."""
     floats = _B_SUMS_FLOATS // 2 if low_rank else _B_SUMS_FLOATS
     vec = 16 // dtype.size
