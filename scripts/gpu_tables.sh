@@ -12,7 +12,6 @@
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
-#     scripts/gpu_tables.sh low-rank-in-sums "$OUT"  # one GPU: g B'^T in the sums' pass checked, then the step (~6 min)
 #     scripts/gpu_tables.sh multi-adam "$OUT"  # one GPU: multi_adam's CUDA tests, then the bench twice (~8 min)
 #     scripts/gpu_tables.sh b-in-sums "$OUT"  # one GPU: B's product in the sums' pass checked, then the step with and without it (~5 min)
 #     scripts/gpu_tables.sh nsys-host "$OUT"  # one GPU: LoRA's and DoRA's host time by primitive under nsys (NVTX), a process each (~3 min)
@@ -125,13 +124,6 @@ case $what in
     timeout 420 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host --copies 2 \
       --only "current,B's product by a matmul (before),B in the sums in one launch (last block),B sums 32 floats a thread" 2>&1 \
       | tee "$out/probe_b_in_sums.txt" ;;
-  low-rank-in-sums)
-    # One GPU, ~6 min: g B'^T in the sums' pass (kernels.LOW_RANK_IN_SUMS, off by default) checked against cuBLAS's
-    # product, then DoRA's step with it (and with half its columns a thread) beside the current and LoRA, two models each.
-    timeout 150 python3 -m pytest -q tests/test_adapted_linear.py -k "low_rank or b_product" 2>&1 | tail -3
-    timeout 420 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host --copies 2 \
-      --only "current,g B'^T in the sums,g B'^T in the sums, fewer columns a thread" 2>&1 \
-      | tee "$out/probe_low_rank_in_sums.txt" ;;
   multi-adam)
     # One GPU: multi_adam's CUDA tests (the grouped Adam update against mlx's, eager and compiled), then the bench with it
     # (~6-8 min a run: give each its own call, BENCH_RUNS=1 then BENCH_RUNS=2); --combine the runs here.

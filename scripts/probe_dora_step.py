@@ -304,7 +304,6 @@ ORIGINAL_SCALED_LOADS, ORIGINAL_STAGE_QUADS, ORIGINAL_TILE_FLOATS = K._SCALED_LO
 ORIGINAL_TWO_PASS, ORIGINAL_WRITE_FACTORS = K._TWO_PASS, K._WRITE_FACTORS
 ORIGINAL_B_IN_SUMS, ORIGINAL_B_SUMS = K.B_PRODUCT_IN_SUMS, K.magnitude_and_b_grad_cuda
 ORIGINAL_B_SUMS_FLOATS = K._B_SUMS_FLOATS
-ORIGINAL_LOW_RANK = K.LOW_RANK_IN_SUMS
 
 
 def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_groups=ORIGINAL_LAYOUT[3]):
@@ -331,7 +330,6 @@ def _reset():
     K.FOLDED_TILE_ROWS = ORIGINAL_FOLDED_TILE_ROWS
     K.B_PRODUCT_IN_SUMS, K.magnitude_and_b_grad_cuda = ORIGINAL_B_IN_SUMS, ORIGINAL_B_SUMS
     K._B_SUMS_FLOATS = ORIGINAL_B_SUMS_FLOATS
-    K.LOW_RANK_IN_SUMS = ORIGINAL_LOW_RANK
 
 
 VARIANTS = {
@@ -342,9 +340,6 @@ VARIANTS = {
         magnitude_and_b_grad_cuda=V.one_launch_magnitude_and_b_sums),
     # rank 8 four columns a thread (fewer registers than eight's 113, more blocks an SM)
     "B sums 32 floats a thread": _kernels_with(_B_SUMS_FLOATS=32),
-    # g B'^T in the sums' pass too: a cuBLAS node a layer fewer (kernels.LOW_RANK_IN_SUMS)
-    "g B'^T in the sums": _kernels_with(LOW_RANK_IN_SUMS=True),
-    "g B'^T in the sums, fewer columns a thread": _kernels_with(LOW_RANK_IN_SUMS=True, _B_SUMS_FLOATS=32),
     "MLX ops (no kernels)": _kernels(False),
     "MLX ops, separate W A product": _separate_rows,
     "norm a launch a layer": _norm_per_layer,

@@ -90,9 +90,6 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             # B's product summed in the column sums' pass (B_PRODUCT_IN_SUMS), ranks 8 and 64 (fewer columns a thread)
             for r in (8, 64):
                 kernels.magnitude_and_b_grad_cuda(g, y, mx.ones((64, r), dtype=dtype), mx.ones((cols,)), stacked, 2.0)
-                # ... and g B'^T in the same pass (LOW_RANK_IN_SUMS)
-                kernels.magnitude_and_b_grad_cuda(g, y, mx.ones((64, r), dtype=dtype), mx.ones((cols,)), stacked, 2.0,
-                                                  b_rows=mx.ones((r, cols), dtype=dtype))
     pack_cuda([mx.ones((3, 4), dtype=mx.bfloat16), mx.ones((5,))], mx.float32)
     # Adam's grouped update: a full group of GROUP tensors (the kernel's parameters at their largest) and a short one.
     from meshtune import multi_adam

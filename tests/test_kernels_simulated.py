@@ -1080,21 +1080,16 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
     return losses, dict(tree_flatten(model.trainable_parameters()))
 
 
-@pytest.mark.parametrize("quantized, b_in_sums, low_rank", [(False, True, False), (True, True, False),
-                                                            (False, False, False), (False, True, True),
-                                                            (True, True, True)])
-def test_folded_training_step_trains_as_the_current_one(simulated, model_factory, monkeypatch, quantized, b_in_sums,
-                                                         low_rank):
+@pytest.mark.parametrize("quantized, b_in_sums", [(False, True), (True, True), (False, False)])
+def test_folded_training_step_trains_as_the_current_one(simulated, model_factory, monkeypatch, quantized, b_in_sums):
     """kernels.FOLD_ROW_SCALE: the step writes W' = rs W beside the norms and every DoRA layer runs
     LoRA's product on W' and B' = B rs, m's gradient by the sums-only kernel; the loss and the
     parameters after two steps are the current step's, on a dense and on a quantized base (SGD:
     the update is the gradient, which Adam's per-element normalisation would blow up at ~0). B's product
-    summed with m's sums (kernels.B_PRODUCT_IN_SUMS, the default) or by a matmul; g B'^T from the same pass
-    (kernels.LOW_RANK_IN_SUMS) or by a matmul."""
+    summed with m's sums (kernels.B_PRODUCT_IN_SUMS, the default) or by a matmul."""
     from meshtune.adapters import base_path, kernels
 
     monkeypatch.setattr(kernels, "B_PRODUCT_IN_SUMS", b_in_sums)
-    monkeypatch.setattr(kernels, "LOW_RANK_IN_SUMS", low_rank)
     monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
     dequantized = []  # the bases dequantize_weight was asked for, by id
     original_dequantized = base_path.dequantized_weight
@@ -1115,9 +1110,7 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     assert _step_norm_kernel(fold=True, layers=2, quantized=quantized) not in simulated
     losses, folded = trained(True)
     assert _calls(simulated, _step_norm_kernel(fold=True, layers=2, quantized=quantized)) >= 1
-    sums = "meshtune_dora_column_b_and_low_rank_sums" if low_rank else FOLDED_SUMS if b_in_sums else \
-        "meshtune_dora_column_sums"
-    assert simulated[sums].calls == 8
+    assert simulated[FOLDED_SUMS if b_in_sums else "meshtune_dora_column_sums"].calls == 8
     # A 4-bit DoRA base is read packed by the step's launch, which writes W': it is never dequantized (unfolded,
     # each step dequantizes it once, in step_norms, for the norm kernel and the layer's products).
     assert Counter(i for i in dequantized if i in dora_bases) == {}
@@ -1218,50 +1211,6 @@ def test_b_product_summed_with_the_magnitude_sums(simulated, rows, cols, r, dtyp
     assert mx.allclose(gb, want_gb, rtol=1e-4, atol=1e-4).item()
     assert simulated["meshtune_dora_column_and_b_sums"].calls == 1
     assert simulated["meshtune_dora_magnitude_b_sums_grad"].calls == 1
-
-
-@pytest.mark.parametrize("rows, cols, r, dtype", [(1000, 70, 12, mx.float32), (37, 24, 8, mx.bfloat16),
-                                                  (300, 18, 3, mx.float16), (50, 16, 40, mx.float32),
-                                                  (120, 40, 16, mx.float32), (64, 32, 2, mx.float32),
-                                                  (33, 8, 32, mx.float32)])
-def test_low_rank_cotangent_summed_in_the_same_pass(simulated, rows, cols, r, dtype):
-    """magnitude_and_b_grad_cuda with B' (LOW_RANK_IN_SUMS): g B'^T from the sums' pass, each warp adding its lanes'
-    parts of a row and the second kernel the strips' parts, equal to the matmul's product to rounding in g's dtype;
-    m's and B's gradients as without it, to float32 rounding of their sums (half the columns a thread, so other
-    chunks) and B's product's rounding to g's dtype. 70 columns: the last strip's lanes past the columns read
-    zeros and still take part in the warp's sums; ranks 2, 8, 16 and 32 the reduce-scatter, 3, 12 and 40 a butterfly
-    a product (40: more products a row than lanes)."""
-    from meshtune.adapters import kernels
-
-    k = mx.random.split(mx.random.key(23), 6)
-    g = mx.random.normal((rows, cols), key=k[0]).astype(dtype)
-    y = mx.random.normal((rows, cols), key=k[1]).astype(dtype)
-    u = mx.random.normal((rows, r), key=k[2]).astype(dtype)
-    m = mx.random.uniform(1.0, 4.0, (cols,), key=k[3]).at[5].multiply(0.0)
-    norm = mx.random.uniform(0.5, 3.0, (cols,), key=k[4])
-    b_rows = mx.random.normal((r, cols), key=k[5]).astype(dtype)
-    dm, gb, gxa = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, 1.5, rs_dtype=dtype, b_rows=b_rows)
-    want_dm, want_gb = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, 1.5, rs_dtype=dtype)
-    tol = {mx.float32: 1e-5, mx.bfloat16: 1e-2, mx.float16: 2e-3}[dtype]
-    assert mx.allclose(dm, want_dm, rtol=1e-5, atol=1e-5).item() and dm[5].item() == 0.0
-    assert mx.allclose(gb, want_gb, rtol=tol, atol=tol * mx.abs(want_gb).max().item()).item()
-    want = g.astype(mx.float32) @ b_rows.astype(mx.float32).T
-    assert gxa.shape == (rows, r) and gxa.dtype == dtype
-    assert mx.allclose(gxa.astype(mx.float32), want, rtol=tol, atol=tol * mx.abs(want).max().item()).item(), \
-        mx.abs(gxa.astype(mx.float32) - want).max().item()
-    assert simulated["meshtune_dora_column_b_and_low_rank_sums"].calls == 1
-    assert simulated["meshtune_dora_magnitude_b_low_rank_grad"].calls == 1
-
-
-def test_low_rank_in_sums_only_where_its_parts_are_small(monkeypatch):
-    """low_rank_in_sums: off unless LOW_RANK_IN_SUMS; on, only where a row's parts (strips x rank) stay small:
-    the 1B step's rank-8 layers, not rank 64 on 6144 columns (a column a thread: 192 strips)."""
-    from meshtune.adapters import kernels
-
-    assert not kernels.low_rank_in_sums(4096, 2048, 8, mx.bfloat16)
-    monkeypatch.setattr(kernels, "LOW_RANK_IN_SUMS", True)
-    assert kernels.low_rank_in_sums(4096, 2048, 8, mx.bfloat16) and kernels.low_rank_in_sums(4096, 6144, 8, mx.bfloat16)
-    assert not kernels.low_rank_in_sums(4096, 6144, 64, mx.bfloat16)
 
 
 @pytest.mark.parametrize("rows, cols, r", [(1000, 70, 12), (300, 48, 8)])

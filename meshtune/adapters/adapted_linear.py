@@ -157,13 +157,13 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             norm = given_norm if given_norm is not None else outputs[-1]
             gz, dm = (kernels.cotangent_cuda(g, outputs[0], m, norm) if on_kernels
                       else dora_cotangent(g, outputs[0], outputs[1], norm))
-        low_rank = []  # g B'^T where the sums' pass took it
+        gxa = gz @ bc.T  # (T, r)
+        ga = (scale * (xl.T @ gxa)).astype(a.dtype)
         if folded and on_kernels and kernels.B_PRODUCT_IN_SUMS:
             # m's gradient from the output kept, and d B = s (x A)^T g rs with (x A)^T g summed in the same pass
-            # over g (no matmul for it): two launches. Where kernels.low_rank_in_sums, g B'^T from that pass too.
-            rows_b = bc if kernels.low_rank_in_sums(*g.shape, bc.shape[0], g.dtype) else None
-            dm, gb, *low_rank = kernels.magnitude_and_b_grad_cuda(g, outputs[0], xl @ ac, m, given_norm, scale,
-                                                                  rs_dtype=weight.dtype, b_rows=rows_b)
+            # over g (no matmul for it): two launches.
+            dm, gb = kernels.magnitude_and_b_grad_cuda(g, outputs[0], xl @ ac, m, given_norm, scale,
+                                                       rs_dtype=weight.dtype)
         elif folded and on_kernels:  # m's gradient from the output kept, and d B = s (x A)^T g rs, in one launch
             dm, gb = kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm, b_product=(xl @ ac).T @ gz,
                                                  b_scale=scale, rs_dtype=weight.dtype)
@@ -172,8 +172,6 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             gb = scale * ((xl @ ac).T @ gz) * rs_folded
         else:
             gb = scale * ((xl @ ac).T @ gz)
-        gxa = low_rank[0] if low_rank else gz @ bc.T  # (T, r)
-        ga = (scale * (xl.T @ gxa)).astype(a.dtype)
         gb = gb.astype(b.dtype)
         if two_inputs:
             grads = [gz @ weight, (scale * (gxa @ ac.T)).astype(dt), ga, gb]

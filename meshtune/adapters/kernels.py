@@ -516,108 +516,18 @@ _B_FROM_SUMS = """
         }"""
 
 
-# The low-rank cotangent in the sums' pass too (LOW_RANK_IN_SUMS; a candidate, off until timed on a GPU): the folded
-# backward's g B'^T (tokens x r, the input of A's gradient and of x's low-rank term) is another cuBLAS matmul a layer,
-# a second pass over g and a node the host dispatches by stream capture (the host's costliest kind of node, ~15 us,
-# docs/bench/pyspy_host_h200_28.txt). Here each thread also keeps B' at its VEC columns and, for every row its warp
-# takes, its part of the row's R products; the warp adds its 32 lanes' parts (xor shuffles: a reduce-scatter where R
-# is a power of two up to 32, else a butterfly a product) and writes them to `gpart` (strips x rows x R, float32). Every lane then takes every row, the lanes
-# past the last column reading zeros, so the whole warp is in each shuffle. The second kernel's extra blocks add
-# the strips' parts in order and round to the activations' dtype, as the matmul's output is rounded.
-LOW_RANK_IN_SUMS = False
-_LOW_RANK_FLOATS = 512  # at most strips x R floats a row of `gpart` (8 MiB at 4096 rows): else the matmul
-_EVERY_LANE = {
-    "    if (c0 < COLS) {  // COLS is a multiple of VEC: a thread's columns are all in or all out":
-        "    bool lane_in = c0 < COLS;  // COLS is a multiple of VEC: a thread's columns are all in or all out\n"
-        "    {  // every lane takes every row: its warp adds the lanes' parts of g B'^T",
-    "            if (aligned) {\n                gv =":
-        "            if (!lane_in) {\n"
-        "                for (int v = 0; v < VEC; ++v) gv.v[v] = yv.v[v] = static_cast<T>(0.0f);\n"
-        "            } else if (aligned) {\n                gv =",
-}
-_LOW_RANK_SUMS = {
-    "@GZ_ALIGNED@": "",
-    "@ROW_SCALES@": _B_SUMS["@ROW_SCALES@"] + """
-    float bv[R][VEC];  // B' at the thread's columns
-    #pragma unroll
-    for (int k = 0; k < R; ++k)
-        #pragma unroll
-        for (int v = 0; v < VEC; ++v)
-            bv[k][v] = c0 < COLS ? static_cast<float>(bt[(long long)k * COLS + c0 + v]) : 0.0f;""",
-    "@ELEMENT@": """float uk[R], lr[R];
-            #pragma unroll
-            for (int k = 0; k < R; ++k) {
-                uk[k] = static_cast<float>(u[(long long)t * R + k]);
-                lr[k] = 0.0f;
-            }
-            #pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-                float gf = static_cast<float>(gv.v[v]);
-                acc[v] += gf * static_cast<float>(yv.v[v]);
-                #pragma unroll
-                for (int k = 0; k < R; ++k) {
-                    bacc[k][v] += uk[k] * gf;
-                    lr[k] += gf * bv[k][v];
-                }
-            }
-            long long row_at = ((long long)blockIdx.x * ROWS + t) * R;
-            if ((R & (R - 1)) == 0 && R <= 32) {
-                // A reduce-scatter: at each level a lane keeps half of its products (the half its bit names) and
-                // adds its partner's part of them, log2 R levels; then the lanes holding the same product add
-                // theirs. R = 8: 9 shuffles a row, not 40.
-                int kk = 0, o = 16;
-                #pragma unroll
-                for (int half = R / 2; half >= 1; half /= 2, o >>= 1) {
-                    bool up = lane & o;
-                    #pragma unroll
-                    for (int j = 0; j < half; ++j) {
-                        float send = up ? lr[j] : lr[j + half];
-                        lr[j] = (up ? lr[j + half] : lr[j]) + __shfl_xor_sync(0xffffffff, send, o);
-                    }
-                    kk += up ? half : 0;
-                }
-                for (; o > 0; o >>= 1) lr[0] += __shfl_xor_sync(0xffffffff, lr[0], o);
-                if ((lane & (32 / R - 1)) == 0) gpart[row_at + kk] = lr[0];
-            } else {
-                float mine = 0.0f;  // lane j keeps the row's product j (of each 32)
-                #pragma unroll
-                for (int k = 0; k < R; ++k) {
-                    float sk = lr[k];
-                    #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) sk += __shfl_xor_sync(0xffffffff, sk, o);
-                    if ((k & 31) == lane) mine = sk;
-                    if (((k & 31) == 31 || k == R - 1) && lane <= (k & 31)) gpart[row_at + (k & ~31) + lane] = mine;
-                }
-            }""",
-}
-
-
 def _fill(source: str, parts: dict[str, str]) -> str:
     for key, text in parts.items():
-        assert key in source, key  # a template's placeholder renamed would otherwise leave a kernel unchanged
         source = source.replace(key, text)
     return source
 
 
 _COLUMN_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _SUMS_ONLY)
 _COLUMN_AND_B_SUMS = _fill(_COTANGENT.replace("RS_FROM_M", ""), _B_SUMS) + _B_ROWS
-_COLUMN_B_AND_LOW_RANK_SUMS = _fill(_fill(_COTANGENT.replace("RS_FROM_M", ""), _EVERY_LANE),
-                                    _LOW_RANK_SUMS) + _B_ROWS
 _COTANGENT = _fill(_COTANGENT.replace("RS_FROM_M", _RS_FROM_M), _SCALED_COTANGENT)
 _MAGNITUDE_PARTS = {"RS_FROM_M": _RS_FROM_M, "WARPS": str(_SUM_WARPS)}
 _MAGNITUDE_AND_B_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_GRAD), _MAGNITUDE_PARTS)
 _MAGNITUDE_AND_B_SUMS = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", _B_FROM_SUMS), _MAGNITUDE_PARTS)
-# ... and g B'^T from the strips' parts: the blocks past the columns' take a (row, k) a thread.
-_MAGNITUDE_B_AND_LOW_RANK = """
-    if (blockIdx.x >= COLBLOCKS) {
-        long long e = (long long)(blockIdx.x - COLBLOCKS) * blockDim.x + threadIdx.x;
-        if (e < (long long)ROWS * R) {
-            float sum = 0.0f;
-            for (int q = 0; q < STRIPS; ++q) sum += gpart[(long long)q * ROWS * R + e];
-            gxa[e] = static_cast<GT>(sum);
-        }
-        return;  // the whole block: no barrier below waits for it
-    }""" + _MAGNITUDE_AND_B_SUMS
 _MAGNITUDE_GRAD = _fill(_MAGNITUDE_GRAD.replace("@B_GRAD@", ""), _MAGNITUDE_PARTS)
 
 # Cotangent blocks to aim for: ~4 per SM of an H200 (132 SMs), a chunk at least 32 rows.
@@ -1266,71 +1176,40 @@ def magnitude_grad_cuda(g: mx.array, y: mx.array, m: mx.array, norm: mx.array | 
     return _magnitude_from_sums(column_sums(g, y), m, norm, rs_dtype or g.dtype, b_product, b_scale)
 
 
-def b_sums_grid(rows: int, cols: int, r: int, dtype: mx.Dtype,
-                low_rank: bool = False) -> tuple[int, int, int, int]:
-    """(columns a thread takes, column strips, rows a chunk, chunks) of the B sums' blocks (B_PRODUCT_IN_SUMS).
-
-    With `low_rank` (g B'^T in the same pass, LOW_RANK_IN_SUMS) a thread also keeps B' at its columns: R x VEC
-    floats more, so half the columns a thread (rank 8 on sm_90: 108 registers, two blocks an SM, against 170 and one
-    with the B sums' columns; scripts/probes/kernel_registers.py)."""
-    floats = _B_SUMS_FLOATS // 2 if low_rank else _B_SUMS_FLOATS
+def b_sums_grid(rows: int, cols: int, r: int, dtype: mx.Dtype) -> tuple[int, int, int, int]:
+    """(columns a thread takes, column strips, rows a chunk, chunks) of the B sums' blocks (B_PRODUCT_IN_SUMS)."""
     vec = 16 // dtype.size
-    while vec > 1 and (cols % vec or r * vec > floats):
+    while vec > 1 and (cols % vec or r * vec > _B_SUMS_FLOATS):
         vec //= 2
     strips = -(-cols // (32 * vec))
     chunk = -(-rows // max(1, min(-(-_B_SUMS_BLOCKS // strips), rows // 32)))
     return vec, strips, chunk, -(-rows // chunk)
 
 
-def low_rank_in_sums(rows: int, cols: int, r: int, dtype: mx.Dtype) -> bool:
-    """Whether magnitude_and_b_grad_cuda takes g B'^T too for this shape (LOW_RANK_IN_SUMS on, its parts small)."""
-    return LOW_RANK_IN_SUMS and b_sums_grid(rows, cols, r, dtype, low_rank=True)[1] * r <= _LOW_RANK_FLOATS
-
-
 def magnitude_and_b_grad_cuda(g: mx.array, y: mx.array, u: mx.array, m: mx.array, norm: mx.array | StackedNorm,
-                              b_scale: float, rs_dtype: mx.Dtype | None = None,
-                              b_rows: mx.array | None = None) -> tuple[mx.array, ...]:
+                              b_scale: float, rs_dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
     """(m's gradient, B's) for the folded product, B's product (x A)^T g taken in the column sums' pass
     (B_PRODUCT_IN_SUMS): magnitude_grad_cuda(g, y, m, norm, b_product=u.T @ g, b_scale=, rs_dtype=) without the
     matmul, p's sum in float32 by chunks of rows (a different order from a matmul's: equal to rounding).
-    With `b_rows` (B' = B rs in g's dtype, (r, cols); where low_rank_in_sums), also g B'^T in g's dtype (rows, r),
-    from the same pass (LOW_RANK_IN_SUMS).
 
     g, y (rows, cols) in the activations' dtype, u = x A (rows, r) in the same; m float32, norm as there.
     """
     rows, cols = g.shape
     r = u.shape[-1]
-    vec, strips, chunk, chunks = b_sums_grid(rows, cols, r, g.dtype, low_rank=b_rows is not None)
-    template = [("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec), ("R", r), ("T", g.dtype),
-                ("YT", y.dtype), ("UT", u.dtype)]
-    shapes = [(chunks, cols), (chunks, r, cols)]
-    if b_rows is None:
-        sums = _kernel("meshtune_dora_column_and_b_sums", ["g", "y", "u"], ["part", "bpart"], _COLUMN_AND_B_SUMS)
-        part, bpart = sums(inputs=[g, y, u], template=template, grid=(strips * 256, chunks, 1),
-                           threadgroup=(256, 1, 1), output_shapes=shapes, output_dtypes=[mx.float32] * 2)
-    else:
-        sums = _kernel("meshtune_dora_column_b_and_low_rank_sums", ["g", "y", "u", "bt"], ["part", "bpart", "gpart"],
-                       _COLUMN_B_AND_LOW_RANK_SUMS)
-        part, bpart, gpart = sums(inputs=[g, y, u, b_rows], template=template + [("BT", b_rows.dtype)],
-                                  grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
-                                  output_shapes=shapes + [(strips, rows, r)], output_dtypes=[mx.float32] * 3)
+    vec, strips, chunk, chunks = b_sums_grid(rows, cols, r, g.dtype)
+    sums = _kernel("meshtune_dora_column_and_b_sums", ["g", "y", "u"], ["part", "bpart"], _COLUMN_AND_B_SUMS)
+    part, bpart = sums(inputs=[g, y, u], template=[("ROWS", rows), ("COLS", cols), ("CHUNK", chunk), ("VEC", vec),
+                                                   ("R", r), ("T", g.dtype), ("YT", y.dtype), ("UT", u.dtype)],
+                       grid=(strips * 256, chunks, 1), threadgroup=(256, 1, 1),
+                       output_shapes=[(chunks, cols), (chunks, r, cols)], output_dtypes=[mx.float32, mx.float32])
     norms, offset = _norm_input(norm)
-    inputs = [part, m.astype(mx.float32), norms, offset, bpart, kernel_constant([b_scale], mx.float32)]
-    template = [("COLS", cols), ("CHUNKS", chunks), ("T", rs_dtype or g.dtype), ("R", r), ("GT", g.dtype)]
-    col_blocks = -(-cols // 32)
-    if b_rows is None:
-        k = _kernel("meshtune_dora_magnitude_b_sums_grad", ["part", "m", "norms", "off", "bpart", "bscale"],
-                    ["dm", "gbo"], _MAGNITUDE_AND_B_SUMS)
-        return tuple(k(inputs=inputs, template=template, grid=(col_blocks * 32 * _SUM_WARPS, 1, 1),
-                       threadgroup=(32 * _SUM_WARPS, 1, 1), output_shapes=[(cols,), (r, cols)],
-                       output_dtypes=[mx.float32, mx.float32]))
-    k = _kernel("meshtune_dora_magnitude_b_low_rank_grad", ["part", "m", "norms", "off", "bpart", "bscale", "gpart"],
-                ["dm", "gbo", "gxa"], _MAGNITUDE_B_AND_LOW_RANK)
-    low_rank_blocks = -(-rows * r // (32 * _SUM_WARPS))
-    return tuple(k(inputs=inputs + [gpart], template=template + [("ROWS", rows), ("STRIPS", strips),
-                                                                 ("COLBLOCKS", col_blocks)],
-                   grid=((col_blocks + low_rank_blocks) * 32 * _SUM_WARPS, 1, 1), threadgroup=(32 * _SUM_WARPS, 1, 1),
-                   output_shapes=[(cols,), (r, cols), (rows, r)], output_dtypes=[mx.float32, mx.float32, g.dtype]))
+    k = _kernel("meshtune_dora_magnitude_b_sums_grad", ["part", "m", "norms", "off", "bpart", "bscale"], ["dm", "gbo"],
+                _MAGNITUDE_AND_B_SUMS)
+    dm, gb = k(inputs=[part, m.astype(mx.float32), norms, offset, bpart, kernel_constant([b_scale], mx.float32)],
+               template=[("COLS", cols), ("CHUNKS", chunks), ("T", rs_dtype or g.dtype), ("R", r), ("GT", g.dtype)],
+               grid=(-(-cols // 32) * 32 * _SUM_WARPS, 1, 1), threadgroup=(32 * _SUM_WARPS, 1, 1),
+               output_shapes=[(cols,), (r, cols)], output_dtypes=[mx.float32, mx.float32])
+    return dm, gb
 
 
 def column_sums(g: mx.array, y: mx.array) -> mx.array:

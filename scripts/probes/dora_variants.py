@@ -195,10 +195,8 @@ _ONE_LAUNCH_B_SUMS = ("    const float* norm = norms + off[0];\n" + K._COLUMN_AN
                       + _LAST_BLOCK.replace("FINISH", _B_SUMS_FINISH))
 
 
-def one_launch_magnitude_and_b_sums(g, y, u, m, norm, b_scale, rs_dtype=None, b_rows=None):
-    """kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, b_scale, rs_dtype=) in one launch (its grid); no g B'^T
-    (`b_rows` must be None: the step asks for it only with kernels.LOW_RANK_IN_SUMS on)."""
-    assert b_rows is None, "the one-launch probe kernel has no g B'^T"
+def one_launch_magnitude_and_b_sums(g, y, u, m, norm, b_scale, rs_dtype=None):
+    """kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, b_scale, rs_dtype=) in one launch (its grid)."""
     rows, cols = g.shape
     r = u.shape[-1]
     vec, strips, chunk, chunks = K.b_sums_grid(rows, cols, r, g.dtype)
