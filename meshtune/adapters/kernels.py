@@ -518,6 +518,7 @@ _B_FROM_SUMS = """
 
 def _fill(source: str, parts: dict[str, str]) -> str:
     for key, text in parts.items():
+        assert key in source, key  # a template's placeholder renamed would otherwise leave a kernel unchanged
         source = source.replace(key, text)
     return source
 

@@ -9,9 +9,10 @@ LoRA too), which is what a GPU would dispatch. Also the graph's arrays and edges
 edges count its forward's outputs as inputs too, so they overstate a CUDA kernel's).
     python scripts/probes/graph_nodes.py [--cuda] [--layers 16] [--outputs]
 With --outputs, also the arrays the nodes make by the primitive making them (session 30, --cuda: DoRA's step
-makes 5961 against LoRA's 5177; m's Adam updates +336 (three outputs each), the stand-ins +468 (the two
-m/B-gradient kernels' two outputs each, the magnitude's custom-function edges), the layers' views of the norm
-launches' outputs +378 Split parts, against -224 AsType, -112 Matmul and -112 Transpose).
+makes 5961 against LoRA's 5177: m's Adam updates +336 (three outputs each), the stand-ins +468 (the two
+m/B-gradient kernels a layer, two outputs each, and the norm launches' 20 outputs), +378 Split parts
+(the layers' views of the launches' W', A and B', and the nested splits' groups), against -224 AsType, -112 Matmul
+and -112 Transpose).
 """
 import argparse
 import os
@@ -72,8 +73,8 @@ def count(kind, layers, cuda, optimizer=None):
     # arrays: every end of an edge that is not an operation's node (the graph's inputs among them)
     nodes = set(re.findall(r'\{ (\d+) \[label', text))
     arrays = {end for edge in edges for end in edge if end not in nodes}
-    labels = dict(re.findall(r'\{ (\d+) \[label\s*=\s*"([A-Za-z_]+)', text))
-    outputs = Counter(labels[src] for src, dst in edges if src in labels and dst not in labels)
+    op_of = dict(re.findall(r'\{ (\d+) \[label\s*=\s*"([A-Za-z_]+)', text))  # an operation's node: its primitive
+    outputs = Counter(op_of[src] for src, dst in edges if dst in arrays and src in op_of)
     return (Counter(n for n in names if not n.startswith("array")),
             {"arrays": len(arrays), "edges": len(edges), "outputs": outputs})
 
