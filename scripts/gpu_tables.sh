@@ -11,6 +11,7 @@
 #     scripts/gpu_tables.sh profile "$OUT"    # one GPU: LoRA's and DoRA's steps under ncu, GPU time per kernel of one step (~2-4 min)
 #     scripts/gpu_tables.sh candidates "$OUT" # one GPU: kernel candidates checked on the GPU, then timed alone (~5 min)
 #     scripts/gpu_tables.sh candidate-steps "$OUT"  # one GPU: the 1B step with each candidate beside the current (~5 min)
+#     scripts/gpu_tables.sh merged "$OUT"     # one GPU: the merged fold checked on the GPU, then the step merged and not (~6 min)
 #     scripts/gpu_tables.sh scalar-pool "$OUT"  # one GPU: inputs of 8 bytes or less against padded ones, ncu GPU time (~2 min)
 #     scripts/gpu_tables.sh multi-adam "$OUT"  # one GPU: multi_adam's CUDA tests, then the bench twice (~8 min)
 #     scripts/gpu_tables.sh b-in-sums "$OUT"  # one GPU: B's product in the sums' pass checked, then the step with and without it (~5 min)
@@ -106,6 +107,13 @@ case $what in
     (cd scripts/probes && timeout 90 python3 dora_kernel_cost.py --reps 7 --only \
       "launch floor|folded step|the staged|4-bit packed|m's and B's") 2>&1 \
       | tee "$out/cost.txt" ;;
+  merged)
+    # One GPU, ~6 min fresh: the merged fold (kernels.MERGED_FOLD, W' = rs (W + s (A B)^T) and one product a layer)
+    # checked on the GPU at the 1B shapes, then the 1B bf16 step merged and not, beside LoRA, the host split.
+    timeout 240 python3 -m pytest -q tests/test_adapted_linear.py -k "merged or fold or packed or cuda" 2>&1 \
+      | tail -3 | tee "$out/tests_merged.txt"
+    timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host \
+      --only "current,folded, not merged (before)" 2>&1 | tee "$out/probe_merged.txt" ;;
   candidate-steps)
     # One GPU, ~5 min: the 1B bf16 step with each candidate, interleaved with the current code and LoRA.
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \

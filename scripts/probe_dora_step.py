@@ -99,6 +99,7 @@ def _held_fold(self, x):
     _reset()
     step_norms.lookup = lambda layer, tokens: (None, layer._probe_fold[0])
     step_norms.lookup_scaled = lambda layer, tokens: layer._probe_fold[1:]
+    step_norms.lookup_merged = lambda layer, tokens: False  # the held W' is rs W
     return ORIGINAL(self, x)
 
 
@@ -133,6 +134,7 @@ def _held_products(self, x):
         w_held, rs_held = layer._probe_fold[1:]
         return (w_held, rs_held) if launched is None else (mx.depends([w_held], [launched[0]])[0], rs_held)
     step_norms.lookup_scaled = held_after_launch
+    step_norms.lookup_merged = lambda layer, tokens: False  # the held W' is rs W
     return ORIGINAL(self, x)
 
 
@@ -246,7 +248,8 @@ def _separate_rows(self, x):
 
 ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS = K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda
 ORIGINAL_LOOKUP_SCALED, ORIGINAL_COVERED = step_norms.lookup_scaled, step_norms._covered
-ORIGINAL_FOLD = K.FOLD_ROW_SCALE
+ORIGINAL_FOLD, ORIGINAL_MERGED = K.FOLD_ROW_SCALE, K.MERGED_FOLD
+ORIGINAL_LOOKUP_MERGED = step_norms.lookup_merged
 ORIGINAL_FOLDED_TILE_ROWS = K.FOLDED_TILE_ROWS
 
 
@@ -320,7 +323,8 @@ def _layout(warps, rows_per_warp, cotangent_blocks=ORIGINAL_LAYOUT[2], row_group
 
 def _reset():
     K.on_cuda = ON_CUDA
-    K.FOLD_ROW_SCALE = ORIGINAL_FOLD
+    K.FOLD_ROW_SCALE, K.MERGED_FOLD = ORIGINAL_FOLD, ORIGINAL_MERGED
+    step_norms.lookup_merged = ORIGINAL_LOOKUP_MERGED
     AL.NORM_ROWS_ON_BASE_PRODUCT = True
     K.cotangent_cuda, step_norms.lookup, K.magnitude_grad_cuda = ORIGINAL_COTANGENT, ORIGINAL_LOOKUP, ORIGINAL_SUMS
     step_norms.lookup_scaled, step_norms._covered = ORIGINAL_LOOKUP_SCALED, ORIGINAL_COVERED
@@ -334,6 +338,8 @@ def _reset():
 
 VARIANTS = {
     "current": _kernels(True),
+    # W' = rs W and LoRA's branch products beside it, as before kernels.MERGED_FOLD
+    "folded, not merged (before)": _with(_kernels(True), prepare=_setting(K, MERGED_FOLD=False)),
     "B's product by a matmul (before)": _kernels_with(B_PRODUCT_IN_SUMS=False),
     # one launch a layer for m's and B's gradients: each strip's last block adds the chunks
     "B in the sums in one launch (last block)": _kernels_with(

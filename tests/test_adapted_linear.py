@@ -124,6 +124,50 @@ def test_folded_product_is_doras(dropout, dtype):
         assert mx.allclose(g, h, rtol=tol, atol=tol * mx.abs(h).max().item()).item(), (name, mx.abs(g - h).max().item())
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_merged_product_is_doras(dtype):
+    """The merged fold (kernels.MERGED_FOLD): W' = rs (W + s (A B)^T) is the whole adapted weight, y = x W'^T one
+    product, and every gradient (x's as g W', m's from the output kept) is the plain expression's."""
+    x, w, a, b, m, _ = _inputs(4)
+    x, w = x.astype(dtype), w.astype(dtype)
+    probe = mx.random.normal((3, T // 3, OUT), key=mx.random.key(8)).astype(dtype)
+    w32 = w.astype(mx.float32)
+
+    def loss(fn, x, a, b, m):
+        return (fn(x, a, b, m).astype(mx.float32) * probe).sum()
+
+    def merged(x, a, b, m):
+        dense = w32 + S * (mx.stop_gradient(a) @ mx.stop_gradient(b)).T
+        norm = mx.sqrt((dense * dense).sum(-1))
+        rs = (mx.stop_gradient(m) / norm).astype(dtype).astype(mx.float32)
+        return adapted_linear(x, (rs[:, None] * dense).astype(dtype), a, b, S, magnitude=m, w_sq=(w32 * w32).sum(-1),
+                              norm=norm, row_scale=rs, merged=True)
+
+    def ref(x, a, b, m):
+        return _reference(x.astype(mx.float32), w32, a, b, m, x.astype(mx.float32))
+
+    got_v, got = mx.value_and_grad(lambda *p: loss(merged, *p), argnums=(0, 1, 2, 3))(x, a, b, m)
+    want_v, want = mx.value_and_grad(lambda *p: loss(ref, *p), argnums=(0, 1, 2, 3))(x, a, b, m)
+    tol = 1e-4 if dtype == mx.float32 else 3e-2
+    # The loss is a sum whose terms cancel (-0.30 from terms of ~195 in magnitude here): bf16 is judged against them.
+    terms = mx.abs(ref(x, a, b, m) * probe.astype(mx.float32)).sum().item()
+    assert abs(got_v.item() - want_v.item()) <= max(tol * abs(want_v.item()), (0 if dtype == mx.float32 else 1e-3) * terms)
+    for name, g, h in zip("x a b m".split(), got, want):
+        g, h = g.astype(mx.float32), h.astype(mx.float32)
+        assert mx.allclose(g, h, rtol=tol, atol=tol * mx.abs(h).max().item()).item(), (name, mx.abs(g - h).max().item())
+
+
+def test_merged_product_needs_the_fold_and_the_branch_on_x():
+    """A merged weight holds LoRA's branch on x itself: with another branch input (dropout), or unfolded, it is
+    an error, not a product that drops the branch's own input."""
+    x, w, a, b, m, mask = _inputs()
+    w_sq, norm = (w * w).sum(-1), mx.ones((OUT,))
+    with pytest.raises(ValueError, match="merged"):
+        adapted_linear(x, w, a, b, S, x_lora=x * mask, magnitude=m, w_sq=w_sq, norm=norm, row_scale=m, merged=True)
+    with pytest.raises(ValueError, match="merged"):
+        adapted_linear(x, w, a, b, S, magnitude=m, w_sq=w_sq, norm=norm, merged=True)
+
+
 def test_folded_product_needs_the_magnitude_and_its_norm():
     x, w, a, b, m, _ = _inputs()
     with pytest.raises(ValueError, match="folded"):
@@ -268,6 +312,40 @@ def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
     assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m[1], norm.view())).item()
     rs = (m[1] / norm.view()).astype(mx.bfloat16)
     assert mx.array_equal(gb, ((2 * S) * product).astype(mx.float32) * rs.astype(mx.float32)).item()
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
+@pytest.mark.parametrize("out, inp, bits", [(6144, 2048, 0), (2048, 6144, 0), (6144, 2048, 4), (2048, 6144, 4)])
+def test_merged_folded_launch_on_cuda(out, inp, bits):
+    """kernels.MERGED_FOLD at the 1B model's shapes (A resident for 2048 columns, staged for 6144), bf16 and 4-bit
+    read packed: W' is rs (W + s (A B)^T) to bfloat16 rounding, and the norms, rs, A and B' are the unmerged
+    launch's bits."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    k = mx.random.split(mx.random.key(9), 6)
+    linears = [nn.Linear(inp, out, bias=False) for _ in range(2)]
+    if bits:
+        layers = [nn.QuantizedLinear.from_linear(layer, group_size=64, bits=bits) for layer in linears]
+        for layer in layers:
+            layer.scales, layer.biases = layer.scales.astype(mx.bfloat16), layer.biases.astype(mx.bfloat16)
+        ws = [kernels.packed_weight(layer) for layer in layers]
+        dense = [mx.dequantize(w.packed, w.scales, w.biases, group_size=64, bits=bits) for w in ws]
+    else:
+        ws = dense = [layer.weight.astype(mx.bfloat16) for layer in linears]
+    a = [mx.random.normal((inp, 8), key=k[i]) / 8 for i in (0, 1)]
+    b = [mx.random.normal((8, out), key=k[i]) / 8 for i in (2, 3)]
+    m = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (4, 5)]
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S], m, factors=True, merged=True)
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S], m, factors=True)
+    for name, gots, wants in zip(("norm", "rs", "A", "B'"), (got[0], *got[2:]), (want[0], *want[2:])):
+        for x, v in zip(gots, wants):
+            assert mx.array_equal(x, v).item(), name
+    for w, a_l, b_l, s, rs, merged in zip(dense, a, b, [S, 2 * S], got[2], got[1]):
+        reference = rs[:, None] * (w.astype(mx.float32) + s * (a_l @ b_l).T)
+        assert merged.dtype == mx.bfloat16
+        assert mx.allclose(merged.astype(mx.float32), reference, rtol=2 ** -7, atol=1e-6).item()
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")

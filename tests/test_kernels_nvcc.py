@@ -68,12 +68,14 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
                     monkeypatch.setattr(kernels, "_TILE_FLOATS", tile)
                     kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
                 kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True)  # with A and B' (_WRITE_FACTORS)
+                kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True, merged=True)  # MERGED_FOLD
                 # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator runs them).
                 packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32),
                                                mx.ones((48, inp // 64), dtype=dtype),
                                                mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
                 if kernels.reads_packed(packed[0], r):
                     kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, factors=True)
+                    kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, factors=True, merged=True)
             monkeypatch.setattr(kernels, "_TWO_PASS", True)  # the two passes: segment sums, then W' or the norms
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
             kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)

@@ -571,6 +571,67 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     assert simulated["meshtune_dora_row_norm_scaled_2"].calls == 1
 
 
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("inp, out, r, dtype, quantized", [
+    (256, 45, 8, mx.bfloat16, False),  # bf16: 8 columns a lane or a thread
+    (384, 19, 5, mx.float32, False),  # rank 5, 4 columns a lane
+    (512, 37, 8, mx.bfloat16, True),  # a 4-bit base read packed
+])
+def test_merged_folded_launch_writes_the_whole_adapted_weight(simulated, monkeypatch, resident, inp, out, r, dtype,
+                                                               quantized):
+    """kernels.MERGED_FOLD: with `merged` the folded launch (A resident or staged, dense or packed base) writes
+    W' = rs (W + s (A B)^T), each element the one its norm was taken of; norms, rs, A and B' are the unmerged
+    launch's, bit for bit."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import kernels
+
+    monkeypatch.setattr(kernels, "_RESIDENT_A", resident)
+    monkeypatch.setattr(kernels, "RESIDENT_ROWS", 16)
+    k = mx.random.split(mx.random.key(inp + out + r), 8)
+    if quantized:
+        layers = [nn.QuantizedLinear.from_linear(nn.Linear(inp, out, bias=False), group_size=64, bits=4)
+                  for _ in range(2)]
+        ws = [kernels.packed_weight(layer) for layer in layers]
+        dense = [mx.dequantize(w.packed, w.scales, w.biases, group_size=64, bits=4) for w in ws]
+    else:
+        ws = dense = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(dtype) for i in (0, 1)]
+    a = [mx.random.normal((inp, r), key=k[i]) / 8 for i in (2, 3)]
+    b = [mx.random.normal((r, out), key=k[i]) / 2 for i in (4, 5)]
+    ms = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (6, 7)]
+    scales = [2.0, 0.5]
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms, factors=True, merged=True)
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms, factors=True)
+    vec = 16 // dense[0].dtype.size if not quantized else kernels._packed_layout(r, ws[0])[1]
+    on_resident = resident and kernels._resident_layout(r, inp, vec)
+    assert on_resident == resident  # each case takes the layout it names
+    assert simulated[kernels.row_norm_kernel_name(2, True, True, packed=quantized, resident=resident,
+                                                  merged=True)].calls == 1
+    for kind, gots, wants in zip(("norm", "rs", "A", "B'"), (got[0], *got[2:]), (want[0], *want[2:])):
+        for g, w in zip(gots, wants):
+            assert mx.array_equal(g, w).item(), kind
+    for w, a_l, b_l, s, rs, sw in zip(dense, a, b, scales, got[2], got[1]):
+        adapted = w.astype(mx.float32) + s * (a_l @ b_l).T
+        assert sw.dtype == w.dtype
+        reference = (rs[:, None] * adapted).astype(w.dtype).astype(mx.float32)
+        # float32 sums of r products in another order: within an ulp of W's dtype
+        assert mx.allclose(sw.astype(mx.float32), reference, rtol=2 ** -7 if w.dtype == mx.bfloat16 else 1e-6,
+                           atol=1e-6).item()
+        assert not mx.allclose(sw.astype(mx.float32), (rs[:, None] * w.astype(mx.float32)), atol=1e-3).item()
+
+
+def test_only_the_folded_one_pass_launch_merges(simulated, monkeypatch):
+    """A merged W' is the folded launch's: the norms-only launch and the two-pass kernels refuse it."""
+    from meshtune.adapters import kernels
+
+    w, a, b, m = mx.ones((8, 32)), mx.ones((32, 4)), mx.ones((4, 8)), mx.ones((8,))
+    with pytest.raises(ValueError, match="folded launch"):
+        kernels._row_norms([w], [a], [b], [1.0], None, merged=True)
+    monkeypatch.setattr(kernels, "_TWO_PASS", True)
+    with pytest.raises(ValueError, match="merged W'"):
+        kernels.row_norms_and_scaled_cuda([w], [a], [b], [1.0], [m], merged=True)
+
+
 def test_a_launch_of_twelve_layers_gives_each_layer_its_own_outputs(simulated):
     """A folded launch of more than kernels.SPLIT_PARTS layers (its outputs' views from nested splits): each
     layer's norms, W', rs, A and B' are the ones a launch of that layer alone writes, bit for bit."""
@@ -877,6 +938,108 @@ def test_dora_layer_gradients_on_the_cuda_path(simulated):
     assert simulated["meshtune_dora_row_norm_1"].calls == 1 and simulated["meshtune_dora_cotangent"].calls == 1
 
 
+def _dora_step_graph_products(layer, x) -> Counter:
+    """The matrix products (Matmul, AddMM) of a DoRA layer's training forward and its input's gradient as one
+    step takes them (step_row_norms), counted in their graph."""
+    import re
+    import tempfile
+
+    from meshtune.adapters.step_norms import step_row_norms
+
+    with step_row_norms(layer, x.size // x.shape[-1]):
+        (y,), (dx,) = mx.vjp(layer, [x], [mx.ones(x.shape[:-1] + (layer.m.size,))])
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.dot")
+        mx.export_to_dot(path, y, dx)
+        names = re.findall(r'label\s*=\s*"([A-Za-z]+)', open(path).read())
+    return Counter(n for n in names if n in ("Matmul", "AddMM"))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_merged_fold_layer_matches_the_dense_reference(simulated, monkeypatch, quantized):
+    """kernels.MERGED_FOLD in a training step: a DoRA layer without dropout runs one product on the launch's
+    merged W' = rs (W + s (A B)^T); its output and its gradients (x, A, B, m) are autodiff's of the dense
+    reference m / ||W + s (A B)^T||_row (W + s (A B)^T) x, and its graph has fewer products than the unmerged
+    fold's (LoRA's branch on W' = rs W)."""
+    import mlx.nn as nn
+
+    from meshtune.adapters import DoRALinear, base_path, kernels
+    from meshtune.adapters.base_path import dequantized_weight
+    from meshtune.adapters.step_norms import lookup_merged, step_row_norms
+
+    monkeypatch.setattr(base_path, "_mode", "dequantized")
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
+    k = mx.random.split(mx.random.key(11), 4)
+    base = nn.Linear(64, 24, bias=False)
+    if quantized:
+        base = nn.QuantizedLinear.from_linear(base, group_size=32, bits=4)
+    layer = DoRALinear.from_base(base, r=4, scale=2.0)
+    layer.lora_b = mx.random.normal(layer.lora_b.shape, key=k[0]) / 4
+    layer.m = layer.m * mx.random.uniform(0.5, 1.5, layer.m.shape, key=k[1])
+    layer.train()
+    x = mx.random.normal((2, 5, 64), key=k[2])
+    probe = mx.random.normal((2, 5, 24), key=k[3])
+    w = dequantized_weight(base).astype(mx.float32)
+
+    def ours(x, a, b, m):
+        layer.lora_a, layer.lora_b, layer.m = a, b, m
+        with step_row_norms(layer, 10):
+            assert lookup_merged(layer, 10)
+            return (layer(x) * probe).sum()
+
+    def reference(x, a, b, m):
+        dense = w + 2.0 * (a @ b).T
+        norm = mx.stop_gradient(mx.sqrt((dense * dense).sum(-1)))
+        return ((m / norm) * (x @ dense.T) * probe).sum()
+
+    args = (x, layer.lora_a, layer.lora_b, layer.m)
+    got_v, got = mx.value_and_grad(ours, argnums=(0, 1, 2, 3))(*args)
+    want_v, want = mx.value_and_grad(reference, argnums=(0, 1, 2, 3))(*args)
+    assert abs(got_v.item() - want_v.item()) <= 1e-4 * abs(want_v.item())
+    for name, g, h in zip("x a b m".split(), got, want):
+        assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), name
+    assert _calls(simulated, _step_norm_kernel(True, 1, quantized=quantized, merged=True)) >= 1
+    layer.lora_a, layer.lora_b, layer.m = args[1:]
+    merged = _dora_step_graph_products(layer, x)
+    monkeypatch.setattr(kernels, "MERGED_FOLD", False)
+    unmerged = _dora_step_graph_products(layer, x)
+    assert sum(merged.values()) <= sum(unmerged.values()) - 3, (merged, unmerged)
+
+
+def test_a_dora_layer_with_dropout_is_not_merged(simulated, monkeypatch):
+    """Dropout gives LoRA's branch another input than the base's, so that layer's W' stays rs W (the launch of
+    its own shape unmerged) and it trains as with kernels.MERGED_FOLD off, to the bit."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import DoRALinear, kernels
+    from meshtune.adapters.step_norms import lookup_merged, step_row_norms
+
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
+    layer = DoRALinear.from_base(nn.Linear(64, 24, bias=False), r=4, dropout=0.25, scale=2.0)
+    layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(1)) / 4
+    layer.train()
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(2))
+    loss_and_grad = nn.value_and_grad(layer, lambda x: layer(x).sum())
+
+    def step():
+        mx.random.seed(5)  # the same dropout mask both times
+        with step_row_norms(layer, 10):
+            assert not lookup_merged(layer, 10)
+            value, grads = loss_and_grad(x)
+            mx.eval(value, grads)
+        return value, grads
+
+    got_v, got = step()
+    assert _calls(simulated, _step_norm_kernel(True, 1, merged=False)) == 1
+    assert _step_norm_kernel(True, 1, merged=True) not in simulated
+    monkeypatch.setattr(kernels, "MERGED_FOLD", False)
+    want_v, want = step()
+    assert got_v.item() == want_v.item()
+    for (name, g), (_, h) in zip(tree_flatten(got), tree_flatten(want)):
+        assert mx.array_equal(g, h).item(), name
+
+
 def test_gradient_buckets_packed_by_the_kernel(simulated):
     """sum_gradients on a one-process group that claims two ranks: the kernel packs, the tree comes back whole."""
     from mlx.utils import tree_flatten
@@ -892,13 +1055,15 @@ def test_gradient_buckets_packed_by_the_kernel(simulated):
     assert [k.calls for name, k in simulated.items() if name.startswith("meshtune_pack_3_")] == [1]
 
 
-def _step_norm_kernel(fold: bool, layers: int, quantized: bool = False) -> str:
+def _step_norm_kernel(fold: bool, layers: int, quantized: bool = False, merged: bool | None = None) -> str:
     """The name of the norm kernel a training step launches for `layers` layers of one shape: folded, with the
-    layers' A and B' where kernels.writes_factors() (the default), reading a quantized base packed."""
+    layers' A and B' where kernels.writes_factors() (the default), reading a quantized base packed, writing the
+    merged W' where `merged` (default: folded layers without dropout, kernels.MERGED_FOLD)."""
     from meshtune.adapters import kernels
 
+    merged = fold and kernels.MERGED_FOLD if merged is None else merged
     return kernels.row_norm_kernel_name(layers, scaled=fold, factors=fold and kernels.writes_factors(),
-                                        packed=fold and quantized)
+                                        packed=fold and quantized, merged=merged)
 
 
 def _calls(simulated, kernel: str) -> int:
@@ -969,7 +1134,7 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
         # own (no dequantized copy); unfolded it is dequantized, then the same kernel as a dense base's.
         assert simulated[_step_norm_kernel(fold, layers=1)].calls == (1 if fold else 4 + 2)
         if fold:
-            assert simulated["meshtune_dora_row_norm_packed_scaled_factors_1"].calls == 1
+            assert simulated[_step_norm_kernel(fold, layers=1, quantized=True)].calls == 1
             assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
             # m's and B's gradients from the sums a layer, each reading its norms in its launch's array.
             assert simulated[FOLDED_GRAD].calls == 4
@@ -1127,6 +1292,7 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
 
     monkeypatch.setattr(base_path, "_mode", "dequantized")
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
+    monkeypatch.setattr(kernels, "MERGED_FOLD", False)  # the factors against the casts; merged: its own test
     monkeypatch.setattr(kernels, "_WRITE_FACTORS", False)
     want_losses, want = _two_dora_sgd_steps(model_factory, quantized=quantized)
     with_factors = kernels.row_norm_kernel_name(2, scaled=True, factors=True, packed=quantized)

@@ -75,7 +75,8 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
 def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                    x_lora: mx.array | None = None, magnitude: mx.array | None = None,
                    w_sq: mx.array | None = None, norm: mx.array | None = None,
-                   row_scale: mx.array | None = None, factors: tuple[mx.array, mx.array] | None = None) -> mx.array:
+                   row_scale: mx.array | None = None, factors: tuple[mx.array, mx.array] | None = None,
+                   merged: bool = False) -> mx.array:
     """rs * (x W^T + s (x_lora A) B) for x (..., in), W (out, in), A (in, r), B (r, out).
 
     `x_lora` is the branch's input when it differs from x (dropout). With `magnitude`
@@ -93,6 +94,10 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
 
     `factors` (with `row_scale`): (A, B' = B rs) already in x's dtype (the step's norm launches wrote them:
     kernels.writes_factors()), used in place of casting A and scaling B here; ignored in another dtype.
+
+    `merged` (with `row_scale`, and no `x_lora` apart from x): W is the whole adapted weight,
+    W' = rs (W + s (A B)^T) (kernels.MERGED_FOLD): y = x W'^T is one product and the input's
+    gradient g W' another; A's, B's and m's gradients are the folded step's.
     """
     lead = x.shape[:-1]
     two_inputs = x_lora is not None and x_lora is not x
@@ -102,6 +107,8 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     folded = row_scale is not None
     if folded and (not dora or norm is None):
         raise ValueError("adapted_linear: a folded row scale needs DoRA's magnitude and the row norm it came from")
+    if merged and (not folded or two_inputs):
+        raise ValueError("adapted_linear: a merged weight needs the folded row scale and the branch taking x itself")
     dt = x.dtype
     rs_folded = None if row_scale is None else mx.stop_gradient(row_scale)
     tokens = x.size // x.shape[-1]
@@ -121,6 +128,8 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         return a.astype(dt), (b if rs_folded is None else b * rs_folded).astype(dt)
 
     def forward(x2: mx.array, xl: mx.array, a: mx.array, b: mx.array, m: mx.array | None) -> list[mx.array]:
+        if merged:
+            return [x2 @ weight.T]
         ac, bc = cast_factors(a, b)
         if not dora or folded:
             # Stock mlx-lm's order of operations, so a float32 step-0 LoRA forward matches it bit for bit.
@@ -173,7 +182,9 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
         else:
             gb = scale * ((xl @ ac).T @ gz)
         gb = gb.astype(b.dtype)
-        if two_inputs:
+        if merged:
+            grads = [gz @ weight, ga, gb]
+        elif two_inputs:
             grads = [gz @ weight, (scale * (gxa @ ac.T)).astype(dt), ga, gb]
         else:
             grads = [mx.addmm(gz @ weight, gxa, ac.T, alpha=scale), ga, gb]

@@ -122,7 +122,8 @@ class DoRALinear(DoRA, LoRALinear):
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
                                    magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs,
-                                   factors=step_norms.lookup_factors(self, tokens))
+                                   factors=step_norms.lookup_factors(self, tokens),
+                                   merged=step_norms.lookup_merged(self, tokens))
             else:
                 y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).

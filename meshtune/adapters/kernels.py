@@ -621,7 +621,10 @@ _WRITE_SCALED_ROW = """for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
         if (c >= IN) continue;
         WVec out;
         #pragma unroll
-        for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
+        for (int v = 0; v < VEC; ++v) {
+            float t = static_cast<float>(in[u].v[v]);
+@MERGE_ELEMENT@            out.v[v] = static_cast<WT>(rs * t);
+        }
         if (ws_aligned) {
             *reinterpret_cast<WVec*>(ws + row + c) = out;
         } else {
@@ -645,7 +648,13 @@ _SCALED_EPILOGUE = """
 @WRITE_B@            long long row = (long long)i * IN;
 @WRITE_SCALED_ROW@
         }
-""".replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW, " " * 12))
+""".replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW, " " * 12)).replace(
+    "@MERGE_ELEMENT@", textwrap.indent("""if (MERGED) {  // W' = rs (W + s (A B)^T): the element the norm was taken of
+    const float* ac = a + (long long)(c + v) * R;
+    #pragma unroll
+    for (int k = 0; k < R; ++k) t += ac[k] * cb[g][q][k];
+}
+""", " " * 24))
 
 
 def _select(layers: int, assign: str) -> str:
@@ -669,6 +678,12 @@ _NORM_OUTPUT = "    float* norm = norms + (long long)blockIdx.y * OUT;"
 # goes; the 1B step on an H200 moved inside its drift (1.216x -> 1.119x LoRA's in one invocation, 1.165x -> 1.182x
 # in the next; docs/bench/dora_factors_h200.txt). On, for the host arithmetic.
 _WRITE_FACTORS = True
+# MERGED_FOLD: for a layer whose branch takes x itself (no dropout), the folded launch writes the whole adapted
+# weight, W' = rs (W + s (A B)^T), not rs W: each adapted element is what the launch squares for the norm, so it is
+# there already. The layer's forward is then one product, x W'^T, and its input's gradient one, g W': LoRA's two
+# branch products, their sum and the addmm's second product go (four graph nodes a layer, ~450 a step for the 1B
+# model), and with them their GPU passes over the activations. B's and A's gradients and m's are as before.
+MERGED_FOLD = True
 _FACTOR_OUTPUTS = ("    WT* aso = ass + (long long)blockIdx.y * IN * R;\n"
                    "    WT* bso = bss + (long long)blockIdx.y * R * OUT;")
 # B' = B rs for row i (B is (R, OUT): column i), by the warp's lanes; then the layer's A in W's dtype, the
@@ -770,6 +785,7 @@ _ROW_NORM_RESIDENT = """
     int buf = 0;
     for (int i0 = row_begin; i0 < row_end; i0 += RB) {
         WVec wv[RB];
+        float dv[MERGED ? RB : 1][MERGED ? VEC : 1];  // MERGED: the adapted elements, W' = rs of them
         #pragma unroll
         for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
         #pragma unroll
@@ -781,6 +797,7 @@ _ROW_NORM_RESIDENT = """
                 float t = static_cast<float>(wv[q].v[v]);
                 #pragma unroll
                 for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
+                if (MERGED) dv[MERGED ? q : 0][MERGED ? v : 0] = t;
                 acc += t * t;
             }
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
@@ -802,7 +819,8 @@ _ROW_NORM_RESIDENT = """
             }
 @WRITE_B@            WVec o;
             #pragma unroll
-            for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<WT>(rs * static_cast<float>(wv[q].v[v]));
+            for (int v = 0; v < VEC; ++v)
+                o.v[v] = static_cast<WT>(rs * (MERGED ? dv[MERGED ? q : 0][MERGED ? v : 0] : static_cast<float>(wv[q].v[v])));
             long long off = (long long)i * IN + c0;
             if (ws_aligned) {
                 *reinterpret_cast<WVec*>(ws + off) = o;
@@ -835,21 +853,23 @@ def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array]
 
 def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
                               magnitudes: list[mx.array], factors: bool = False,
-                              stacked: bool = False) -> tuple[list, ...]:
+                              stacked: bool = False, merged: bool = False) -> tuple[list, ...]:
     """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32) of each layer, in the same launches,
     rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights (adapted_linear's row_scale).
     With `factors` (one pass only: writes_factors()), also A and B' = B rs in W's dtype (adapted_linear's factors).
-    With `stacked`, the norms are StackedNorm entries (what magnitude_grad_cuda takes without a view)."""
-    if factors and _TWO_PASS:
-        raise ValueError("row_norms_and_scaled_cuda: the two-pass kernels do not write A and B'")
-    return _row_norms(weights, a, b, scales, magnitudes, factors, stacked)
+    With `stacked`, the norms are StackedNorm entries (what magnitude_grad_cuda takes without a view).
+    With `merged` (one pass only), W' = rs (W + s (A B)^T): the whole adapted weight (adapted_linear's `merged`)."""
+    if (factors or merged) and _TWO_PASS:
+        raise ValueError("row_norms_and_scaled_cuda: the two-pass kernels do not write A and B' or a merged W'")
+    return _row_norms(weights, a, b, scales, magnitudes, factors, stacked, merged)
 
 
-def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False, resident: bool = False) -> str:
+def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False, resident: bool = False,
+                         merged: bool = False) -> str:
     """The row-norm kernel's name for a launch of `layers` layers (with W' and rs where `scaled`, with A and B' too
     where `factors`, reading quantized weights where `packed`, holding A in registers where `resident`): what MLX
     caches it by, and what the simulated tests count launches by."""
-    kind = (("_resident" if resident else "") + ("_packed" if packed else "")
+    kind = (("_resident" if resident else "") + ("_packed" if packed else "") + ("_merged" if merged else "")
             + ("_scaled_factors" if factors else "_scaled" if scaled else ""))
     return f"meshtune_dora_row_norm{kind}_{layers}"
 
@@ -861,14 +881,15 @@ def writes_factors() -> bool:
 
 def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], scales: list[float],
                magnitudes: list[mx.array] | None, factors: bool = False,
-               stacked: bool = False) -> tuple[list[mx.array], ...]:
+               stacked: bool = False, merged: bool = False) -> tuple[list[mx.array], ...]:
     """(norms,) or, with magnitudes, (norms, W', rs), and with factors (norms, W', rs, A, B'): a list each,
     a layer's entry at its index; with `stacked` the norms are StackedNorm entries, not views."""
     if len(weights) > MAX_LAYERS_A_LAUNCH:
         cut = MAX_LAYERS_A_LAUNCH
 
         def part(sl):
-            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], factors, stacked)
+            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], factors, stacked,
+                              merged)
         return tuple(x + y for x, y in zip(part(slice(None, cut)), part(slice(cut, None))))
     n = len(weights)
     out, inp = weights[0].shape
@@ -885,6 +906,8 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     if _TWO_PASS:
         return _row_norms_two_pass(weights, a, b, scales, magnitudes, stacked)
     scaled = magnitudes is not None
+    if merged and not scaled:
+        raise ValueError("row_norms_cuda: a merged W' is the folded launch's (magnitudes given)")
     names = [f"{p}{i}" for p in ("w", "qs", "qb")[:1 + 2 * packed] + ("a", "b") + (("m",) if scaled else ())
              for i in range(n)] + ["s"]
     outputs = ["norms"] + (["wss", "rss"] if scaled else []) + (["ass", "bss"] if factors else [])
@@ -902,16 +925,17 @@ def _row_norms(weights: list[mx.array], a: list[mx.array], b: list[mx.array], sc
     resident = scaled and _resident_layout(r, inp, resident_vec)
     if resident:
         template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", RESIDENT_ROWS),
-                    ("RB", RESIDENT_BATCH), ("WT", wt)]
+                    ("RB", RESIDENT_BATCH), ("MERGED", int(merged)), ("WT", wt)]
         threads = inp // resident_vec
         grid = (-(-out // RESIDENT_ROWS) * threads, n, 1)
     else:
         rows, vec, tile = layout
         template = [("R", r), ("IN", inp), ("OUT", out), ("WARPS", _WARPS), ("RPW", rows), ("VEC", vec),
-                    ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS), ("WT", wt)]
+                    ("TJ", tile), ("G", _ROW_GROUPS), ("SQ", int(_STAGE_QUADS)), ("EB", _SCALED_LOADS),
+                    ("MERGED", int(merged)), ("WT", wt)]
         threads = _WARPS * 32
         grid = (-(-out // (_WARPS * rows * _ROW_GROUPS)) * threads, n, 1)
-    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident), names, outputs,
+    k = _kernel(row_norm_kernel_name(n, scaled, factors, packed, resident, merged), names, outputs,
                 _row_norm_source(n, scaled, factors, packed, resident))
     res = k(inputs=inputs, template=template + quantized, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=output_shapes, output_dtypes=output_dtypes)
@@ -1071,7 +1095,7 @@ _SCALE_ROWS = """
     long long row = (long long)i * IN;
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
 @WRITE_SCALED_ROW@
-""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW).replace("@READ_W@", _READ_W).replace(
+""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW.replace("@MERGE_ELEMENT@", "")).replace("@READ_W@", _READ_W).replace(
     "@LAYER_OUTPUTS@", _NORM_OUTPUT + "\n" + _SCALED_OUTPUTS)
 _NORMS_FROM_SUMS = """
     // A thread a row of layer blockIdx.y: its segments' sums added in order (pass 2's), the root taken.

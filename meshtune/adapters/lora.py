@@ -84,6 +84,7 @@ class LoRALinear(LowRankAdapter):
         super().__init__()
         self.set_base(nn.Linear(input_dims, output_dims, bias=bias))
         self.dropout = nn.Dropout(p=dropout)
+        self.dropout_rate = dropout  # 0: the branch takes x itself (a DoRA step may then merge: step_norms.py)
         self.scale = scale
         # mlx-lm's initialisation: A uniform in +-1/sqrt(in), B zero.
         bound = 1 / math.sqrt(input_dims)

@@ -33,7 +33,8 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized, uses_dense_weight
 
-# id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None)
+# id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None,
+#               whether W' is the merged rs (W + s (A B)^T))
 _active: dict[int, tuple] = {}
 
 
@@ -66,26 +67,32 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         if not uses_dense_weight(layer.linear, tokens):
             continue  # the quantized kernel's token count: the layer takes its own norm
         r = layer.lora_a.shape[-1]
+        # Folded and without dropout, the launch writes the whole adapted weight (kernels.MERGED_FOLD).
+        merged = fold and kernels.MERGED_FOLD and layer.dropout_rate == 0
         # Folded, a quantized base's launch reads its packed weight (no dequantized copy a layer: W' replaces it).
         packed = kernels.packed_weight(layer.linear) if fold else None
         if packed is not None and kernels.reads_packed(packed, r):
-            groups.setdefault((packed.shape, packed.dtype, r, packed.bits, packed.group_size), []).append((layer, packed))
+            groups.setdefault((packed.shape, packed.dtype, r, packed.bits, packed.group_size, merged), []).append(
+                (layer, packed))
         else:
             dense = dense_weight_for(layer.linear, tokens)
-            groups.setdefault((dense.shape, dense.dtype, r), []).append((layer, dense))
+            groups.setdefault((dense.shape, dense.dtype, r, merged), []).append((layer, dense))
     # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
     fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(sum(
         dense.nbytes for members in groups.values() for layer, dense in members if not is_quantized(layer.linear))))
     taken = {}
-    for members in groups.values():
+    for key, members in groups.items():
         layers = [layer for layer, _ in members]
+        merged = False
         args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
         folded = factors = [None] * len(layers)
         if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
+            merged = key[-1]
             # Norms stacked: m's gradient kernel reads a layer's in the launch's array (no view a layer).
             norms, w_scaled, rs, *cast = kernels.row_norms_and_scaled_cuda(
-                *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors(), stacked=True)
+                *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors(), stacked=True,
+                merged=merged)
             folded = list(zip(w_scaled, rs))
             factors = list(zip(*cast)) or factors  # (A, B') where the launches wrote them
         else:
@@ -93,7 +100,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         for (layer, dense), norm, fold_of, factors_of in zip(members, norms, folded, factors):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
             dense = None if isinstance(dense, kernels.PackedWeight) else dense  # the layer takes W' instead
-            taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of, factors_of)
+            taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of, factors_of, merged)
     _active.update(taken)
     try:
         yield
@@ -149,6 +156,13 @@ def lookup_factors(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] |
     """(A, B' = B rs) in W's dtype the current step wrote beside W' for `layer` (kernels.writes_factors()), or None."""
     hit = _taken(layer, tokens)
     return hit and hit[4]
+
+
+def lookup_merged(layer: nn.Module, tokens: int) -> bool:
+    """Whether the W' the current step wrote for `layer` on `tokens` rows is the whole adapted weight,
+    rs (W + s (A B)^T) (kernels.MERGED_FOLD), not rs W."""
+    hit = _taken(layer, tokens)
+    return bool(hit and hit[3] is not None and hit[5])
 
 
 def _taken(layer: nn.Module, tokens: int) -> tuple | None:
