@@ -6,7 +6,9 @@ training step makes for that shape's layers (every layer its own W, A, B, m), ti
 kernel layout, interleaved rep by rep,
 with the bytes it moves (W read, W' written) over its time.
 
-    python scripts/probes/folded_launch_shapes.py [--reps 15] [--bits 0|4]
+    python scripts/probes/folded_launch_shapes.py [--reps 15] [--bits 0|4] [--merged]
+
+With --merged, each layout writing W' = rs W and the merged W' = rs (W + s (A B)^T) (kernels.MERGED_FOLD).
 """
 import argparse
 import statistics
@@ -22,11 +24,15 @@ p.add_argument("--rank", type=int, default=8)
 p.add_argument("--bits", type=int, default=0, help="0: a bfloat16 base; 4: a 4-bit base read packed")
 p.add_argument("--launches", type=int, default=4,
                help="launches a timing, evaluated together (the synchronisation and dispatch floor shared)")
+p.add_argument("--merged", action="store_true", help="each layout unmerged and merged (kernels.MERGED_FOLD)")
 args = p.parse_args()
 H, I, KV = 2048, 6144, 1024
 SHAPES = {(H, H): 32, (KV, H): 32, (I, H): 32, (H, I): 16}  # (out, in): layers of the 1b model
 LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged, tiles 1024": dict(_RESIDENT_A=False, FOLDED_TILE_ROWS=1024),
            "resident 128x2": dict(RESIDENT_ROWS=128, RESIDENT_BATCH=2)}
+if args.merged:
+    LAYOUTS = {"staged": dict(_RESIDENT_A=False), "staged merged": dict(_RESIDENT_A=False, merged=True),
+               "resident": {}, "resident merged": dict(merged=True)}
 
 
 def layers_of(out, inp, n):
@@ -44,11 +50,14 @@ def layers_of(out, inp, n):
 
 
 def launch(ws, a, b, m, settings):
+    settings = dict(settings)
+    merged = settings.pop("merged", False)
     saved = {k: getattr(K, k) for k in settings}
     for k, v in settings.items():
         setattr(K, k, v)
     try:
-        return K.row_norms_and_scaled_cuda(ws, a, b, [20.0] * len(ws), m, factors=K.writes_factors(), stacked=True)
+        return K.row_norms_and_scaled_cuda(ws, a, b, [20.0] * len(ws), m, factors=K.writes_factors(), stacked=True,
+                                           merged=merged)
     finally:
         for k, v in saved.items():
             setattr(K, k, v)
