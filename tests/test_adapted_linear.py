@@ -345,7 +345,8 @@ def test_merged_folded_launch_on_cuda(out, inp, bits):
     for w, a_l, b_l, s, rs, merged in zip(dense, a, b, [S, 2 * S], got[2], got[1]):
         reference = rs[:, None] * (w.astype(mx.float32) + s * (a_l @ b_l).T)
         assert merged.dtype == mx.bfloat16
-        assert mx.allclose(merged.astype(mx.float32), reference, rtol=2 ** -7, atol=1e-6).item()
+        # A staged (6144 columns) stores d = W + s (A B)^T in bfloat16, then rs d: two roundings (kernels._STORE_ADAPTED)
+        assert mx.allclose(merged.astype(mx.float32), reference, rtol=2 ** -6, atol=1e-6).item()
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")

@@ -233,7 +233,7 @@ _ROW_NORM = """
                             #pragma unroll
                             for (int v = 0; v < VEC; ++v) t[q][v] += av[v] * cb[g][q][k];
                     }
-                    #pragma unroll
+@STORE_ADAPTED@                    #pragma unroll
                     for (int q = 0; q < RPW; ++q)
                         #pragma unroll
                         for (int v = 0; v < VEC; ++v) sq[g][q] += t[q][v] * t[q][v];
@@ -613,7 +613,7 @@ _WRITE_SCALED_ROW = """for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
     #pragma unroll
     for (int u = 0; u < EB; ++u) {
         int c = c0 + u * 32 * VEC;
-        if (c < IN) in[u] = read_w(i, c);  // not break: a loop with no early exit unrolls fully
+        if (c < IN) in[u] = @READ_ROW@(i, c);  // not break: a loop with no early exit unrolls fully
     }
     #pragma unroll
     for (int u = 0; u < EB; ++u) {
@@ -621,10 +621,7 @@ _WRITE_SCALED_ROW = """for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
         if (c >= IN) continue;
         WVec out;
         #pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-            float t = static_cast<float>(in[u].v[v]);
-@MERGE_ELEMENT@            out.v[v] = static_cast<WT>(rs * t);
-        }
+        for (int v = 0; v < VEC; ++v) out.v[v] = static_cast<WT>(rs * static_cast<float>(in[u].v[v]));
         if (ws_aligned) {
             *reinterpret_cast<WVec*>(ws + row + c) = out;
         } else {
@@ -635,8 +632,45 @@ _WRITE_SCALED_ROW = """for (int c0 = lane * VEC; c0 < IN; c0 += 32 * VEC * EB) {
 }
 """
 _SCALED_DECLS = "    const float* mm;\n"
+# kernels.MERGED_FOLD in the staged kernel: each adapted element d = w + s sum_k A B, formed in the tile loop for the
+# norm (A's tile in shared memory), is stored in W' there (rounded to W's dtype: with the epilogue's rounding of
+# rs d, two roundings); the epilogue reads the row back from W' (this lane's own stores, from the L2 cache) in
+# place of W and writes rs d. Forming d again in the epilogue, A read from the L2 cache a row at a time, took the
+# 1B model's 16 down projections 7.24 ms against 1.18 unmerged on an H200 (folded_launch_shapes.py --merged).
+_STORE_ADAPTED = """                    if (MERGED) {  // d stored in W' for the epilogue to scale
+                        bool ws_vec = reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+                        #pragma unroll
+                        for (int q = 0; q < RPW; ++q) {
+                            if (row0 + q >= OUT) continue;
+                            WVec d;
+                            #pragma unroll
+                            for (int v = 0; v < VEC; ++v) d.v[v] = static_cast<WT>(t[q][v]);
+                            long long off = (long long)(row0 + q) * IN + j0 + c;
+                            if (ws_vec) {
+                                *reinterpret_cast<WVec*>(ws + off) = d;
+                            } else {
+                                #pragma unroll
+                                for (int v = 0; v < VEC; ++v) ws[off + v] = d.v[v];
+                            }
+                        }
+                    }
+"""
+# The epilogue's reads of row i (VEC elements from column c): W, or where MERGED the adapted row stored in W'.
+_READ_ROW = """
+    auto read_row = [&](int i, int c) {
+        if (!MERGED) return read_w(i, c);
+        WVec r;
+        long long off = (long long)i * IN + c;
+        if (reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0) {
+            r = *reinterpret_cast<const WVec*>(ws + off);
+        } else {
+            #pragma unroll
+            for (int v = 0; v < VEC; ++v) r.v[v] = ws[off + v];
+        }
+        return r;
+    };"""
 _SCALED_EPILOGUE = """
-    bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
+    bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;@READ_ROW@
     #pragma unroll
     for (int g = 0; g < G; ++g)
         #pragma unroll
@@ -648,13 +682,8 @@ _SCALED_EPILOGUE = """
 @WRITE_B@            long long row = (long long)i * IN;
 @WRITE_SCALED_ROW@
         }
-""".replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW, " " * 12)).replace(
-    "@MERGE_ELEMENT@", textwrap.indent("""if (MERGED) {  // W' = rs (W + s (A B)^T): the element the norm was taken of
-    const float* ac = a + (long long)(c + v) * R;
-    #pragma unroll
-    for (int k = 0; k < R; ++k) t += ac[k] * cb[g][q][k];
-}
-""", " " * 24))
+""".replace("@WRITE_SCALED_ROW@", textwrap.indent(_WRITE_SCALED_ROW.replace("@READ_ROW@", "read_row"), " " * 12)).replace(
+    "@READ_ROW@", _READ_ROW)
 
 
 def _select(layers: int, assign: str) -> str:
@@ -714,6 +743,7 @@ def _row_norm_source(layers: int, scaled: bool = False, factors: bool = False, p
     if packed:
         source = source.replace("    const WT* w;\n", _PACKED_DECLS, 1)
     outputs = [_NORM_OUTPUT] + ([_SCALED_OUTPUTS] if scaled else []) + ([_FACTOR_OUTPUTS] if factors else [])
+    source = source.replace("@STORE_ADAPTED@", _STORE_ADAPTED if scaled else "")
     source = source.replace("@LAYER_OUTPUTS@", "\n".join(outputs)).replace(
         "@READ_W@", _READ_PACKED_W if packed else _READ_W)
     if scaled:
@@ -1095,7 +1125,7 @@ _SCALE_ROWS = """
     long long row = (long long)i * IN;
     bool ws_aligned = aligned && reinterpret_cast<unsigned long long>(ws) % sizeof(WVec) == 0;
 @WRITE_SCALED_ROW@
-""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW.replace("@MERGE_ELEMENT@", "")).replace("@READ_W@", _READ_W).replace(
+""".replace("@WRITE_SCALED_ROW@", _WRITE_SCALED_ROW.replace("@READ_ROW@", "read_w")).replace("@READ_W@", _READ_W).replace(
     "@LAYER_OUTPUTS@", _NORM_OUTPUT + "\n" + _SCALED_OUTPUTS)
 _NORMS_FROM_SUMS = """
     // A thread a row of layer blockIdx.y: its segments' sums added in order (pass 2's), the root taken.
