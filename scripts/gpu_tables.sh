@@ -113,7 +113,7 @@ case $what in
     timeout 240 python3 -m pytest -q tests/test_adapted_linear.py -k "merged or fold or packed or cuda" 2>&1 \
       | tail -3 | tee "$out/tests_merged.txt"
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 40 --rounds 4 --host \
-      --only "current,folded, not merged (before)" 2>&1 | tee "$out/probe_merged.txt" ;;
+      --only "current,folded not merged (before)" 2>&1 | tee "$out/probe_merged.txt" ;;
   candidate-steps)
     # One GPU, ~5 min: the 1B bf16 step with each candidate, interleaved with the current code and LoRA.
     timeout 300 python3 scripts/probe_dora_step.py --bases ${PROBE_BASES:-bf16} --steps 60 --rounds 6 \

@@ -339,7 +339,7 @@ def _reset():
 VARIANTS = {
     "current": _kernels(True),
     # W' = rs W and LoRA's branch products beside it, as before kernels.MERGED_FOLD
-    "folded, not merged (before)": _with(_kernels(True), prepare=_setting(K, MERGED_FOLD=False)),
+    "folded not merged (before)": _with(_kernels(True), prepare=_setting(K, MERGED_FOLD=False)),
     "B's product by a matmul (before)": _kernels_with(B_PRODUCT_IN_SUMS=False),
     # one launch a layer for m's and B's gradients: each strip's last block adds the chunks
     "B in the sums in one launch (last block)": _kernels_with(
