@@ -519,6 +519,34 @@ def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, v
         assert mx.array_equal(value, want[key]).item(), key
 
 
+def test_probe_unmerged_variant_takes_the_unmerged_launch(simulated, monkeypatch):
+    """probe_dora_step's "folded not merged (before)": the step's launches write W' = rs W (not the merged weight)
+    and the step's loss and gradients are the current (merged) step's to float32 rounding."""
+    from mlx.utils import tree_flatten
+
+    from meshtune.adapters import dora as D, kernels
+
+    P, model, value_and_grad = _probe_step_model(monkeypatch, hidden=128, intermediate=256)
+    want_l, want_g = value_and_grad()
+    mx.eval(want_l, want_g)
+    unmerged = [name for name in simulated if name.startswith("meshtune_dora_row_norm") and "merged" not in name]
+    assert not unmerged and any("merged" in name for name in simulated)
+    step = P.VARIANTS["folded not merged (before)"]
+    try:
+        step.prepare(model)
+        D.DoRALinear.__call__ = step
+        got_l, got_g = value_and_grad()
+        mx.eval(got_l, got_g)
+    finally:
+        P._reset()
+    assert kernels.MERGED_FOLD  # put back
+    assert any(name.startswith("meshtune_dora_row_norm") and "merged" not in name for name in simulated)
+    assert mx.allclose(got_l, want_l, rtol=1e-5).item()
+    want = dict(tree_flatten(want_g))
+    for key, value in tree_flatten(got_g):
+        assert mx.allclose(value, want[key], rtol=1e-4, atol=1e-6).item(), key
+
+
 @pytest.mark.parametrize("variant, launches_in_step", [("bound: folded with W' held (no norm launches)", 0),
                                                        ("bound: folded with W' held in the products (norms launched)", 1)])
 def test_probe_held_fold_bound_starts_as_the_current_step(simulated, monkeypatch, variant, launches_in_step):
