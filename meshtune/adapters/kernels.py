@@ -554,6 +554,12 @@ def _fold_setting(value: str) -> bool | str:
 
 
 FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "auto"))
+# MERGED_FOLD: for a layer whose branch takes x itself (no dropout), the folded launch writes the whole adapted
+# weight, W' = rs (W + s (A B)^T), not rs W: each adapted element is what the launch squares for the norm, so it is
+# there already. The layer's forward is then one product, x W'^T, and its input's gradient one, g W': LoRA's two
+# branch products, their sum and the addmm's second product go (four graph nodes a layer, ~450 a step for the 1B
+# model), and with them their GPU passes over the activations. B's and A's gradients and m's are as before.
+MERGED_FOLD = True
 
 # The largest rank the row-scale kernel takes (its accumulators live in registers);
 # adapted_linear computes larger ones in MLX ops.
@@ -707,12 +713,6 @@ _NORM_OUTPUT = "    float* norm = norms + (long long)blockIdx.y * OUT;"
 # goes; the 1B step on an H200 moved inside its drift (1.216x -> 1.119x LoRA's in one invocation, 1.165x -> 1.182x
 # in the next; docs/bench/dora_factors_h200.txt). On, for the host arithmetic.
 _WRITE_FACTORS = True
-# MERGED_FOLD: for a layer whose branch takes x itself (no dropout), the folded launch writes the whole adapted
-# weight, W' = rs (W + s (A B)^T), not rs W: each adapted element is what the launch squares for the norm, so it is
-# there already. The layer's forward is then one product, x W'^T, and its input's gradient one, g W': LoRA's two
-# branch products, their sum and the addmm's second product go (four graph nodes a layer, ~450 a step for the 1B
-# model), and with them their GPU passes over the activations. B's and A's gradients and m's are as before.
-MERGED_FOLD = True
 _FACTOR_OUTPUTS = ("    WT* aso = ass + (long long)blockIdx.y * IN * R;\n"
                    "    WT* bso = bss + (long long)blockIdx.y * R * OUT;")
 # B' = B rs for row i (B is (R, OUT): column i), by the warp's lanes; then the layer's A in W's dtype, the
@@ -897,8 +897,8 @@ def row_norms_and_scaled_cuda(weights: list[mx.array], a: list[mx.array], b: lis
 def row_norm_kernel_name(layers: int, scaled: bool, factors: bool, packed: bool = False, resident: bool = False,
                          merged: bool = False) -> str:
     """The row-norm kernel's name for a launch of `layers` layers (with W' and rs where `scaled`, with A and B' too
-    where `factors`, reading quantized weights where `packed`, holding A in registers where `resident`): what MLX
-    caches it by, and what the simulated tests count launches by."""
+    where `factors`, reading quantized weights where `packed`, holding A in registers where `resident`, writing the
+    merged W' where `merged`): what MLX caches it by, and what the simulated tests count launches by."""
     kind = (("_resident" if resident else "") + ("_packed" if packed else "") + ("_merged" if merged else "")
             + ("_scaled_factors" if factors else "_scaled" if scaled else ""))
     return f"meshtune_dora_row_norm{kind}_{layers}"
