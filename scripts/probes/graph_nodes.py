@@ -51,7 +51,7 @@ def stand_in_cuda_kernels():
     kernels._kernel = pack_kernel.kernel = multi_adam._kernel = lambda *a, **k: StandIn()
 
 
-def count(kind, layers, cuda, optimizer=None):
+def count(kind, layers, cuda, optimizer=None, quantized=False):
     """(nodes by primitive, {"arrays": n, "edges": n}) of one compiled step's graph."""
     from _steps import meshtune_step
     from meshtune.bench import adapters as B
@@ -60,6 +60,7 @@ def count(kind, layers, cuda, optimizer=None):
     a = B._settings(["--preset", "tiny"])
     shape = Shape(arch="qwen3", layers=layers, hidden=128, intermediate=384, heads=4, kv_heads=2, vocab=512)
     extra = {"optimizer": optimizer} if optimizer else {}
+    extra["quantized"] = quantized
     step, state, tokens, lengths = meshtune_step(kind, a, shape, mx.bfloat16 if cuda else mx.float32, **extra)
     mx.eval(state)
     out = step(tokens, lengths, None, None, True)
@@ -89,6 +90,8 @@ def main():
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--outputs", action="store_true", help="also the output arrays by the primitive making them")
+    p.add_argument("--quantized", action="store_true",
+                   help="4-bit bases (group 64) on the dequantized path, as at the 1B step's token count")
     p.add_argument("--packed-m", action="store_true",
                    help="DoRA's step with packed_magnitudes.PackedMagnitudesAdam (every m updated as one vector)")
     args = p.parse_args()
@@ -100,10 +103,15 @@ def main():
         optimizer = packed_magnitudes.PackedMagnitudesAdam
         if args.cuda:
             packed_magnitudes.on_cuda = lambda: True
-    counted = {k: count(k, args.layers, args.cuda, optimizer if k == "dora" else None) for k in ("lora", "dora")}
+    if args.quantized:
+        from meshtune.adapters import base_path
+        base_path.set_base_path("dequantized")
+    counted = {k: count(k, args.layers, args.cuda, optimizer if k == "dora" else None, args.quantized)
+               for k in ("lora", "dora")}
     res = {k: nodes for k, (nodes, _) in counted.items()}
     keys = sorted(set(res["lora"]) | set(res["dora"]), key=lambda k: -(res["dora"][k] - res["lora"][k]))
-    print(f"compiled step, {args.layers} layers, {'CUDA path (a kernel: one CustomTransforms)' if args.cuda else 'CPU path'}: nodes")
+    print(f"compiled step, {args.layers} layers{', 4-bit bases' if args.quantized else ''}, "
+          f"{'CUDA path (a kernel: one CustomTransforms)' if args.cuda else 'CPU path'}: nodes")
     print(f"{'primitive':28s} {'lora':>6s} {'dora':>6s}")
     for k in keys:
         print(f"{k:28s} {res['lora'][k]:6d} {res['dora'][k]:6d}")
