@@ -10,11 +10,13 @@ from meshtune.mesh import Mesh
 from meshtune.train import build_step
 
 
-def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None, optimizer=optim.Adam):
+def meshtune_step(kind, a, shape, dtype, *, quantized=False, mesh=None, optimizer=optim.Adam, frozen=()):
     """(step, state, tokens, lengths): `step(tokens, lengths, None, None, True)` is one optimizer step
-    (`optimizer`: the class, optim.Adam or a probe's)."""
+    (`optimizer`: the class, optim.Adam or a probe's; `frozen`: adapter parameter names left untrained, e.g. ["m"])."""
     model = build_model(shape, dtype, quantized=quantized, seed=0)
     add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)
+    if frozen:
+        model.freeze(keys=list(frozen), strict=False)
     model.train()
     opt = optimizer(learning_rate=1e-5)
     step = build_step(model, opt, mesh or Mesh.single(), max_grad_norm=0.0, compile=True)
