@@ -6,7 +6,10 @@ builds them (meshtune.cuda.compiled_source) under each setting of kernels.py's k
 compiled by nvcc for the H200 (sm_90) with ptxas's resource report. An SM has 65536
 registers, 228 KB of shared memory (227 KB a block) and at most 32 blocks / 64 warps.
 
-    python scripts/probes/kernel_registers.py [--nvcc PATH]
+    python scripts/probes/kernel_registers.py [--nvcc PATH] [--only LABEL] [--step-launch [--merged]]
+
+--step-launch: the launch as a training step makes it (A and B' written too, kernels.writes_factors()); with --merged
+the merged W' (kernels.MERGED_FOLD).
 """
 import argparse
 import re
@@ -23,6 +26,8 @@ from meshtune.cuda import RecordingKernel
 p = argparse.ArgumentParser()
 p.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
 p.add_argument("--only", default="", help="settings whose label contains this")
+p.add_argument("--step-launch", action="store_true", help="with A and B' written, as a training step's launch")
+p.add_argument("--merged", action="store_true", help="the merged W' (with --step-launch)")
 a = p.parse_args()
 
 SHAPES = ((2048, 6144, 32), (6144, 2048, 16), (2048, 2048, 32))  # (in, out, layers a launch) of the 1b preset
@@ -69,7 +74,8 @@ with tempfile.TemporaryDirectory() as d:
                 ws = [mx.zeros((out, inp), dtype=mx.bfloat16)] * n
                 args = (ws, [mx.zeros((inp, 8))] * n, [mx.zeros((8, out))] * n, [2.0] * n)
                 before = set(sources)
-                K.row_norms_and_scaled_cuda(*args, [mx.ones((out,))] * n)
+                K.row_norms_and_scaled_cuda(*args, [mx.ones((out,))] * n, factors=a.step_launch and K.writes_factors(),
+                                            merged=a.step_launch and a.merged)
                 for func in sorted(set(sources) - before):  # the two-pass layout: two kernels
                     regs, smem = resources(sources[func], tmp)
                     threads = (K._SEGMENT_THREADS if "segment_sums" in func else inp // 8 if "resident" in func
