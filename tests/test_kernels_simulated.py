@@ -482,6 +482,23 @@ def _probe_step_model(monkeypatch, hidden: int, intermediate: int):
     return P, model, value_and_grad
 
 
+def _probe_variant_step(P, model, value_and_grad, variant: str):
+    """(loss, gradients) of the probe model's step with probe_dora_step's `variant` (its prepare step run first),
+    every setting the variant changed put back after."""
+    from meshtune.adapters import dora as D
+
+    step = P.VARIANTS[variant]
+    try:
+        if hasattr(step, "prepare"):
+            step.prepare(model)
+        D.DoRALinear.__call__ = step
+        got_l, got_g = value_and_grad()
+        mx.eval(got_l, got_g)
+    finally:
+        P._reset()
+    return got_l, got_g
+
+
 @pytest.mark.parametrize("variant, kernel", [
     ("m and B gradients in one launch (last block)", "probe_dora_magnitude_b_one_launch"),
     ("folded tiles of 1024 rows of A (before)", None),
@@ -490,8 +507,6 @@ def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, v
     """probe_dora_step's variants of this session's kernels (m's and B's gradients in one launch, the staged
     launch's earlier tiles): the current step's loss and gradients, to the bit."""
     from mlx.utils import tree_flatten
-
-    from meshtune.adapters import dora as D
 
     # 128 wide: float32 rows of 128 fit the resident layout (32 threads of 4 columns); the 256-wide down projection
     # does not (2 warps of 4 columns: fine) -- both layouts run.
@@ -502,15 +517,7 @@ def test_probe_step_variants_train_as_the_current_step(simulated, monkeypatch, v
     P, model, value_and_grad = _probe_step_model(monkeypatch, hidden=128, intermediate=256)
     want_l, want_g = value_and_grad()
     mx.eval(want_l, want_g)
-    step = P.VARIANTS[variant]
-    try:
-        if hasattr(step, "prepare"):
-            step.prepare(model)
-        D.DoRALinear.__call__ = step
-        got_l, got_g = value_and_grad()
-        mx.eval(got_l, got_g)
-    finally:
-        P._reset()
+    got_l, got_g = _probe_variant_step(P, model, value_and_grad, variant)
     if kernel is not None:
         assert _calls(simulated, kernel) >= 1
     assert mx.array_equal(got_l, want_l).item()
@@ -524,21 +531,14 @@ def test_probe_unmerged_variant_takes_the_unmerged_launch(simulated, monkeypatch
     and the step's loss and gradients are the current (merged) step's to float32 rounding."""
     from mlx.utils import tree_flatten
 
-    from meshtune.adapters import dora as D, kernels
+    from meshtune.adapters import kernels
 
     P, model, value_and_grad = _probe_step_model(monkeypatch, hidden=128, intermediate=256)
     want_l, want_g = value_and_grad()
     mx.eval(want_l, want_g)
     unmerged = [name for name in simulated if name.startswith("meshtune_dora_row_norm") and "merged" not in name]
     assert not unmerged and any("merged" in name for name in simulated)
-    step = P.VARIANTS["folded not merged (before)"]
-    try:
-        step.prepare(model)
-        D.DoRALinear.__call__ = step
-        got_l, got_g = value_and_grad()
-        mx.eval(got_l, got_g)
-    finally:
-        P._reset()
+    got_l, got_g = _probe_variant_step(P, model, value_and_grad, "folded not merged (before)")
     assert kernels.MERGED_FOLD  # put back
     assert any(name.startswith("meshtune_dora_row_norm") and "merged" not in name for name in simulated)
     assert mx.allclose(got_l, want_l, rtol=1e-5).item()

@@ -815,7 +815,7 @@ _ROW_NORM_RESIDENT = """
     int buf = 0;
     for (int i0 = row_begin; i0 < row_end; i0 += RB) {
         WVec wv[RB];
-        float dv[MERGED ? RB : 1][MERGED ? VEC : 1];  // MERGED: the adapted elements, W' = rs of them
+        float dv[RB][VEC];  // MERGED: the adapted elements, W' = rs of them (unused, and dropped, otherwise)
         #pragma unroll
         for (int q = 0; q < RB; ++q) wv[q] = read_w(min(i0 + q, row_end - 1), c0);  // past the end: read, not kept
         #pragma unroll
@@ -827,7 +827,7 @@ _ROW_NORM_RESIDENT = """
                 float t = static_cast<float>(wv[q].v[v]);
                 #pragma unroll
                 for (int k = 0; k < R; ++k) t += ar[v][k] * cb[k];
-                if (MERGED) dv[MERGED ? q : 0][MERGED ? v : 0] = t;
+                dv[q][v] = t;
                 acc += t * t;
             }
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
@@ -849,8 +849,7 @@ _ROW_NORM_RESIDENT = """
             }
 @WRITE_B@            WVec o;
             #pragma unroll
-            for (int v = 0; v < VEC; ++v)
-                o.v[v] = static_cast<WT>(rs * (MERGED ? dv[MERGED ? q : 0][MERGED ? v : 0] : static_cast<float>(wv[q].v[v])));
+            for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<WT>(rs * (MERGED ? dv[q][v] : static_cast<float>(wv[q].v[v])));
             long long off = (long long)i * IN + c0;
             if (ws_aligned) {
                 *reinterpret_cast<WVec*>(ws + off) = o;

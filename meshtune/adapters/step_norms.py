@@ -83,12 +83,12 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     taken = {}
     for key, members in groups.items():
         layers = [layer for layer, _ in members]
-        merged = False
         args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
                 [mx.stop_gradient(layer.lora_b) for layer in layers], [float(layer.scale) for layer in layers])
         folded = factors = [None] * len(layers)
-        if fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers)):
-            merged = key[-1]
+        folded_launch = fold and (fold_dense or all(is_quantized(layer.linear) for layer in layers))
+        merged = folded_launch and key[-1]  # the group's merged flag (the key's last) counts only where folded
+        if folded_launch:
             # Norms stacked: m's gradient kernel reads a layer's in the launch's array (no view a layer).
             norms, w_scaled, rs, *cast = kernels.row_norms_and_scaled_cuda(
                 *args, [mx.stop_gradient(layer.m) for layer in layers], factors=kernels.writes_factors(), stacked=True,
@@ -162,7 +162,7 @@ def lookup_merged(layer: nn.Module, tokens: int) -> bool:
     """Whether the W' the current step wrote for `layer` on `tokens` rows is the whole adapted weight,
     rs (W + s (A B)^T) (kernels.MERGED_FOLD), not rs W."""
     hit = _taken(layer, tokens)
-    return bool(hit and hit[3] is not None and hit[5])
+    return bool(hit and hit[5])
 
 
 def _taken(layer: nn.Module, tokens: int) -> tuple | None:
