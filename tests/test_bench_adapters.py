@@ -157,6 +157,8 @@ def test_combine_judges_the_median_of_each_ratio_over_invocations(bench, tmp_pat
     median, and judges the targets on the medians (stock's medians beside them)."""
     from conftest import run_cli
 
+    from meshtune.bench.adapters import CPU_QLORA_NOTE
+
     table, out = bench
     values = {"dora_over_lora_step_bf16": (1.31, 1.02, 1.08), "dora_over_lora_step_4bit": (1.04, 1.17, 1.21),
               "stock_dora_over_lora_step_bf16": (1.5, 1.4, 1.6)}
@@ -172,6 +174,12 @@ def test_combine_judges_the_median_of_each_ratio_over_invocations(bench, tmp_pat
     assert got["qlora_over_lora_step"] == pytest.approx(out["qlora_over_lora_step"])
     row = next(line for line in lines if line.strip().startswith("step, DoRA / LoRA, 4-bit"))
     assert re.findall(NUMBER + "x", row)[:4] == ["1.04", "1.17", "1.21", "1.17"] and row.endswith("missed")
+    # The 4-bit / dense LoRA target is the GPU's: a CPU measurement's row says so, as one invocation's table does.
+    qlora_row = next(line for line in lines if line.strip().startswith("step, 4-bit LoRA"))
+    assert out["device"].startswith("cpu") and qlora_row.endswith(CPU_QLORA_NOTE), qlora_row
+    gpu_files = [_saved(tmp_path / f"gpu{i}.txt", table, {**out, "device": "cuda (NVIDIA H200)"}) for i in range(2)]
+    proc = run_cli("bench", "adapters", "--combine", *gpu_files, timeout=120)
+    assert proc.returncode == 0 and CPU_QLORA_NOTE not in proc.stdout, proc.stderr[-2000:]
 
 
 def test_combine_refuses_what_is_not_one_measurement(bench, tmp_path):

@@ -65,6 +65,7 @@ def combine(runs: list[dict], names: list[str]) -> dict:
 
 def print_combined(result: dict) -> None:
     dense = result.get("dense_dtype") or "dense"
+    on_cpu = str(result.get("device", "")).startswith("cpu")
     runs = result["runs"]
     print(f"adapters benchmark, {result['invocations']} invocations combined: {result.get('device')}, "
           f"preset {result.get('preset')}, batch {result.get('batch_size')} x {result.get('seq_len')}, "
@@ -75,7 +76,7 @@ def print_combined(result: dict) -> None:
     print(f"\n{'meshtune ratios':<40}{head}{'median':>9}   target (on the median)")
     for key, text in RATIO_ROWS:
         cells = "".join(f"{run[key]:>8.2f}x" for run in runs)
-        print(f"  {text.format(dense=dense):<38}{cells}{result[key]:>8.2f}x   {target_verdict(key, result[key])}")
+        print(f"  {text.format(dense=dense):<38}{cells}{result[key]:>8.2f}x   {target_verdict(key, result[key], on_cpu)}")
     print(f"\n{'stock mlx-lm ratios':<40}{head}{'median':>9}")
     for key, text in RATIO_ROWS:
         cells = "".join(f"{run['stock_' + key]:>8.2f}x" for run in runs)
