@@ -12,6 +12,8 @@ import argparse
 import statistics
 import time
 
+from _steps import interleaved
+
 from meshtune.adapters import set_base_path
 from meshtune.bench import adapters as B
 
@@ -24,21 +26,22 @@ set_base_path(a.base_path)
 shape = B.shape_of(a)
 dtype = B.DTYPES[B.dense_dtype_name(a)]
 names = args.pair.split(",")
-runs = {}
-for name in names:
-    kind, base = name.split(":")
-    runs[name] = B.build_step("meshtune", kind, base, a, shape, dtype)
-    for _ in range(max(a.warmup, 2)):
-        runs[name]()
-    runs[name].finish()
-times = {name: [] for name in names}
-for i in range(args.rounds):
-    for name, run in runs.items():
+
+
+def timed(run):
+    """One call of the bench's step, waited for, in ms."""
+    def call():
         tic = time.perf_counter()
         run()
         run.finish()
-        times[name].append((time.perf_counter() - tic) * 1e3)
-    print(f"round {i}: " + ", ".join(f"{n} {t[-1]:.0f} ms" for n, t in times.items()), flush=True)
+        return (time.perf_counter() - tic) * 1e3
+    return call
+
+
+runs = {name: timed(B.build_step("meshtune", *name.split(":"), a, shape, dtype)) for name in names}
+times = interleaved(runs, args.rounds, warmup=max(a.warmup, 2), rounds=args.rounds)
+for i in range(args.rounds):
+    print(f"round {i}: " + ", ".join(f"{n} {t[i]:.0f} ms" for n, t in times.items()))
 medians = {name: statistics.median(t) for name, t in times.items()}
 per_round = [times[names[1]][i] / times[names[0]][i] for i in range(args.rounds)]
 print("median ms/step: " + ", ".join(f"{n} {m:.1f}" for n, m in medians.items()))
