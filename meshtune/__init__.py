@@ -14,13 +14,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Config": "meshtune.config",
-    "load_config": "meshtune.config",
+    "Config": "meshtune.config.schema",
+    "load_config": "meshtune.config.schema",
     "finetune": "meshtune.api",
     "fuse": "meshtune.api",
     "generate": "meshtune.api",
     "RunResult": "meshtune.api",
-    "Mesh": "meshtune.mesh",
+    "Mesh": "meshtune.parallel.mesh",
 }
 __all__ = sorted(_LAZY)
 

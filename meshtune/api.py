@@ -20,20 +20,20 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import adapters as ad
-from .blas import describe_blas
-from .checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
+from .runtime.blas import describe_blas
+from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                          list_checkpoints, load_checkpoint, resumable_checkpoint, save_checkpoint, write_error)
-from .config import Config
+from .config.schema import Config
 from .data import BatchIterator, Features, load_datasets
-from .heap import keep_freed_memory
-from .mesh import Mesh
+from .runtime.heap import keep_freed_memory
+from .parallel.mesh import Mesh
 from .parallel.pipeline import check_stage_layers
 from .parallel.socket_ring import hostfile_ips
-from .metrics import METRICS_FILE, Reporter
-from .optimizers import build_optimizer, build_schedule
-from .outdir import check_free_space, check_writable
-from .train import LoopSettings, enable_grad_checkpoint, evaluate, overlaps_steps, train
-from .watchdog import Watchdog, heartbeat_folder
+from .training.metrics import METRICS_FILE, Reporter
+from .training.optimizers import build_optimizer, build_schedule
+from .runtime.outdir import check_free_space, check_writable
+from .training.loop import LoopSettings, enable_grad_checkpoint, evaluate, overlaps_steps, train
+from .runtime.watchdog import Watchdog, heartbeat_folder
 
 # Sections that must match between a checkpoint and the run resuming it.
 RESUME_MUST_MATCH = ("model", "adapter", "data")
@@ -126,7 +126,7 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     say(f"loading model {model_path}")
     model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
     if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:
-        from .fastmath import install_fast_swiglu
+        from .runtime.fastmath import install_fast_swiglu
 
         if install_fast_swiglu():
             say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")

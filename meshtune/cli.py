@@ -23,11 +23,11 @@ import argparse
 import sys
 from typing import Any
 
-from .blas import ensure_fast_blas
+from .runtime.blas import ensure_fast_blas
 
 
 def _train_config(args: argparse.Namespace, rest: list[str]) -> Any:
-    from .config import load_config, parse_override_args
+    from .config.schema import load_config, parse_override_args
 
     overrides = parse_override_args(rest)
     if args.resume:
@@ -57,7 +57,7 @@ def _mesh(cfg: Any) -> Any:
     """Single process unless launched by mlx.launch / meshtune launch (then the world group)."""
     import os
 
-    from .mesh import Mesh
+    from .parallel.mesh import Mesh
 
     if any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
         import mlx.core as mx
@@ -97,7 +97,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _default_model() -> str:
-    from .config import Config
+    from .config.schema import Config
 
     return str(Config().resolved_model_path())
 
@@ -125,7 +125,7 @@ def _config_allows_system_blas(args: argparse.Namespace, rest: list[str]) -> boo
     """runtime.system_blas from the train config (read without MLX); errors surface later."""
     if args.command != "train":
         return True
-    from .config import load_config, parse_override_args
+    from .config.schema import load_config, parse_override_args
 
     try:
         return load_config(args.config, parse_override_args(rest)).runtime.system_blas

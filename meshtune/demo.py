@@ -34,8 +34,8 @@ def exact_match(model: nn.Module, tokenizer: Any, rows: list[dict[str, str]], *,
 def run_demo(adapter_path: str = "runs/demo", overrides: list[str] | None = None) -> int:
     """Train the demo config and print the before/after table; returns an exit code."""
     from .api import finetune, load_for_inference
-    from .config import load_config, parse_override_args
-    from .metrics import read_metrics
+    from .config.schema import load_config, parse_override_args
+    from .training.metrics import read_metrics
 
     items = parse_override_args(overrides or [])
     items += [("output.adapter_path", adapter_path), ("output.overwrite", "true")]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from .watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
+from .runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
 
 def free_ports(n: int) -> list[int]:
@@ -331,7 +331,7 @@ def preflight(n: int, command: list[str]) -> None:
     if "meshtune.cli" not in command or "train" not in command:
         return
     from .cli import build_parser
-    from .config import load_config, parse_override_args
+    from .config.schema import load_config, parse_override_args
 
     args, rest = build_parser().parse_known_args(command[command.index("meshtune.cli") + 1:])
     if args.command != "train":

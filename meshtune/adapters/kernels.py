@@ -62,8 +62,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cuda import kernel as _kernel, kernel_constant, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
-from ..env import choice
+from ..runtime.cuda import kernel as _kernel, kernel_constant, on_cuda  # noqa: F401 (on_cuda: adapted_linear asks here)
+from ..runtime.env import choice
 
 _WARPS = 8  # warps a block
 _ROWS_PER_WARP: int | None = None  # rows of W a warp takes; None: 2 up to rank 16, else 1

@@ -19,7 +19,7 @@ eight configurations in turn (all eight models stay loaded); the median is repor
 stock step is a copy of `mlx_lm.tuner.trainer.train`'s: `default_loss` under
 `nn.value_and_grad`, `mx.compile` with model, optimizer and RNG state as inputs and
 outputs, `average_gradients`, `optimizer.update`, the same `mx.eval` and its allocator
-cache clear after every step. meshtune's is `meshtune.train.build_step`. Generation is
+cache clear after every step. meshtune's is `meshtune.training.loop.build_step`. Generation is
 greedy `mlx_lm.generate.generate_step` at batch 1 after a short prompt, tokens/s over
 the tokens after the first (prefill excluded), with random lora_b and a perturbed m so
 the adapter is not an identity; per base the four models stay loaded and are decoded in
@@ -48,9 +48,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from ..blas import describe_blas
-from ..heap import keep_freed_memory
-from ..train import OneInFlight, overlaps_steps
+from ..runtime.blas import describe_blas
+from ..runtime.heap import keep_freed_memory
+from ..training.loop import OneInFlight, overlaps_steps
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
 IMPLS = ("stock", "meshtune")
@@ -186,8 +186,8 @@ def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool
     Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
     for the previous call's, as train.train does; `run.finish()` waits for the last one.
     """
-    from ..mesh import Mesh
-    from ..train import build_step
+    from ..parallel.mesh import Mesh
+    from ..training.loop import build_step
 
     step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, optimizer.state, mx.random.state]

@@ -189,7 +189,7 @@ def _in_process(argv: list[str]) -> tuple[int | None, str]:
             traceback.print_exc(file=err)
             code = 1
         finally:
-            from ..fastmath import uninstall_fast_swiglu
+            from ..runtime.fastmath import uninstall_fast_swiglu
 
             uninstall_fast_swiglu()  # a run patches mlx-lm's modules; leave this process as found
     return code, err.getvalue()

@@ -29,7 +29,7 @@ def train_args(out: Path, *, iters: int, batch: int = 6, save_every: int = 4, wa
     """`meshtune train` on the embedded tiny model and arithmetic data, SGD, no eval.
 
     SGD: the update is the gradient itself, so weights compare the sums of gradients
-    (tests/test_data_parallel.py says why Adam would blur a cross-layout comparison);
+    (tests/*/test_data_parallel.py says why Adam would blur a cross-layout comparison);
     lr 0.01, since at 0.05 SGD is unstable here and amplifies float rounding ~1000x.
     """
     return ["train", "--iters", str(iters), "--batch-size", str(batch), "--save-every", str(save_every),

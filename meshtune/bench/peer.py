@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..blas import describe_blas
+from ..runtime.blas import describe_blas
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def metric_windows(out_dir: Path) -> list[dict[str, float]]:
 
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from ..config import Config
+    from ..config.schema import Config
 
     cfg = Config()
     opts = {

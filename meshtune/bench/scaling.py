@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..blas import describe_blas
+from ..runtime.blas import describe_blas
 from ..launch import launch_local
 from .peer import metric_windows, steps_per_sec
 
@@ -128,7 +128,7 @@ def _print(title: str, rows: list[tuple], result: dict[str, float], n: int) -> N
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     if a.bucket_mb is None:
-        from ..config import ParallelConfig
+        from ..config.schema import ParallelConfig
 
         a.bucket_mb = ParallelConfig().bucket_mb if a.in_process else 0.25
     if a.in_process:

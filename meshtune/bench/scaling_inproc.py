@@ -32,7 +32,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from ..mesh import Mesh
+from ..parallel.mesh import Mesh
 from .models import PRESETS, Shape, add_adapters, build_model
 
 MODES = ("compute", "after_backward", "overlap")
@@ -46,7 +46,7 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
     from ..parallel.data_parallel import split_overlap, sum_gradients
-    from ..train import loss_terms
+    from ..training.loop import loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     backward = mx.compile(lambda t, l: loss_and_grad(model, t, l))
@@ -72,7 +72,7 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
 
 def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
     """Median step seconds of the three modes for `kind` (lora or full) on this rank."""
-    from ..train import build_step
+    from ..training.loop import build_step
 
     model = build_model(shape, dtype, quantized=False, seed=a.seed)
     add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)

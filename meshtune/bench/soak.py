@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..metrics import read_metrics
+from ..training.metrics import read_metrics
 from .faultkit import CLI, env
 
 LIMIT = 0.05

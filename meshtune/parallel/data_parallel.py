@@ -27,8 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..cuda import on_cuda
-from ..mesh import Mesh
+from ..runtime.cuda import on_cuda
+from .mesh import Mesh
 from .pack_kernel import pack_cuda
 
 SYNC_MODES = ("after_backward", "overlap")

@@ -14,7 +14,7 @@ import hashlib
 
 import mlx.core as mx
 
-from ..cuda import kernel, kernel_constant
+from ..runtime.cuda import kernel, kernel_constant
 
 # Arrays per kernel: each is a pointer argument, and a kernel's arguments are limited (4 KiB).
 MAX_ARRAYS = 256

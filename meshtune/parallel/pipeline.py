@@ -25,10 +25,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from .. import multi_adam
-from ..mesh import Mesh
+from .mesh import Mesh
 from ..adapters.step_norms import step_row_norms
-from ..losses import masked_ce_sum, target_mask
+from ..training.losses import masked_ce_sum, target_mask
 from .p2p import Links
 from .peers import peer_groups, sum_on_peers
 from .schedules import Schedule
@@ -315,9 +314,6 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     mesh = stage.mesh
     n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
     grads = sum_shared(stage, grads)
-    if multi_adam.update_if_supported(optimizer, stage.model, grads, n, max_grad_norm):
-        mx.eval(stage.model.state, optimizer.state)
-        return n
     grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
     if max_grad_norm > 0:
         from mlx.utils import tree_flatten, tree_unflatten

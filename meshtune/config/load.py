@@ -1,0 +1,353 @@
+"""Reading configs: YAML with line numbers, strict typing, overrides, suggestions.
+
+The schema (sections, fields, cross-field rules) lives in :mod:`meshtune.config.schema`;
+this module turns YAML text, dicts and ``--section.key value`` overrides into a
+:class:`~meshtune.config.schema.Config`, collecting every problem into one ConfigError
+whose lines name the file and line (or option), the value and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import mlx_lm_compat as compat
+from .schema import OPTIMIZER_OPTIONS, SECTIONS, Config, ConfigError
+from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
+from .fields import _coerce, _describe, _field_types, _suggest_key
+
+
+# ---------------------------------------------------------------------------
+# YAML
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads 1e-5, 1E5 and -3e+2 as floats, as mlx-lm does.
+
+    A subclass, so yaml.SafeLoader itself stays untouched.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml_error(e: yaml.YAMLError, name: str) -> ConfigError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{name}:{mark.line + 1}" if mark is not None else name
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    return ConfigError(f"{where}: YAML syntax error: {problem}{f' ({context})' if context else ''}; fix the YAML there")
+
+
+def _read_yaml(text: str, name: str) -> tuple[Any, dict[str, int], list[str]]:
+    """(data, dotted key -> line, duplicate-key problems)."""
+    loader = _YamlLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, name) from None
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    problems: list[str] = []
+
+    def walk(n: yaml.Node, prefix: str) -> None:
+        if not isinstance(n, yaml.MappingNode):
+            return
+        for key_node, value_node in n.value:
+            path = f"{prefix}{key_node.value}" if isinstance(key_node, yaml.ScalarNode) else f"{prefix}?"
+            line = key_node.start_mark.line + 1
+            if path in lines:
+                problems.append(f"{name}:{line}: duplicate key '{path}' (first at line {lines[path]}); keep one")
+                continue
+            lines[path] = line
+            walk(value_node, path + ".")
+
+    if node is not None:
+        walk(node, "")
+    return data, lines, problems
+
+
+def _parse_scalar(text: str, tp: Any) -> Any:
+    # A plain string option keeps its text: "--model.path 2024" or "--output.adapter_path yes" mean paths.
+    if tp is str and text[:1] not in ("'", '"'):
+        return text
+    loader = _YamlLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+# ---------------------------------------------------------------------------
+# Building a Config
+
+@dataclass
+class _Setting:
+    value: Any
+    where: str
+    spelled: str
+    override: bool = False
+
+
+def _resolve_overrides(
+    items: list[tuple[str, Any]], source: str, parse: bool
+) -> tuple[list[tuple[str, Any, str]], list[str]]:
+    """Check override keys (and parse string values); ([(dotted, value, key)], problems)."""
+    resolved, problems = [], []
+    for raw_key, value in items:
+        # mlx_lm.lora's own flags (--learning-rate, ...) mean the same as our keys.
+        key = MLX_LM_FLAGS.get(str(raw_key), str(raw_key)).removeprefix("--")
+        section, _, name = key.partition(".")
+        dotted = f"{section}.{name.replace('-', '_')}"
+        if section not in SECTIONS or dotted.partition(".")[2] not in _field_types(section):
+            flat = compat.FLAT_KEYS.get(key.replace("-", "_"))
+            hint = f"; did you mean --{flat}?" if flat else _suggest_key(dotted, "--").replace("'", "")
+            problems.append(f"{source}: unknown option --{key}{hint}")
+            continue
+        tp = _field_types(section)[dotted.partition(".")[2]]
+        if parse and isinstance(value, str):
+            try:
+                value = _parse_scalar(value, tp)
+            except yaml.YAMLError as e:
+                problems.append(f"{source}: --{dotted} {value!r}: cannot parse the value "
+                                f"({getattr(e, 'problem', e)}); quote it for the shell, e.g. '[a, b]'")
+                continue
+        resolved.append((dotted, value, f"--{dotted}"))
+    return resolved, problems
+
+
+def _build(
+    raw: Any,
+    source: str,
+    lines: dict[str, int],
+    overrides: list[tuple[str, Any, str]],
+    problems: list[str],
+    override_source: str = "command line",
+) -> Config:
+    problems = list(problems)
+    mapped: list[str] = []
+    notes: list[str] = []
+    settings: dict[str, _Setting] = {}
+
+    def loc(path: str) -> str:
+        return f"{source}:{lines[path]}" if path in lines else source
+
+    def put(target: str, value: Any, spelled: str) -> None:
+        old = settings.get(target)
+        if old is not None and not old.override:
+            problems.append(f"{loc(spelled)}: {target} is given twice, as {spelled} "
+                            f"and as {old.spelled} ({old.where}); keep only one")
+        elif old is None:
+            settings[target] = _Setting(value, loc(spelled), spelled)
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections "
+                          f"({', '.join(SECTIONS)}), got {type(raw).__name__}")
+
+    # Overrides go in first and win over anything the file says.
+    for target, value, spelled in overrides:
+        settings[target] = _Setting(value, override_source, spelled, override=True)
+
+    optimizer_config = None
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            problems.append(f"{loc(str(key))}: key {key!r} is not a name; quote it or fix the typo")
+        elif key in SECTIONS and isinstance(value, dict):
+            for sub, v in value.items():
+                dotted = f"{key}.{sub}"
+                if isinstance(sub, str) and sub in _field_types(key):
+                    put(dotted, v, dotted)
+                else:
+                    problems.append(f"{loc(dotted)}: unknown key '{dotted}'{_suggest_key(dotted)}")
+        elif key in SECTIONS and value is None:
+            continue  # an empty section
+        elif key == "optimizer_config":
+            optimizer_config = value
+        elif compat.is_flat(key):
+            result = compat.map_flat(key, value, loc)
+            for target, v, spelled in result.assignments:
+                put(target, v, spelled)
+            mapped += result.mapped
+            notes += result.notes
+            problems += result.problems
+        elif key in SECTIONS:
+            problems.append(f"{loc(key)}: section '{key}' must be a mapping of keys "
+                            f"({', '.join(_field_types(key))}), got {type(value).__name__}")
+        else:
+            close = difflib.get_close_matches(key, [*SECTIONS, *compat.flat_names()], n=1)
+            if close and close[0] in compat.FLAT_KEYS:
+                hint = f"; did you mean '{close[0]}' (mlx-lm spelling of {compat.FLAT_KEYS[close[0]]})?"
+            elif close:
+                hint = f"; did you mean '{close[0]}'?"
+            else:
+                hint = f"; sections are {', '.join(SECTIONS)}"
+            problems.append(f"{loc(key)}: unknown key '{key}'{hint}")
+
+    name = settings["optimizer.name"].value if "optimizer.name" in settings else "adam"
+    result = compat.map_optimizer_config(optimizer_config, name, list(OPTIMIZER_OPTIONS), loc)
+    for target, v, spelled in result.assignments:
+        put(target, v, spelled)
+    mapped += result.mapped
+    notes += result.notes
+    problems += result.problems
+
+    # mlx-lm takes the rate from the schedule's first argument; keep that when no rate is given.
+    args = settings.get("schedule.arguments")
+    if (args is not None and "optimizer.learning_rate" not in settings and isinstance(args.value, list)
+            and args.value and isinstance(args.value[0], (int, float)) and not isinstance(args.value[0], bool)):
+        settings["optimizer.learning_rate"] = _Setting(args.value[0], args.where, f"{args.spelled}[0]")
+        notes.append(f"optimizer.learning_rate = {args.value[0]} taken from {args.spelled}[0]")
+
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for target, s in settings.items():
+        section, _, key = target.partition(".")
+        ok, value, why = _coerce(s.value, _field_types(section)[key])
+        if ok:
+            values[section][key] = value
+        else:
+            shown = s.spelled if s.spelled.lstrip("-") == target else f"{s.spelled} (-> {target})"
+            problems.append(f"{s.where}: {shown} = {_describe(s.value)}: {why}")
+    if problems:
+        raise ConfigError(problems)
+    cfg = Config(**{s: SECTIONS[s](**values[s]) for s in SECTIONS})
+    cfg.mapped, cfg.notes = mapped, notes
+    # "<dict>"-style sources say nothing a message could use.
+    cfg.origins = {t: s.where for t, s in settings.items() if not s.where.startswith("<")}
+    return cfg
+
+
+def parse_override_args(tokens: list[str]) -> list[tuple[str, str]]:
+    """Split ``["--train.iters", "10", "--train.compile=false"]`` into (key, text) pairs.
+
+    A bool option given without a value means true.
+    """
+    items, problems = _split_override_args(tokens)
+    if problems:
+        raise ConfigError(problems)
+    return items
+
+
+def _split_override_args(tokens: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    items: list[tuple[str, str]] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--"):
+            problems.append(f"command line: unexpected argument {token!r}; options look like --section.key value")
+            i += 1
+            continue
+        if "=" in token:
+            key, _, text = token.partition("=")
+            items.append((key, text))
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            items.append((token, tokens[i + 1]))
+            i += 2
+        else:
+            section, _, name = token[2:].partition(".")
+            is_switch = token in MLX_LM_SWITCHES or (
+                section in SECTIONS and _field_types(section).get(name.replace("-", "_")) is bool)
+            if is_switch:
+                items.append((token, "true"))
+            else:
+                problems.append(f"command line: option {token} needs a value, e.g. {token} VALUE")
+            i += 1
+    return items, problems
+
+
+def apply_overrides(
+    cfg_dict: dict[str, Any], items: list[tuple[str, str]], source: str = "command line"
+) -> dict[str, Any]:
+    """Return a copy of ``cfg_dict`` with ``--section.key value`` items set.
+
+    Values are read with the config's YAML scalar rules (``1e-5`` is a float,
+    ``[a, b]`` a list, ``false`` a bool); text given for a str option stays
+    as written.  Unknown keys and wrong types raise one ConfigError.  An
+    mlx-lm spelling of the same option in ``cfg_dict`` is dropped: the
+    override wins.
+    """
+    resolved, problems = _resolve_overrides(items, source, parse=True)
+    out = copy.deepcopy(cfg_dict) if cfg_dict else {}
+    for target, value, spelled in resolved:
+        section, _, key = target.partition(".")
+        ok, value, why = _coerce(value, _field_types(section)[key])
+        if not ok:
+            problems.append(f"{source}: {spelled} = {_describe(value)}: {why}")
+            continue
+        for flat, sub in compat.aliases_of(target):
+            if sub is None and flat in out and not isinstance(out[flat], dict):
+                del out[flat]
+            elif sub is not None and isinstance(out.get(flat), dict):
+                out[flat].pop(sub, None)
+        if not isinstance(out.get(section), dict):
+            out[section] = {}
+        out[section][key] = value
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | list[tuple[str, str]] | dict[str, Any] | None = None,
+) -> Config:
+    """Read a YAML config (None: defaults), apply overrides, check keys and types.
+
+    ``overrides`` is command-line text, either as tokens
+    (``["--train.iters", "10"]``) or as (key, text) pairs
+    (``[("train.iters", "10")]``), values parsed as YAML scalars; or a dict
+    of typed values, keyed by dotted name or nested by section.  Cross-field rules are left to
+    :meth:`Config.validate`, which needs the world size.
+    """
+    raw: Any = {}
+    lines: dict[str, int] = {}
+    problems: list[str] = []
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read the config file ({e.strerror or e}); check the path") from None
+        raw, lines, problems = _read_yaml(text, source)
+    if overrides is None:
+        resolved: list[tuple[str, Any, str]] = []
+    elif isinstance(overrides, dict):
+        flat_items: list[tuple[str, Any]] = []
+        for key, value in overrides.items():
+            if key in SECTIONS and isinstance(value, dict):
+                flat_items += [(f"{key}.{k}", v) for k, v in value.items()]
+            else:
+                flat_items.append((key, value))
+        resolved, more = _resolve_overrides(flat_items, "overrides", parse=False)
+        problems += more
+    else:
+        pairs = [o for o in overrides if isinstance(o, tuple)]
+        items, more = _split_override_args([o for o in overrides if not isinstance(o, tuple)])
+        items = pairs + items
+        resolved, even_more = _resolve_overrides(items, "command line", parse=True)
+        problems += more + even_more
+    return _build(raw, source, lines, resolved, problems,
+                  "overrides" if isinstance(overrides, dict) else "command line")

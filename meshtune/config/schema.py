@@ -1,0 +1,491 @@
+"""The meshtune run configuration: one typed, strict tree of small sections.
+
+A run is described by a :class:`Config` (model, data, adapter, optimizer,
+schedule, train, output, parallel, runtime), read from YAML with
+:func:`load_config` or from a dict with :meth:`Config.from_dict`, adjusted
+by ``--section.key value`` overrides, and checked with
+:meth:`Config.validate`.  Loading is strict: unknown keys, wrong types and
+bad choices are all collected and raised as one :class:`ConfigError` whose
+lines name the file and line (or option), the value and the fix.  mlx-lm
+``lora_config.yaml`` files load too; see :mod:`meshtune.config.mlx_lm_compat`.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
+
+__all__ = [
+    "AdapterConfig", "Config", "ConfigError", "DataConfig", "MLX_LM_FLAGS",
+    "MLX_LM_SWITCHES", "ModelConfig", "OptimizerConfig", "OutputConfig",
+    "ParallelConfig", "RuntimeConfig", "ScheduleConfig", "SECTIONS", "TrainConfig",
+    "apply_overrides", "describe_options", "field_help", "load_config",
+    "parse_override_args",
+]
+
+ASSETS = Path(__file__).parents[1] / "assets"
+DEFAULT_MODEL_PATH = ASSETS / "tiny-llama"
+DEFAULT_DATA_PATH = ASSETS / "data" / "arithmetic"
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each a self-contained line."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"{len(self.problems)} configuration problems:\n{lines}"
+        super().__init__(message)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The model to fine-tune."""
+
+    path: str = ""
+    """Local model folder; "" uses the tiny model shipped in meshtune/assets/tiny-llama."""
+    trust_remote_code: bool = False
+    """Let the tokenizer run code that ships with the model."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The training data and how it becomes token batches."""
+
+    path: str = ""
+    """Folder with train/valid/test.jsonl; "" uses the arithmetic data in meshtune/assets/data/arithmetic."""
+    max_seq_length: int = 2048
+    """Longest sequence in tokens; longer examples are truncated (see truncate)."""
+    truncate: bool = True
+    """Cut examples longer than max_seq_length, with one warning per split saying how many
+    (mlx-lm's behaviour); false makes such an example an error naming its file and line."""
+    mask_prompt: bool = False
+    """Leave prompt tokens out of the loss (prompt/completion and chat data)."""
+    pad_to: int = 32
+    """Pad batch lengths up to a multiple of this many tokens."""
+    prompt_feature: str = "prompt"
+    """JSONL field holding the prompt of a prompt/completion example."""
+    completion_feature: str = "completion"
+    """JSONL field holding the completion of a prompt/completion example."""
+    text_feature: str = "text"
+    """JSONL field holding the text of a plain-text example."""
+    chat_feature: str = "messages"
+    """JSONL field holding the message list of a chat example."""
+
+
+@dataclass(kw_only=True)
+class AdapterConfig:
+    """What is trained: LoRA/DoRA adapters or the full weights."""
+
+    fine_tune_type: Literal["lora", "dora", "full"] = "lora"
+    """lora, dora or full (train the weights of the chosen blocks)."""
+    num_layers: int = 16
+    """How many transformer blocks, counted from the last, to train; -1 trains all."""
+    keys: list[str] | None = None
+    """Module paths inside a block to adapt, e.g. [self_attn.q_proj, self_attn.v_proj];
+    unset adapts every linear layer."""
+    rank: int = 8
+    """LoRA/DoRA rank (unused by full fine-tuning)."""
+    scale: float = 20.0
+    """Multiplier on the adapter output (mlx-lm's scale, not peft's alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input, in [0, 1)."""
+    base_path: Literal["auto", "quantized", "dequantized"] = "auto"
+    """How a quantized base multiplies: auto picks quantized_matmul for few tokens and
+    dequantize + dense matmul for many, by a measurement at start-up; or force either."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The optimizer and its settings."""
+
+    name: Literal["adam", "adamw", "sgd", "adafactor", "muon"] = "adam"
+    """adam, adamw, sgd, adafactor or muon (the mlx.optimizers classes)."""
+    learning_rate: float = 1e-5
+    """Peak learning rate; a schedule starts from it (after warmup)."""
+    weight_decay: float | None = None
+    """Weight decay; unset keeps the optimizer's own default (adam has none)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the mlx optimizer, e.g. {betas: [0.9, 0.98], eps: 1e-6}."""
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """How the learning rate changes over the run."""
+
+    name: Literal["constant", "cosine_decay", "linear_schedule", "exponential_decay", "step_decay"] = "constant"
+    """constant or an mlx.optimizers.schedulers function name."""
+    arguments: list[float] | None = None
+    """Arguments of the schedule function, the initial rate first (as mlx-lm's
+    lr_schedule.arguments); unset derives them from learning_rate and iters."""
+    warmup: int = 0
+    """Steps of linear warmup before the schedule starts."""
+    warmup_init: float = 0.0
+    """Learning rate at the first warmup step."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop."""
+
+    iters: int = 1000
+    """Optimizer steps to run."""
+    batch_size: int = 4
+    """Global batch: examples per step summed over all data-parallel ranks."""
+    grad_accumulation_steps: int = 1
+    """Batches whose gradients are summed before each optimizer update."""
+    grad_checkpoint: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    max_grad_norm: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 0
+    """Seed for shuffling, initialisation and dropout."""
+    steps_per_report: int = 10
+    """Steps between training-loss reports."""
+    steps_per_eval: int = 200
+    """Steps between validation runs."""
+    val_batches: int = 25
+    """Validation batches per evaluation; -1 uses the whole validation set, 0 skips validation."""
+    save_every: int = 100
+    """Steps between adapter checkpoints."""
+    test: bool = False
+    """Evaluate on test.jsonl after training."""
+    test_batches: int = 500
+    """Test batches to evaluate; -1 uses the whole test set."""
+    compile: bool = True
+    """Compile the training step with mx.compile."""
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    """Where results go."""
+
+    adapter_path: str = "adapters"
+    """Folder for adapter weights, checkpoints and the saved config."""
+    resume: bool = False
+    """Continue from the latest checkpoint in adapter_path."""
+    overwrite: bool = False
+    """Replace an earlier run found in adapter_path instead of refusing to start."""
+    keep_last_n: int = 0
+    """Numbered checkpoints to keep, newest first, pruned after each successful save (the
+    one just written always stays); 0, the default, keeps all: nothing is deleted unless asked."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the run is spread over the machines of a distributed group."""
+
+    dp: int = 0
+    """Data-parallel ranks; 0 derives world size / pp."""
+    pp: int = 1
+    """Pipeline stages the model is split into."""
+    pipeline_stages: int = 0
+    """The same as pp under its long name (0: unset); give one of the two."""
+    schedule: Literal["naive", "gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule: naive, gpipe or 1f1b."""
+    micro_batches: int = 0
+    """Micro-batches per local batch in the pipeline; 0 uses pp."""
+    stage_layers: list[int] | None = None
+    """Transformer blocks per pipeline stage, e.g. [5, 3]: pp counts of at least 1 that
+    add up to the model's blocks; unset balances stages by parameter count (the
+    embedding counts on the first stage, final norm and head on the last)."""
+    grad_sync: Literal["after_backward", "overlap"] = "after_backward"
+    """after_backward: bucketed all-reduce once the backward is done (stock mlx-lm);
+    overlap: buckets in reverse layer order on a communication stream, each free to
+    run as soon as its gradients exist."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MB for the all-reduce."""
+    transport: Literal["mlx", "sockets"] = "mlx"
+    """How gradients travel between data-parallel ranks: mlx (the backend's all_sum) or
+    sockets (ring backend only: meshtune's ring all-reduce over blocking TCP on its own
+    thread; MLX's ring busy-polls a core, which a one-core-per-rank run cannot spare
+    for overlap). Token counts, losses and agreements stay on the MLX group."""
+
+    def __post_init__(self) -> None:
+        # One name from here on: the long one read as pp before anything builds the mesh.
+        if isinstance(self.pipeline_stages, int) and self.pipeline_stages > 0 and self.pp == 1:
+            self.pp = self.pipeline_stages
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    """Process-level settings."""
+
+    system_blas: bool = True
+    """Use a system OpenBLAS on Linux when one is present."""
+    watchdog_s: float = 60.0
+    """With several ranks: seconds without a finished step (or eval batch) before this
+    rank gives up on its peers and exits with code 75; 0 disables."""
+    fast_cpu_activations: bool = True
+    """On the CPU, compute SwiGLU's SiLU with a vectorised exp (float32, ~1e-7 relative)
+    instead of MLX's element-by-element one; false keeps mlx-lm's activation."""
+    keep_freed_memory: bool = True
+    """On Linux (glibc), keep freed memory in the process so each step's large arrays
+    reuse the previous step's pages instead of page-faulting fresh ones (meshtune/heap.py);
+    the process then holds its peak memory. False leaves malloc's defaults."""
+    overlap_steps: bool | Literal["auto"] = "auto"
+    """Build and dispatch each micro-batch's step (and each evaluation batch) while the
+    device still runs the one before (one in flight), instead of waiting for it first: the
+    host's part of a step (building the graph, launching its kernels) then hides behind the device's.
+    "auto": on a GPU (on one H200 it took a 1B LoRA step from 49 to 40 ms,
+    docs/bench/overlapped_steps_h200.txt), off on the CPU; true or false forces it. The
+    results are the same either way; a step in flight can hold up to one more step's
+    activations while the next one is dispatched, so false where device memory is tight."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "adapter": AdapterConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "train": TrainConfig,
+    "output": OutputConfig,
+    "parallel": ParallelConfig,
+    "runtime": RuntimeConfig,
+}
+
+# Keyword arguments of the mlx 0.32 optimizer constructors besides
+# learning_rate, so a misspelt option fails at load time rather than after
+# the model has loaded.
+OPTIMIZER_OPTIONS: dict[str, frozenset[str]] = {
+    "adam": frozenset({"betas", "eps", "bias_correction"}),
+    "adamw": frozenset({"betas", "eps", "weight_decay", "bias_correction"}),
+    "sgd": frozenset({"momentum", "weight_decay", "dampening", "nesterov"}),
+    "adafactor": frozenset({"eps", "clip_threshold", "decay_rate", "beta_1", "weight_decay",
+                            "scale_parameter", "relative_step", "warmup_init"}),
+    "muon": frozenset({"momentum", "weight_decay", "nesterov", "ns_steps"}),
+}
+
+# name -> (argument names, how many are required, indices that count steps)
+_SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int, tuple[int, ...]]] = {
+    "constant": ((), 0, ()),
+    "cosine_decay": (("init", "decay_steps", "end"), 2, (1,)),
+    "linear_schedule": (("init", "end", "steps"), 3, (2,)),
+    "exponential_decay": (("init", "decay_rate"), 2, ()),
+    "step_decay": (("init", "decay_rate", "step_size"), 3, (2,)),
+}
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole meshtune run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    mapped: list[str] = field(default_factory=list, compare=False, repr=False)
+    """mlx-lm keys read as meshtune ones, e.g. "learning_rate -> optimizer.learning_rate"."""
+    notes: list[str] = field(default_factory=list, compare=False, repr=False)
+    """Things the loader did that the user should hear about (ignored keys, derived values)."""
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Dotted key -> where its value was set ("run.yaml:7", "command line")."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, source: str = "<dict>") -> Config:
+        """Build a config from sections and/or flat mlx-lm keys; strict."""
+        return _build(d, source, {}, [], [])
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain sections of plain values; ``from_dict`` of it gives an equal Config."""
+        return {
+            name: {f.name: copy.deepcopy(getattr(getattr(self, name), f.name)) for f in fields(cls)}
+            for name, cls in SECTIONS.items()
+        }
+
+    def resolved_model_path(self) -> Path:
+        """The model folder, the shipped tiny model when model.path is ""."""
+        return Path(self.model.path).expanduser() if self.model.path else DEFAULT_MODEL_PATH
+
+    def resolved_data_path(self) -> Path:
+        """The data folder, the shipped arithmetic data when data.path is ""."""
+        return Path(self.data.path).expanduser() if self.data.path else DEFAULT_DATA_PATH
+
+    def parallel_sizes(self, world_size: int = 1) -> tuple[int, int, int]:
+        """(dp, pp, micro_batches) with the 0 defaults resolved; validate first."""
+        pp = self.parallel.pp
+        dp = self.parallel.dp or max(world_size // max(pp, 1), 1)
+        return dp, pp, self.parallel.micro_batches or pp
+
+    def schedule_arguments(self) -> list[float | int]:
+        """Positional arguments for the mlx schedule function ([] for constant).
+
+        Unset arguments are derived as meshtune.training.optimizers does: cosine_decay
+        decays from learning_rate to 0 and linear_schedule goes linearly to
+        0, both over the steps after warmup.  Step counts come back as ints.
+        """
+        s = self.schedule
+        _, _, step_at = _SCHEDULE_ARGS[s.name]
+        if s.name == "constant":
+            return []
+        if s.arguments is not None:
+            args: list[float | int] = list(s.arguments)
+        elif s.name == "cosine_decay":
+            args = [self.optimizer.learning_rate, self.train.iters - s.warmup, 0.0]
+        elif s.name == "linear_schedule":
+            args = [self.optimizer.learning_rate, 0.0, self.train.iters - s.warmup]
+        else:
+            raise ConfigError(f"schedule.arguments is required for {s.name}; run validate() first")
+        return [int(a) if i in step_at else a for i, a in enumerate(args)]
+
+    def validate(self, world_size: int = 1) -> None:
+        """Check every cross-field rule; raise one ConfigError listing all problems."""
+        type_problems = _type_problems(self)
+        if type_problems:
+            raise ConfigError(type_problems)
+        problems: list[str] = []
+
+        def bad(option: str, value: Any, message: str) -> None:
+            where = self.origins.get(option)
+            problems.append(f"{where + ': ' if where else ''}{option} = {value!r}: {message}")
+
+        t, a, o, s, p, d = self.train, self.adapter, self.optimizer, self.schedule, self.parallel, self.data
+        if p.pipeline_stages and p.pp != p.pipeline_stages:
+            bad("parallel.pipeline_stages", p.pipeline_stages,
+                f"parallel.pp = {p.pp} says otherwise; give one of the two")
+        for option, value in [
+            ("train.iters", t.iters), ("train.batch_size", t.batch_size),
+            ("train.grad_accumulation_steps", t.grad_accumulation_steps),
+            ("train.steps_per_report", t.steps_per_report),
+            ("train.steps_per_eval", t.steps_per_eval), ("train.save_every", t.save_every),
+            ("data.pad_to", d.pad_to), ("data.max_seq_length", d.max_seq_length),
+            ("parallel.pp", p.pp),
+        ]:
+            if value < 1:
+                bad(option, value, "must be at least 1; set a positive value")
+        if a.fine_tune_type != "full" and a.rank < 1:
+            bad("adapter.rank", a.rank, f"must be at least 1 for {a.fine_tune_type}; e.g. 8")
+        if t.seed >= 2**32:
+            bad("train.seed", t.seed, "must be below 2**32; pick a smaller seed")
+        if t.val_batches < -1:
+            bad("train.val_batches", t.val_batches, "must be -1 (the whole set), 0 (no validation) or a count")
+        if t.test_batches != -1 and t.test_batches < 1:
+            bad("train.test_batches", t.test_batches, "must be -1 (the whole set) or at least 1; train.test false skips testing")
+        for option, value in [
+            ("parallel.dp", p.dp), ("parallel.micro_batches", p.micro_batches),
+            ("output.keep_last_n", self.output.keep_last_n), ("train.seed", t.seed),
+            ("schedule.warmup", s.warmup), ("schedule.warmup_init", s.warmup_init),
+            ("train.max_grad_norm", t.max_grad_norm),
+        ]:
+            if value < 0:
+                bad(option, value, "must not be negative; use 0 for the default behaviour")
+        if not 0 <= a.dropout < 1:
+            bad("adapter.dropout", a.dropout, "must be in [0, 1); 0 disables dropout")
+        if not p.bucket_mb > 0:
+            bad("parallel.bucket_mb", p.bucket_mb, "must be positive; 25 is a good start")
+        if a.num_layers != -1 and a.num_layers < 1:
+            bad("adapter.num_layers", a.num_layers, "must be -1 (all blocks) or at least 1")
+        if a.keys is not None and (not a.keys or not all(a.keys)):
+            bad("adapter.keys", a.keys, "must list module paths such as self_attn.q_proj; "
+                "leave it unset to adapt every linear layer")
+        for option in ("prompt_feature", "completion_feature", "text_feature", "chat_feature"):
+            if not getattr(d, option):
+                bad(f"data.{option}", "", "must name a JSONL field")
+        if not self.output.adapter_path:
+            bad("output.adapter_path", "", "must name a folder, e.g. adapters")
+
+        if not (o.learning_rate > 0 and math.isfinite(o.learning_rate)):
+            bad("optimizer.learning_rate", o.learning_rate, "must be a positive number, e.g. 1e-5")
+        if o.weight_decay is not None:
+            if o.weight_decay < 0:
+                bad("optimizer.weight_decay", o.weight_decay, "must not be negative")
+            elif o.name == "adam":
+                bad("optimizer.weight_decay", o.weight_decay,
+                    "adam has no weight decay; use optimizer.name adamw or unset weight_decay")
+        known = OPTIMIZER_OPTIONS[o.name]
+        for key in o.options:
+            if key == "learning_rate":
+                bad("optimizer.options", o.options, "set the rate with optimizer.learning_rate, not in options")
+            elif key == "weight_decay":
+                bad("optimizer.options", o.options, "set weight decay with optimizer.weight_decay, not in options")
+            elif key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                guess = f" (did you mean '{close[0]}'?)" if close else ""
+                bad("optimizer.options", o.options,
+                    f"{o.name} takes no option '{key}'{guess}; it takes {', '.join(sorted(known))}")
+
+        if s.warmup >= t.iters >= 1:
+            bad("schedule.warmup", s.warmup, f"must be less than train.iters ({t.iters}); shorten the warmup or train longer")
+        self._check_schedule_arguments(bad)
+        self._check_parallel(bad, world_size)
+        if problems:
+            raise ConfigError(problems)
+
+    def _check_schedule_arguments(self, bad: Any) -> None:
+        s, lr = self.schedule, self.optimizer.learning_rate
+        names, required, step_at = _SCHEDULE_ARGS[s.name]
+        if s.arguments is None:
+            if s.name in ("exponential_decay", "step_decay"):
+                bad("schedule.arguments", None, f"{s.name} needs its arguments [{', '.join(names)}]; set schedule.arguments")
+            return
+        if s.name == "constant":
+            bad("schedule.arguments", s.arguments,
+                "the constant schedule takes no arguments; remove them or pick another schedule.name")
+            return
+        if not required <= len(s.arguments) <= len(names):
+            count = f"{required}" if required == len(names) else f"{required} to {len(names)}"
+            bad("schedule.arguments", s.arguments,
+                f"{s.name} takes {count} arguments [{', '.join(names)}], got {len(s.arguments)}")
+            return
+        for i in step_at:
+            if i < len(s.arguments) and not (s.arguments[i] >= 1 and float(s.arguments[i]).is_integer()):
+                bad("schedule.arguments", s.arguments,
+                    f"argument {i} ({names[i]}) counts steps: use a whole number of at least 1")
+        if not math.isclose(s.arguments[0], lr, rel_tol=1e-9):
+            bad("schedule.arguments", s.arguments,
+                f"the first argument (initial rate {s.arguments[0]}) differs from "
+                f"optimizer.learning_rate ({lr}); make them equal or unset schedule.arguments")
+
+    def _check_parallel(self, bad: Any, world_size: int) -> None:
+        p, batch = self.parallel, self.train.batch_size
+        if world_size < 1:
+            bad("world_size", world_size, "must be at least 1")
+            return
+        if p.pp < 1 or p.dp < 0 or p.micro_batches < 0 or batch < 1:
+            return  # already reported; the arithmetic below needs sane values
+        if p.dp == 0 and world_size % p.pp:
+            divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
+            bad("parallel.pp", p.pp, f"does not divide the world size {world_size}; use one of {divisors}")
+            return
+        dp = p.dp or world_size // p.pp
+        if dp * p.pp != world_size:
+            fix = (f"set parallel.dp to {world_size // p.pp} or to 0 to derive it" if world_size % p.pp == 0
+                   else f"pick a parallel.pp that divides {world_size} and set parallel.dp to 0")
+            bad("parallel.dp", p.dp,
+                f"dp * pp = {dp} * {p.pp} = {dp * p.pp} but the world size is {world_size}; {fix}")
+            return
+        if batch % dp:
+            below, above = batch // dp * dp, (batch // dp + 1) * dp
+            nearest = f"{below} or {above}" if below else f"{above}"
+            bad("train.batch_size", batch, f"must be divisible by the {dp} data-parallel ranks; "
+                                           f"the nearest valid sizes are {nearest}")
+            return
+        if p.stage_layers is not None and (len(p.stage_layers) != p.pp or min(p.stage_layers, default=0) < 1):
+            bad("parallel.stage_layers", p.stage_layers,
+                f"give {p.pp} block counts (one per stage of parallel.pp), each at least 1; or unset it")
+        micro = p.micro_batches or p.pp
+        if p.pp > 1 and (batch // dp) % micro:
+            local = batch // dp
+            bad("parallel.micro_batches", p.micro_batches,
+                f"{micro} micro-batches do not divide the local batch {local} "
+                f"(train.batch_size / dp); pick a divisor of {local}")
+
+
+# The loader needs the classes above; importing it last keeps one public module.
+from .load import _build, apply_overrides, load_config, parse_override_args  # noqa: E402
+from .fields import _type_problems, describe_options, field_help  # noqa: E402

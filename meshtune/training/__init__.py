@@ -1,0 +1,1 @@
+"""One process's training: the loop and its compiled step, losses, optimizers, checkpoints and metrics."""

@@ -1,0 +1,303 @@
+"""End-to-end runs of the `meshtune` command on the embedded model: files, metrics, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from conftest import ARITH_DATA, TINY_MODEL
+
+QUICK = ["--batch-size", "8", "--num-layers", "-1", "--learning-rate", "1e-3", "--mask-prompt",
+         "--train.steps_per_report", "2", "--steps-per-eval", "3", "--save-every", "3",
+         "--train.val_batches", "2"]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 6-step LoRA run on the embedded default, shared by the read-only tests below."""
+    from conftest import run_cli
+
+    run = tmp_path_factory.mktemp("cli") / "run"
+    proc = run_cli("train", "--iters", "6", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc
+
+
+def test_train_writes_the_promised_files(trained):
+    run, proc = trained
+    assert "BLAS:" in proc.stdout
+    assert "trainable parameters" in proc.stdout
+    assert (run / "adapters.safetensors").exists()
+    config = json.loads((run / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "lora" and config["num_layers"] == -1
+    assert Path(config["model"]) == TINY_MODEL and Path(config["data"]) == ARITH_DATA
+    assert config["lora_parameters"]["rank"] == 8
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000003", "0000006"]
+    for ckpt in (run / "checkpoints").iterdir():
+        assert {p.name for p in ckpt.iterdir()} == {"adapters.safetensors", "optimizer.safetensors",
+                                                    "config.yaml", "state.json"}
+        state = json.loads((ckpt / "state.json").read_text())
+        assert state["step"] == int(ckpt.name) and "epoch" in state["data_cursor"]
+
+
+def test_metrics_lines(trained):
+    run, _ = trained
+    recs = _records(run)
+    train = [r for r in recs if r["type"] == "train"]
+    val = [r for r in recs if r["type"] == "val"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert [r["step"] for r in val] == [0, 3, 6]
+    for r in train:
+        assert r["tokens"] > 0 and r["tokens_per_sec"] > 0 and r["peak_memory_gb"] > 0
+        assert r["learning_rate"] == pytest.approx(1e-3)
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+
+
+def test_stock_mlx_lm_loads_our_adapters_with_same_logits(trained):
+    from mlx_lm.utils import load
+
+    from meshtune.api import load_for_inference
+
+    run, _ = trained
+    stock, _ = load(str(TINY_MODEL), adapter_path=str(run))
+    ours, tok = load_for_inference(str(TINY_MODEL), run)
+    tokens = mx.array([tok.encode("What is 12 + 34?")])
+    assert mx.array_equal(stock(tokens), ours(tokens))
+
+
+def test_existing_run_is_not_overwritten(trained, cli):
+    run, _ = trained
+    before = (run / "adapters.safetensors").read_bytes()
+    proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 2
+    assert "already holds a run" in proc.stderr and "--resume" in proc.stderr
+    assert (run / "adapters.safetensors").read_bytes() == before
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path, cli):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    # Report every 3 steps so the interrupted run's final report (step 3) is one the
+    # uninterrupted run makes too; dropout makes the RNG matter.
+    args = [*QUICK, "--adapter.dropout", "0.1", "--train.steps_per_report", "3"]
+    assert cli("train", "--iters", "6", *args, "--adapter-path", str(whole)).returncode == 0
+    assert cli("train", "--iters", "3", *args, "--adapter-path", str(part)).returncode == 0
+    proc = cli("train", "--iters", "6", *args, "--adapter-path", str(part), "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from step 3" in proc.stdout
+    strip = lambda rs: [{k: v for k, v in r.items() if k in ("type", "step", "loss", "val_loss")} for r in rs]  # noqa: E731
+    assert strip(_records(part)) == strip(_records(whole))
+    assert (part / "adapters.safetensors").read_bytes() == (whole / "adapters.safetensors").read_bytes()
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path, cli):
+    proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(tmp_path / "none"), "--resume")
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr
+
+
+def test_bad_config_names_file_line_and_nearest_key(tmp_path, cli):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  iters: 5\n  batch_sise: 4\n")
+    proc = cli("train", "-c", str(bad))
+    assert proc.returncode == 2
+    assert "bad.yaml:3" in proc.stderr and "batch_size" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_override_is_rejected(cli):
+    proc = cli("train", "--train.iter", "5")
+    assert proc.returncode == 2 and "train.iters" in proc.stderr
+
+
+def test_mlx_lm_config_is_accepted_and_mapping_printed(tmp_path, cli):
+    cfg = tmp_path / "lora_config.yaml"
+    cfg.write_text(f"model: {TINY_MODEL}\ndata: {ARITH_DATA}\ntrain: true\nfine_tune_type: lora\n"
+                   "num_layers: 2\nbatch_size: 8\niters: 2\nlearning_rate: 1e-4\nsteps_per_report: 1\n"
+                   "val_batches: 1\nlora_parameters:\n  rank: 4\n  scale: 10.0\n  dropout: 0.0\n"
+                   f"adapter_path: {tmp_path / 'run'}\n")
+    proc = cli("train", "-c", str(cfg))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mlx-lm key mapped: learning_rate -> optimizer.learning_rate" in proc.stdout
+    assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())["lora_parameters"]["rank"] == 4
+
+
+def test_full_fine_tune_loads_in_stock_mlx_lm(tmp_path, cli):
+    from mlx_lm.utils import load
+
+    run = tmp_path / "full"
+    proc = cli("train", "--iters", "2", *QUICK, "--fine-tune-type", "full", "--num-layers", "1",
+               "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    weights = mx.load(str(run / "adapters.safetensors"))
+    assert weights and all(k.startswith("model.layers.3.") for k in weights)
+    model, _ = load(str(TINY_MODEL), adapter_path=str(run))
+    assert mx.array_equal(model.model.layers[3].mlp.up_proj.weight, weights["model.layers.3.mlp.up_proj.weight"])
+
+
+def test_fuse_and_generate(trained, tmp_path, cli):
+    from mlx_lm.utils import load
+
+    run, _ = trained
+    fused = tmp_path / "fused"
+    proc = cli("fuse", "--adapter-path", str(run), "--save-path", str(fused))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    base, tok = load(str(TINY_MODEL), adapter_path=str(run))
+    merged, _ = load(str(fused))
+    tokens = mx.array([tok.encode("What is 40 + 2?")])
+    assert mx.allclose(base(tokens), merged(tokens), atol=1e-4)
+    proc = cli("generate", "--adapter-path", str(run), "--prompt", "What is 40 + 2?", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # Greedy: the command prints what stock mlx-lm generates from the same model and prompt.
+    from mlx_lm import generate
+
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 40 + 2?"}],
+                                     add_generation_prompt=True, return_dict=False)
+    assert proc.stdout == generate(base, tok, prompt=prompt, max_tokens=4) + "\n"
+
+
+def test_quantized_base_trains_and_fuse_requantizes(tmp_path, cli):
+    from mlx_lm import convert
+    from mlx_lm.utils import load
+
+    q = tmp_path / "q4"
+    convert(str(TINY_MODEL), mlx_path=str(q), quantize=True, q_group_size=32, q_bits=4)
+    run = tmp_path / "run"
+    proc = cli("train", "--model", str(q), "--iters", "2", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fused = tmp_path / "fused"
+    assert cli("fuse", "--adapter-path", str(run), "--save-path", str(fused)).returncode == 0
+    assert json.loads((fused / "config.json").read_text())["quantization"]["bits"] == 4
+    model, tok = load(str(fused))
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    dense = tmp_path / "dense"
+    assert cli("fuse", "--adapter-path", str(run), "--save-path", str(dense), "--dequantize").returncode == 0
+    assert "quantization" not in json.loads((dense / "config.json").read_text())
+
+
+def test_blas_choice_is_logged_and_can_be_turned_off(tmp_path, cli):
+    from meshtune.runtime.blas import find_system_openblas
+
+    env_preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        args = ["train", "--iters", "1", *QUICK, "--train.val_batches", "0"]
+        on = cli(*args, "--adapter-path", str(tmp_path / "on"))
+        off = cli("--no-system-blas", *args, "--adapter-path", str(tmp_path / "off"))
+        by_config = cli(*args, "--runtime.system_blas", "false", "--adapter-path", str(tmp_path / "cfg"))
+    finally:
+        if env_preload is not None:
+            os.environ["LD_PRELOAD"] = env_preload
+    assert on.returncode == 0 and off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
+    assert "BLAS: MLX's bundled reference BLAS" in off.stdout
+    assert "BLAS: MLX's bundled reference BLAS" in by_config.stdout
+    if find_system_openblas():
+        assert "BLAS: system OpenBLAS" in on.stdout
+
+
+def test_bench_peer_prints_both_and_json(cli):
+    proc = cli("bench", "peer", "--iters", "4", "--report-every", "2", "--batch-size", "8", "--repeats", "1",
+               "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlx_lm.lora" in proc.stdout and "meshtune" in proc.stdout and "BLAS:" in proc.stdout
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"stock_tok_s", "meshtune_tok_s", "ratio"}
+    assert result["stock_tok_s"] > 0 and result["meshtune_tok_s"] > 0
+    assert result["ratio"] == pytest.approx(result["meshtune_tok_s"] / result["stock_tok_s"])
+
+
+def test_grad_checkpoint_gives_the_same_losses(tmp_path, cli):
+    args = ["train", "--iters", "2", *QUICK, "--train.steps_per_report", "1", "--train.val_batches", "0"]
+    plain = cli(*args, "--adapter-path", str(tmp_path / "plain"))
+    ckpt = cli(*args, "--grad-checkpoint", "--adapter-path", str(tmp_path / "ckpt"))
+    assert plain.returncode == 0 and ckpt.returncode == 0, ckpt.stderr[-2000:]
+    losses = lambda run: [r["loss"] for r in _records(run) if r["type"] == "train"]  # noqa: E731
+    assert losses(tmp_path / "ckpt") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model"], "model.path=/no/such/model: no mlx-lm model folder there"),
+    (["--data", "/no/such/data"], "data.path=/no/such/data: no such folder"),
+    (["--num-layers", "9"], "adapter.num_layers=9 but the model has 4 blocks"),
+    (["--batch-size", "0"], "train.batch_size"),
+])
+def test_bad_input_is_one_line_naming_the_option(tmp_path, cli, args, message):
+    proc = cli("train", "--iters", "1", *args, "--adapter-path", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "adapters.safetensors").exists()
+
+
+def test_bf16_model_trains(tmp_path, cli):
+    from mlx_lm import convert
+
+    bf16 = tmp_path / "bf16"
+    convert(str(TINY_MODEL), mlx_path=str(bf16), dtype="bfloat16")
+    run = tmp_path / "run"
+    proc = cli("train", "--model", str(bf16), "--iters", "2", *QUICK, "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(r["loss"] == r["loss"] for r in _records(run) if r["type"] == "train")  # finite, not NaN
+
+
+def test_dora_on_a_quantized_base_fuses_and_stock_loads(tmp_path, cli):
+    from mlx_lm import convert
+    from mlx_lm.utils import load
+
+    from meshtune.api import load_for_inference
+
+    q = tmp_path / "q4"
+    convert(str(TINY_MODEL), mlx_path=str(q), quantize=True, q_group_size=32, q_bits=4)
+    run = tmp_path / "run"
+    proc = cli("train", "--model", str(q), "--iters", "2", *QUICK, "--fine-tune-type", "dora",
+               "--adapter-path", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run / "adapter_config.json").read_text())["loadable_by_mlx_lm"] is True
+    ours, tok = load_for_inference(str(q), run)
+    stock, _ = load(str(q), adapter_path=str(run))
+    tokens = mx.array([tok.encode("What is 21 + 21?")])
+    assert mx.allclose(ours(tokens), stock(tokens), atol=1e-3)
+    fused = tmp_path / "fused"
+    assert cli("fuse", "--adapter-path", str(run), "--save-path", str(fused), "--dequantize").returncode == 0
+    merged, _ = load(str(fused))
+    assert mx.allclose(merged(tokens), ours(tokens), atol=1e-3)
+
+
+def test_overlapped_steps_train_exactly_as_steps_waited_for(tmp_path, cli):
+    """runtime.overlap_steps dispatches each micro-batch while the one before still runs;
+    the run's losses and adapters are those of a run that waits for every step (DoRA,
+    dropout's random draws, two micro-batches a step, a save and an eval in between)."""
+    args = [*QUICK, "--fine-tune-type", "dora", "--adapter.dropout", "0.1", "--train.grad_accumulation_steps", "2"]
+    runs = {}
+    for mode in ("true", "false"):
+        runs[mode] = tmp_path / mode
+        proc = cli("train", "--iters", "6", *args, "--runtime.overlap_steps", mode, "--adapter-path", str(runs[mode]))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    strip = lambda rs: [{k: v for k, v in r.items() if k in ("type", "step", "loss", "val_loss")} for r in rs]  # noqa: E731
+    assert strip(_records(runs["true"])) == strip(_records(runs["false"]))
+    assert len([r for r in _records(runs["true"]) if r["type"] == "train"]) == 3
+    for name in ("adapters.safetensors", "checkpoints/0000003/optimizer.safetensors"):
+        assert (runs["true"] / name).read_bytes() == (runs["false"] / name).read_bytes(), name
+
+
+def test_overlap_steps_takes_auto_true_or_false(tmp_path, cli):
+    proc = cli("train", "--iters", "2", *QUICK, "--runtime.overlap_steps", "always", "--adapter-path", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert "overlap_steps" in proc.stderr and "auto" in proc.stderr and "bool" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_dora_fold_setting_takes_auto_1_or_0(tmp_path, cli, monkeypatch):
+    """MESHTUNE_DORA_FOLD (the folded DoRA step on CUDA, auto by default): any other value is a
+    one-line error naming the variable and its values, before anything is written."""
+    monkeypatch.setenv("MESHTUNE_DORA_FOLD", "yes")
+    proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MESHTUNE_DORA_FOLD='yes'" in lines[0]
+    assert all(value in lines[0] for value in ("auto", "1 (always)", "0 (never)"))
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,85 @@
+"""The compiled step: token weighting, accumulation and clipping, on a tiny model in code."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import pytest
+
+from meshtune.adapters import apply_adapters, trainable_parameters
+from meshtune.parallel.mesh import Mesh
+from meshtune.training.loop import build_step, loss_terms
+
+
+def _batch(rows: list[list[int]], offsets: list[int], width: int = 9):
+    tokens = mx.zeros((len(rows), width), dtype=mx.int32)
+    arr = [[*r, *([0] * (width - len(r)))] for r in rows]
+    tokens = mx.array(arr, dtype=mx.int32)
+    lengths = mx.array([[o, len(r)] for r, o in zip(rows, offsets)], dtype=mx.int32)
+    return tokens, lengths
+
+
+ROWS = [[1, 5, 7, 9, 2], [3, 4, 8, 8, 8, 8, 6, 2], [11, 12, 2], [5, 6, 7, 8, 9, 10, 2]]
+OFFS = [1, 3, 0, 2]
+
+
+def test_loss_counts_only_real_targets(model_factory):
+    model = model_factory()
+    tokens, lengths = _batch(ROWS, OFFS)
+    _, n = loss_terms(model, tokens, lengths)
+    # Row with length L and prompt offset o contributes L - max(o, 1) targets.
+    assert n.item() == sum(len(r) - max(o, 1) for r, o in zip(ROWS, OFFS))
+
+
+def _run(model_factory, micro_batches, clip=0.0, compile=True):
+    model = model_factory(seed=3)
+    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=4, scale=10.0, dropout=0.0)
+    # Non-zero B so every adapter parameter gets a gradient.
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.full(m.lora_b.shape, 0.01)
+    opt = optim.SGD(learning_rate=0.1)
+    opt.init(model.trainable_parameters())
+    step = build_step(model, opt, Mesh.single(), max_grad_norm=clip, compile=compile)
+    grads = ntoks = None
+    for i, (rows, offs) in enumerate(micro_batches):
+        _, _, grads, ntoks = step(*_batch(rows, offs), grads, ntoks, i == len(micro_batches) - 1)
+        mx.eval(model.state, opt.state, grads, ntoks)
+    return trainable_parameters(model)
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_accumulation_equals_one_big_batch(model_factory, compile):
+    whole = _run(model_factory, [(ROWS, OFFS)], compile=compile)
+    split = _run(model_factory, [(ROWS[:1], OFFS[:1]), (ROWS[1:], OFFS[1:])], compile=compile)
+    for k in whole:
+        assert mx.allclose(whole[k], split[k], atol=1e-5), k
+
+
+def test_clipping_bounds_the_update(model_factory):
+    free = _run(model_factory, [(ROWS, OFFS)])
+    clipped = _run(model_factory, [(ROWS, OFFS)], clip=1e-3)
+    model = model_factory(seed=3)
+    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=4, scale=10.0, dropout=0.0)
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.full(m.lora_b.shape, 0.01)
+    start = trainable_parameters(model)
+    moved = lambda p: sum(((p[k] - start[k]) ** 2).sum().item() for k in p) ** 0.5  # noqa: E731
+    assert moved(clipped) == pytest.approx(0.1 * 1e-3, rel=1e-3)
+    assert moved(free) > 10 * moved(clipped)
+
+
+def test_grad_checkpoint_marks_the_blocks_it_recomputes():
+    """adapters/step_norms.py leaves dequantizing to recomputed blocks: it needs to tell them."""
+    import mlx.nn as nn
+
+    from meshtune.training.loop import enable_grad_checkpoint
+
+    class Block(nn.Module):
+        def __call__(self, x):
+            return x
+
+    assert not getattr(Block.__call__, "recomputes_in_backward", False)
+    enable_grad_checkpoint(Block())
+    assert Block.__call__.recomputes_in_backward
