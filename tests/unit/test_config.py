@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import meshtune
+
 from meshtune.config.schema import (
     MLX_LM_FLAGS,
     MLX_LM_SWITCHES,
