@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -15,8 +16,7 @@ from conftest import tiny_llama  # noqa: E402
 
 from meshtune.adapters import apply_adapters  # noqa: E402
 from meshtune.parallel.mesh import Mesh  # noqa: E402
-from meshtune.parallel.pipeline import PipelineStage, pipeline_step  # noqa: E402
-from meshtune.parallel.schedules import build  # noqa: E402
+from meshtune.parallel.pipeline import Pipeline  # noqa: E402
 
 
 def make_model_and_batch(kind: str = "lora"):
@@ -42,11 +42,13 @@ def main() -> None:
     transfer = sys.argv[5] if len(sys.argv) > 5 else None  # "all_sum": the NCCL path, forced on ring
     model, tokens, lengths = make_model_and_batch(kind)
     mesh = Mesh.from_world(mx.distributed.init(), pp=2)
-    stage = PipelineStage(model, mesh.rank, 2, mesh, transfer=transfer)
-    print(f"TRANSFER {stage.links.mode}", flush=True)
-    schedule = build(schedule_name, 2, micro_batches)
-    opt = optim.SGD(learning_rate=0.1)
-    losses = [pipeline_step(stage, schedule, tokens, lengths, micro_batches, opt)[0].item() for _ in range(2)]
+    pipeline = Pipeline(model, optim.SGD(learning_rate=0.1), mesh, schedule=schedule_name, micro_batches=micro_batches,
+                        transfer=transfer)
+    print(f"TRANSFER {pipeline.stage.links.mode}", flush=True)
+    losses = []
+    for _ in range(2):  # the loss before each update, on every rank (only the last stage's sums are non-zero)
+        loss_sum, tokens_n = pipeline.step(iter([SimpleNamespace(tokens=tokens, lengths=lengths)]))
+        losses.append((mesh.all_sum(loss_sum) / mesh.all_sum(tokens_n)).item())
     mx.save_safetensors(str(out / f"rank{mesh.rank}.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     print("LOSSES " + json.dumps(losses), flush=True)
 
