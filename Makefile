@@ -1,29 +1,34 @@
 # make demo: set up .venv if missing, then fine-tune the embedded model (before/after figures).
-# make test: set up .venv if missing, then run every test.
+# make test: set up .venv if missing, then run every test (tests/unit, tests/integration, tests/cuda).
 # make soak: the long soak (meshtune bench soak), outside the test suite.
+# make tiny-model: rebuild the embedded model and data in meshtune/assets (tools/make_tiny_model.py; minutes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshtune-installed
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+# Commands that import MLX in-process get the BLAS preload here rather than by re-exec.
+BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS))
 
-.PHONY: demo test soak setup openblas clean
+.PHONY: demo test soak tiny-model setup openblas clean
 
 demo: $(STAMP)
 	$(VENV)/bin/meshtune demo
 
-# Tests import MLX in-process, so the BLAS preload is set here rather than by re-exec.
 # Two tests at a time (pytest-xdist; TEST_WORKERS=1 for one), then alone the `serial` ones,
 # which time a lost rank or a watchdog in seconds and must not share the cores.
 TEST_WORKERS ?= 2
-TEST_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS))
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -p xdist -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=15 tests
-	$(TEST_ENV) $(PY) -m pytest -q -m serial --durations=5 tests
+	$(BLAS_ENV) $(PY) -m pytest -q -p xdist -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=15 tests
+	$(BLAS_ENV) $(PY) -m pytest -q -m serial --durations=5 tests
 
 # make soak: 2,000 steps on 2 ranks (memory growth) and 20 short 3-rank runs (no hang); not in `make test`.
 soak: $(STAMP)
-	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(PY) -m meshtune.cli bench soak --steps 2000 --repeats 20
+	$(BLAS_ENV) $(PY) -m meshtune.cli bench soak --steps 2000 --repeats 20
+
+# The maintainer tools (tools/README.md); tests/integration/test_tools.py runs each briefly.
+tiny-model: $(STAMP)
+	$(BLAS_ENV) $(PY) tools/make_tiny_model.py --out-dir meshtune/assets
 
 setup: $(STAMP)
 

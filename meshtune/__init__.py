@@ -14,8 +14,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Config": "meshtune.config.schema",
-    "load_config": "meshtune.config.schema",
+    "Config": "meshtune.config",
+    "load_config": "meshtune.config",
     "finetune": "meshtune.api",
     "fuse": "meshtune.api",
     "generate": "meshtune.api",

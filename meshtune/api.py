@@ -1,8 +1,10 @@
 """The Python API: finetune(cfg) -> RunResult, fuse(...), generate(...).
 
-`finetune` is the whole run as the design lays it out: validate -> mesh -> load
-model -> freeze and apply adapters -> optimizer -> data iterator for this rank ->
-restore a checkpoint when resuming -> loop -> final save. The CLI calls only these.
+`finetune` is the whole run as the design lays it out: validate -> the mesh's
+strategy, checked -> load model -> freeze and apply adapters -> data iterator for
+this rank -> optimizer -> strategy -> restore a checkpoint when resuming -> loop ->
+final save. The strategy (training/strategy.py) is picked once, from the mesh;
+everything after goes through it. The CLI calls only these.
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ from mlx.utils import tree_flatten
 from . import adapters as ad
 from .runtime.blas import describe_blas
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
-                         list_checkpoints, load_checkpoint, resumable_checkpoint, save_checkpoint, write_error)
-from .config.schema import Config
+                                  list_checkpoints, write_error)
+from .config import Config
 from .data import BatchIterator, Features, load_datasets
 from .runtime.heap import keep_freed_memory
+from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
-from .parallel.pipeline import check_stage_layers
-from .parallel.socket_ring import hostfile_ips
+from .parallel.pipeline import Pipeline
 from .training.metrics import METRICS_FILE, Reporter
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
-from .training.loop import LoopSettings, enable_grad_checkpoint, evaluate, overlaps_steps, train
+from .training.loop import LoopSettings, train
+from .training.step import enable_grad_checkpoint, overlaps_steps
+from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 
 # Sections that must match between a checkpoint and the run resuming it.
@@ -148,8 +152,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
-    if mesh.pp > 1:
-        _check_pipeline_limits(cfg, mesh)
+    # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
+    layout = Pipeline if mesh.pp > 1 else DataParallel
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
     if mesh.is_writer:
@@ -167,13 +171,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if not Path(data_path).is_dir():  # fail before the (possibly long) model load
         raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
                          "train.jsonl and valid.jsonl (and test.jsonl to test)")
-    if cfg.parallel.transport == "sockets" and mesh.world_size > 1:  # before the load, too
-        if mesh.pp > 1:
-            raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
-                             f"parallel.pp={mesh.pp} set parallel.transport: mlx")
-        hostfile_ips()  # says what to change when there is no ring hostfile
-    if mesh.pp > 1 and (declared := _declared_layers(Path(model_path))) is not None:
-        check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)  # before the (possibly long) load
+    layout.check(cfg, mesh, Path(model_path))  # before the load, too
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
@@ -193,35 +191,14 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     o, a = cfg.optimizer, cfg.adapter
     optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
                                 options=o.options)
-
-    trainable_keys = list(ad.trainable_parameters(model))
-    pipeline = stage = None
-    if mesh.pp > 1:  # this rank trains only its stage's blocks from here on
-        from .parallel.pipeline import PipelineStage, stage_runner
-        from .parallel.schedules import build as build_schedule_actions
-
-        _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
-        stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=cfg.parallel.stage_layers)
-        actions = build_schedule_actions(cfg.parallel.schedule, mesh.pp, micro_batches)
-        pipeline = stage_runner(stage, actions, micro_batches, optimizer,
-                                accumulation=cfg.train.grad_accumulation_steps, max_grad_norm=cfg.train.max_grad_norm)
-        say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
-        say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in stage.bounds))
-
-    def current_weights() -> dict[str, mx.array]:
-        """All trained weights; on a pipeline, gathered from every stage (a collective)."""
-        if stage is None:
-            return ad.trainable_parameters(model)
-        from .parallel.pipeline_state import gather_parameters
-
-        weights = gather_parameters(stage, trainable_keys)
-        model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
-        return weights
+    overlap = overlaps_steps(cfg.runtime.overlap_steps)
+    # A pipeline rank trains only its stage's blocks from here on.
+    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlap, say=say)
 
     resolved = cfg.to_dict()
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
-        start = _restore(out, model, optimizer, batches, resolved, say, stage)
+        start = _restore(out, strategy, batches, resolved, say)
         if mesh.is_writer:
             _drop_metrics_after(out, start.step)
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
@@ -243,46 +220,31 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             indent=2))
 
     def save(state: TrainingState) -> None:
-        weights = current_weights()
-        if stage is not None:  # each stage's writer its own shard (a collective)
-            from .parallel.pipeline_state import save_stages
-
-            save_stages(out, stage, optimizer, state=state, config=resolved, keep=cfg.output.keep_last_n)
-        if not mesh.is_writer:
-            return
-        if stage is None:
-            save_checkpoint(out, state=state, trainable=weights, optimizer_state=optimizer.state,
-                            config=resolved, keep=cfg.output.keep_last_n)
-        try:
-            atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
-        except OSError as err:
-            raise CheckpointWriteError(write_error(out, err)) from None
+        """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
+        weights = strategy.gather_weights()
+        strategy.save(out, state, config=resolved, keep=cfg.output.keep_last_n)
+        if mesh.is_writer:
+            try:
+                atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
+            except OSError as err:
+                raise CheckpointWriteError(write_error(out, err)) from None
 
     validate = None
-    overlap = overlaps_steps(cfg.runtime.overlap_steps)
     if data.valid is not None and cfg.train.val_batches != 0:
         val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
-        # Pipeline ranks each evaluate the whole gathered model on their replica's
-        # batches; only stage 0 of each replica counts, so nothing is summed twice.
-        counts = stage is None or stage.first
-        validate = lambda: (current_weights(), evaluate(model, val_batches, mesh, beat=watchdog.alive,  # noqa: E731
-                                                        counts=counts, overlap=overlap))[1]
+        validate = lambda: strategy.evaluate(val_batches, beat=watchdog.alive)  # noqa: E731
     t = cfg.train
-    settings = LoopSettings(iters=t.iters, grad_accumulation_steps=t.grad_accumulation_steps,
-                            steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
-                            save_every=t.save_every, max_grad_norm=t.max_grad_norm, compile=t.compile,
-                            grad_sync=cfg.parallel.grad_sync, bucket_mb=cfg.parallel.bucket_mb,
-                            transport=cfg.parallel.transport,
-                            overlap_steps=overlap)
+    settings = LoopSettings(iters=t.iters, steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
+                            save_every=t.save_every)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
+    model.train()
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:
-        result = train(model, optimizer, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                       start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat,
-                       pipeline=pipeline)
+        result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
+                       start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
         test_loss = None
         if t.test and data.test is not None and not result.stopped_early:
-            test_loss, n = evaluate(model, _eval_batches(data.test, cfg, mesh, t.test_batches), mesh, overlap=overlap)
+            test_loss, n = strategy.evaluate(_eval_batches(data.test, cfg, mesh, t.test_batches))
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
@@ -295,62 +257,29 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                      stopped_early=result.stopped_early)
 
 
-def _restore(out: Path, model: nn.Module, optimizer: Any, batches: BatchIterator,
-             resolved: dict[str, Any], say: Callable[[str], None], stage: Any = None) -> TrainingState:
+def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: dict[str, Any],
+             say: Callable[[str], None]) -> TrainingState:
     """Load the newest intact checkpoint into model, optimizer and data cursor.
 
-    Damaged ones (checksums, missing files) are skipped with a line each. A pipeline
-    stage loads what it trains, from its own shard (parallel/pipeline_state.py); the
-    ranks agree on the step. The RNG needs no restoring: the loop reseeds it from
-    (seed, step) every step.
+    Damaged ones (checksums, missing files) are skipped with a line each; a pipeline's
+    ranks agree on the step and each stage loads what it trains (parallel/pipeline_state.py).
+    The RNG needs no restoring: the loop reseeds it from (seed, step) every step.
     """
-    if stage is None:
-        path = resumable_checkpoint(out, say)
-    else:
-        from .parallel.pipeline_state import load_stage_checkpoint, resumable_step
-
-        found_step = resumable_step(out, stage, say)
-        path = found_step[0] if found_step else None
-    if path is None:
+    ckpt = strategy.latest_checkpoint(out, say)
+    if ckpt is None:
         found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
         raise ValueError(f"--resume: {what} in {out / 'checkpoints'}; "
                          "run without --resume to start, or point --adapter-path at the run")
-    ckpt = load_checkpoint(path) if stage is None else load_stage_checkpoint(path, found_step[1], stage)
     changed = [f"{section}.{k}" for section in RESUME_MUST_MATCH
                for k in sorted(set(resolved[section]) | set(ckpt.config.get(section, {})))
                if resolved[section].get(k) != ckpt.config.get(section, {}).get(k)]
     if changed:
-        raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {path}; "
+        raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {ckpt.path}; "
                          "resume with the run's own settings or start a new --adapter-path")
-    if stage is None:
-        single = path / ad.ADAPTER_FILE  # absent from a pipeline's checkpoint: its stages' shards are merged
-        ad.load_trainable(model, single if single.exists() else path, ckpt.trainable)
-    else:
-        model.load_weights(list(ckpt.trainable.items()), strict=False)
-    optimizer.state = ckpt.optimizer_state
-    optimizer.init(model.trainable_parameters())
+    strategy.restore(ckpt)
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
-
-
-def _declared_layers(model_path: Path) -> int | None:
-    """The block count a local model folder's config.json declares (None when unknown)."""
-    try:
-        config = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
-    return layers if isinstance(layers, int) else None
-
-
-def _check_pipeline_limits(cfg: Config, mesh: Mesh) -> None:
-    """What the pipeline path does not do yet, said before anything loads."""
-    problems = []
-    if cfg.train.grad_checkpoint:
-        problems.append("train.grad_checkpoint with a pipeline is not needed: stages recompute their forward")
-    if problems:
-        raise ValueError("parallel.pp=" + str(mesh.pp) + ": " + "; ".join(problems))
 
 
 def _drop_metrics_after(out: Path, step: int) -> None:

@@ -34,7 +34,7 @@ def exact_match(model: nn.Module, tokenizer: Any, rows: list[dict[str, str]], *,
 def run_demo(adapter_path: str = "runs/demo", overrides: list[str] | None = None) -> int:
     """Train the demo config and print the before/after table; returns an exit code."""
     from .api import finetune, load_for_inference
-    from .config.schema import load_config, parse_override_args
+    from .config import load_config, parse_override_args
     from .training.metrics import read_metrics
 
     items = parse_override_args(overrides or [])

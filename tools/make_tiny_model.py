@@ -17,21 +17,19 @@ The base model is pretrained here, on CPU, on text the script generates itself
 value, templated sentences, and chat turns about other things), so the repo
 ships no third-party text and the base model never sees a two-digit +
 two-digit sum (asserted).  The two-digit + one-digit sums give LoRA a units
-and carry circuit to adapt; in a one-seed ablation without them, LoRA still
-learned the task, only later (validation loss 0.22 instead of 0.08 at
-iteration 750 of the same run).
-
-Measured on 2 CPU cores with OpenBLAS, stock mlx-lm LoRA (rank 8, scale 20,
-all 4 layers, mask_prompt, Adam lr 2e-4 constant, batch 16, 1000 iterations,
-about 40 s) takes greedy exact match on test.jsonl from 0% to 93-98%
-(masked validation loss 6.6 -> 0.02-0.09 over LoRA seeds 0-2).
+and carry circuit to adapt; without them LoRA still learns the task, only later.
+``make demo`` fine-tunes the result and prints validation loss and greedy exact
+match on test.jsonl before and after.
 
 Outputs are bit-identical across runs on one machine; another BLAS or CPU
 may change the weights in the last bits.
 
 Usage::
 
-    python tools/make_tiny_model.py [--out-dir meshtune/assets] [--steps 2000]
+    make tiny-model                       # rebuild meshtune/assets in place
+    python tools/make_tiny_model.py [--out-dir meshtune/assets] [--steps 2000] [--docs 60000]
+
+tests/integration/test_tools.py runs it for a few steps into a temporary folder.
 
 On Linux, preloading OpenBLAS (``LD_PRELOAD=.../openblas-pthread/libblas.so.3``)
 makes the CPU matmuls much faster; pretraining takes a few minutes on 2 cores.

@@ -31,12 +31,10 @@ from . import kernels
 
 # Where W A's r columns come from in MLX ops (on CUDA one kernel computes them, kernels.py).
 # True: r extra rows on the activations' product ([x; A^T] W^T), W read once; on the CPU
-# that wins (W's read is as long as the base product at small batches: 15.5 ms vs 19.6 ms
-# a layer step, scripts/profile_adapted_linear.py). False: their own r-row product.
+# that wins (W's read is as long as the base product at small batches). False: their own r-row product.
 NORM_ROWS_ON_BASE_PRODUCT = True
-# The extended product's rows are zero-padded to a multiple of this. GEMM kernels tile rows
-# (OpenBLAS here: 128 + 8 rows took 17.0 ms, 144 rows 15.5, 128 rows 14.1 for a 6144 x 2048
-# float32 weight, scripts/probes/extended_rows.py); a few zero rows cost less than a ragged tile.
+# The extended product's rows are zero-padded to a multiple of this: GEMM kernels tile rows, and
+# a few zero rows cost less than a ragged tile.
 ROW_MULTIPLE = 16
 
 
@@ -90,13 +88,13 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
     already folded into W (W' = rs W by rows: kernels.row_norms_and_scaled_cuda writes both). The
     product is then LoRA's on W' and B' = B rs (no row-scale multiply, no g * rs pass; B's gradient
     takes rs in the multiply its scale already has) and m's gradient, sum_t g y / (rs * norm), is
-    the only pass DoRA adds (kernels.magnitude_grad_cuda on CUDA).
+    the only pass DoRA adds (kernels.magnitude_and_b_grad_cuda on CUDA).
 
-    `factors` (with `row_scale`): (A, B' = B rs) already in x's dtype (the step's norm launches wrote them:
-    kernels.writes_factors()), used in place of casting A and scaling B here; ignored in another dtype.
+    `factors` (with `row_scale`): (A, B' = B rs) already in x's dtype (the step's folded norm launches wrote them:
+    kernels.row_norms_and_scaled_cuda), used in place of casting A and scaling B here; ignored in another dtype.
 
     `merged` (with `row_scale`, and no `x_lora` apart from x): W is the whole adapted weight,
-    W' = rs (W + s (A B)^T) (kernels.MERGED_FOLD): y = x W'^T is one product and the input's
+    W' = rs (W + s (A B)^T) (a folded step's layers without dropout): y = x W'^T is one product and the input's
     gradient g W' another; A's, B's and m's gradients are the folded step's.
     """
     lead = x.shape[:-1]
@@ -150,8 +148,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             base = x2 @ weight.T
             norm, rs = dora_row_scale(ac.T @ weight.T, a, b, w_sq, m, scale, dt)
         # rs * (base + s u) is one fused elementwise kernel where MLX compiles the step, in the
-        # place of LoRA's base + s u (on an H200 it beat a custom kernel for it in the 1B step:
-        # 75.1 vs 77.2 ms bf16, docs/bench/step_norms_h200.txt). Kept for the backward: rs for
+        # place of LoRA's base + s u (it beat a custom kernel for it). Kept for the backward: rs for
         # the MLX ops only (an output is an array of its own, a launch; the CUDA kernel forms
         # rs from m / norm), the norm unless given (the backward takes a given one from here).
         y = rs * (base + (scale * ((xl @ ac) @ bc)).astype(dt))
@@ -168,14 +165,11 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
                       else dora_cotangent(g, outputs[0], outputs[1], norm))
         gxa = gz @ bc.T  # (T, r)
         ga = (scale * (xl.T @ gxa)).astype(a.dtype)
-        if folded and on_kernels and kernels.B_PRODUCT_IN_SUMS:
+        if folded and on_kernels:
             # m's gradient from the output kept, and d B = s (x A)^T g rs with (x A)^T g summed in the same pass
             # over g (no matmul for it): two launches.
             dm, gb = kernels.magnitude_and_b_grad_cuda(g, outputs[0], xl @ ac, m, given_norm, scale,
                                                        rs_dtype=weight.dtype)
-        elif folded and on_kernels:  # m's gradient from the output kept, and d B = s (x A)^T g rs, in one launch
-            dm, gb = kernels.magnitude_grad_cuda(g, outputs[0], m, given_norm, b_product=(xl @ ac).T @ gz,
-                                                 b_scale=scale, rs_dtype=weight.dtype)
         elif folded:
             dm = dora_cotangent(g, outputs[0], rs_folded.astype(dt), given_norm)[1]
             gb = scale * ((xl @ ac).T @ gz) * rs_folded

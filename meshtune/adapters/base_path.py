@@ -4,7 +4,7 @@ A quantized base can be multiplied two ways with the same result (within float
 rounding): `quantized_matmul` / `gather_qmm` on the packed weight, or dequantize the
 weight on the fly and use the dense `matmul` / `gather_mm`. The quantized kernel wins at
 a few tokens (generation reads 4x less memory); the dense kernel wins at training token
-counts (DESIGN.md: 4-bit LoRA on an H200 went from 2.42x to 1.21x the bf16 step time).
+counts (docs/performance.md).
 Where the crossover lies depends on the machine, the backend and the layer shape, so
 `auto` measures it once per (shape, bits, group size, mode, dtype) with
 `measure_crossover` and caches it for the process; `set_base_path` pins either path.

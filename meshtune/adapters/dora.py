@@ -9,7 +9,7 @@ LoRA class plus three things: the magnitude `m` (set with the base), the forward
 DoRAEmbedding (`lora_a`, `lora_b`, `m` with one entry per row of the weight or table),
 so stock mlx-lm loads those; DoRASwitchLinear (m: (E, out)) exists only here.
 
-The unfused row norm never builds W + s B^T A^T (DESIGN.md):
+The unfused row norm never builds W + s B^T A^T:
 ||w_i + s c_i V||^2 = ||w_i||^2 + 2s c_i . (w_i V^T) + s^2 c_i (V V^T) c_i^T,
 with ||w_i||^2 cached when the base is set (it is frozen), w_i V^T for every row from
 one base product on the r rows of V (through `base_path`, quantized or not), and the
@@ -101,6 +101,8 @@ class DoRA:
 class DoRALinear(DoRA, LoRALinear):
     """y = m / ||W + s B^T A^T||_row * (x W^T + s (x A) B) + bias."""
 
+    takes_step_norms = True  # on CUDA a training step takes its norm with the step's others (step_norms.py)
+
     def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         # Outside the dense training path (its norm rides on adapted_linear's product):
         # base(A^T) = A^T W^T = (W A)^T, one product of r rows, however the base is stored.
@@ -115,15 +117,18 @@ class DoRALinear(DoRA, LoRALinear):
             # activations carries the norm's r rows of A too (adapted_linear).
             tokens = x.size // x.shape[-1]
             # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
-            shared, norm = step_norms.lookup(self, tokens) or (None, None)
-            # Where the step wrote W' = rs W (kernels.FOLD_ROW_SCALE), LoRA's product on W' and B' = B rs.
-            dense, rs = step_norms.lookup_scaled(self, tokens) or (
-                shared if shared is not None else dense_weight_for(self.linear, tokens), None)
+            step = step_norms.taken(self, tokens)
+            if step is not None and step.scaled_weight is not None:
+                dense, rs = step.scaled_weight, step.row_scale  # the step wrote W' = rs W: LoRA's product on W', B rs
+            elif step is not None and step.dense_weight is not None:
+                dense, rs = step.dense_weight, None
+            else:
+                dense, rs = dense_weight_for(self.linear, tokens), None
             if dense is not None:
                 y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=norm, row_scale=rs,
-                                   factors=step_norms.lookup_factors(self, tokens),
-                                   merged=step_norms.lookup_merged(self, tokens))
+                                   magnitude=self.m, w_sq=self._w_sq, norm=None if step is None else step.norm,
+                                   row_scale=rs, factors=None if step is None else step.factors,
+                                   merged=step is not None and step.merged)
             else:
                 y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).

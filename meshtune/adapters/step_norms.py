@@ -1,4 +1,4 @@
-"""Every DoRA layer's row norm for one training step at once, on MLX's CUDA build.
+"""DoRA's per-step work on MLX's CUDA build: every DoRA layer's row norm for a training step at once.
 
 DoRA's norm ||W + s (A B)^T||_row is a constant of the step (DoRA paper, section 4.3):
 it depends on the parameters, not on the activations. Taken layer by layer it is one
@@ -6,18 +6,18 @@ small launch per layer in the middle of the forward (the 1B bench model: 112 lau
 3.1 ms of GPU time and their host dispatch a step). Taken before the forward, the
 layers of one shape share a launch (kernels.row_norms_cuda): a handful a step.
 
-    with step_row_norms(model, tokens):
-        loss, grads = loss_and_grad(model, ...)
-
-Inside, each DoRA layer finds its norm (and the dense base weight the norm was taken
-of, dequantized once where the base is quantized) by `lookup`; outside, or for a layer
-the step did not cover, the layer computes its own as before. Nothing is stored on the
-modules, so the model's parameter and state trees do not change.
+`step_row_norms(modules, tokens)` is DoRA's `PerStepWork` (adapters/per_step.py): a
+training step runs its forward and backward inside it. Inside, each DoRA layer finds
+what the step took for it (a `StepNorms`: its norm, and the dense base weight the norm
+was taken of, dequantized once where the base is quantized) with `taken`; outside, or
+for a layer the step did not cover, the layer computes its own. The step's StepNorms
+live in a context variable for the duration of the block, keyed by layer; nothing is
+stored on the modules, so the model's parameter and state trees do not change.
 
 A dequantized weight handed to a layer lives for the whole step. Where blocks are
-recomputed in the backward (train.enable_grad_checkpoint) a layer's own lives for its
-block only, so there the layers dequantize their own: about 14 GB of bfloat16 for an 8B
-4-bit model's adapted layers is what checkpointing is there to save.
+recomputed in the backward (training/step.enable_grad_checkpoint) a layer's own lives
+for its block only, so there the layers dequantize their own: about 14 GB of bfloat16
+for an 8B 4-bit model's adapted layers is what checkpointing is there to save.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import sys
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Iterator
 
 import mlx.core as mx
@@ -33,20 +35,47 @@ import mlx.nn as nn
 from . import kernels
 from .base_path import dense_weight_for, is_quantized, uses_dense_weight
 
-# id(layer) -> (tokens, dense weight or None, norm, (W' = rs W, rs) or None, (A, B' = B rs) in W's dtype or None,
-#               whether W' is the merged rs (W + s (A B)^T))
-_active: dict[int, tuple] = {}
+
+@dataclass(frozen=True)
+class StepNorms:
+    """What one training step took for one DoRA layer before the forward."""
+
+    tokens: int
+    """The rows the step's layers are called on; a call on another count takes its own norm."""
+    dense_weight: mx.array | None
+    """The dense base weight the norm was taken of; None where the layer dequantizes its own
+    (blocks recomputed in the backward) or reads `scaled_weight` instead of a packed base."""
+    norm: mx.array | kernels.StackedNorm
+    """||W + s (A B)^T||_row (a StackedNorm, a view into the launch's array, where folded)."""
+    scaled_weight: mx.array | None = None
+    """W' = rs W, or the whole adapted weight rs (W + s (A B)^T) where `merged`; None unless folded."""
+    row_scale: mx.array | None = None
+    """rs = m / norm in float32, beside `scaled_weight`."""
+    factors: tuple[mx.array, mx.array] | None = None
+    """(A, B' = B rs) in W's dtype where the folded launch wrote them (kernels.writes_factors())."""
+    merged: bool = False
+    """Whether `scaled_weight` is the merged rs (W + s (A B)^T), not rs W."""
+
+
+# The current step's StepNorms by id(layer) (modules are dicts, hence unhashable); empty outside a step.
+_STEP: ContextVar[dict[int, StepNorms]] = ContextVar("meshtune_step_norms", default={})
+
+
+def taken(layer: nn.Module, tokens: int) -> StepNorms | None:
+    """What the current step took for `layer` where its call is on `tokens` rows, else None."""
+    hit = _STEP.get().get(id(layer))
+    return hit if hit is not None and hit.tokens == tokens else None
 
 
 def _recomputed(module: nn.Module) -> bool:
-    """Whether `module` is a block recomputed in the backward (train.enable_grad_checkpoint)."""
+    """Whether `module` is a block recomputed in the backward (training/step.enable_grad_checkpoint)."""
     return getattr(type(module).__call__, "recomputes_in_backward", False)
 
 
 def _covered(layer: nn.Module) -> bool:
-    from .dora import DoRALinear
-
-    return isinstance(layer, DoRALinear) and layer.training and layer.lora_a.shape[-1] <= kernels.MAX_RANK
+    """A DoRA linear layer in training (its class says `takes_step_norms`) of a rank the kernels take."""
+    return (getattr(type(layer), "takes_step_norms", False) and layer.training
+            and layer.lora_a.shape[-1] <= kernels.MAX_RANK)
 
 
 @contextmanager
@@ -67,8 +96,8 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         if not uses_dense_weight(layer.linear, tokens):
             continue  # the quantized kernel's token count: the layer takes its own norm
         r = layer.lora_a.shape[-1]
-        # Folded and without dropout, the launch writes the whole adapted weight (kernels.MERGED_FOLD).
-        merged = fold and kernels.MERGED_FOLD and layer.dropout_rate == 0
+        # Folded and without dropout, the launch writes the whole adapted weight: the branch's input is x itself.
+        merged = fold and layer.dropout_rate == 0
         # Folded, a quantized base's launch reads its packed weight (no dequantized copy a layer: W' replaces it).
         packed = kernels.packed_weight(layer.linear) if fold else None
         if packed is not None and kernels.reads_packed(packed, r):
@@ -80,7 +109,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
     fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(sum(
         dense.nbytes for members in groups.values() for layer, dense in members if not is_quantized(layer.linear))))
-    taken = {}
+    took: dict[int, StepNorms] = {}
     for key, members in groups.items():
         layers = [layer for layer, _ in members]
         args = ([dense for _, dense in members], [mx.stop_gradient(layer.lora_a) for layer in layers],
@@ -100,13 +129,14 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
         for (layer, dense), norm, fold_of, factors_of in zip(members, norms, folded, factors):
             shared = share_dequantized or not is_quantized(layer.linear)  # a dense base's weight is its own
             dense = None if isinstance(dense, kernels.PackedWeight) else dense  # the layer takes W' instead
-            taken[id(layer)] = (tokens, dense if shared else None, norm, fold_of, factors_of, merged)
-    _active.update(taken)
+            scaled, row_scale = fold_of or (None, None)
+            took[id(layer)] = StepNorms(tokens=tokens, dense_weight=dense if shared else None, norm=norm,
+                                        scaled_weight=scaled, row_scale=row_scale, factors=factors_of, merged=merged)
+    active = _STEP.set({**_STEP.get(), **took})  # a step inside another sees the outer one's layers too
     try:
         yield
     finally:
-        for key in taken:
-            _active.pop(key, None)
+        _STEP.reset(active)
 
 
 _declined: list[bool] = []  # "auto" has said it leaves dense bases unfolded (said once)
@@ -135,37 +165,3 @@ def _copies_fit(nbytes: int) -> bool:
               f"{nbytes / 2**30:.1f} GiB of the GPU's {total / 2**30:.0f} GiB (more than "
               f"{kernels.FOLD_MEMORY_SHARE:.0%}); {kernels.FOLD_ENV}=1 folds them anyway", file=sys.stderr, flush=True)
     return False
-
-
-def lookup(layer: nn.Module, tokens: int) -> tuple[mx.array | None, "mx.array | kernels.StackedNorm"] | None:
-    """(dense base weight, row norm) the current step took for `layer` on `tokens` rows, or None (a StackedNorm where folded).
-
-    The weight is None where the layer is to dequantize its own (blocks recomputed in the backward).
-    """
-    hit = _taken(layer, tokens)
-    return hit and hit[1:3]
-
-
-def lookup_scaled(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
-    """(W' = rs W, rs float32) the current step wrote for `layer` on `tokens` rows (kernels.FOLD_ROW_SCALE), or None."""
-    hit = _taken(layer, tokens)
-    return hit and hit[3]
-
-
-def lookup_factors(layer: nn.Module, tokens: int) -> tuple[mx.array, mx.array] | None:
-    """(A, B' = B rs) in W's dtype the current step wrote beside W' for `layer` (kernels.writes_factors()), or None."""
-    hit = _taken(layer, tokens)
-    return hit and hit[4]
-
-
-def lookup_merged(layer: nn.Module, tokens: int) -> bool:
-    """Whether the W' the current step wrote for `layer` on `tokens` rows is the whole adapted weight,
-    rs (W + s (A B)^T) (kernels.MERGED_FOLD), not rs W."""
-    hit = _taken(layer, tokens)
-    return bool(hit and hit[5])
-
-
-def _taken(layer: nn.Module, tokens: int) -> tuple | None:
-    """What the current step took for `layer` (see _active) where it was for `tokens` rows, else None."""
-    hit = _active.get(id(layer))
-    return hit if hit is not None and hit[0] == tokens else None

@@ -8,6 +8,12 @@ after the first, which holds compilation).
 `meshtune bench adapters`: training step time and unfused generation speed of stock
 mlx-lm LoRA/DoRA and meshtune LoRA/DoRA on a dense and a 4-bit base, side by side.
 
+`meshtune bench scaling`: 1 rank against N ranks, gradient sync after the backward
+against overlapped with it (`--in-process` measures inside one distributed job).
+
+`meshtune bench pipeline`: the naive, GPipe and 1F1B schedules at P stages for several
+micro-batch counts, with per-stage peak memory.
+
 `meshtune bench badinput`: a corpus of bad inputs, each of which must exit 2 with one
 error line naming the file or option and leave the output folder untouched.
 
@@ -20,7 +26,6 @@ short 3-rank runs that must never hang.
 """
 
 from __future__ import annotations
-
 
 import importlib
 

@@ -19,15 +19,15 @@ eight configurations in turn (all eight models stay loaded); the median is repor
 stock step is a copy of `mlx_lm.tuner.trainer.train`'s: `default_loss` under
 `nn.value_and_grad`, `mx.compile` with model, optimizer and RNG state as inputs and
 outputs, `average_gradients`, `optimizer.update`, the same `mx.eval` and its allocator
-cache clear after every step. meshtune's is `meshtune.training.loop.build_step`. Generation is
-greedy `mlx_lm.generate.generate_step` at batch 1 after a short prompt, tokens/s over
+cache clear after every step. meshtune's is `meshtune.parallel.data_parallel.build_step`.
+Generation is greedy `mlx_lm.generate.generate_step` at batch 1 after a short prompt, tokens/s over
 the tokens after the first (prefill excluded), with random lora_b and a perturbed m so
 the adapter is not an identity; per base the four models stay loaded and are decoded in
 turn for max(3, --rounds) rounds, the median reported. Stock runs as shipped: its 4-bit
 DoRA dequantizes the base weight on every call, which is its code.
 
 The dense dtype is bfloat16 on a GPU and float32 on a CPU unless --dtype says otherwise
-(MLX's CPU bfloat16 matmul bypasses BLAS and runs ~17x slower than float32 here). JSON
+(MLX's CPU bfloat16 matmul bypasses BLAS and runs far slower than float32). JSON
 keys ending in `_bf16` name the dense base whatever its dtype; `dense_dtype` says which.
 """
 
@@ -50,22 +50,14 @@ from mlx.utils import tree_map
 
 from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
-from ..training.loop import OneInFlight, overlaps_steps
+from ..training.step import OneInFlight, overlaps_steps
+from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
 IMPLS = ("stock", "meshtune")
 KINDS = ("lora", "dora")
 BASES = ("bf16", "4bit")
 LABELS = {"stock": "stock mlx-lm", "meshtune": "meshtune", "lora": "LoRA", "dora": "DoRA"}
-# meshtune's targets from the issue: (ratio key, bound, "<=" or ">=").
-TARGETS = (("qlora_over_lora_step", 1.25, "<="), ("dora_over_lora_step_bf16", 1.10, "<="),
-           ("dora_over_lora_step_4bit", 1.10, "<="), ("dora_over_lora_generate_4bit", 0.8, ">="))
-# The judged ratios (meshtune's keys; stock's carry a "stock_" prefix) and their rows' text ({dense}: the dense dtype).
-RATIO_ROWS = (("qlora_over_lora_step", "step, 4-bit LoRA / {dense} LoRA"),
-              ("dora_over_lora_step_bf16", "step, DoRA / LoRA, {dense}"),
-              ("dora_over_lora_step_4bit", "step, DoRA / LoRA, 4-bit"),
-              ("dora_over_lora_generate_4bit", "generate tok/s, DoRA / LoRA, 4-bit"),
-              ("dora_over_lora_generate_bf16", "generate tok/s, DoRA / LoRA, {dense}"))
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 PROMPT_TOKENS = 16
 StepRunner = Callable[[mx.array, mx.array], mx.array]
@@ -92,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Seed of the model weights and the batch.")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="Keep freed memory in the process, as training does (runtime.keep_freed_memory, "
-                        "meshtune/heap.py; Linux with glibc): stock and meshtune both run under it.")
+                        "meshtune/runtime/heap.py; Linux with glibc): stock and meshtune both run under it.")
     p.add_argument("--overlap-steps", choices=["auto", "true", "false"], default="auto",
                    help="meshtune's steps as its training loop takes them (runtime.overlap_steps): each one "
                         "dispatched while the device runs the one before (auto: on a GPU). Stock mlx-lm's loop "
@@ -184,10 +176,10 @@ def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool
     """One optimizer step of meshtune's loop (one micro-batch, one process).
 
     Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
-    for the previous call's, as train.train does; `run.finish()` waits for the last one.
+    for the previous call's, as meshtune.training.loop.train does; `run.finish()` waits for the last one.
     """
     from ..parallel.mesh import Mesh
-    from ..training.loop import build_step
+    from ..parallel.data_parallel import build_step
 
     step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, optimizer.state, mx.random.state]
@@ -229,12 +221,6 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     return one_step
 
 
-def time_steps(steps: dict[str, Callable[[], mx.array]], a: argparse.Namespace,
-               progress: Callable[[str], None] = lambda message: None) -> dict[str, float]:
-    """Median seconds per step of each configuration, timed in interleaved rounds (time_step_rounds)."""
-    return median_steps(time_step_rounds(steps, a, progress))
-
-
 def median_steps(rounds: dict[str, list[list[float]]]) -> dict[str, float]:
     """Each configuration's median step over all its rounds."""
     return {name: statistics.median([t for r in per for t in r]) for name, per in rounds.items()}
@@ -244,9 +230,9 @@ def time_step_rounds(steps: dict[str, Callable[[], mx.array]], a: argparse.Names
                      progress: Callable[[str], None] = lambda message: None) -> dict[str, list[list[float]]]:
     """Seconds of each timed step of each configuration, a list a round.
 
-    Run-to-run drift on a GPU (clocks, allocator state) moved single-configuration
-    medians by 10-20%; timing every configuration in each of --rounds rounds spreads
-    the drift over all of them, so the ratios compare like with like.
+    Run-to-run drift on a GPU (clocks, allocator state) moves single-configuration
+    medians; timing every configuration in each of --rounds rounds spreads the drift
+    over all of them, so the ratios compare like with like.
     """
     def finish(name: str) -> None:
         getattr(steps[name], "finish", lambda: None)()
@@ -322,10 +308,9 @@ def generation_model(impl: str, kind: str, base: str, a: argparse.Namespace, sha
 def time_generate(base: str, a: argparse.Namespace, shape: Shape, dtype: mx.Dtype) -> dict[str, float]:
     """Median decode tokens/s of the four configurations on this base, timed in interleaved rounds.
 
-    Batch-1 decoding is launch-bound, so it moves with the host's load (seen: one
-    configuration's lone burst 27% below the same work's): each of generation_rounds(a)
-    rounds decodes once with each of the four models, all four loaded, so drift falls on
-    all of them and the DoRA / LoRA ratio compares like with like.
+    Batch-1 decoding is launch-bound, so it moves with the host's load: each of
+    generation_rounds(a) rounds decodes once with each of the four models, all four
+    loaded, so drift falls on all of them and the DoRA / LoRA ratio compares like with like.
     """
     runs = {f"{impl}_{kind}_{base}": generation_model(impl, kind, base, a, shape, dtype)
             for kind in KINDS for impl in IMPLS}
@@ -349,23 +334,6 @@ def ratios(step_s: dict[str, float], gen: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def met_target(value: float, bound: float, op: str) -> bool:
-    return value <= bound if op == "<=" else value >= bound
-
-
-# The 4-bit / dense LoRA target is set for a GPU (the issue's); on a CPU the figure is stated beside stock's.
-CPU_QLORA_NOTE = " (the target is the GPU's; on the CPU the figure stands beside stock's)"
-
-
-def target_verdict(key: str, value: float, on_cpu: bool = False) -> str:
-    """'<= 1.10x met' (or missed) for a ratio with a target, '' for one without; `on_cpu` adds CPU_QLORA_NOTE to its row."""
-    for target, bound, op in TARGETS:
-        if target == key:
-            note = CPU_QLORA_NOTE if on_cpu and key == "qlora_over_lora_step" else ""
-            return f"{op} {bound:.2f}x {'met' if met_target(value, bound, op) else 'missed'}{note}"
-    return ""
-
-
 def _crossovers() -> dict[str, int | None]:
     """meshtune's measured quantized/dense crossover per layer shape (None: never dense)."""
     from ..adapters import base_path
@@ -382,8 +350,8 @@ def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[st
     print(f"adapters benchmark: {shape.describe()}")
     print(f"device {describe_device()}; dense base {dense}; 4-bit base: nn.quantize group {GROUP_SIZE}, "
           f"built from the dense one's seed")
-    print(f"{describe_blas()}; malloc: " + ("freed memory kept in the process (meshtune/heap.py)" if a.keep_freed_memory
-                                            else "defaults"))
+    malloc = "freed memory kept in the process (meshtune/runtime/heap.py)" if a.keep_freed_memory else "defaults"
+    print(f"{describe_blas()}; malloc: {malloc}")
     print("meshtune's steps: " + ("each dispatched while the device runs the one before, as its loop takes them "
                                   "(runtime.overlap_steps)" if a.overlap
                                   else "each waited for before the next (runtime.overlap_steps off)")

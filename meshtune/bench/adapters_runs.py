@@ -1,9 +1,8 @@
 """`meshtune bench adapters --combine RUN.txt ...`: several invocations' ratios judged together.
 
-One invocation times stock mlx-lm and meshtune side by side in one process, but on an H200 its
-DoRA / LoRA step ratio moved by about 0.1 from one process to the next on the same code and
-machine (1.19x, 1.12x and 0.98x on bf16: docs/bench/adapters_h200_packed.txt, adapters_h200_19.txt),
-more than the target's margin. Each file here is the saved output of one `meshtune bench adapters
+One invocation times stock mlx-lm and meshtune side by side in one process, but on a GPU its
+DoRA / LoRA step ratio moves from one process to the next on the same code and machine by more
+than the target's margin. Each file here is the saved output of one `meshtune bench adapters
 --json` invocation (its last JSON line is read); every ratio, stock's and meshtune's, is shown per
 invocation and as the median over them, and the targets are judged on the medians. The invocations
 must share their settings (preset, shape, batch, device, ...): a mix is refused, naming the file.
@@ -15,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .adapters import RATIO_ROWS, TARGETS, met_target, target_verdict
+from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
 
 # Settings the invocations must share for their ratios to be one measurement's.
 SAME_SETTINGS = ("preset", "shape", "device", "dense_dtype", "batch_size", "seq_len", "steps", "rounds",

@@ -63,9 +63,8 @@ def burst_bytes(rate: str) -> int:
 
     A bucket smaller than a 64 KiB GSO segment makes tbf cut every segment into
     MTU-sized packets, which the kernel then handles one by one on the ranks' own
-    cores: with 32 KiB, a 32 MB exchange at 1 Gb/s cost 200 ms of CPU in 320 ms; with
-    128 KiB, 16 ms (scripts/probes/sock_probe.py). A NIC's segmentation offload does
-    that work in hardware on a real cluster, so the bed should not charge it.
+    cores. A NIC's segmentation offload does that work in hardware on a real cluster,
+    so the bed should not charge it.
     """
     return int(max(128 * 1024, _rate_bits(rate) / 8 / 1000))
 
@@ -77,7 +76,7 @@ def _shape(ns: str, dev: str, rate: str, delay: str, burst: str) -> str:
         _sh(*tc, "netem", "delay", delay, "rate", rate, "limit", "100000")
         return f"netem rate {rate} delay {delay}"
     except subprocess.CalledProcessError:
-        # Seen here: a sandboxed kernel without sch_netem still has tbf.
+        # A sandboxed kernel may lack sch_netem and still have tbf.
         _sh(*tc, "tbf", "rate", rate, "burst", burst, "latency", "50ms")
         return f"tbf rate {rate} burst {burst} bytes (no netem in this kernel: delay {delay} not applied)"
 

@@ -108,7 +108,7 @@ def metric_windows(out_dir: Path) -> list[dict[str, float]]:
 
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from ..config.schema import Config
+    from ..config import Config
 
     cfg = Config()
     opts = {

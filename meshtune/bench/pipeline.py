@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..runtime.blas import describe_blas
-from ..launch import launch_local
+from ..cli.launch import launch_local
 from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
 

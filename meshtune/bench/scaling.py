@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.blas import describe_blas
-from ..launch import launch_local
+from ..cli.launch import launch_local
 from .peer import metric_windows, steps_per_sec
 
 
@@ -40,9 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local-batch", type=int, default=16, help="Examples per rank per step.")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="Gradient bucket size. Default 0.25 on CPU ranks (the tiny model's first bucket "
-                        "starts early); in-process, the training default (parallel.bucket_mb, 25): on 2 H200s "
-                        "1 MB buckets left 23 ms of LoRA's step exposed, where its ~30 MB of gradients "
-                        "take ~0.1 ms on NVLink.")
+                        "starts early); in-process, the training default (parallel.bucket_mb, 25): on GPUs "
+                        "small buckets leave more of the step exposed than their overlap hides.")
     p.add_argument("--link", default="", help="Also run on the shaped-link bed, e.g. 1gbit:20us (needs root).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     g = p.add_argument_group("in-process (GPUs; run every rank under a distributed launcher)")
@@ -128,7 +127,7 @@ def _print(title: str, rows: list[tuple], result: dict[str, float], n: int) -> N
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     if a.bucket_mb is None:
-        from ..config.schema import ParallelConfig
+        from ..config import ParallelConfig
 
         a.bucket_mb = ParallelConfig().bucket_mb if a.in_process else 0.25
     if a.in_process:

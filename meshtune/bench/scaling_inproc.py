@@ -45,20 +45,15 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     The two are separately compiled graphs, so bfloat16 kernels may round apart (~1e-3);
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
-    from ..parallel.data_parallel import split_overlap, sum_gradients
-    from ..training.loop import loss_terms
+    from ..parallel.data_parallel import sum_gradients
+    from ..training.step import loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
-    backward = mx.compile(lambda t, l: loss_and_grad(model, t, l))
     after = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, bucket_mb=bucket_mb))
-    if split_overlap():  # the overlap step's own path: bucket sums started by hand on lazy gradients
-        over = sum_gradients(backward(tokens, lengths)[1], mesh, mode="overlap", bucket_mb=bucket_mb, start=True)
-    else:
-        over = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode="overlap",
-                                                     bucket_mb=bucket_mb))(tokens, lengths)
+    over = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, mode="overlap",
+                                                 bucket_mb=bucket_mb))(tokens, lengths)
     # One after the other: evaluated together, the comm stream's all_sums and the default
-    # stream's could run in different orders on different ranks and pair wrong buffers
-    # (seen once in a full test run on the ring backend: an O(1) mismatch).
+    # stream's could run in different orders on different ranks and pair wrong buffers.
     mx.eval(over)
     grads = after(tokens, lengths)
     mx.eval(grads)
@@ -72,7 +67,7 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
 
 def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
     """Median step seconds of the three modes for `kind` (lora or full) on this rank."""
-    from ..training.loop import build_step
+    from ..parallel.data_parallel import build_step
 
     model = build_model(shape, dtype, quantized=False, seed=a.seed)
     add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)

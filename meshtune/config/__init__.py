@@ -1,6 +1,24 @@
-"""The run configuration: one typed, strict tree of sections (schema), how a file, a dict or flags become
-one (load), what each field accepts and its help (fields), and mlx-lm's flat keys read as ours (mlx_lm_compat)."""
+"""The run configuration: one typed, strict tree of sections.
 
-from .schema import *  # noqa: F401,F403
-from .schema import __all__ as _schema_names
-from .schema import ASSETS, DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH  # noqa: F401
+The modules import one way: sections (the dataclasses, ConfigError) <- fields (what
+each field accepts, its help) <- build (plain data to checked sections) <- schema
+(Config and its cross-field rules) <- load (YAML files and command-line overrides);
+mlx_lm_compat reads mlx-lm's flat keys as ours. Import from here.
+"""
+
+from .fields import describe_options, field_help
+from .load import apply_overrides, load_config, parse_override_args
+from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
+from .schema import Config
+from .sections import (
+    ASSETS, DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH, OPTIMIZER_OPTIONS, SECTIONS, AdapterConfig, ConfigError,
+    DataConfig, ModelConfig, OptimizerConfig, OutputConfig, ParallelConfig, RuntimeConfig, ScheduleConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ASSETS", "AdapterConfig", "Config", "ConfigError", "DEFAULT_DATA_PATH", "DEFAULT_MODEL_PATH", "DataConfig",
+    "MLX_LM_FLAGS", "MLX_LM_SWITCHES", "ModelConfig", "OPTIMIZER_OPTIONS", "OptimizerConfig", "OutputConfig",
+    "ParallelConfig", "RuntimeConfig", "SECTIONS", "ScheduleConfig", "TrainConfig", "apply_overrides",
+    "describe_options", "field_help", "load_config", "parse_override_args",
+]

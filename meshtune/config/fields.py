@@ -1,8 +1,8 @@
 """Config field types: what each option accepts, its help text, and the nearest valid key.
 
-Split from the loader (config_load.py): the schema's dataclass annotations become
-type checks and coercions (YAML and command-line text both pass through `_coerce`),
-docstrings become help text, and a misspelled key gets the closest real one.
+The sections' dataclass annotations become type checks and coercions (YAML and
+command-line text both pass through `_coerce`), field docstrings become help text,
+and a misspelled key gets the closest real one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .schema import SECTIONS, Config, ConfigError
+from .sections import SECTIONS, ConfigError
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,7 +159,8 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _type_problems(cfg: Config) -> list[str]:
+def _type_problems(cfg: Any) -> list[str]:
+    """Every field of `cfg` (anything with one attribute per section, e.g. a Config) its type does not accept."""
     problems = []
     for section in SECTIONS:
         obj = getattr(cfg, section)

@@ -1,30 +1,27 @@
-"""Reading configs: YAML with line numbers, strict typing, overrides, suggestions.
+"""Reading configs: YAML with line numbers, ``--section.key value`` overrides, load_config.
 
-The schema (sections, fields, cross-field rules) lives in :mod:`meshtune.config.schema`;
-this module turns YAML text, dicts and ``--section.key value`` overrides into a
-:class:`~meshtune.config.schema.Config`, collecting every problem into one ConfigError
-whose lines name the file and line (or option), the value and the fix.
+This module turns YAML text, dicts and command-line overrides into a
+:class:`~meshtune.config.schema.Config` through :func:`meshtune.config.build.build`,
+which collects every problem into one ConfigError whose lines name the file and
+line (or option), the value and the fix. Cross-field rules are :meth:`Config.validate`'s.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from . import mlx_lm_compat as compat
-from .schema import OPTIMIZER_OPTIONS, SECTIONS, Config, ConfigError
-from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
+from .build import build
 from .fields import _coerce, _describe, _field_types, _suggest_key
+from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
+from .schema import Config
+from .sections import SECTIONS, ConfigError
 
-
-# ---------------------------------------------------------------------------
-# YAML
 
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that also reads 1e-5, 1E5 and -3e+2 as floats, as mlx-lm does.
@@ -97,17 +94,6 @@ def _parse_scalar(text: str, tp: Any) -> Any:
         loader.dispose()
 
 
-# ---------------------------------------------------------------------------
-# Building a Config
-
-@dataclass
-class _Setting:
-    value: Any
-    where: str
-    spelled: str
-    override: bool = False
-
-
 def _resolve_overrides(
     items: list[tuple[str, Any]], source: str, parse: bool
 ) -> tuple[list[tuple[str, Any, str]], list[str]]:
@@ -133,108 +119,6 @@ def _resolve_overrides(
                 continue
         resolved.append((dotted, value, f"--{dotted}"))
     return resolved, problems
-
-
-def _build(
-    raw: Any,
-    source: str,
-    lines: dict[str, int],
-    overrides: list[tuple[str, Any, str]],
-    problems: list[str],
-    override_source: str = "command line",
-) -> Config:
-    problems = list(problems)
-    mapped: list[str] = []
-    notes: list[str] = []
-    settings: dict[str, _Setting] = {}
-
-    def loc(path: str) -> str:
-        return f"{source}:{lines[path]}" if path in lines else source
-
-    def put(target: str, value: Any, spelled: str) -> None:
-        old = settings.get(target)
-        if old is not None and not old.override:
-            problems.append(f"{loc(spelled)}: {target} is given twice, as {spelled} "
-                            f"and as {old.spelled} ({old.where}); keep only one")
-        elif old is None:
-            settings[target] = _Setting(value, loc(spelled), spelled)
-
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections "
-                          f"({', '.join(SECTIONS)}), got {type(raw).__name__}")
-
-    # Overrides go in first and win over anything the file says.
-    for target, value, spelled in overrides:
-        settings[target] = _Setting(value, override_source, spelled, override=True)
-
-    optimizer_config = None
-    for key, value in raw.items():
-        if not isinstance(key, str):
-            problems.append(f"{loc(str(key))}: key {key!r} is not a name; quote it or fix the typo")
-        elif key in SECTIONS and isinstance(value, dict):
-            for sub, v in value.items():
-                dotted = f"{key}.{sub}"
-                if isinstance(sub, str) and sub in _field_types(key):
-                    put(dotted, v, dotted)
-                else:
-                    problems.append(f"{loc(dotted)}: unknown key '{dotted}'{_suggest_key(dotted)}")
-        elif key in SECTIONS and value is None:
-            continue  # an empty section
-        elif key == "optimizer_config":
-            optimizer_config = value
-        elif compat.is_flat(key):
-            result = compat.map_flat(key, value, loc)
-            for target, v, spelled in result.assignments:
-                put(target, v, spelled)
-            mapped += result.mapped
-            notes += result.notes
-            problems += result.problems
-        elif key in SECTIONS:
-            problems.append(f"{loc(key)}: section '{key}' must be a mapping of keys "
-                            f"({', '.join(_field_types(key))}), got {type(value).__name__}")
-        else:
-            close = difflib.get_close_matches(key, [*SECTIONS, *compat.flat_names()], n=1)
-            if close and close[0] in compat.FLAT_KEYS:
-                hint = f"; did you mean '{close[0]}' (mlx-lm spelling of {compat.FLAT_KEYS[close[0]]})?"
-            elif close:
-                hint = f"; did you mean '{close[0]}'?"
-            else:
-                hint = f"; sections are {', '.join(SECTIONS)}"
-            problems.append(f"{loc(key)}: unknown key '{key}'{hint}")
-
-    name = settings["optimizer.name"].value if "optimizer.name" in settings else "adam"
-    result = compat.map_optimizer_config(optimizer_config, name, list(OPTIMIZER_OPTIONS), loc)
-    for target, v, spelled in result.assignments:
-        put(target, v, spelled)
-    mapped += result.mapped
-    notes += result.notes
-    problems += result.problems
-
-    # mlx-lm takes the rate from the schedule's first argument; keep that when no rate is given.
-    args = settings.get("schedule.arguments")
-    if (args is not None and "optimizer.learning_rate" not in settings and isinstance(args.value, list)
-            and args.value and isinstance(args.value[0], (int, float)) and not isinstance(args.value[0], bool)):
-        settings["optimizer.learning_rate"] = _Setting(args.value[0], args.where, f"{args.spelled}[0]")
-        notes.append(f"optimizer.learning_rate = {args.value[0]} taken from {args.spelled}[0]")
-
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    for target, s in settings.items():
-        section, _, key = target.partition(".")
-        ok, value, why = _coerce(s.value, _field_types(section)[key])
-        if ok:
-            values[section][key] = value
-        else:
-            shown = s.spelled if s.spelled.lstrip("-") == target else f"{s.spelled} (-> {target})"
-            problems.append(f"{s.where}: {shown} = {_describe(s.value)}: {why}")
-    if problems:
-        raise ConfigError(problems)
-    cfg = Config(**{s: SECTIONS[s](**values[s]) for s in SECTIONS})
-    cfg.mapped, cfg.notes = mapped, notes
-    # "<dict>"-style sources say nothing a message could use.
-    cfg.origins = {t: s.where for t, s in settings.items() if not s.where.startswith("<")}
-    return cfg
 
 
 def parse_override_args(tokens: list[str]) -> list[tuple[str, str]]:
@@ -349,5 +233,5 @@ def load_config(
         items = pairs + items
         resolved, even_more = _resolve_overrides(items, "command line", parse=True)
         problems += more + even_more
-    return _build(raw, source, lines, resolved, problems,
-                  "overrides" if isinstance(overrides, dict) else "command line")
+    return Config.from_built(build(raw, source, lines, resolved, problems,
+                                   "overrides" if isinstance(overrides, dict) else "command line"))

@@ -4,7 +4,7 @@ mlx-lm keeps its options in one flat namespace (``learning_rate``, ``iters``,
 ``lora_parameters: {rank: ...}``); meshtune groups them into sections.  This
 module holds the key-by-key correspondence, the keys that are accepted and
 ignored or refused with a fix, and the ``mlx_lm.lora`` command-line flags, so
-that ``meshtune.config.schema`` can load an mlx-lm config file unchanged and say
+that ``meshtune.config`` can load an mlx-lm config file unchanged and say
 which keys it mapped.
 """
 

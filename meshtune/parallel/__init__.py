@@ -1,1 +1,1 @@
-"""Parallelism: one module per kind (data_parallel today; pipeline to come)."""
+"""Parallelism: the layout (`Mesh`) and one strategy module per kind (data_parallel.py, pipeline.py)."""

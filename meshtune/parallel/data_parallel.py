@@ -1,4 +1,9 @@
-"""Gradient reduction across data-parallel ranks, after the backward or overlapped with it.
+"""Data parallelism: the strategy whose ranks each hold the whole model, and its gradient sums.
+
+`DataParallel` is the strategy (training/strategy.py) for a mesh without pipeline
+stages, one process included: each rank runs the compiled step (`build_step`) on its
+share of every global batch and the gradients are summed over ranks before the one
+update, over MLX's collectives or meshtune's socket ring (socket_ring.py).
 
 The update must equal one process's update on the whole global batch: gradients of
 the summed token losses are summed over ranks and divided by the global token count.
@@ -22,14 +27,26 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from ..adapters import ADAPTER_FILE, load_trainable, step_context, trainable_parameters
 from ..runtime.cuda import on_cuda
+from ..training.checkpoint import LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint, save_checkpoint
+from ..training.step import OneInFlight, evaluate, loss_terms
+from ..training.update import apply_update
 from .mesh import Mesh
 from .pack_kernel import pack_cuda
+from .socket_ring import BucketPump, SocketRing, hostfile_ips
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 SYNC_MODES = ("after_backward", "overlap")
 
@@ -160,21 +177,6 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
 
-def split_overlap() -> bool:
-    """Whether `overlap` starts bucket sums by hand between a compiled backward and update.
-
-    Off unless MESHTUNE_OVERLAP=split; by default overlap is one compiled step with
-    reverse-order buckets on the comm stream. Measured, split costs more than it hides:
-    on 2 CPU ranks the ring backend busy-polls the cores the backward needs (0.80x); on
-    2 H200s over NCCL the uncompiled glue between the halves cost 0.80x (LoRA) and 0.57x
-    (full) against one compiled step (docs/bench/scaling_2xh200_split.txt). A third
-    form, each bucket's sum chained to the previous one's so the graph walk would issue
-    it between backward segments, measured 0.81x (LoRA) and 0.96x (full) on 2 H200s
-    (docs/bench/scaling_2xh200_chain.txt) and was removed.
-    """
-    return os.environ.get("MESHTUNE_OVERLAP", "graph") == "split"
-
-
 def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any:
     """sum_gradients with the buckets summed by the socket ring (socket_ring.py).
 
@@ -189,9 +191,8 @@ def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any
     if mode == "after_backward":
         # After the whole backward, as the mode says. Handed over lazily, a bucket needs
         # only its own weight gradients beyond the activations' backward, so the first
-        # sends would overlap the rest of the weight-gradient products: measured on the
-        # tiny model's shaped-link run, 8 of its 37 ms of compute ran beside the sends
-        # (scripts/probes/pump_trace.py), a partial overlap passed off as none.
+        # sends would overlap the rest of the weight-gradient products: a partial overlap
+        # passed off as none.
         mx.eval(bucketed)
     for k, bucket in enumerate(bucketed):
         # Started here, waited for on the ring's thread: MLX throttles how much work may
@@ -224,3 +225,109 @@ def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "aft
     else:
         summed = sum_gradients(tree, mesh, mode=mode, bucket_mb=bucket_mb, start=start)
     return summed["grads"], summed["tokens"]
+
+
+def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
+               compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
+               transport: str = "mlx") -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+    """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks).
+
+    Each call is one micro-batch: its gradients and tokens are added to `grads` and
+    `ntoks` (None at a step's first); with `update` they are summed over the ranks and
+    the optimizer steps (training/update.py), and (loss_sum, ntoks_batch, None, None) comes back.
+    """
+    loss_and_grad = nn.value_and_grad(model, loss_terms)
+    state = [model.state, optimizer.state, mx.random.state]
+    compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
+
+    def backward(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
+        with step_context(model, tokens[:, :-1].size):  # adapters' per-step work (DoRA's norms on CUDA)
+            (ce, n), grads = loss_and_grad(model, tokens, lengths)
+        if acc_grads is not None:
+            grads = tree_map(mx.add, grads, acc_grads)
+        return ce, n, grads, n if acc_tokens is None else acc_tokens + n
+
+    def apply(grads: Any, tokens: mx.array) -> None:
+        """The update from gradients and token count already summed over the ranks."""
+        apply_update(model, optimizer, grads, tokens, max_grad_norm=max_grad_norm)
+
+    sockets = transport == "sockets" and mesh.world_size > 1
+    split = sockets
+    if split:
+        # Compiled backward and update; between them each bucket is handed to the socket
+        # ring's threads as its gradients come due (sum_for_update with a pump).
+        backward, apply = compiled(backward), compiled(apply)
+    pump = BucketPump(SocketRing(mesh.rank, hostfile_ips(), mesh.all_ints)) if sockets else None
+
+    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
+        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
+        if not update:
+            return ce, n, grads, total
+        apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split, pump=pump))
+        return ce, n, None, None
+
+    return step if split else compiled(step)
+
+
+class DataParallel:
+    """The strategy of a mesh without pipeline stages: the whole model on every rank (or the one process)."""
+
+    def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, accumulation: int = 1,
+                 max_grad_norm: float = 0.0, compile: bool = True, sync: str = "after_backward",
+                 bucket_mb: float = 25.0, transport: str = "mlx", overlap: bool = False):
+        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+        self.accumulation, self.overlap = accumulation, overlap
+        # Built at the first step: the compiled step holds the optimizer's state container, which a
+        # resume replaces.
+        self._build = partial(build_step, model, optimizer, mesh, max_grad_norm=max_grad_norm, compile=compile,
+                              sync=sync, bucket_mb=bucket_mb, transport=transport)
+        self._step: Callable[..., tuple[mx.array, mx.array, Any, Any]] | None = None
+        self._in_flight = OneInFlight(overlap)
+
+    @staticmethod
+    def check(cfg: "Config", mesh: Mesh, model_path: Path) -> None:
+        """Raise what this layout cannot run as `cfg` asks, before the model loads."""
+        if cfg.parallel.transport == "sockets" and mesh.world_size > 1:
+            hostfile_ips()  # says what to change when there is no ring hostfile
+
+    @classmethod
+    def from_config(cls, cfg: "Config", mesh: Mesh, model: nn.Module, optimizer: optim.Optimizer, *,
+                    overlap: bool, say: Callable[[str], None]) -> "DataParallel":
+        t, p = cfg.train, cfg.parallel
+        return cls(model, optimizer, mesh, accumulation=t.grad_accumulation_steps, max_grad_norm=t.max_grad_norm,
+                   compile=t.compile, sync=p.grad_sync, bucket_mb=p.bucket_mb, transport=p.transport, overlap=overlap)
+
+    def step(self, batches: Iterator[Any]) -> list[tuple[mx.array, mx.array]]:
+        self._step = self._step or self._build()
+        grads = ntoks = None
+        losses = []
+        for micro in range(self.accumulation):
+            batch = next(batches)
+            ce, n, grads, ntoks = self._step(batch.tokens, batch.lengths, grads, ntoks, micro == self.accumulation - 1)
+            losses.append((ce, n))
+            # The wait is on a micro-batch's own loss arrays: the state's containers are updated
+            # in place, so by then they hold the next micro-batch's arrays.
+            self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, ntoks],
+                                [ce, n])
+        return losses
+
+    def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
+        return evaluate(self.model, batches, self.mesh, beat=beat, overlap=self.overlap)
+
+    def gather_weights(self) -> dict[str, mx.array]:
+        return trainable_parameters(self.model)
+
+    def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
+        if self.mesh.is_writer:
+            save_checkpoint(out, state=state, trainable=trainable_parameters(self.model),
+                            optimizer_state=self.optimizer.state, config=config, keep=keep)
+
+    def latest_checkpoint(self, out: Path, say: Callable[[str], None]) -> LoadedCheckpoint | None:
+        path = resumable_checkpoint(out, say)
+        return None if path is None else load_checkpoint(path)
+
+    def restore(self, ckpt: LoadedCheckpoint) -> None:
+        single = ckpt.path / ADAPTER_FILE  # absent from a pipeline's checkpoint: its stages' shards are merged
+        load_trainable(self.model, single if single.exists() else ckpt.path, ckpt.trainable)
+        self.optimizer.state = ckpt.optimizer_state
+        self.optimizer.init(self.model.trainable_parameters())

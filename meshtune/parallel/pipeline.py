@@ -1,5 +1,8 @@
-"""Pipeline stages: cut a model into contiguous blocks and run a schedule of transfers.
+"""Pipeline parallelism: the `Pipeline` strategy, its stages and their schedule of transfers.
 
+`Pipeline` is the strategy (training/strategy.py) for a mesh with pp > 1; its
+one rank's stage is stage.py's PipelineStage, its checkpoints and gathered weights are in
+pipeline_state.py, the cut in stages.py.
 Stage s of S owns blocks [start, end), balanced by parameter count or as
 `parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
 the head and computes the loss.
@@ -17,195 +20,29 @@ first and the last stage, its two gradients summed each step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from ..adapters import trainable_parameters
+from ..training.checkpoint import LoadedCheckpoint, TrainingState
+from ..training.losses import target_mask
+from ..training.step import evaluate
+from ..training.update import apply_update
 from .mesh import Mesh
-from ..adapters.step_norms import step_row_norms
-from ..training.losses import masked_ce_sum, target_mask
-from .p2p import Links
-from .peers import peer_groups, sum_on_peers
-from .schedules import Schedule
+from .peers import sum_on_peers
+from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
+from .schedules import Schedule, build as build_schedule
+from .stage import PipelineStage
+from .stages import check_stage_layers, declared_layers
 
-
-def balanced_split(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
-    """Blocks per stage, contiguous and none empty, that minimise the costliest stage.
-
-    `costs` are the blocks' costs; the first stage also pays `first_extra` (the
-    embedding) and the last `last_extra` (final norm and head), so with a large
-    embedding or head those stages get fewer blocks. Exact (dynamic programming over
-    cut points); ties go to the split with the smaller sum of squared stage costs.
-    """
-    n = len(costs)
-    assert 1 <= stages <= n, (stages, n)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def cost(s: int, i: int, j: int) -> float:  # stage s holding blocks [i, j)
-        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
-
-    # best[s][j]: (max stage cost, sum of squares, cut) placing blocks [0, j) on stages 0..s
-    best: list[dict[int, tuple[float, float, int]]] = [{j: (cost(0, 0, j), cost(0, 0, j) ** 2, 0)
-                                                       for j in range(1, n - stages + 2)}]
-    for s in range(1, stages):
-        row = {}
-        for j in range(s + 1, n - stages + s + 2):
-            row[j] = min((max(best[-1][i][0], cost(s, i, j)), best[-1][i][1] + cost(s, i, j) ** 2, i)
-                         for i in range(s, j))
-        best.append(row)
-    counts, j = [], n
-    for s in range(stages - 1, -1, -1):
-        i = best[s][j][2]
-        counts.append(j - i)
-        j = i
-    return counts[::-1]
-
-
-def check_stage_layers(stage_layers: list[int] | None, stages: int, num_layers: int) -> None:
-    """Raise a ValueError naming the option when `stages` cannot hold `num_layers` blocks as asked."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"parallel.pp={stages} stages for a model of {num_layers} blocks; "
-                         f"use between 1 and {num_layers} stages")
-    if stage_layers is None:
-        return
-    if len(stage_layers) != stages or min(stage_layers) < 1:
-        raise ValueError(f"parallel.stage_layers={stage_layers}: give {stages} block counts (one per stage), "
-                         f"each at least 1")
-    if sum(stage_layers) != num_layers:
-        raise ValueError(f"parallel.stage_layers={stage_layers} sums to {sum(stage_layers)} but the model has "
-                         f"{num_layers} blocks; make the counts add up to {num_layers} or unset it")
-
-
-def stage_bounds(counts: list[int]) -> list[tuple[int, int]]:
-    """Block ranges [start, end) from blocks per stage."""
-    starts = np.cumsum([0, *counts]).tolist()
-    return [(starts[s], starts[s + 1]) for s in range(len(counts))]
-
-
-def _size(module: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.size for _, v in tree_flatten(module.parameters()))
-
-
-def split_stages(model: nn.Module, stages: int, stage_layers: list[int] | None = None) -> list[tuple[int, int]]:
-    """Each stage's block range: `stage_layers` when given, else balanced by parameter count.
-
-    The embedding counts on the first stage, the final norm and head on the last (a
-    tied head counts the table again: it computes there as well).
-    """
-    inner, _ = _parts(model)
-    check_stage_layers(stage_layers, stages, len(inner.layers))
-    if stage_layers is None:
-        head = _size(model.lm_head) if "lm_head" in model else _size(inner.embed_tokens)
-        stage_layers = balanced_split([_size(layer) for layer in inner.layers], stages,
-                                      first_extra=_size(inner.embed_tokens), last_extra=_size(inner.norm) + head)
-    return stage_bounds(stage_layers)
-
-
-def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, k) for k in ("embed_tokens", "layers", "norm")):
-        raise ValueError(f"pipeline parallelism needs an mlx-lm decoder laid out as model.model.embed_tokens/"
-                         f"layers/norm; {type(model).__name__} is not; use parallel.pp 1")
-    if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
-        raise ValueError("pipeline parallelism does not handle sliding-window attention layers yet; "
-                         "use parallel.pp 1")
-    head = model.lm_head if "lm_head" in model else inner.embed_tokens.as_linear
-    return inner, head
-
-
-@dataclass
-class PipelineStage:
-    """This rank's slice of the model and how it computes."""
-
-    model: nn.Module
-    stage: int
-    stages: int
-    mesh: Mesh
-    stage_layers: list[int] | None = None
-    """Blocks per stage; None balances them by parameter count (split_stages)."""
-    transfer: str | None = None
-    """Stage-to-stage transfers: "send", "all_sum" (for backends without send) or None
-    to pick by the mesh's backend (p2p.Links)."""
-
-    def __post_init__(self) -> None:
-        from mlx.utils import tree_flatten
-
-        self.inner, self.head = _parts(self.model)
-        self.links = Links(self.mesh, self.transfer)
-        # Every trained parameter of the whole model, in one order all ranks share.
-        self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
-        self.bounds = split_stages(self.model, self.stages, self.stage_layers)
-        self.start, self.end = self.bounds[self.stage]
-        # Train only this stage's blocks (and the embedding/head only where they live).
-        for i, layer in enumerate(self.inner.layers):
-            if not self.start <= i < self.end:
-                layer.freeze()
-        # A tied table is the first stage's lookup and the last stage's head: both train
-        # their copy, and their gradients are summed every step (sum_shared) so the copies stay equal.
-        embedding = [k for k, _, _ in self.all_params if k.startswith("model.embed_tokens.")]
-        self.tied_keys = embedding if "lm_head" not in self.model and self.stages > 1 else []
-        if not self.first and not (self.last and self.tied_keys):
-            self.inner.embed_tokens.freeze()
-        if not self.last:
-            self.inner.norm.freeze()
-            if "lm_head" in self.model:
-                self.model.lm_head.freeze()
-        # Sub-groups for sum_shared where the backend can split (None on ring and JACCL).
-        self.peers = peer_groups(self.mesh, bool(self.tied_keys)) if self.mesh.dp > 1 or self.tied_keys else None
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-    def hidden(self, x: mx.array) -> mx.array:
-        """Token ids (stage 0) or hidden states in, this stage's hidden states out."""
-        from mlx_lm.models.base import create_attention_mask
-
-        h = self.inner.embed_tokens(x) if self.first else x
-        mask = create_attention_mask(h, None)
-        for layer in self.inner.layers[self.start:self.end]:
-            h = layer(h, mask)
-        return h
-
-    def loss(self, h: mx.array, targets: mx.array, lengths: mx.array) -> mx.array:
-        """The last stage's summed target-token cross entropy (the single-process loss)."""
-        return masked_ce_sum(self.head(self.inner.norm(h)), targets, lengths)[0]
-
-    def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
-                 ) -> tuple[mx.array, Any, mx.array | None]:
-        """(value, parameter gradients, input gradient or None) for one micro-batch."""
-        model = self.model
-
-        def fn(params: Any, inp: mx.array) -> mx.array:
-            model.update(params)
-            h = self.hidden(inp)
-            if self.last:
-                return self.loss(h, targets, lengths)
-            return (h * mx.stop_gradient(dy)).sum()  # seeds the reverse pass with the received cotangent
-
-        # DoRA's row norms for the stage's layers first (a few launches on CUDA, none elsewhere).
-        with step_row_norms(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
-            if self.first:  # token ids have no gradient
-                value, grads = mx.value_and_grad(fn)(model.trainable_parameters(), x)
-                return value, grads, None
-            value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
-        return value, grads, dx
-
-    def hidden_spec(self, tokens: mx.array) -> tuple[tuple[int, ...], mx.Dtype]:
-        """Shape and dtype of the hidden states that cross a stage boundary."""
-        return (tokens.shape[0], tokens.shape[1] - 1, self.inner.norm.weight.shape[0]), self.inner.norm.weight.dtype
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array, mx.array]]
@@ -274,8 +111,6 @@ def sum_shared(stage: PipelineStage, grads: Any) -> Any:
     so each slot adds up exactly the ranks that hold that parameter. A tied table is held
     by the first and the last stage of every replica, so it gets the total of both uses.
     """
-    from mlx.utils import tree_flatten, tree_unflatten
-
     keys = set(stage.tied_keys) if stage.mesh.dp == 1 else {k for k, _, _ in stage.all_params}
     if not keys:
         return grads
@@ -305,7 +140,7 @@ def stage_gradients(stage: PipelineStage, schedule: Schedule, tokens: mx.array, 
 
 def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimizer: Any,
                     max_grad_norm: float = 0.0) -> mx.array:
-    """Sum shared gradients, divide by the global token count, clip, update; returns that count.
+    """Sum shared gradients, then the one update (training/update.py); returns the global token count.
 
     The global count adds every replica's tokens: each pipeline's last stage
     contributes its count to one world all_sum. The clipping norm adds every stage's
@@ -313,54 +148,98 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     """
     mesh = stage.mesh
     n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
-    grads = sum_shared(stage, grads)
-    grads = tree_map(lambda g: g / n.astype(g.dtype), grads)
-    if max_grad_norm > 0:
-        from mlx.utils import tree_flatten, tree_unflatten
 
-        flat = dict(tree_flatten(grads))
-        counted = [g for k, g in flat.items() if mesh.dp_rank == 0 and (stage.first or k not in stage.tied_keys)]
-        square = sum((g.astype(mx.float32).square().sum() for g in counted), mx.array(0.0))
-        scale = mx.minimum(max_grad_norm / (mx.sqrt(mesh.all_sum(square)) + 1e-6), 1.0)  # optim.clip_grad_norm's
-        grads = tree_unflatten([(k, g * scale.astype(g.dtype)) for k, g in flat.items()])
-    optimizer.update(stage.model, grads)
+    def square_sum(grads: Any) -> mx.array:
+        counted = [g for k, g in tree_flatten(grads)
+                   if mesh.dp_rank == 0 and (stage.first or k not in stage.tied_keys)]
+        return mesh.all_sum(sum((g.astype(mx.float32).square().sum() for g in counted), mx.array(0.0)))
+
+    grads = sum_shared(stage, grads)
+    # Collectives pair up by the order each rank runs them. A replica other than the first
+    # adds no squares, so its norm's all_sum would depend on nothing and could run before
+    # the sums above: those finish first, on every rank.
+    mx.eval(n, grads)
+    apply_update(stage.model, optimizer, grads, n, max_grad_norm=max_grad_norm, square_sum=square_sum)
     mx.eval(stage.model.state, optimizer.state)
     return n
 
 
-def pipeline_step(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
-                  micro_batches: int, optimizer: Any) -> tuple[mx.array, mx.array]:
-    """One optimizer step on one batch; (global token-weighted loss, local tokens)."""
-    loss_sum, grads, n_local = stage_gradients(stage, schedule, tokens, lengths, micro_batches)
-    n = apply_gradients(stage, grads, n_local, optimizer)
-    # Only last stages have the loss; a world all_sum gives it to everyone.
-    loss = stage.mesh.all_sum(loss_sum if stage.last else mx.zeros_like(loss_sum)) / n
-    mx.eval(loss)
-    return loss, n_local
+class Pipeline:
+    """The strategy of a mesh with pipeline stages: this rank trains its stage's blocks.
 
-
-def stage_runner(stage: PipelineStage, schedule: Schedule, micro_batches: int, optimizer: Any, *,
-                 accumulation: int = 1, max_grad_norm: float = 0.0) -> Any:
-    """batch -> (loss sum, tokens) for the training loop; only the last stage's are non-zero.
-
-    The loop calls it `accumulation` times per optimizer step: gradients and token
-    counts add up over those batches and the update comes with the last, so the step
-    equals one process accumulating the same batches.
+    Each step runs the schedule on every one of the step's batches (micro-batches
+    inside each), adds up gradients and token counts, and updates with the last
+    batch, so the step equals one process accumulating the same batches. Only the
+    last stage returns non-zero loss sums (the reports add them over all ranks).
     """
-    pending: dict[str, Any] = {"grads": None, "tokens": mx.array(0.0), "batches": 0}
 
-    def run(batch: Any) -> tuple[mx.array, mx.array]:
-        loss_sum, grads, n = stage_gradients(stage, schedule, batch.tokens, batch.lengths, micro_batches)
-        acc = pending["grads"]
-        pending["grads"] = grads if acc is None else tree_map(mx.add, acc, grads)
-        pending["tokens"] = pending["tokens"] + n
-        pending["batches"] += 1
-        mx.eval(pending["grads"], pending["tokens"])
-        if pending["batches"] == accumulation:
-            apply_gradients(stage, pending["grads"], pending["tokens"], optimizer, max_grad_norm)
-            pending.update(grads=None, tokens=mx.array(0.0), batches=0)
-        if not stage.last:
-            return mx.array(0.0), mx.array(0)
-        return loss_sum, n.astype(mx.int32)
+    def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, schedule: str,
+                 micro_batches: int, stage_layers: list[int] | None = None, accumulation: int = 1,
+                 max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None):
+        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+        self.accumulation, self.max_grad_norm, self.overlap = accumulation, max_grad_norm, overlap
+        self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
+        self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer)
+        self.schedule, self.micro_batches = build_schedule(schedule, mesh.pp, micro_batches), micro_batches
 
-    return run
+    @staticmethod
+    def check(cfg: "Config", mesh: Mesh, model_path: Path) -> None:
+        """Raise what this layout cannot run as `cfg` asks, before the model loads."""
+        if cfg.train.grad_checkpoint:
+            raise ValueError(f"parallel.pp={mesh.pp}: train.grad_checkpoint with a pipeline is not needed: "
+                             "stages recompute their forward")
+        if cfg.parallel.transport == "sockets" and mesh.world_size > 1:
+            raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
+                             f"parallel.pp={mesh.pp} set parallel.transport: mlx")
+        if (declared := declared_layers(model_path)) is not None:
+            check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)
+
+    @classmethod
+    def from_config(cls, cfg: "Config", mesh: Mesh, model: nn.Module, optimizer: optim.Optimizer, *,
+                    overlap: bool, say: Callable[[str], None]) -> "Pipeline":
+        _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
+        pipeline = cls(model, optimizer, mesh, schedule=cfg.parallel.schedule, micro_batches=micro_batches,
+                       stage_layers=cfg.parallel.stage_layers, accumulation=cfg.train.grad_accumulation_steps,
+                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap)
+        say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
+        say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
+        return pipeline
+
+    def step(self, batches: Iterator[Any]) -> list[tuple[mx.array, mx.array]]:
+        stage = self.stage
+        grads, tokens, losses = None, mx.array(0.0), []
+        for k in range(self.accumulation):
+            batch = next(batches)
+            loss, g, n = stage_gradients(stage, self.schedule, batch.tokens, batch.lengths, self.micro_batches)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            tokens = tokens + n
+            mx.eval(grads, tokens)
+            if k == self.accumulation - 1:
+                apply_gradients(stage, grads, tokens, self.optimizer, self.max_grad_norm)
+            # The loss is the last stage's; the others report zeros.
+            losses.append((loss, n.astype(mx.int32)) if stage.last else (mx.array(0.0), mx.array(0)))
+            mx.eval(losses[-1])
+        return losses
+
+    def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
+        # Every rank evaluates the whole gathered model on its replica's batches; only the
+        # first stage of each replica counts, so nothing is summed twice.
+        self.gather_weights()
+        return evaluate(self.model, batches, self.mesh, beat=beat, counts=self.stage.first, overlap=self.overlap)
+
+    def gather_weights(self) -> dict[str, mx.array]:
+        weights = gather_parameters(self.stage, self.keys)
+        self.model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
+        return weights
+
+    def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
+        save_stages(out, self.stage, self.optimizer, state=state, config=config, keep=keep)  # each stage its shard
+
+    def latest_checkpoint(self, out: Path, say: Callable[[str], None]) -> LoadedCheckpoint | None:
+        found = resumable_step(out, self.stage, say)
+        return None if found is None else load_stage_checkpoint(*found, self.stage)
+
+    def restore(self, ckpt: LoadedCheckpoint) -> None:
+        self.model.load_weights(list(ckpt.trainable.items()), strict=False)  # what this stage trains
+        self.optimizer.state = ckpt.optimizer_state
+        self.optimizer.init(self.model.trainable_parameters())

@@ -43,10 +43,11 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState, checkpoint_dir,
-                          leftover_temps, load_checkpoint, load_stage, prune_checkpoints, publish_stage,
-                          stage_names, verify_checkpoint, verify_stage, write_error, write_stage)
-from .pipeline import PipelineStage
+from ..training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState,
+                                   checkpoint_dir, leftover_temps, load_checkpoint, load_stage, prune_checkpoints,
+                                   publish_stage, stage_names, verify_checkpoint, verify_stage, write_error,
+                                   write_stage)
+from .stage import PipelineStage
 
 
 def _owned(stage: PipelineStage) -> set[str]:

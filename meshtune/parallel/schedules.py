@@ -2,7 +2,7 @@
 
 MLX is lazy and point-to-point on the ring backend blocks: one `mx.eval` holding a
 send and an independent recv deadlocked, and a send waits for its receiver once the
-socket buffers fill (DESIGN.md). So a pipeline step is not one graph but, per stage,
+socket buffers fill. So a pipeline step is not one graph but, per stage,
 a list of actions evaluated in order, and `simulate` proves a schedule cannot
 deadlock under the strictest rule: a send completes only when the peer has reached
 the matching receive (rendezvous), whatever the message size.

@@ -1,11 +1,9 @@
 """Gradient all-reduce over plain blocking TCP sockets, off the thread that computes.
 
-MLX's ring backend busy-polls its sockets: an all_sum of 32 MB over a 1 Gb/s link used
-903 ms of CPU in 907 ms of wall time (scripts/probes/spin_probe.py). Where a rank has
-one core, that spin takes the core from the backward it was meant to overlap with
-(compute 234 ms + all_sum 299 ms ran in 465 ms overlapped, 1.17x). A blocking socket
-waits in the kernel instead: the same 32 MB exchange used 16 ms of CPU, and compute
-beside it finished in 294 ms (scripts/probes/sock_probe.py, on the shaped-link bed).
+MLX's ring backend busy-polls its sockets: an all_sum keeps a core busy for its whole
+wall time. Where a rank has one core, that spin takes the core from the backward it
+was meant to overlap with. A blocking socket waits in the kernel instead, so compute
+beside an exchange keeps its core (docs/performance.md, "A socket ring for one-core ranks").
 
 `parallel.transport: sockets` sends the gradient buckets this way, in float32, while
 the compiled backward computes the next bucket: two ranks stream buckets to each other

@@ -1,13 +1,15 @@
 """What meshtune's CUDA kernels share: whether arrays run on an NVIDIA GPU, and a kernel cache.
 
-The kernels themselves (adapters/kernels.py, parallel/pack_kernel.py) are written with
-`mx.fast.cuda_kernel`, compiled by MLX's CUDA build at first use; elsewhere (CPU,
-Metal) their callers compute the same in MLX ops.
+The kernels themselves are .cuh files beside their loaders (adapters/cuda/ for adapters/kernels.py,
+parallel/pack_kernel.cuh for parallel/pack_kernel.py): each launch is an `mx.fast.cuda_kernel` whose
+header is the file and whose body is a short call, compiled by MLX's CUDA build at first use;
+elsewhere (CPU, Metal) their callers compute the same in MLX ops.
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -20,29 +22,36 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
 
 
-def kernel(name: str, inputs: list[str], outputs: list[str], source: str):
-    """The `mx.fast.cuda_kernel` of this name, built once.
+def kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):
+    """The `mx.fast.cuda_kernel` of this name, built once: `header` (device functions, from a .cuh file) goes
+    before the kernel function MLX writes around `source` (its body).
 
     MLX's CUDA build keeps compiled kernels on disk (MLX_PTX_CACHE_DIR, by default under the temp
     directory) by name and template values alone, not by source: a kernel whose text changed (a newer
     meshtune) would run the old text's binary, with the old parameters. So the name MLX sees carries a
-    digest of the parameters and the source.
+    digest of the parameters, the source and the header.
     """
-    key = (name, tuple(inputs), tuple(outputs), source)
+    key = (name, tuple(inputs), tuple(outputs), source, header)
     if key not in _kernels:
-        digest = hashlib.sha1("\0".join([*inputs, "", *outputs, "", source]).encode()).hexdigest()[:12]
+        digest = hashlib.sha1("\0".join([*inputs, "", *outputs, "", source, "", header]).encode()).hexdigest()[:12]
         _kernels[key] = mx.fast.cuda_kernel(name=f"{name}_{digest}", input_names=inputs, output_names=outputs,
-                                            source=source)
+                                            source=source, header=header)
     return _kernels[key]
 
 
+def read_source(path: Path) -> str:
+    """A kernel source file's text (a .cuh beside its loader), read once."""
+    if path not in _sources:
+        _sources[path] = path.read_text()
+    return _sources[path]
+
+
+_sources: dict[Path, str] = {}
+
+
 # MLX's CUDA allocator puts every array of 8 bytes or less in one small pool of managed memory, which the
-# host writes each new Python scalar into and the GPU reads across the bus (advised accessed-by, never
-# migrated). A one-int offset and a one-float scale read from there held m's gradient launch at 11-25 us a
-# layer on an H200, growing with its blocks (ncu, docs/bench/adapters_h200_23.txt): the constants our
-# kernels read are padded out of that pool.
-# One array a value: made once, its page moves to the GPU at its first read and stays (an uncompiled step
-# would otherwise write a new one each call, and the GPU fault it in each time).
+# GPU reads across the bus: the constants our kernels read are padded out of that pool, one array a value,
+# made once, so its page moves to the GPU at its first read and stays.
 KERNEL_CONSTANT_BYTES = 16
 _constants: dict[tuple, mx.array] = {}
 
@@ -72,18 +81,18 @@ STAND_IN_HEADER = """#include <cuda_bf16.h>
 
 
 def compiled_source(name: str, input_names: list[str], output_names: list[str], source: str,
-                    input_dtypes: list, output_dtypes: list, template: list[tuple]) -> tuple[str, str]:
+                    input_dtypes: list, output_dtypes: list, template: list[tuple], header: str = "") -> tuple[str, str]:
     """(function name, whole source) of the kernel as MLX's CUDA build compiles it
-    (mlx/backend/cuda/custom_kernel.cpp: the inputs as const pointers, the outputs as pointers,
-    the template values as constexprs), with STAND_IN_HEADER: for nvcc where there is no GPU
-    (tests/test_kernels_nvcc.py, scripts/probes/kernel_registers.py)."""
+    (mlx/backend/cuda/custom_kernel.cpp: its default header, then `header`, then the kernel function with the
+    inputs as const pointers, the outputs as pointers, the template values as constexprs), with STAND_IN_HEADER
+    for MLX's own: for nvcc where there is no GPU (tests/cuda/test_kernels_nvcc.py)."""
     func = "custom_kernel_" + name + "".join(
         f"_{CUDA_TYPES[v]}" if isinstance(v, mx.Dtype) else f"_{int(v)}" for _, v in template)
     params = [f"    const {CUDA_TYPES[d]}* {n}" for n, d in zip(input_names, input_dtypes)]
     params += [f"    {CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
     consts = [f"  using {n} = {CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {n} = {int(v)};"
               for n, v in template]
-    return func, (STAND_IN_HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return func, (STAND_IN_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
                   f"__global__ void {func}(\n" + ",\n".join(params) + ") {\n" + "\n".join(consts)
                   + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
 
@@ -94,11 +103,12 @@ class RecordingKernel:
     wrapper to go on."""
 
     def __init__(self, sources: dict[str, str], name: str, input_names: list[str], output_names: list[str],
-                 source: str):
-        self.sources, self.name, self.inputs, self.outputs, self.source = sources, name, input_names, output_names, source
+                 source: str, header: str = ""):
+        self.sources, self.name, self.inputs, self.outputs = sources, name, input_names, output_names
+        self.source, self.header = source, header
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
         func, text = compiled_source(self.name, self.inputs, self.outputs, self.source, [a.dtype for a in inputs],
-                                     output_dtypes, template)
+                                     output_dtypes, template, self.header)
         self.sources[func] = text
         return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]

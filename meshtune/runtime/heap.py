@@ -7,10 +7,9 @@ with fresh mmap calls and unmaps them on free, so every training step touches it
 large arrays' pages for the first time again: page faults on gigabytes a step, on
 every step. `keep_freed_memory` has malloc serve them from the heap and not give freed
 memory back below 2 GB, so a step reuses the pages of the step before. The process
-keeps its peak resident size, as a training process does anyway.
-`meshtune bench adapters --preset 1b` on the 2-core CI machine: the 4-bit LoRA step went
-from 9.6 to 6.4 s, 4-bit DoRA from 10.0 to 6.7 s (dequantized weights are such arrays),
-float32 unchanged (docs/bench/adapters_cpu_1b_malloc_defaults.txt, adapters_cpu_1b.txt).
+keeps its peak resident size, as a training process does anyway. Quantized bases gain
+most (their dequantized weights are such arrays): `meshtune bench adapters --preset 1b`
+with and without `--no-keep-freed-memory` shows the difference.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ EXIT_CODE = 75  # EX_TEMPFAIL: the run can be resumed from its last checkpoint
 HEARTBEAT_ENV = "MESHTUNE_HEARTBEAT_DIR"
 # How MLX's distributed backends word a failed collective (e.g. "[ring] connection to a peer was lost").
 # No space required after the tag: the ring backend's threads write to stderr at once,
-# and interleaved lines such as "[ring]3  Sending to socketwas closed by the peer" and
-# "was closed by the peer[ring]" were seen.
+# so lines interleave, e.g. "[ring]3  Sending to socketwas closed by the peer" or
+# "was closed by the peer[ring]".
 BACKEND_ERROR = re.compile(r"\[(ring|jaccl|mpi|nccl)\]")
 
 

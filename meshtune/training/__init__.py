@@ -1,1 +1,2 @@
-"""One process's training: the loop and its compiled step, losses, optimizers, checkpoints and metrics."""
+"""Training: the loop, the strategy interface it calls, and what every strategy shares (loss, update,
+evaluation, optimizers, checkpoints, metrics)."""

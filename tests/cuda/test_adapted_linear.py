@@ -126,7 +126,7 @@ def test_folded_product_is_doras(dropout, dtype):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_merged_product_is_doras(dtype):
-    """The merged fold (kernels.MERGED_FOLD): W' = rs (W + s (A B)^T) is the whole adapted weight, y = x W'^T one
+    """The merged fold (a folded step's layers without dropout): W' = rs (W + s (A B)^T) is the whole adapted weight, y = x W'^T one
     product, and every gradient (x's as g W', m's from the output kept) is the plain expression's."""
     x, w, a, b, m, _ = _inputs(4)
     x, w = x.astype(dtype), w.astype(dtype)
@@ -215,20 +215,17 @@ def test_dora_kernels_match_mlx_ops_on_cuda(dtype, r):
         assert mx.allclose(x.astype(mx.float32), v.astype(mx.float32), rtol=tol, atol=tol).item(), name
     assert mx.array_equal(got[0], got[1]).item()  # a layer's norm does not depend on its launch
     assert got[5][3].item() == 0.0
-    # The folded step's kernels: the same norms with W' = rs W beside them, and m's gradient alone.
-    norms2, scaled, row_scales = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b], [S, S], [m, m * 2])
+    # The folded step's launch: the same norms with W' = rs W, rs, and the layers' A and B' = B rs beside them.
+    norms2, scaled, row_scales, a_casts, b_scaleds = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b],
+                                                                                      [S, S], [m, m * 2])
     assert mx.array_equal(norms2[0], got[0]).item() and mx.array_equal(norms2[1], got[3]).item()
     for n, mm, ww, sw, rs2 in zip(norms2, (m, m * 2), (w, w * 0.5), scaled, row_scales):
         assert rs2.dtype == mx.float32 and mx.allclose(rs2, (mm / n).astype(dtype).astype(mx.float32), rtol=1e-2 if dtype == mx.bfloat16 else 1e-6).item()
         want_sw = (mm / n).astype(dtype)[:, None] * ww  # to an ulp of W's dtype (a division's rounding may differ)
         tol = 1e-2 if dtype == mx.bfloat16 else 1e-6
         assert sw.dtype == dtype and mx.allclose(sw, want_sw, rtol=tol, atol=tol * 1e-3).item()
-    assert mx.array_equal(kernels.magnitude_grad_cuda(g, y, m, w_sq), got[5]).item()
-    # With the layers' factors (kernels._WRITE_FACTORS): the same outputs, and A and B' = B rs as the layers cast them.
-    with_factors = kernels.row_norms_and_scaled_cuda([w, w * 0.5], [a, a], [b, b], [S, S], [m, m * 2], factors=True)
-    for mine, theirs in zip(with_factors[:3], (norms2, scaled, row_scales)):
-        assert all(mx.array_equal(x, v).item() for x, v in zip(mine, theirs))
-    for a_cast, b_scaled, rs2 in zip(*with_factors[3:], row_scales):
+    # A and B' = B rs as the layers would cast them.
+    for a_cast, b_scaled, rs2 in zip(a_casts, b_scaleds, row_scales):
         assert mx.array_equal(a_cast, a.astype(dtype)).item() and mx.array_equal(b_scaled, (b * rs2).astype(dtype)).item()
 
 
@@ -245,9 +242,9 @@ def test_a_folded_launch_of_twelve_layers_gives_a_lone_launchs_bits_on_cuda():
     b = list(mx.random.normal((n, r, out), key=k[2]) / 8)
     ms = list(mx.random.uniform(0.5, 2.0, (n, out), key=k[3]))
     x = mx.random.normal((256, inp), key=k[4]).astype(mx.bfloat16)
-    together = kernels.row_norms_and_scaled_cuda(ws, a, b, [S] * n, ms, factors=True)
+    together = kernels.row_norms_and_scaled_cuda(ws, a, b, [S] * n, ms)
     for i in range(n):
-        alone = kernels.row_norms_and_scaled_cuda(ws[i:i + 1], a[i:i + 1], b[i:i + 1], [S], ms[i:i + 1], factors=True)
+        alone = kernels.row_norms_and_scaled_cuda(ws[i:i + 1], a[i:i + 1], b[i:i + 1], [S], ms[i:i + 1])
         for name, got, want in zip(("norm", "W'", "rs", "A", "B'"), (part[i] for part in together),
                                    (part[0] for part in alone)):
             assert got.shape == want.shape and mx.array_equal(got, want).item(), (i, name)
@@ -259,9 +256,9 @@ def test_a_folded_launch_of_twelve_layers_gives_a_lone_launchs_bits_on_cuda():
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("cols, r", [(6144, 8), (1024, 8), (2048, 64)])
 def test_b_product_in_the_sums_pass_matches_the_matmul_on_cuda(cols, r):
-    """kernels.magnitude_and_b_grad_cuda (B_PRODUCT_IN_SUMS) at the 1B step's sizes (4096 tokens, bf16): m's
-    gradient as magnitude_grad_cuda's and B's as from cuBLAS's product (x A)^T g, to bfloat16 rounding (the
-    product's sum runs in another order, float32 either way)."""
+    """kernels.magnitude_and_b_grad_cuda at the 1B step's sizes (4096 tokens, bf16): m's gradient as the cotangent
+    kernel's (its chunks of rows apart) and B's as (s p) rs from cuBLAS's product p = (x A)^T g, to bfloat16
+    rounding (the product's sum runs in another order, float32 either way)."""
     from meshtune.adapters import kernels
 
     k = mx.random.split(mx.random.key(9), 5)
@@ -271,7 +268,9 @@ def test_b_product_in_the_sums_pass_matches_the_matmul_on_cuda(cols, r):
     m = mx.random.uniform(0.5, 2.0, (cols,), key=k[3])
     norm = mx.random.uniform(0.5, 2.0, (cols,), key=k[4])
     dm, gb = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, 2 * S)
-    want_dm, want_gb = kernels.magnitude_grad_cuda(g, y, m, norm, b_product=u.T @ g, b_scale=2 * S)
+    want_dm = kernels.cotangent_cuda(g, y, m, norm)[1]
+    rs = (m / norm).astype(mx.bfloat16).astype(mx.float32)
+    want_gb = ((2 * S) * (u.T @ g)).astype(mx.float32) * rs
     assert mx.allclose(dm, want_dm, rtol=1e-4, atol=1e-3).item(), mx.abs(dm - want_dm).max().item()
     assert mx.allclose(gb, want_gb, rtol=2e-2, atol=1e-2 * mx.abs(want_gb).max().item()).item(), \
         mx.abs(gb - want_gb).max().item()
@@ -297,8 +296,8 @@ def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
     a = [mx.random.normal((inp, r), key=k[0]) / 8] * 2
     b = [mx.random.normal((r, out), key=k[1]) / 8] * 2
     m = [mx.random.uniform(0.5, 2.0, (out,), key=k[2])] * 2
-    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [S, 2 * S], m, factors=True, stacked=True)
-    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [S, 2 * S], m, factors=True, stacked=True)
+    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [S, 2 * S], m, stacked=True)
+    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [S, 2 * S], m, stacked=True)
     for name, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
         for x, v in zip(gots, wants):
             x, v = (x.view(), v.view()) if name == "norm" else (x, v)
@@ -306,18 +305,20 @@ def test_folded_kernels_read_packed_weights_and_stacked_norms_on_cuda(bits):
                                                       atol=1e-5).item(), name
     g = mx.random.normal((4096, out), key=k[3]).astype(mx.bfloat16)
     y = mx.random.normal((4096, out), key=k[4]).astype(mx.bfloat16)
-    product = mx.random.normal((r, out), key=k[5]).astype(mx.bfloat16)
+    u = mx.random.normal((4096, r), key=k[5]).astype(mx.bfloat16)
     norm = got[0][1]
-    dm, gb = kernels.magnitude_grad_cuda(g, y, m[1], norm, b_product=product, b_scale=2 * S)
-    assert mx.array_equal(dm, kernels.magnitude_grad_cuda(g, y, m[1], norm.view())).item()
-    rs = (m[1] / norm.view()).astype(mx.bfloat16)
-    assert mx.array_equal(gb, ((2 * S) * product).astype(mx.float32) * rs.astype(mx.float32)).item()
+    dm, gb = kernels.magnitude_and_b_grad_cuda(g, y, u, m[1], norm, 2 * S)
+    want_dm, want_gb = kernels.magnitude_and_b_grad_cuda(g, y, u, m[1], norm.view(), 2 * S)
+    assert mx.array_equal(dm, want_dm).item() and mx.array_equal(gb, want_gb).item()
+    rs = (m[1] / norm.view()).astype(mx.bfloat16).astype(mx.float32)
+    product = ((2 * S) * (u.T @ g)).astype(mx.float32) * rs
+    assert mx.allclose(gb, product, rtol=2e-2, atol=1e-2 * mx.abs(product).max().item()).item()
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
 @pytest.mark.parametrize("out, inp, bits", [(6144, 2048, 0), (2048, 6144, 0), (6144, 2048, 4), (2048, 6144, 4)])
 def test_merged_folded_launch_on_cuda(out, inp, bits):
-    """kernels.MERGED_FOLD at the 1B model's shapes (A resident for 2048 columns, staged for 6144), bf16 and 4-bit
+    """The merged folded launch at the 1B model's shapes (A resident for 2048 columns, staged for 6144), bf16 and 4-bit
     read packed: W' is rs (W + s (A B)^T) to bfloat16 rounding, and the norms, rs, A and B' are the unmerged
     launch's bits."""
     import mlx.nn as nn
@@ -337,55 +338,16 @@ def test_merged_folded_launch_on_cuda(out, inp, bits):
     a = [mx.random.normal((inp, 8), key=k[i]) / 8 for i in (0, 1)]
     b = [mx.random.normal((8, out), key=k[i]) / 8 for i in (2, 3)]
     m = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (4, 5)]
-    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S], m, factors=True, merged=True)
-    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S], m, factors=True)
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S], m, merged=True)
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S], m)
     for name, gots, wants in zip(("norm", "rs", "A", "B'"), (got[0], *got[2:]), (want[0], *want[2:])):
         for x, v in zip(gots, wants):
             assert mx.array_equal(x, v).item(), name
     for w, a_l, b_l, s, rs, merged in zip(dense, a, b, [S, 2 * S], got[2], got[1]):
         reference = rs[:, None] * (w.astype(mx.float32) + s * (a_l @ b_l).T)
         assert merged.dtype == mx.bfloat16
-        # A staged (6144 columns) stores d = W + s (A B)^T in bfloat16, then rs d: two roundings (kernels._STORE_ADAPTED)
+        # A staged (6144 columns) stores d = W + s (A B)^T in bfloat16, then rs d: two roundings (dora_row_norms.cuh)
         assert mx.allclose(merged.astype(mx.float32), reference, rtol=2 ** -6, atol=1e-6).item()
-
-
-@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
-@pytest.mark.parametrize("bits", [0, 4])
-def test_probe_one_launch_magnitude_b_gives_the_two_launches_bits_on_cuda(bits, monkeypatch):
-    """On the GPU, where blocks run at once: m's and B's gradients in one launch (scripts/probes/dora_variants.py,
-    a ticket counter a strip) are the two launches' to the bit, twice on the same counters (each last block resets
-    its own), at the norms of the folded launch for the 1B model's 6144 x 2048 layers (bf16, or 4-bit read packed),
-    three a launch."""
-    import sys
-    from pathlib import Path
-
-    import mlx.nn as nn
-
-    from meshtune.adapters import kernels
-
-    k = mx.random.split(mx.random.key(6), 8)
-    out, inp, r = 6144, 2048, 8
-    ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(mx.bfloat16) for i in range(3)]
-    if bits:
-        ws = [kernels.packed_weight(nn.QuantizedLinear.from_linear(nn.Linear(inp, out, bias=False), group_size=64,
-                                                                   bits=bits)) for _ in ws]
-    a0, a1 = (mx.random.normal((inp, r), key=k[3 + i]) / 8 for i in range(2))
-    a = [a0, a1, a0]
-    b = [mx.random.normal((r, out), key=k[5]) / 8] * 3
-    m = [mx.random.uniform(0.5, 2.0, (out,), key=k[6])] * 3
-    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [S, 2 * S, S], m, factors=True)
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "probes"))
-    sys.modules.pop("dora_variants", None)
-    import dora_variants
-
-    g = mx.random.normal((4096, out), key=k[7]).astype(mx.bfloat16)
-    y = (g * 0.5 + 0.25).astype(mx.bfloat16)
-    product = b[0].astype(mx.bfloat16)
-    two = kernels.magnitude_grad_cuda(g, y, m[0], want[0][1], b_product=product, b_scale=S)
-    for _ in range(2):
-        dora_variants._next_counter = 0  # the same counters both times
-        one = dora_variants.one_launch_magnitude_b_grad(g, y, m[0], want[0][1], product, S)
-        assert mx.array_equal(one[0], two[0]).item() and mx.array_equal(one[1], two[1]).item()
 
 
 def test_row_norm_matches_dense_norm():
@@ -399,33 +361,3 @@ def test_row_norm_matches_dense_norm():
     want = 1 / mx.sqrt((dense * dense).sum(-1))
     got = 1 / adapted_row_norm((w * w).sum(-1), w @ a, b.T, a.T @ a, S)
     assert mx.allclose(got, want, rtol=1e-4).item()
-
-
-@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")
-@pytest.mark.parametrize("cols", [6144, 1024])
-def test_probe_one_launch_b_sums_give_the_two_launches_on_cuda(cols, monkeypatch):
-    """On the GPU, where blocks run at once: dora_variants.one_launch_magnitude_and_b_sums (the last block of each
-    strip adds its chunks) gives magnitude_and_b_grad_cuda's m gradient to float32 rounding and B's to a bfloat16
-    step (B's sum, added in another order, is rounded to bfloat16 before the scale), twice on the
-    same counters (each last block resets its own), at the 1B step's sizes (4096 tokens, bf16, rank 8)."""
-    import sys
-    from pathlib import Path
-
-    from meshtune.adapters import kernels
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "probes"))
-    sys.modules.pop("dora_variants", None)
-    import dora_variants
-
-    k = mx.random.split(mx.random.key(10), 5)
-    g = mx.random.normal((4096, cols), key=k[0]).astype(mx.bfloat16)
-    y = mx.random.normal((4096, cols), key=k[1]).astype(mx.bfloat16)
-    u = mx.random.normal((4096, 8), key=k[2]).astype(mx.bfloat16)
-    m = mx.random.uniform(0.5, 2.0, (cols,), key=k[3])
-    norm = mx.random.uniform(0.5, 2.0, (cols,), key=k[4])
-    two = kernels.magnitude_and_b_grad_cuda(g, y, u, m, norm, S)
-    for _ in range(2):
-        dora_variants._next_counter = 0  # the same counters both times
-        one = dora_variants.one_launch_magnitude_and_b_sums(g, y, u, m, norm, S)
-        assert mx.allclose(one[0], two[0], rtol=1e-5, atol=1e-4).item()
-        assert mx.allclose(one[1], two[1], rtol=1e-2, atol=1e-5 * mx.abs(two[1]).max().item()).item()

@@ -1,7 +1,7 @@
 """meshtune.runtime.cuda.kernel: the name MLX compiles a kernel under changes with its text.
 
 MLX's CUDA build keeps compiled kernels on disk by name (and template values) only, so a kernel
-whose source changed between meshtune versions would otherwise run the old binary.
+whose source or header (its .cuh file) changed between meshtune versions would otherwise run the old binary.
 """
 
 import mlx.core as mx
@@ -12,9 +12,9 @@ from meshtune.runtime import cuda
 def _recording(monkeypatch):
     made = []
 
-    def cuda_kernel(*, name, input_names, output_names, source):
+    def cuda_kernel(*, name, input_names, output_names, source, header=""):
         made.append(name)
-        return (name, tuple(input_names), tuple(output_names), source)
+        return (name, tuple(input_names), tuple(output_names), source, header)
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
     monkeypatch.setattr(cuda, "_kernels", {})
@@ -29,11 +29,12 @@ def test_a_kernel_is_built_once_for_its_text(monkeypatch):
     assert made[0].startswith("meshtune_k_") and len(made[0]) == len("meshtune_k_") + 12
 
 
-def test_a_changed_text_or_signature_gets_a_name_of_its_own(monkeypatch):
+def test_a_changed_text_header_or_signature_gets_a_name_of_its_own(monkeypatch):
     made = _recording(monkeypatch)
     base = cuda.kernel("meshtune_k", ["a"], ["o"], "o[0] = a[0];")
     texts = [cuda.kernel("meshtune_k", ["a"], ["o"], "o[0] = 2 * a[0];"),
              cuda.kernel("meshtune_k", ["b"], ["o"], "o[0] = a[0];"),
-             cuda.kernel("meshtune_k", ["a"], ["o", "p"], "o[0] = a[0];")]
+             cuda.kernel("meshtune_k", ["a"], ["o", "p"], "o[0] = a[0];"),
+             cuda.kernel("meshtune_k", ["a"], ["o"], "o[0] = a[0];", "__device__ int f() { return 1; }")]
     assert all(t is not base for t in texts)
-    assert len(set(made)) == 4 and all(n.startswith("meshtune_k_") for n in made)
+    assert len(set(made)) == 5 and all(n.startswith("meshtune_k_") for n in made)

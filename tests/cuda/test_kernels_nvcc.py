@@ -3,8 +3,9 @@
 MLX's CUDA build compiles an `mx.fast.cuda_kernel` at its first call on the GPU, so a
 kernel text NVRTC rejects would first show on a GPU machine, in the middle of a step.
 Where `nvcc` is found (a CUDA toolkit without a GPU will do; skipped elsewhere), each
-kernel the wrappers build is wrapped as MLX's CUDA build wraps it (meshtune.runtime.cuda.compiled_source)
-and compiled to PTX for the H200's sm_90. What the kernels compute is test_kernels_simulated.py's.
+kernel the wrappers build (its .cuh header, then the kernel function around its body) is wrapped as MLX's CUDA
+build wraps it (meshtune.runtime.cuda.compiled_source) and compiled to PTX for the H200's sm_90. What the kernels
+compute is the test_sim_*.py files'.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import pytest
 
 from meshtune.runtime.cuda import RecordingKernel
@@ -32,8 +32,8 @@ def recorded(monkeypatch):
 
     sources: dict[str, str] = {}
 
-    def kernel(name, inputs, outputs, source):
-        return RecordingKernel(sources, name, inputs, outputs, source)
+    def kernel(name, inputs, outputs, source, header=""):
+        return RecordingKernel(sources, name, inputs, outputs, source, header)
 
     monkeypatch.setattr(kernels, "_kernel", kernel)
     monkeypatch.setattr(pack_kernel, "kernel", kernel)
@@ -57,37 +57,27 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             b = [mx.random.normal((r, 48), key=next(k)) for _ in range(2)]
             m = [mx.ones((48,))] * 2
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
-            # The folded launch with A resident (_RESIDENT_A; where the layout takes it: rank 8, 2048 wide) and staged.
+            # The folded launch with A resident (where the layout takes it: rank 8, 2048 wide) and staged.
             for resident in (True, False):
-                monkeypatch.setattr(kernels, "_RESIDENT_A", resident)
-                for loads, quads, tile in ((1, True, None), (4, True, 2048), (8, False, None)):
-                    monkeypatch.setattr(kernels, "_SCALED_LOADS", loads)
-                    monkeypatch.setattr(kernels, "_STAGE_QUADS", quads)
-                    monkeypatch.setattr(kernels, "_TILE_FLOATS", tile)
-                    kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
-                kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True)  # with A and B' (_WRITE_FACTORS)
-                kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, factors=True, merged=True)  # MERGED_FOLD
-                # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator runs them).
-                packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32),
-                                               mx.ones((48, inp // 64), dtype=dtype),
-                                               mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
-                if kernels.reads_packed(packed[0], r):
-                    kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, factors=True)
-                    kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, factors=True, merged=True)
-            monkeypatch.setattr(kernels, "_TWO_PASS", True)  # the two passes: segment sums, then W' or the norms
-            kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
-            kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m)
-            monkeypatch.setattr(kernels, "_TWO_PASS", False)
+                with monkeypatch.context() as patch:
+                    if not resident:
+                        patch.setattr(kernels, "_resident_layout", lambda *_: False)
+                    for merged in (False, True):
+                        kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, merged=merged)
+                    # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator
+                    # runs them).
+                    packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32),
+                                                   mx.ones((48, inp // 64), dtype=dtype),
+                                                   mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
+                    if kernels.reads_packed(packed[0], r):
+                        for merged in (False, True):
+                            kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, merged=merged)
         for cols in (6144, 6150):  # 16-byte accesses, then a column a thread
             g = mx.random.normal((64, cols), key=next(k)).astype(dtype)
             y = mx.random.normal((64, cols), key=next(k)).astype(dtype)
             kernels.cotangent_cuda(g, y, mx.ones((cols,)), mx.ones((cols,)))
-            kernels.magnitude_grad_cuda(g, y, mx.ones((cols,)), mx.ones((cols,)))
-            # m's and B's gradients in one launch, the norms read in a launch's stacked array
+            # m's and B's gradients, the norms read in a launch's stacked array; ranks 8 and 64 (fewer columns a thread)
             stacked = kernels.StackedNorm(mx.ones((2 * cols,)), cols, cols)
-            kernels.magnitude_grad_cuda(g, y, mx.ones((cols,)), stacked, b_product=mx.ones((8, cols), dtype=dtype),
-                                        b_scale=2.0)
-            # B's product summed in the column sums' pass (B_PRODUCT_IN_SUMS), ranks 8 and 64 (fewer columns a thread)
             for r in (8, 64):
                 kernels.magnitude_and_b_grad_cuda(g, y, mx.ones((64, r), dtype=dtype), mx.ones((cols,)), stacked, 2.0)
     pack_cuda([mx.ones((3, 4), dtype=mx.bfloat16), mx.ones((5,))], mx.float32)

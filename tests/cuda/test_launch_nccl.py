@@ -1,7 +1,7 @@
 """`meshtune launch --backend nccl`: one rank per GPU of this machine, joined through rank 0.
 
 No GPU here, so the ranks print what they were given instead of joining NCCL (the
-H200 runs go through scripts/gpu_tables.sh); the launcher's path is the real one:
+H200 runs are started by hand); the launcher's path is the real one:
 processes started, environment set per rank, output prefixed, exit codes checked.
 """
 

@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_llama  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, where conftest is
+from support import tiny_llama  # noqa: E402
 
 from meshtune.adapters import apply_adapters  # noqa: E402
 from meshtune.parallel.mesh import Mesh  # noqa: E402
@@ -45,10 +45,12 @@ def main() -> None:
     pipeline = Pipeline(model, optim.SGD(learning_rate=0.1), mesh, schedule=schedule_name, micro_batches=micro_batches,
                         transfer=transfer)
     print(f"TRANSFER {pipeline.stage.links.mode}", flush=True)
-    losses = []
+    losses, local = [], []
     for _ in range(2):  # the loss before each update, on every rank (only the last stage's sums are non-zero)
-        loss_sum, tokens_n = pipeline.step(iter([SimpleNamespace(tokens=tokens, lengths=lengths)]))
+        [(loss_sum, tokens_n)] = pipeline.step(iter([SimpleNamespace(tokens=tokens, lengths=lengths)]))
+        local.append([loss_sum.item(), tokens_n.item()])
         losses.append((mesh.all_sum(loss_sum) / mesh.all_sum(tokens_n)).item())
+    print("LOCAL " + json.dumps(local), flush=True)  # this rank's own sums, before the all_sum above
     mx.save_safetensors(str(out / f"rank{mesh.rank}.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     print("LOSSES " + json.dumps(losses), flush=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli
+from support import run_cli
 from meshtune.bench import bad_input as bi
 
 

@@ -20,7 +20,7 @@ NUMBER = r"(\d+(?:\.\d+)?)"
 
 @pytest.fixture(scope="module")
 def bench():
-    from conftest import run_cli
+    from support import run_cli
 
     proc = run_cli("bench", "adapters", "--preset", "tiny", "--json", timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -155,9 +155,9 @@ def _saved(path, table, out, **ratios):
 def test_combine_judges_the_median_of_each_ratio_over_invocations(bench, tmp_path):
     """--combine reads each saved invocation's last JSON line, prints every ratio per invocation beside the
     median, and judges the targets on the medians (stock's medians beside them)."""
-    from conftest import run_cli
+    from support import run_cli
 
-    from meshtune.bench.adapters import CPU_QLORA_NOTE
+    from meshtune.bench.adapters_targets import CPU_QLORA_NOTE
 
     table, out = bench
     values = {"dora_over_lora_step_bf16": (1.31, 1.02, 1.08), "dora_over_lora_step_4bit": (1.04, 1.17, 1.21),
@@ -185,7 +185,7 @@ def test_combine_judges_the_median_of_each_ratio_over_invocations(bench, tmp_pat
 def test_combine_refuses_what_is_not_one_measurement(bench, tmp_path):
     """Each bad set of files is refused with one message naming the file (and line) and the fix; on the command
     line that is exit 2 and one stderr line."""
-    from conftest import run_cli
+    from support import run_cli
 
     from meshtune.bench import adapters_runs
 

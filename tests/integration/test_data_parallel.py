@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 
 # SGD: the update is the gradient itself, so weights compare gradients. (Adam divides
 # by sqrt(v); for the near-zero gradients of lora_a at B = 0 that turns float
@@ -98,26 +98,19 @@ def _assert_same_run(one: Path, many: Path) -> None:
     (2, "lora", ["--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     (2, "full", ["--num-layers", "1", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.05"]),
     (2, "lora", ["--parallel.grad_sync", "overlap", "--train.compile", "false"]),
-    # The split overlap (bucket sums started by hand; opt-in, MESHTUNE_OVERLAP=split) forced on the CPU.
-    (2, "dora", ["--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01", "split"]),
     # Gradients over meshtune's socket ring (blocking TCP on its own thread), both sync modes.
     (2, "lora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
     (3, "dora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--grad-accumulation-steps", "2"]),
     # Steps overlapped (runtime.overlap_steps, the GPU's default) forced on the CPU: all_sums in the
-    # compiled step, bucket sums started by hand, and the socket ring's threads.
+    # compiled step, and the socket ring's threads.
     (2, "dora", ["--runtime.overlap_steps", "true", "--grad-accumulation-steps", "2"]),
-    (2, "lora", ["--runtime.overlap_steps", "true", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01",
-                 "split"]),
+    (2, "lora", ["--runtime.overlap_steps", "true", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
     (2, "dora", ["--runtime.overlap_steps", "true", "--parallel.transport", "sockets", "--parallel.grad_sync",
                  "overlap", "--parallel.bucket_mb", "0.01"]),
 ])
-def test_n_ranks_match_one_rank(tmp_path_factory, tmp_path, n, kind, extra, monkeypatch):
-    split = bool(extra) and extra[-1] == "split"
-    extra = extra[:-1] if split else extra
+def test_n_ranks_match_one_rank(tmp_path_factory, tmp_path, n, kind, extra):
     args = ["--batch-size", str(2 * n), "--fine-tune-type", kind, *extra]
     one = _one_process(tmp_path_factory, args)
-    if split:
-        monkeypatch.setenv("MESHTUNE_OVERLAP", "split")
     many = _run(n, tmp_path / "many", *args)
     _assert_same_run(one, tmp_path / "many")
     # Only rank 0 writes and reports.

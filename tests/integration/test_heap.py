@@ -48,7 +48,12 @@ def test_kept_memory_spares_a_large_arrays_page_faults():
 
 
 def test_keep_freed_memory_is_a_runtime_option_on_by_default():
-    from meshtune.config.schema import RuntimeConfig
+    from meshtune.config import Config, ConfigError, field_help, load_config
 
-    assert RuntimeConfig().keep_freed_memory is True
-    assert RuntimeConfig(keep_freed_memory=False).keep_freed_memory is False
+    assert Config().runtime.keep_freed_memory is True
+    # An option: set from a config file's runtime section and from the command line, with help text, type-checked.
+    assert Config.from_dict({"runtime": {"keep_freed_memory": False}}).runtime.keep_freed_memory is False
+    assert load_config(None, [("runtime.keep_freed_memory", "false")]).runtime.keep_freed_memory is False
+    assert "malloc" in field_help("runtime", "keep_freed_memory")
+    with pytest.raises(ConfigError, match="runtime.keep_freed_memory"):
+        Config.from_dict({"runtime": {"keep_freed_memory": 0}})

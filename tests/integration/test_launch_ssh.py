@@ -15,7 +15,7 @@ import sys
 import time
 
 from meshtune.bench.faultkit import CLI, env
-from meshtune.launch import read_hostfile
+from meshtune.cli.launch import read_hostfile
 
 FAKE_SSH = """#!/bin/sh
 # fake ssh: ssh HOST COMMAND -> run COMMAND here, as a login would, with a clean environment
@@ -67,8 +67,9 @@ def test_a_failing_remote_rank_stops_the_others_there_too(tmp_path):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert time.monotonic() - tic < 30
     assert "meshtune launch: rank 1 exited with code 3; stopping rank 0" in proc.stderr
-    pids = [int(line.split()[-1]) for line in proc.stdout.splitlines() if " up " in line]
-    assert len(pids) == 2
+    # "[rank R] up R PID", in whatever order the ranks printed: rank 0's pid by its rank, not by its line's place.
+    pids = {int(f[3]): int(f[4]) for f in (line.split() for line in proc.stdout.splitlines()) if f[2:3] == ["up"]}
+    assert sorted(pids) == [0, 1], proc.stdout
     # rank 0's process (the "remote" one, not just its ssh) was killed through ssh.
     assert not os.path.exists(f"/proc/{pids[0]}")
     assert any(line.startswith("node0 kill -15") for line in (tmp_path / "ssh.log").read_text().splitlines())

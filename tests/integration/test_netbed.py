@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from meshtune.bench import netbed
-from meshtune.launch import launch_local
+from meshtune.cli.launch import launch_local
 
 
 def _usable() -> str | None:

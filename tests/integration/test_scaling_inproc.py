@@ -9,15 +9,14 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 
 BENCH = ["-m", "meshtune.cli", "bench", "scaling", "--in-process", "--preset", "tiny", "--steps", "2",
          "--rounds", "1", "--json"]
 
 
-@pytest.mark.parametrize("overlap", ["graph", "split"])  # split: forced here
-def test_one_process_then_two_ranks_with_its_baseline(tmp_path, overlap):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHTUNE_OVERLAP=overlap)
+def test_one_process_then_two_ranks_with_its_baseline(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     one = subprocess.run([sys.executable, *BENCH], env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     first = json.loads(one.stdout.strip().splitlines()[-1])

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT
+from support import ROOT
+from meshtune.training.checkpoint import verify_checkpoint
 
 ARGS = ["--batch-size", "8", "--num-layers", "-1", "--learning-rate", "1e-3", "--train.steps_per_report", "1",
         "--train.val_batches", "0", "--save-every", "100000"]
@@ -34,13 +35,14 @@ def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 3, out[-2000:]  # cli.py: 3 = stopped on request, resumable
+    assert proc.returncode == 3, out[-2000:]  # meshtune/cli/commands.py: 3 = stopped on request, resumable
     stopped = [line for line in out.splitlines() if "stopped at step" in line]
     assert len(stopped) == 1, out[-2000:]
     step = int(stopped[0].split("stopped at step ")[1].split()[0])
     assert step < 1000  # it stopped soon after the request, not at --iters
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert any(name.endswith(f"{step:08d}") or name.endswith(str(step)) for name in saved), saved
+    assert saved == [f"{step:07d}"], saved  # --save-every 100000: the stop's checkpoint is the only one
+    assert verify_checkpoint(run / "checkpoints" / saved[0]) is None  # complete, every file matching its sha256
     resumed = subprocess.run([*cmd[:cmd.index("--iters") + 1], str(step + 2), *ARGS, "--adapter-path", str(run),
                               "--resume"], env=env, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

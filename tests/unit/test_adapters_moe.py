@@ -21,7 +21,8 @@ from meshtune.adapters import (DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRA
                                fuse_adapters, load_adapters, mlx_lm_adapter_config, trainable_parameters)
 from meshtune.training.checkpoint import atomic_save_safetensors
 from meshtune.parallel.mesh import Mesh
-from meshtune.training.loop import build_step, loss_terms
+from meshtune.parallel.data_parallel import build_step
+from meshtune.training.step import loss_terms
 
 EXPERT_KEYS = ["mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj", "mlp.switch_mlp.down_proj"]
 ALL_KEYS = ["self_attn.q_proj", "mlp.gate", *EXPERT_KEYS, "model.embed_tokens"]

@@ -30,6 +30,7 @@ def test_no_reexec_when_it_must_not(monkeypatch, case):
     monkeypatch.setattr(platform, "system", lambda: "Darwin" if case == "not_linux" else "Linux")
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("MESHTUNE_BLAS_REEXEC", raising=False)
+    monkeypatch.delenv("MESHTUNE_SYSTEM_BLAS", raising=False)  # else every case passes for that one reason
     monkeypatch.setattr(blas, "find_system_openblas", lambda: None if case == "missing" else "/x/libblas.so.3")
     if case == "env_off":
         monkeypatch.setenv("MESHTUNE_SYSTEM_BLAS", "0")

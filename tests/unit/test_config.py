@@ -1,4 +1,4 @@
-"""Tests for meshtune.config.schema: strict loading, mlx-lm mapping, overrides, validation."""
+"""Tests for meshtune.config: strict loading, mlx-lm mapping, overrides, validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 
 import meshtune
 
-from meshtune.config.schema import (
+from meshtune.config import (
     MLX_LM_FLAGS,
     MLX_LM_SWITCHES,
     OPTIMIZER_OPTIONS,
@@ -561,7 +561,7 @@ def test_optimizer_options_match_mlx() -> None:
 
 
 def test_pipeline_stages_is_pp_under_its_long_name(tmp_path):
-    from meshtune.config.schema import ConfigError, load_config
+    from meshtune.config import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("parallel:\n  pipeline_stages: 2\n")

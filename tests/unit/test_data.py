@@ -383,6 +383,10 @@ def test_cursor_is_rank_independent():
     for tokens, lengths in expected:
         (t0, l0), (t1, l1) = (np_batch(next(r)) for r in ranks)
         assert np.array_equal(l0, lengths[0::2]) and np.array_equal(l1, lengths[1::2])
+        # The rows themselves, not only their lengths (a shard may pad to its own longest row).
+        for t, rows in ((t0, tokens[0::2]), (t1, tokens[1::2])):
+            n = min(t.shape[1], rows.shape[1])
+            assert np.array_equal(t[:, :n], rows[:, :n]) and not t[:, n:].any() and not rows[:, n:].any()
 
 
 def test_bad_cursor_and_options():

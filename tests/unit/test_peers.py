@@ -5,11 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from conftest import tiny_llama
+from support import tiny_llama
 from meshtune.adapters import apply_adapters
 from meshtune.parallel.mesh import Mesh
 from meshtune.parallel import peers
-from meshtune.parallel.pipeline import PipelineStage, sum_shared
+from meshtune.parallel.pipeline import sum_shared
+from meshtune.parallel.stage import PipelineStage
 
 
 class FakeGroup:

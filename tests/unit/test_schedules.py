@@ -11,7 +11,17 @@ from meshtune.parallel.schedules import SCHEDULES, Action, build, in_flight, sim
 def test_every_schedule_is_valid_for_many_shapes(name):
     for stages in range(1, 7):
         for micro_batches in range(1, 13):
-            build(name, stages, micro_batches)  # validates: complete, fwd before bwd, no deadlock
+            schedule = build(name, stages, micro_batches)  # validates: complete, fwd before bwd, no deadlock
+            every = list(range(micro_batches))
+            assert len(schedule) == stages, (stages, micro_batches)  # validate() passes an empty schedule
+            for s, acts in enumerate(schedule):
+                mbs = lambda kind: sorted(a.mb for a in acts if a.kind == kind)  # noqa: E731
+                assert mbs("fwd") == mbs("bwd") == every, (stages, micro_batches, s)
+                # Activations come from the stage before and go to the one after; gradients the other way.
+                assert mbs("recv_act") == mbs("send_grad") == ([] if s == 0 else every), (stages, micro_batches, s)
+                last = s == stages - 1
+                assert mbs("send_act") == mbs("recv_grad") == ([] if last else every), (stages, micro_batches, s)
+            simulate(schedule)  # completes under rendezvous sends
 
 
 def test_1f1b_bounds_activations_by_depth_and_gpipe_does_not():

@@ -14,11 +14,11 @@ import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from conftest import tiny_llama
+from support import tiny_llama
 from meshtune.adapters import apply_adapters
 from meshtune.training.checkpoint import TrainingState, list_checkpoints, load_checkpoint, verify_checkpoint
 from meshtune.parallel.mesh import Mesh
-from meshtune.parallel.pipeline import PipelineStage
+from meshtune.parallel.stage import PipelineStage
 from meshtune.parallel.pipeline_state import load_stage_checkpoint, resumable_step, save_stages
 
 CONFIG = {"model": {"path": "tiny"}, "train": {"iters": 9}}
@@ -75,6 +75,7 @@ def test_stage_resumes_its_own_shard_bit_for_bit(tmp_path):
         ckpt = load_stage_checkpoint(*found, stage)
         own = dict(tree_flatten(stage.model.trainable_parameters()))
         assert ckpt.trainable.keys() == own.keys()
+        assert all(mx.array_equal(ckpt.trainable[n], own[n]) for n in own)  # the weights, not only their names
         saved, loaded = dict(tree_flatten(opt.state)), dict(tree_flatten(ckpt.optimizer_state))
         assert saved.keys() == loaded.keys() and all(mx.array_equal(saved[n], loaded[n]) for n in saved)
 
@@ -87,9 +88,11 @@ def test_tied_table_is_written_by_the_first_stage_and_read_by_the_last(tmp_path)
     assert not any(k in mx.load(str(path / "stage1.safetensors")) for k in tied)
     last, opt = stages[1]
     ckpt = load_stage_checkpoint(path, True, last)
+    first = dict(tree_flatten(stages[0][0].model.trainable_parameters()))
     assert set(tied) <= set(ckpt.trainable)
+    assert all(mx.array_equal(ckpt.trainable[k], first[k]) for k in tied)  # the first stage's table, read by the last
     saved, loaded = dict(tree_flatten(opt.state)), dict(tree_flatten(ckpt.optimizer_state))
-    assert saved.keys() == loaded.keys()
+    assert saved.keys() == loaded.keys() and all(mx.array_equal(saved[n], loaded[n]) for n in saved)
 
 
 def test_damaged_shard_is_skipped_once_with_a_line(tmp_path, capsys):

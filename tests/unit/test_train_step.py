@@ -8,7 +8,8 @@ import pytest
 
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.parallel.mesh import Mesh
-from meshtune.training.loop import build_step, loss_terms
+from meshtune.parallel.data_parallel import build_step
+from meshtune.training.step import loss_terms
 
 
 def _batch(rows: list[list[int]], offsets: list[int], width: int = 9):
@@ -50,8 +51,11 @@ def _run(model_factory, micro_batches, clip=0.0, compile=True):
 
 @pytest.mark.parametrize("compile", [True, False])
 def test_accumulation_equals_one_big_batch(model_factory, compile):
+    start = _run(model_factory, [], compile=compile)  # no step: the weights both runs start from
     whole = _run(model_factory, [(ROWS, OFFS)], compile=compile)
     split = _run(model_factory, [(ROWS[:1], OFFS[:1]), (ROWS[1:], OFFS[1:])], compile=compile)
+    moved = max(mx.abs(whole[k] - start[k]).max().item() for k in whole)
+    assert moved > 1e-3, moved  # the update happened: a no-op step would make whole == split trivially
     for k in whole:
         assert mx.allclose(whole[k], split[k], atol=1e-5), k
 
@@ -74,7 +78,7 @@ def test_grad_checkpoint_marks_the_blocks_it_recomputes():
     """adapters/step_norms.py leaves dequantizing to recomputed blocks: it needs to tell them."""
     import mlx.nn as nn
 
-    from meshtune.training.loop import enable_grad_checkpoint
+    from meshtune.training.step import enable_grad_checkpoint
 
     class Block(nn.Module):
         def __call__(self, x):
@@ -83,3 +87,48 @@ def test_grad_checkpoint_marks_the_blocks_it_recomputes():
     assert not getattr(Block.__call__, "recomputes_in_backward", False)
     enable_grad_checkpoint(Block())
     assert Block.__call__.recomputes_in_backward
+
+
+def test_the_loop_imports_no_adapter_transport_or_layout():
+    """The loop calls a strategy (training/strategy.py): importing it loads no adapter, transport or layout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import meshtune.training.loop as loop
+
+    code = "import sys, meshtune.training.loop; print(' '.join(m for m in sys.modules if m.startswith('meshtune')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "meshtune.training.loop" in loaded
+    for module in ("meshtune.adapters", "meshtune.parallel.socket_ring", "meshtune.parallel.data_parallel",
+                   "meshtune.parallel.pipeline"):
+        assert module not in loaded, module
+    assert "pipeline" not in Path(loop.__file__).read_text().lower()
+
+
+def test_the_update_clips_as_mlx_does():
+    """training/update.apply_update on a mixed-dtype tree: the step mlx's clip_grad_norm gives, bit for bit."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from meshtune.training.update import apply_update
+
+    grads = {"a": mx.array([[3.0, -4.0]]), "b": mx.array([1.5, 2.5], dtype=mx.bfloat16),
+             "c": mx.array([0.25], dtype=mx.float16)}
+    tokens = mx.array(3)
+    params = {k: mx.ones_like(g) for k, g in grads.items()}
+    want = dict(params)
+    clipped, _ = optim.clip_grad_norm(tree_map(lambda g: g / tokens.astype(g.dtype), grads), 0.5)
+    want = optim.SGD(learning_rate=0.1).apply_gradients(clipped, want)
+
+    import mlx.nn as nn
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = params["a"], params["b"], params["c"]
+
+    holder = Holder()
+    apply_update(holder, optim.SGD(learning_rate=0.1), grads, tokens, max_grad_norm=0.5)
+    got = dict(tree_flatten(holder.parameters()))
+    for k, v in tree_flatten(want):
+        assert got[k].dtype == v.dtype and mx.array_equal(got[k], v).item(), k

@@ -1,11 +1,10 @@
-// Runs a CUDA kernel body on the CPU: a fiber per CUDA thread, all on one OS thread, blocks one after
-// another, __syncthreads as a barrier of the block's fibers, __shfl_xor_sync through a per-warp exchange
-// buffer and a barrier of the warp's 32. `__shared__` arrays become function statics, shared by the block's
-// fibers. A fiber runs until it reaches a barrier, then the next runnable one does; a barrier's waiters run
-// again once all its fibers have arrived. A fiber starts on its own stack through ucontext; switches are
-// _setjmp/_longjmp, which, unlike swapcontext, make no system call (an OS thread a CUDA thread spent most of
-// its time switching threads in the kernel). Enough for meshtune's kernels (tests/test_kernels_simulated.py);
-// float stands in for T.
+// Runs a CUDA kernel on the CPU: a fiber per CUDA thread, all on one OS thread, blocks one after another,
+// __syncthreads as a barrier of the block's fibers, __shfl_xor_sync through a per-warp exchange buffer and a
+// barrier of the warp's 32; `__device__` functions are plain ones. `__shared__` arrays become function
+// statics, shared by the block's fibers. A fiber runs until it reaches a barrier, then the next runnable one
+// does; a barrier's waiters run again once all its fibers have arrived. A fiber starts on its own stack
+// through ucontext; switches are _setjmp/_longjmp, which, unlike swapcontext, make no system call. Enough for
+// meshtune's kernels (tests/cuda/cuda_sim.py); float stands in for every floating element type.
 #undef _FORTIFY_SOURCE  // its longjmp check rejects a jump to another fiber's stack
 #if defined(__APPLE__)
 #define _XOPEN_SOURCE 700  // macOS declares the ucontext calls only then
@@ -71,7 +70,8 @@ inline float fmaxf(float a, float b) { return a > b ? a : b; }
 inline void __threadfence() {}
 inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned old = *p; *p += v; return old; }
 inline float __ldcg(const float* p) { return *p; }
-typedef float T;
+#define __device__
+#define __forceinline__ inline
 struct alignas(16) float4 { float x, y, z, w; };
 
 // grid and block as mx.fast.cuda_kernel takes them: grid in threads, x and y. A block's fibers are made

@@ -1,0 +1,74 @@
+"""Command line: a thin layer from flags and YAML to the Python API.
+
+    meshtune train [-c config.yaml] [--resume] [mlx_lm.lora flags] [--section.key value ...]
+    meshtune demo                      # LoRA on the embedded model, before/after figures
+    meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize]
+    meshtune generate --prompt TEXT [--model M] [--adapter-path DIR]
+    meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
+    meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
+    meshtune bench scaling [--ranks 2] [--in-process]  # 1 vs N ranks, gradient sync after vs overlapped
+    meshtune bench pipeline [--stages 2]  # naive vs GPipe vs 1F1B
+    meshtune bench badinput [--case NAME]  # bad inputs must each fail cleanly (exit 2, one line)
+    meshtune bench faults [--json]     # kill/stop/cut/corrupt real runs; clean exit, exact resume
+    meshtune bench soak [--steps 2000] [--repeats 20]  # memory growth and repeated runs without a hang
+    meshtune launch -n 2 -- meshtune train ...   # local ranks on the ring backend
+    meshtune launch --hostfile hosts.json -- meshtune train ...   # one rank per host, over ssh
+
+On Linux the command re-executes itself once with a system OpenBLAS preloaded when
+one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off). This
+package must not import MLX at the top: the BLAS choice happens before MLX loads.
+The subcommands and their parser are in commands.py, `meshtune launch` in launch.py;
+`python -m meshtune.cli` runs `main` (__main__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..runtime.blas import ensure_fast_blas
+from .commands import build_parser
+
+__all__ = ["build_parser", "main", "one_line"]
+
+
+def _config_allows_system_blas(args: argparse.Namespace, rest: list[str]) -> bool:
+    """runtime.system_blas from the train config (read without MLX); errors surface later."""
+    if args.command != "train":
+        return True
+    from ..config import load_config, parse_override_args
+
+    try:
+        return load_config(args.config, parse_override_args(rest)).runtime.system_blas
+    except ValueError:
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `meshtune ARGV...` (default: sys.argv[1:]); the exit code (2: one error line on stderr)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # the rest belongs to the ranks' command, untouched
+        from .launch import main as launch_main
+
+        try:
+            return launch_main(argv[1:])
+        except ValueError as err:
+            print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
+            return 2
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    ensure_fast_blas(enabled=not args.no_system_blas and _config_allows_system_blas(args, rest),
+                     argv=["meshtune", *argv])
+    try:
+        return args.func(args, rest)
+    except ValueError as err:
+        print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def one_line(err: ValueError) -> str:
+    """The error as the one stderr line a failed command promises (several config problems joined)."""
+    problems = getattr(err, "problems", None)
+    if problems and len(problems) > 1:
+        return f"{len(problems)} configuration problems: " + " | ".join(problems)
+    return " ".join(str(err).split())

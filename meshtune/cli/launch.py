@@ -1,0 +1,349 @@
+"""`meshtune launch`: start N ranks on MLX's ring backend, and fail loudly and together.
+
+    meshtune launch -n 2 -- meshtune train -c run.yaml
+    meshtune launch -n 2 --pin -- python my_script.py
+    meshtune launch --hostfile hosts.json -- meshtune train -c run.yaml   # one rank per host, over ssh
+    meshtune launch -n 2 --backend nccl -- meshtune train -c run.yaml     # one rank per GPU of this machine
+
+Ranks are started directly (MLX_RANK plus a ring hostfile on 127.0.0.1 that this
+module writes), not through `mlx.launch`, whose per-rank output threads busy-poll (on
+a 2-core box that cost more throughput than the second rank added) and which exits 0
+when a rank fails. Here each rank's output is read by a blocking thread and prefixed
+`[rank i]`; when any rank is lost (killed by a signal, or stopped: state T in /proc)
+or exits non-zero, one line names it and the step of its last heartbeat (see
+meshtune/runtime/watchdog.py), the others are stopped (SIGKILL after a short grace:
+they sit in a collective) and a non-zero code is returned. `--pin` gives rank i its
+own core and one BLAS thread. With `--hostfile` (mlx.launch's format) rank i runs
+`ssh host 'cd $PWD && env MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is
+seen only through the survivors' watchdogs, since its state cannot be read from here.
+With `--backend nccl` (MLX's CUDA build) the ranks join NCCL through rank 0 on
+127.0.0.1 and rank i sees one GPU, entry i of CUDA_VISIBLE_DEVICES when that is set,
+else GPU i, as mlx.launch does on one host; NCCL_NVLS_ENABLE stays as the environment
+has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports that were free a moment ago on 127.0.0.1."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) -> Path:
+    """The ring backend's hostfile: one list of "ip:port" per rank (127.0.0.1 unless `hosts`)."""
+    path = folder / "hostfile.json"
+    ips = hosts or ["127.0.0.1"] * n
+    path.write_text(json.dumps([[f"{ip}:{p}"] for ip, p in zip(ips, free_ports(n))]))
+    return path
+
+
+def read_hostfile(path: Path) -> list[dict[str, Any]]:
+    """mlx.launch's hostfile: a JSON list with one {"ssh": host, "ips": [ip, ...]} per rank."""
+    try:
+        hosts = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--hostfile {path}: cannot read it as JSON ({' '.join(str(err).split())}); give a "
+                         'list like [{"ssh": "mac1", "ips": ["10.0.0.1"]}, ...], one entry per rank') from None
+    ok = isinstance(hosts, list) and hosts and all(
+        isinstance(h, dict) and isinstance(h.get("ssh"), str) and h["ssh"] and isinstance(h.get("ips"), list)
+        and h["ips"] and all(isinstance(ip, str) for ip in h["ips"]) for h in hosts)
+    if not ok:
+        raise ValueError(f'--hostfile {path}: every entry needs "ssh" (a host name) and "ips" (a non-empty list '
+                         'of addresses), e.g. [{"ssh": "mac1", "ips": ["10.0.0.1"]}]')
+    return hosts
+
+
+# Environment a remote rank gets from this machine (ssh forwards none of it).
+FORWARD_ENV = ("PYTHONPATH", "LD_PRELOAD", "MESHTUNE_SYSTEM_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+PID_MARK = "meshtune-remote-pid"
+
+
+def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text: str | None, run_id: str,
+                cwd: str, env: dict[str, str]) -> list[str]:
+    """`ssh host '<script>'` that writes the ring hostfile there, says its pid and execs the rank.
+
+    Same working directory and paths on every host, as mlx.launch assumes. The pid
+    line lets the launcher kill the remote rank: killing the local ssh alone does not.
+    """
+    remote_file = f"/tmp/meshtune-{run_id}-rank{rank}.json"
+    assigns = {k: env[k] for k in FORWARD_ENV if env.get(k)}
+    assigns.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
+    write = ""
+    if hostfile_text is not None:  # one rank needs no ring
+        assigns["MLX_HOSTFILE"] = remote_file
+        write = f"printf '%s' {shlex.quote(hostfile_text)} > {remote_file} && "
+    script = (f"cd {shlex.quote(cwd)} && {write}"
+              f"echo {PID_MARK} $$ && exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} "
+              f"{shlex.join(command)}")
+    return ["ssh", host, script]
+
+
+@dataclass
+class Rank:
+    """One started rank: its process (the rank itself, or the local ssh of a remote one)."""
+
+    index: int
+    proc: subprocess.Popen
+    host: str | None = None  # ssh host of a remote rank
+    remote_pid: int | None = None
+    held: list[str] = field(default_factory=list)  # backend error lines, shown unless a lost rank explains them
+
+
+def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -> None:
+    # readline blocks: no polling, no core spent while the rank is quiet.
+    for line in iter(stream.readline, b""):
+        text = line.decode(errors="replace")
+        if not text.endswith("\n"):  # a progress bar's last redraw: end it, or the next line joins it
+            text += "\n"
+        if rank.host is not None and rank.remote_pid is None and text.startswith(PID_MARK):
+            rank.remote_pid = int(text.split()[1])
+            continue
+        if muted.is_set():  # the launcher has said its one line; the rest is the fallout
+            continue
+        # "[ring] Socket 4 was closed by the peer" (after a bar redraw), many times; the
+        # traceback of the failed collective follows, so everything after it is held too.
+        if rank.held or BACKEND_ERROR.search(text):
+            rank.held.append(text)
+            continue
+        out.write(f"[rank {rank.index}] {text}")
+        out.flush()
+
+
+def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
+    """Per rank, what joins n ranks on this machine over NCCL: rank 0's address and port, one GPU each."""
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    port = str(free_ports(1)[0])
+    return [dict(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=port,
+                 CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
+
+
+def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
+                 timeout: float | None = None, hosts: list[str] | None = None,
+                 wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None,
+                 ssh_hosts: list[dict[str, Any]] | None = None, err: IO[str] | None = None,
+                 backend: str = "ring") -> int:
+    """Run `command` as n ranks (ring, or nccl on this machine); 0, or the failing rank's code (see `_watch`).
+
+    `hosts` gives each rank's IP and `wrap(rank)` a command prefix (e.g. entering a
+    network namespace of the shaped-link bed); both default to plain loopback.
+    `ssh_hosts` (mlx.launch's hostfile entries, one per rank) starts rank i through
+    `ssh ssh_hosts[i]["ssh"]` at the address ssh_hosts[i]["ips"][0] instead.
+    """
+    if n < 1:
+        raise ValueError(f"-n {n}: need at least one rank")
+    if not command:
+        raise ValueError("no command given; e.g. meshtune launch -n 2 -- meshtune train -c run.yaml")
+    if ssh_hosts is not None and len(ssh_hosts) != n:
+        raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
+                         "or leave -n out")
+    if backend not in ("ring", "nccl"):
+        raise ValueError(f"--backend {backend}: meshtune launch starts ring or nccl ranks")
+    if backend == "nccl" and (ssh_hosts or hosts):
+        raise ValueError("--backend nccl: meshtune launch starts NCCL ranks on this machine only; for several "
+                         "hosts use mlx.launch --backend nccl --hostfile ...")
+    base = dict(os.environ if env is None else env)
+    cores = sorted(os.sched_getaffinity(0)) if pin else []
+    if backend == "nccl":
+        base.pop("MLX_HOSTFILE", None)  # an outer ring launcher's; the ranks must not try it
+    per_rank = nccl_env(n, base) if backend == "nccl" else [{} for _ in range(n)]
+    with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
+        ips = [h["ips"][0] for h in ssh_hosts] if ssh_hosts else hosts
+        hostfile = write_ring_hostfile(n, Path(tmp), ips) if n > 1 and backend == "ring" else None
+        beats = Path(tmp) / "heartbeats"
+        beats.mkdir()
+        ranks, pumps, muted = [], [], threading.Event()
+        for i in range(n):
+            rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1", **per_rank[i])
+            rank_env[HEARTBEAT_ENV] = str(beats)
+            if hostfile is not None:
+                rank_env["MLX_HOSTFILE"] = str(hostfile)
+            preexec = None
+            if pin and cores and not ssh_hosts:
+                core = cores[i % len(cores)]
+                rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+                preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
+            if ssh_hosts:
+                text = hostfile.read_text() if hostfile is not None else None
+                argv = ssh_command(ssh_hosts[i]["ssh"], i, n, command, text, Path(tmp).name, os.getcwd(), base)
+            else:
+                argv = [*(wrap(i) if wrap else []), *command]
+            proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
+            rank = Rank(i, proc, host=ssh_hosts[i]["ssh"] if ssh_hosts else None)
+            ranks.append(rank)
+            t = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+        code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted)
+        for t in pumps:
+            t.join(timeout=5)
+        if not lost:
+            for r in ranks:
+                (out or sys.stdout).writelines(f"[rank {r.index}] {line}" for line in r.held)
+    return code
+
+
+STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace stop)
+
+
+def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
+           muted: threading.Event) -> tuple[int, bool]:
+    """Wait for every rank; on the first lost or failed rank say one line and stop the rest.
+
+    Returns (exit code, whether a lost rank was named). Lost: killed by a signal
+    (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
+    watchdog's resumable code). A rank exiting non-zero gives its code; if that is
+    75 (its watchdog, or its connection closing) and a heartbeat shows which other
+    rank is gone or stopped, the line names that rank.
+    """
+    start, stopped_since = time.monotonic(), {}
+    while True:
+        codes = [r.proc.poll() for r in ranks]
+        # A rank killed by a signal is the cause; peers exiting 75 at once are the effect.
+        failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] >= 0)
+        if failed:
+            i, code = failed[0]
+            muted.set()
+            if code < 0:
+                sig = -code
+                why = f"killed by signal {sig} ({signal.Signals(sig).name})"
+                return _fail(ranks, i, why, 128 + sig, beats, err), True
+            lost = lost_peer(beats, len(ranks), i, stale_s=5.0) if code == EXIT_CODE else None
+            if lost is not None:
+                return _fail(ranks, lost[0], f"{lost[2]}; rank {i} exited with code {code}", code, beats, err), True
+            return _fail(ranks, i, "", code, beats, err, verb=f"exited with code {code}"), False
+        if all(c == 0 for c in codes):
+            return 0, False
+        now = time.monotonic()
+        for r in ranks:
+            if r.host is None and (process_state(r.proc.pid) or "").startswith("stopped"):
+                if now - stopped_since.setdefault(r.index, now) >= STOPPED_FOR_S:
+                    muted.set()
+                    return _fail(ranks, r.index, "stopped (SIGSTOP)", EXIT_CODE, beats, err), True
+            else:
+                stopped_since.pop(r.index, None)
+        if timeout is not None and now - start > timeout:
+            print(f"meshtune launch: ranks still running after {timeout:.0f}s; stopping them", file=err, flush=True)
+            _stop(ranks, grace=10)
+            return 124, False
+        time.sleep(0.2)  # five wake-ups a second: negligible next to a busy-polling reader
+
+
+def _fail(ranks: list[Rank], i: int, why: str, code: int, beats: Path, err: IO[str], verb: str = "") -> int:
+    beat = read_heartbeat(beats, i)
+    at = f" at step {beat['step']}" if beat else ""
+    what = f"{verb}{at}" if verb else f"stopped answering{at} ({why})"
+    running = [r.index for r in ranks if r.index != i and r.proc.poll() is None]
+    exited = [r.index for r in ranks if r.index != i and r.index not in running]
+    plural = lambda ids: f"rank{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"  # noqa: E731
+    tail = [f"stopping {plural(running)}"] if running else []
+    tail += [f"{plural(exited)} already exited"] if exited else []
+    print(f"meshtune launch: rank {i} {what}; {', '.join(tail) or 'no other rank'}", file=err, flush=True)
+    # Peers of a lost rank sit in a collective where SIGTERM is never handled: short grace.
+    _stop(ranks, grace=2 if not verb else 10)
+    return code
+
+
+def _stop(ranks: list[Rank], grace: float) -> None:
+    """SIGTERM every running rank (SIGKILL a stopped one: it cannot act on SIGTERM), SIGKILL after grace."""
+    for r in ranks:
+        if r.proc.poll() is None:
+            stopped = r.host is None and (process_state(r.proc.pid) or "").startswith("stopped")
+            _signal_rank(r, signal.SIGKILL if stopped else signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            _signal_rank(r, signal.SIGKILL)
+            r.proc.wait()
+
+
+def _signal_rank(r: Rank, sig: int) -> None:
+    if r.host is not None and r.remote_pid is not None:  # the remote rank itself, then its ssh
+        subprocess.run(["ssh", r.host, f"kill -{int(sig)} {r.remote_pid}"], capture_output=True, timeout=30,
+                       stdin=subprocess.DEVNULL)
+    try:
+        os.killpg(r.proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="meshtune launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--num-ranks", type=int, default=None,
+                   help="Ranks to start (on this machine, or one per --hostfile entry).")
+    p.add_argument("--hostfile", default=None,
+                   help='mlx.launch\'s JSON hostfile: [{"ssh": host, "ips": [ip]}, ...]; rank i runs on entry i '
+                        "through ssh.")
+    p.add_argument("--pin", action="store_true", help="One core and one BLAS thread per rank (local ranks).")
+    p.add_argument("--timeout", type=float, default=None, help="Stop all ranks after this many seconds.")
+    p.add_argument("--backend", choices=["ring", "nccl"], default="ring",
+                   help="ring (CPU, Thunderbolt, Ethernet) or nccl (one rank per GPU of this machine, MLX's CUDA build).")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs.")
+    a = p.parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if command[:1] == ["meshtune"]:
+        command = [sys.executable, "-m", "meshtune.cli", *command[1:]]
+    ssh_hosts = read_hostfile(Path(a.hostfile)) if a.hostfile else None
+    n = a.num_ranks if a.num_ranks is not None else (len(ssh_hosts) if ssh_hosts else None)
+    if n is None:
+        raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
+    preflight(n, command)
+    return launch_local(n, command, pin=a.pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
+
+
+def preflight(n: int, command: list[str]) -> None:
+    """Check a `meshtune train` command's config for n ranks before any rank starts.
+
+    The layout rules (batch divisible by the data-parallel ranks, pp dividing n, no
+    more stages than blocks) need the world size, which only the launcher knows up
+    front; without this each rank would load the model first and fail n times.
+    """
+    if "meshtune.cli" not in command or "train" not in command:
+        return
+    from ..config import load_config, parse_override_args
+    from ..parallel.stages import declared_layers
+    from .commands import build_parser
+
+    args, rest = build_parser().parse_known_args(command[command.index("meshtune.cli") + 1:])
+    if args.command != "train":
+        return
+    overrides = parse_override_args(rest)
+    if args.resume:
+        overrides.append(("output.resume", "true"))
+    cfg = load_config(args.config, overrides)
+    cfg.validate(world_size=n)
+    config = cfg.resolved_model_path() / "config.json"
+    blocks = declared_layers(cfg.resolved_model_path()) if cfg.parallel.pp > 1 else None
+    if blocks is not None and cfg.parallel.pp > blocks:
+        raise ValueError(f"parallel.pp={cfg.parallel.pp} stages for a model of {blocks} blocks ({config}); "
+                         f"use between 1 and {blocks} stages")

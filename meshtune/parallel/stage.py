@@ -1,0 +1,137 @@
+"""One rank's pipeline stage: the blocks it owns, the links to its neighbours and the tied table it shares.
+
+`split_stages` cuts a model's blocks into stages (balanced by parameter count, or as
+`parallel.stage_layers` says); `PipelineStage` is what pipeline.py's schedules run and
+pipeline_state.py saves and restores, so both import it from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..adapters import step_context
+from ..training.losses import masked_ce_sum
+from .mesh import Mesh
+from .p2p import Links
+from .peers import peer_groups
+from .stages import balanced_split, check_stage_layers, stage_bounds
+
+def _size(module: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def split_stages(model: nn.Module, stages: int, stage_layers: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each stage's block range: `stage_layers` when given, else balanced by parameter count.
+
+    The embedding counts on the first stage, the final norm and head on the last (a
+    tied head counts the table again: it computes there as well).
+    """
+    inner, _ = _parts(model)
+    check_stage_layers(stage_layers, stages, len(inner.layers))
+    if stage_layers is None:
+        head = _size(model.lm_head) if "lm_head" in model else _size(inner.embed_tokens)
+        stage_layers = balanced_split([_size(layer) for layer in inner.layers], stages,
+                                      first_extra=_size(inner.embed_tokens), last_extra=_size(inner.norm) + head)
+    return stage_bounds(stage_layers)
+
+
+def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, k) for k in ("embed_tokens", "layers", "norm")):
+        raise ValueError(f"pipeline parallelism needs an mlx-lm decoder laid out as model.model.embed_tokens/"
+                         f"layers/norm; {type(model).__name__} is not; use parallel.pp 1")
+    if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
+        raise ValueError("pipeline parallelism does not handle sliding-window attention layers yet; "
+                         "use parallel.pp 1")
+    head = model.lm_head if "lm_head" in model else inner.embed_tokens.as_linear
+    return inner, head
+
+
+@dataclass
+class PipelineStage:
+    """This rank's slice of the model and how it computes."""
+
+    model: nn.Module
+    stage: int
+    stages: int
+    mesh: Mesh
+    stage_layers: list[int] | None = None
+    """Blocks per stage; None balances them by parameter count (split_stages)."""
+    transfer: str | None = None
+    """Stage-to-stage transfers: "send", "all_sum" (for backends without send) or None
+    to pick by the mesh's backend (p2p.Links)."""
+
+    def __post_init__(self) -> None:
+        self.inner, self.head = _parts(self.model)
+        self.links = Links(self.mesh, self.transfer)
+        # Every trained parameter of the whole model, in one order all ranks share.
+        self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
+        self.bounds = split_stages(self.model, self.stages, self.stage_layers)
+        self.start, self.end = self.bounds[self.stage]
+        # Train only this stage's blocks (and the embedding/head only where they live).
+        for i, layer in enumerate(self.inner.layers):
+            if not self.start <= i < self.end:
+                layer.freeze()
+        # A tied table is the first stage's lookup and the last stage's head: both train
+        # their copy, and their gradients are summed every step (sum_shared) so the copies stay equal.
+        embedding = [k for k, _, _ in self.all_params if k.startswith("model.embed_tokens.")]
+        self.tied_keys = embedding if "lm_head" not in self.model and self.stages > 1 else []
+        if not self.first and not (self.last and self.tied_keys):
+            self.inner.embed_tokens.freeze()
+        if not self.last:
+            self.inner.norm.freeze()
+            if "lm_head" in self.model:
+                self.model.lm_head.freeze()
+        # Sub-groups for sum_shared where the backend can split (None on ring and JACCL).
+        self.peers = peer_groups(self.mesh, bool(self.tied_keys)) if self.mesh.dp > 1 or self.tied_keys else None
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def hidden(self, x: mx.array) -> mx.array:
+        """Token ids (stage 0) or hidden states in, this stage's hidden states out."""
+        from mlx_lm.models.base import create_attention_mask
+
+        h = self.inner.embed_tokens(x) if self.first else x
+        mask = create_attention_mask(h, None)
+        for layer in self.inner.layers[self.start:self.end]:
+            h = layer(h, mask)
+        return h
+
+    def loss(self, h: mx.array, targets: mx.array, lengths: mx.array) -> mx.array:
+        """The last stage's summed target-token cross entropy (the single-process loss)."""
+        return masked_ce_sum(self.head(self.inner.norm(h)), targets, lengths)[0]
+
+    def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
+                 ) -> tuple[mx.array, Any, mx.array | None]:
+        """(value, parameter gradients, input gradient or None) for one micro-batch."""
+        model = self.model
+
+        def fn(params: Any, inp: mx.array) -> mx.array:
+            model.update(params)
+            h = self.hidden(inp)
+            if self.last:
+                return self.loss(h, targets, lengths)
+            return (h * mx.stop_gradient(dy)).sum()  # seeds the reverse pass with the received cotangent
+
+        # Adapters' per-step work on the stage's blocks (DoRA's norms on CUDA).
+        with step_context(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
+            if self.first:  # token ids have no gradient
+                value, grads = mx.value_and_grad(fn)(model.trainable_parameters(), x)
+                return value, grads, None
+            value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
+        return value, grads, dx
+
+    def hidden_spec(self, tokens: mx.array) -> tuple[tuple[int, ...], mx.Dtype]:
+        """Shape and dtype of the hidden states that cross a stage boundary."""
+        return (tokens.shape[0], tokens.shape[1] - 1, self.inner.norm.weight.shape[0]), self.inner.norm.weight.dtype

@@ -1,0 +1,95 @@
+"""What every parallel strategy's step and evaluation share: the loss, evaluation, one step in flight.
+
+`loss_terms` is the one loss (summed token cross entropy and its token count) that
+the data-parallel step differentiates and evaluation reports; a pipeline's last
+stage computes the same (training/losses.py). `OneInFlight` lets the host build the
+next step while the device runs this one (runtime.overlap_steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..parallel.mesh import Mesh
+from .losses import masked_ce_sum
+
+
+def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """(sum of target-token cross entropy, number of target tokens) for one batch."""
+    return masked_ce_sum(model(tokens[:, :-1]), tokens[:, 1:], lengths)
+
+
+class OneInFlight:
+    """Evaluates a loop's outputs one iteration behind where `overlap` (runtime.overlap_steps):
+    `run` dispatches this iteration's outputs, then waits for the previous iteration's `wait_on`
+    arrays, so the host builds the next iteration while the device runs this one. MLX signals an
+    evaluation's arrays together, at its end, so waiting on a few of them waits for all of it.
+    Without `overlap`, `run` evaluates and returns."""
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._pending: list[mx.array] = []
+
+    def run(self, outputs: Any, wait_on: list[mx.array]) -> None:
+        if not self.overlap:
+            mx.eval(outputs)
+            return
+        mx.async_eval(outputs)
+        self.finish()
+        self._pending = list(wait_on)
+
+    def finish(self) -> None:
+        """Wait for the iteration still in flight, if any."""
+        mx.eval(self._pending)
+        self._pending = []
+
+
+def overlaps_steps(setting: bool | str) -> bool:
+    """runtime.overlap_steps as the strategies take it: "auto" is on where arrays live on a GPU."""
+    if setting == "auto":
+        return mx.default_device().type == mx.DeviceType.gpu
+    return setting is True
+
+
+def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
+             beat: Callable[[], None] = lambda: None, counts: bool = True,
+             overlap: bool = False) -> tuple[float, int]:
+    """Token-weighted loss over `batches` on every rank: (loss, global tokens).
+
+    A rank with `counts` false computes but adds nothing (a pipeline stage whose
+    replica's first stage already counts the same batches). With `overlap`
+    (runtime.overlap_steps) each batch is dispatched before the previous one is waited for.
+    """
+    model.eval()
+    total, tokens = mx.array(0.0), mx.array(0)
+    in_flight = OneInFlight(overlap)
+    for batch in batches:
+        ce, n = loss_terms(model, batch.tokens, batch.lengths)
+        total, tokens = total + ce, tokens + n
+        in_flight.run([total, tokens], [total, tokens])
+        beat()
+    in_flight.finish()
+    model.train()
+    if not counts:
+        total, tokens = mx.zeros_like(total), mx.zeros_like(tokens)
+    total, tokens = mesh.all_sum(total), mesh.all_sum(tokens)
+    n = int(tokens.item())
+    return (total.item() / n if n else float("nan")), n
+
+
+def enable_grad_checkpoint(block: nn.Module) -> None:
+    """Recompute every block of this type in the backward pass instead of storing activations."""
+    fn = type(block).__call__
+
+    def checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def inner(params: Any, *a: Any, **kw: Any) -> Any:
+            module.update(params)
+            return fn(module, *a, **kw)
+
+        return mx.checkpoint(inner)(module.trainable_parameters(), *args, **kwargs)
+
+    checkpointed.recomputes_in_backward = True  # adapters/step_norms.py asks
+    type(block).__call__ = checkpointed

@@ -1,0 +1,50 @@
+"""The interface the training loop and `finetune` call on a parallel strategy.
+
+One strategy per parallel layout, built once at the entry point from the Mesh
+(api.finetune): `parallel/data_parallel.DataParallel` (one process is its world of
+one) and `parallel/pipeline.Pipeline` (stages, with data-parallel replicas of the
+pipeline). The loop and `finetune` call only these methods, so neither knows which
+layout runs, how gradients travel or where the weights live. Each class also has
+`check(cfg, mesh, model_path)`, what the layout refuses before the model loads, and
+`from_config(cfg, mesh, model, optimizer, overlap=, say=)`, which `finetune` calls on
+the class it picks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+
+from .checkpoint import LoadedCheckpoint, TrainingState
+
+
+class Strategy(Protocol):
+    model: nn.Module
+    optimizer: optim.Optimizer
+
+    def step(self, batches: Iterator[Any]) -> list[tuple[mx.array, mx.array]]:
+        """One optimizer step over the next `grad_accumulation_steps` batches: this rank's
+        (loss sum, target tokens) of each, in order.
+
+        Reports add them over every rank, so a rank whose batches another rank
+        already counts (a pipeline's earlier stages) returns zeros.
+        """
+
+    def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
+        """Token-weighted loss of the current weights over `batches`: (loss, global tokens), on every rank."""
+
+    def gather_weights(self) -> dict[str, mx.array]:
+        """Every trained weight, by name, on every rank (a collective where they are spread over ranks)."""
+
+    def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
+        """Write this step's checkpoint under `out` (a collective), keeping the newest `keep` (0: all)."""
+
+    def latest_checkpoint(self, out: Path, say: Callable[[str], None]) -> LoadedCheckpoint | None:
+        """The newest intact checkpoint under `out`, as this rank resumes it (each one skipped said)."""
+
+    def restore(self, ckpt: LoadedCheckpoint) -> None:
+        """Load `ckpt`'s trained weights and optimizer state into the model and optimizer."""

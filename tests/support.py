@@ -1,0 +1,41 @@
+"""What the tests share: tiny models built in code, the embedded assets, a CLI runner.
+
+Imported by tests/conftest.py (which sets the environment first) and by tests and rank workers as
+`from support import ...` (tests/ is on the path: pytest puts the root conftest's folder there).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "meshtune" / "assets"
+TINY_MODEL = ASSETS / "tiny-llama"
+ARITH_DATA = ASSETS / "data" / "arithmetic"
+
+
+def tiny_llama(layers: int = 2, dim: int = 32, vocab: int = 64, tied: bool = True, seed: int = 0):
+    """A small random Llama built from mlx-lm's own model code."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(model_type="llama", hidden_size=dim, num_hidden_layers=layers,
+                           intermediate_size=2 * dim, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=vocab, tie_word_embeddings=tied)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m meshtune.cli ARGS` in a fresh process, output captured."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(ROOT))
+    return subprocess.run([sys.executable, "-m", "meshtune.cli", *args], cwd=cwd or ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,104 @@
+"""The package layout shows the architecture: no import cycles, every module says what it is for, none too long.
+
+Read from the source, not by importing: an import inside a function counts as much as
+one at the top, since it ties the two modules together all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "meshtune"
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the package (packages by their __init__)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that `name` imports anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t in modules and t != name)
+    return out
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+    assert graph["meshtune.config.load"] >= {"meshtune.config.schema"}  # the reader sees real edges
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles inside meshtune/: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_every_module_opens_with_a_docstring() -> None:
+    missing = [str(path.relative_to(PACKAGE.parent)) for path in _modules().values()
+               if not (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").strip()]
+    assert not missing, f"modules without a docstring saying what they are for: {missing}"
+
+
+def test_no_module_is_too_long() -> None:
+    long = {str(path.relative_to(PACKAGE.parent)): n for path in _modules().values()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
