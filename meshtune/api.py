@@ -34,7 +34,7 @@ from .parallel.pipeline import Pipeline
 from .training.metrics import METRICS_FILE, Reporter
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
-from .training.loop import LoopSettings, train
+from .training.loop import LoopSettings, NonFiniteStep, train
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
@@ -180,7 +180,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
                          features=_features(cfg), need_valid=cfg.train.val_batches != 0,
                          need_test=cfg.train.test,
-                         max_length=None if cfg.data.truncate else cfg.data.max_seq_length)
+                         max_length=None if cfg.data.truncate else cfg.data.max_seq_length,
+                         max_seq_length=cfg.data.max_seq_length, skip_empty=cfg.data.skip_empty,
+                         warn=_warner(mesh))
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
@@ -235,13 +237,18 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         validate = lambda: strategy.evaluate(val_batches, beat=watchdog.alive)  # noqa: E731
     t = cfg.train
     settings = LoopSettings(iters=t.iters, steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
-                            save_every=t.save_every)
+                            save_every=t.save_every, skip_nonfinite=t.skip_nonfinite_steps)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     model.train()
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
                             log=say, show_progress=show_progress) as reporter:
-        result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                       start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
+        try:
+            result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
+                           start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
+        except NonFiniteStep as err:
+            found = list_checkpoints(out)  # the loop saved nothing after the bad step
+            last = f"{found[-1]} (resume with --resume)" if found else "none yet (start again)"
+            raise NonFiniteStep(err.step, err.what, last_good=last) from None
         test_loss = None
         if t.test and data.test is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(_eval_batches(data.test, cfg, mesh, t.test_batches))
@@ -255,6 +262,19 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
+
+
+def resume_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """The RESUME_MUST_MATCH keys whose value differs between this run's config and the checkpoint's.
+
+    A key the checkpoint lacks was written by a meshtune without it: that run had its default."""
+    defaults = Config().to_dict()
+    changed = []
+    for section in RESUME_MUST_MATCH:
+        old = {**defaults[section], **saved.get(section, {})}
+        changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
+                    if resolved[section].get(k) != old.get(k)]
+    return changed
 
 
 def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: dict[str, Any],
@@ -271,9 +291,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
         raise ValueError(f"--resume: {what} in {out / 'checkpoints'}; "
                          "run without --resume to start, or point --adapter-path at the run")
-    changed = [f"{section}.{k}" for section in RESUME_MUST_MATCH
-               for k in sorted(set(resolved[section]) | set(ckpt.config.get(section, {})))
-               if resolved[section].get(k) != ckpt.config.get(section, {}).get(k)]
+    changed = resume_mismatches(resolved, ckpt.config)
     if changed:
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {ckpt.path}; "
                          "resume with the run's own settings or start a new --adapter-path")

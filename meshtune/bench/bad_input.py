@@ -10,7 +10,9 @@ and every file of `run/` has the bytes and mtime it had before. Most cases call 
 CLI's `main` in this process (fast); those marked `subprocess` run the real command.
 
 Long examples are truncated with one warning by default (mlx-lm's policy); the corpus
-counts only the option-controlled error (`--data.truncate false`).
+counts only the option-controlled error (`--data.truncate false`). An example with nothing
+to learn (empty completion, text or answer, a completion cut off by max_seq_length) is an
+error unless `--data.skip_empty true`; an unknown chat role is an error either way.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ RULE = ("exit 2; no Traceback; last stderr line starts with 'meshtune: error: ' 
 BASE = ("--iters", "2", "--batch-size", "4", "--steps-per-eval", "100", "--train.val_batches", "1",
         "--save-every", "2")
 GOOD = '{"prompt": "What is 1 + 2?", "completion": "3"}\n'
+CHAT = '{"messages": [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3"}]}\n'
+WORDY = '{"prompt": "What is %s?", "completion": "40"}\n' % " + ".join(["1"] * 40)  # 169 prompt tokens
+NOTHING = ", so the example has nothing to learn; "  # every such error, then its fix and --data.skip_empty
 
 
 @dataclass(frozen=True)
@@ -110,8 +115,27 @@ CASES: list[Case] = [
     Case("blank_lines_only", (), "data/valid.jsonl: file is empty", {"data/valid.jsonl": "\n  \n"}),
     Case("non_utf8", (), "data/train.jsonl:2: not UTF-8 text",
          {TRAIN: GOOD.encode() + b'{"prompt": "caf\xe9", "completion": "1"}\n'}),
-    Case("empty_completion", (), "data/train.jsonl:2: 'completion' is empty",
+    Case("empty_completion", (), "data/train.jsonl:2: 'completion' is empty" + NOTHING + "fill it in or remove "
+         "the line, or set --data.skip_empty true to skip such rows",
          {TRAIN: GOOD + '{"prompt": "What is 1 + 2?", "completion": ""}\n'}),
+    Case("empty_completion_in_valid", (), "data/valid.jsonl:3: 'completion' is empty" + NOTHING,
+         {"data/valid.jsonl": GOOD * 2 + '{"prompt": "What is 1 + 2?", "completion": " "}\n'}),
+    Case("empty_text", ("--data.mask_prompt", "false"), "data/train.jsonl:2: 'text' is empty" + NOTHING,
+         {TRAIN: '{"text": "1 + 2 = 3"}\n{"text": ""}\n'}),
+    Case("empty_chat_answer", (), "data/train.jsonl:2: the last message of 'messages' (assistant) is empty" + NOTHING,
+         {TRAIN: CHAT + CHAT.replace('"3"', '""')}),
+    Case("unknown_role", (), "data/train.jsonl:2: message 0 of 'messages' has role 'wizard', which chat "
+         "templates drop or reject; use one of system, user, assistant, tool",
+         {TRAIN: CHAT + '{"messages": [{"role": "wizard", "content": "hi"}]}\n'}, subprocess=True),
+    Case("unknown_role_with_skip_empty", ("--data.skip_empty", "true"),
+         "data/train.jsonl:3: message 1 of 'messages' has role 'gpt'",
+         {TRAIN: CHAT * 2 + CHAT.replace('"assistant"', '"gpt"')}),
+    Case("completion_cut_off", ("--mask-prompt", "--max-seq-length", "64"),
+         "data/train.jsonl:2: its completion starts at token 169 of 172 but --max-seq-length 64 (data.max_seq_length) "
+         "cuts it off there" + NOTHING + "raise it with --max-seq-length 172", {TRAIN: GOOD + WORDY}),
+    Case("skip_empty_leaves_nothing", ("--data.skip_empty", "true"),
+         "data/train.jsonl: all 2 examples have nothing to learn (line 1: 'completion' is empty)",
+         {TRAIN: '{"prompt": "What is 1 + 2?", "completion": ""}\n' * 2}),
     Case("empty_chat", (), "data/train.jsonl:1: 'messages' must be a non-empty list",
          {TRAIN: '{"messages": []}\n'}),
     Case("too_long_strict", ("--data.max_seq_length", "8", "--data.truncate", "false"),

@@ -16,6 +16,8 @@ gradients in another order). Cases:
     corrupt_latest     a byte of the newest checkpoint of a finished run flipped, then --resume
     link_cut           the link of rank 1 taken down in the namespace bed (bench/netbed.py; root)
     kill9_3ranks       3 ranks, kill -9 rank 2, resumed on 2 ranks
+    nonfinite_step     step 7 made non-finite (the test hook MESHTUNE_TEST_NONFINITE_STEP): every
+                       rank stops at step 7 with exit 65, nothing written after checkpoint 4
 
 The bad-input corpus (`meshtune bench badinput`) runs too and its summary line is printed.
 """
@@ -200,6 +202,31 @@ def link_cut(b: Bench) -> Outcome:
                    f"{bed.shaping}; no rank is dead or stopped: each rank's watchdog names the other")
 
 
+def nonfinite_step(b: Bench) -> Outcome:
+    """Step 7 goes non-finite: each rank says so at step 7 and exits 65; checkpoint 4 and the adapters
+    are left as the uninterrupted run had them at step 4; --resume then finishes exactly."""
+    from ..training import NONFINITE_EXIT_CODE
+
+    out, bad = b.root / "nonfinite_step", FAULT_AFTER + 1
+    run = FaultRun([*CLI, "launch", "-n", "2", "--", *CLI, *b.args(out)],
+                   environ=env() | {"MESHTUNE_TEST_NONFINITE_STEP": str(bad)})
+    code, seconds = _through_fault(b, run, lambda: None)  # the clock starts at step 6's report
+    said = [l for l in run.lines if f"meshtune: step {bad}: " in l]
+    ranks_said = sorted(l.split("]")[0] for l in said)
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    last = b.reference().parent / "checkpoints" / f"{SAVE_EVERY:07d}"
+    kept = (saved == [last.name] and max_abs_diff(out / ADAPTERS, last / ADAPTERS) == 0
+            and all((out / "checkpoints" / last.name / f.name).read_bytes() == f.read_bytes()
+                    for f in last.glob("*.safetensors")))
+    left, message, diff, verdict, _ = _aftermath(b, out, run)
+    ok = (code == NONFINITE_EXIT_CODE and ranks_said == ["[rank 0", "[rank 1"] and kept and left == 0
+          and verdict == "exact")
+    note = (f"both ranks at step {bad}; nothing written after checkpoint {last.name}" if kept
+            else f"written after the bad step: checkpoints {saved}")
+    return Outcome("nonfinite_step", 2, code, seconds, said[0].split("] ", 1)[-1] if said else "(none)", left, 2,
+                   diff, verdict, ok, note)
+
+
 def _netns_refused() -> str | None:
     probe = subprocess.run(["ip", "netns", "add", "mtbed-probe"], capture_output=True)
     subprocess.run(["ip", "netns", "del", "mtbed-probe"], capture_output=True)
@@ -207,7 +234,8 @@ def _netns_refused() -> str | None:
 
 
 CASES: dict[str, Callable[[Bench], Outcome]] = {
-    f.__name__: f for f in (kill9_rank1, sigstop_rank1, kill_during_save, corrupt_latest, link_cut, kill9_3ranks)}
+    f.__name__: f for f in (kill9_rank1, sigstop_rank1, kill_during_save, corrupt_latest, link_cut, kill9_3ranks,
+                            nonfinite_step)}
 
 
 def table(outcomes: list[Outcome]) -> str:

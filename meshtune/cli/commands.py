@@ -32,10 +32,19 @@ def _train_config(args: argparse.Namespace, rest: list[str]) -> Any:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    """0 finished, 3 stopped on request, 65 a non-finite step stopped it (docs/reliability.md, exit codes)."""
+    import sys
+
     from ..api import finetune
+    from ..training import NONFINITE_EXIT_CODE
+    from ..training.loop import NonFiniteStep
 
     cfg = _train_config(args, rest)
-    result = finetune(cfg, mesh=_mesh(cfg))
+    try:
+        result = finetune(cfg, mesh=_mesh(cfg))
+    except NonFiniteStep as err:  # every rank stops at the same step and says it
+        print(f"meshtune: {err}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT_CODE
     return 0 if not result.stopped_early else 3
 
 

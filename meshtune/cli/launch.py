@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from ..training import NONFINITE_EXIT_CODE
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
 
@@ -211,6 +212,10 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
 
 
 STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace stop)
+# Exits every rank reaches on its own, each saying its own line: a non-finite step (every rank at the same
+# step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
+# the others to get there before stopping them.
+AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0}
 
 
 def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
@@ -223,11 +228,21 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     75 (its watchdog, or its connection closing) and a heartbeat shows which other
     rank is gone or stopped, the line names that rank.
     """
-    start, stopped_since = time.monotonic(), {}
+    start, stopped_since, agreed_since = time.monotonic(), {}, None
     while True:
         codes = [r.proc.poll() for r in ranks]
         # A rank killed by a signal is the cause; peers exiting 75 at once are the effect.
         failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] >= 0)
+        # An exit every rank reaches on its own: let the others get there (up to AGREED_EXIT_S),
+        # then pass the code on with nothing to add.
+        agreed = failed[0][1] if failed and failed[0][1] in AGREED_EXIT_S else None
+        if agreed is not None and all(c in (None, agreed) for c in codes):
+            agreed_since = agreed_since or time.monotonic()
+            if all(c == agreed for c in codes):
+                return agreed, False
+            if time.monotonic() - agreed_since < AGREED_EXIT_S[agreed]:
+                time.sleep(0.05)
+                continue
         if failed:
             i, code = failed[0]
             muted.set()

@@ -137,6 +137,9 @@ class Config:
             bad("adapter.rank", a.rank, f"must be at least 1 for {a.fine_tune_type}; e.g. 8")
         if t.seed >= 2**32:
             bad("train.seed", t.seed, "must be below 2**32; pick a smaller seed")
+        if t.skip_nonfinite_steps < 0:
+            bad("train.skip_nonfinite_steps", t.skip_nonfinite_steps,
+                "must be 0 (stop at the first non-finite step) or a count of steps to skip")
         if t.val_batches < -1:
             bad("train.val_batches", t.val_batches, "must be -1 (the whole set), 0 (no validation) or a count")
         if t.test_batches != -1 and t.test_batches < 1:

@@ -53,6 +53,11 @@ class DataConfig:
     (mlx-lm's behaviour); false makes such an example an error naming its file and line."""
     mask_prompt: bool = False
     """Leave prompt tokens out of the loss (prompt/completion and chat data)."""
+    skip_empty: bool = False
+    """Skip examples with nothing to learn (an empty completion, text or last message, or a
+    completion cut off by max_seq_length), with one warning per split giving the count and the
+    first file:line; false (the default) makes such an example an error naming its file and line.
+    A message with a role other than system/user/assistant/tool is an error either way."""
     pad_to: int = 32
     """Pad batch lengths up to a multiple of this many tokens."""
     prompt_feature: str = "prompt"
@@ -130,6 +135,9 @@ class TrainConfig:
     """Recompute activations in the backward pass to save memory."""
     max_grad_norm: float = 0.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    skip_nonfinite_steps: int = 0
+    """Bad steps (non-finite gradient norm, or no target tokens) to skip, update not applied, before
+    the next one stops the run with exit 65; 0: the first one stops it."""
     seed: int = 0
     """Seed for shuffling, initialisation and dropout."""
     steps_per_report: int = 10

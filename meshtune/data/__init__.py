@@ -3,10 +3,11 @@
 ``load_datasets``/``load_split`` read mlx-lm's text, completions and chat jsonl
 formats into compact ``TokenizedDataset``s; ``BatchIterator`` turns one into
 mlx-lm-compatible ``Batch(tokens, lengths)`` batches for one rank, with a
-cursor that resumes exactly.
+cursor that resumes exactly.  Every example must leave a token in the loss (checks.py).
 """
 
 from .batches import Batch, BatchIterator, TruncationWarning, padded_width
+from .checks import EmptyExample, SkippedExamplesWarning
 from .dataset import Datasets, TokenizedDataset
 from .formats import Features, detect_format, load_datasets, load_split, tokenize_row
 
@@ -14,7 +15,9 @@ __all__ = [
     "Batch",
     "BatchIterator",
     "Datasets",
+    "EmptyExample",
     "Features",
+    "SkippedExamplesWarning",
     "TokenizedDataset",
     "TruncationWarning",
     "detect_format",

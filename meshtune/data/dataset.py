@@ -23,7 +23,8 @@ class TokenizedDataset:
 
     ``offsets[i]`` is the number of leading prompt tokens excluded from the loss
     (0 when the prompt is not masked).  ``format`` is "text", "completions",
-    "chat" or "tokens" (built directly from token lists).
+    "chat" or "tokens" (built directly from token lists).  ``skipped`` lists the
+    ``(line, why)`` of rows left out because they had nothing to learn (``data.skip_empty``).
     """
 
     name: str
@@ -33,6 +34,7 @@ class TokenizedDataset:
     starts: np.ndarray  # int64, start of each example in `tokens`
     lengths: np.ndarray  # int32, token count of each example
     offsets: np.ndarray  # int32, prompt-mask offset of each example
+    skipped: Tuple[Tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         n = self.lengths.shape[0]
@@ -51,6 +53,7 @@ class TokenizedDataset:
         *,
         path: Optional[Path] = None,
         format: str = "tokens",
+        skipped: Iterable[Tuple[int, str]] = (),
     ) -> "TokenizedDataset":
         """Pack ``(tokens, offset)`` pairs into one compact dataset."""
         arrays = []
@@ -71,6 +74,7 @@ class TokenizedDataset:
             starts=starts,
             lengths=lengths,
             offsets=np.asarray(offsets, dtype=np.int32).reshape(-1),
+            skipped=tuple((int(line), str(why)) for line, why in skipped),
         )
 
     def __len__(self) -> int:

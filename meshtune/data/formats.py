@@ -8,18 +8,21 @@ an assistant message), chat (``{"messages": [...]}``) and text
 ``mask_prompt`` the loss skips the prompt: its length is that of the template
 applied to all messages but the last, as mlx-lm computes it.  Unlike mlx-lm,
 every line is checked, and any problem is a one-line ``ValueError`` naming
-``file:line`` and the fix.
+``file:line`` and the fix; that includes a row with nothing to learn (checks.py),
+which ``skip_empty`` skips instead, with one warning per split.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .checks import EmptyExample, SkippedExamplesWarning, check_example, check_nonempty, check_role, skipped_message
 from .dataset import Datasets, TokenizedDataset
 from .token_cache import cached_split
 
@@ -96,12 +99,9 @@ def _check_string(row: Dict[str, Any], key: str, where: str, *, nonempty: bool =
         raise ValueError(
             f"{where}: {key!r} must be a string, got {type(value).__name__}"
         )
-    if nonempty and not value.strip():
+    if nonempty:
         # An empty target trains only the end-of-turn tokens: almost always a data bug.
-        raise ValueError(
-            f"{where}: {key!r} is empty, so the example has nothing to learn; "
-            "fill it in or remove the line"
-        )
+        check_nonempty(row, key, where)
     return value
 
 
@@ -118,6 +118,14 @@ def _check_messages(row: Dict[str, Any], key: str, where: str) -> List[Dict[str,
                 f"{where}: message {k} of {key!r} must be an object with a 'role' "
                 f"key, got {json.dumps(msg)[:60]}"
             )
+        check_role(msg, k, key, where)
+    last = messages[-1]
+    content = last.get("content")
+    # An assistant turn that only calls tools has no text content, and is fine.
+    if last["role"] == "assistant" and isinstance(content, str) and not content.strip() \
+            and not last.get("tool_calls"):
+        raise EmptyExample(where, f"the last message of {key!r} (assistant) is empty",
+                           "fill it in or remove the line")
     return messages
 
 
@@ -143,11 +151,9 @@ def _masked(
             "mask_prompt or use a chat template that renders the prompt unchanged"
         )
     if len(prompt) >= len(full):
-        raise ValueError(
-            f"{where}: with mask_prompt nothing is left to train on (the prompt is "
-            f"all {len(full)} tokens); give the last message some content or turn "
-            "off mask_prompt"
-        )
+        raise EmptyExample(
+            where, f"with mask_prompt the prompt is all {len(full)} tokens",
+            "give the last message some content, set --data.mask_prompt false")
     return len(prompt)
 
 
@@ -162,7 +168,7 @@ def tokenize_row(
 ) -> Tuple[List[int], int]:
     """Tokenize one row of a known format into ``(tokens, offset)`` as mlx-lm's ``process``."""
     if fmt == TEXT:
-        text = _check_string(row, features.text_feature, where)
+        text = _check_string(row, features.text_feature, where, nonempty=True)
         eos = tokenizer.eos_token_id
         if eos is None:
             raise ValueError(
@@ -230,11 +236,17 @@ def load_split(
     mask_prompt: bool = False,
     features: Features = Features(),
     max_length: Optional[int] = None,
+    max_seq_length: Optional[int] = None,
+    skip_empty: bool = False,
+    warn: Optional[Callable[[str], None]] = None,
 ) -> TokenizedDataset:
     """Read one jsonl split and tokenize every line; the split is named after the file stem.
 
     With ``max_length`` an example of more tokens is an error (``data.truncate false``);
-    without, the batcher truncates it and warns once per split.
+    without, the batcher truncates it and warns once per split. An example with no token
+    in the loss once truncated to ``max_seq_length`` (the batcher's cap, data.max_seq_length)
+    is an error naming its line, or with ``skip_empty`` left out; ``warn`` (default:
+    ``warnings.warn`` with ``SkippedExamplesWarning``) then gets one message for the split.
     """
     path = Path(path)
     if not path.is_file():
@@ -242,9 +254,20 @@ def load_split(
             f"{path}: file not found; create it with one JSON object per line"
         )
     # Tokenized once per file, tokenizer and these options; read back after that (token_cache.py).
-    options = repr((mask_prompt, features, max_length))
-    return cached_split(path, tokenizer, options, lambda: _tokenize_split(
-        path, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length))
+    # The skipped rows are cached with the tokens, so a split read back warns the same way.
+    # Unmasked, a cut (to at least 2 tokens, batches.py) always leaves one target: no need to key on it.
+    cut = max_seq_length if mask_prompt else None
+    options = repr((mask_prompt, features, max_length, cut, skip_empty))
+    data = cached_split(path, tokenizer, options, lambda: _tokenize_split(
+        path, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length,
+        max_seq_length=cut, skip_empty=skip_empty))
+    if data.skipped:
+        message = skipped_message(data.name, path, data.skipped, len(data) + len(data.skipped))
+        if warn is None:
+            warnings.warn(message, SkippedExamplesWarning, stacklevel=2)
+        else:
+            warn(message)
+    return data
 
 
 def _tokenize_split(
@@ -254,11 +277,14 @@ def _tokenize_split(
     mask_prompt: bool,
     features: Features,
     max_length: Optional[int],
+    max_seq_length: Optional[int],
+    skip_empty: bool,
 ) -> TokenizedDataset:
     """load_split's work: every line checked and tokenized."""
     fmt: Optional[str] = None
     arrays: List[np.ndarray] = []
     offsets: List[int] = []
+    skipped: List[Tuple[int, str]] = []
     # Read bytes and decode line by line, so bad text is reported at its line;
     # utf-8-sig on line 1 tolerates a byte-order mark, which editors on Windows add.
     with open(path, "rb") as fid:
@@ -289,23 +315,36 @@ def _tokenize_split(
                     f"{where}: expected {_format_keys(fmt, features)} like line 1, "
                     f"got {sorted(row)}; use one format per file"
                 )
-            ids, offset = tokenize_row(
-                row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
-            )
-            if max_length is not None and len(ids) > max_length:
-                raise ValueError(
-                    f"{where}: example is {len(ids)} tokens, longer than "
-                    f"data.max_seq_length={max_length}; raise data.max_seq_length, shorten "
-                    "the example, or set data.truncate true to cut it"
+            try:
+                ids, offset = tokenize_row(
+                    row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
                 )
+                if max_length is not None and len(ids) > max_length:
+                    raise ValueError(
+                        f"{where}: example is {len(ids)} tokens, longer than "
+                        f"data.max_seq_length={max_length}; raise data.max_seq_length, shorten "
+                        "the example, or set data.truncate true to cut it"
+                    )
+                check_example(where, len(ids), offset, max_seq_length)
+            except EmptyExample as empty:
+                if not skip_empty:
+                    raise
+                skipped.append((lineno, empty.why))
+                continue
             arrays.append(np.asarray(ids, dtype=np.int32))
             offsets.append(offset)
     if fmt is None:
         raise ValueError(
             f"{path}: file is empty; add one JSON object per line or remove the file"
         )
+    if skipped and not arrays:
+        line, why = skipped[0]
+        raise ValueError(
+            f"{path}: all {len(skipped)} examples have nothing to learn (line {line}: {why}); "
+            "data.skip_empty leaves none, so fix the data"
+        )
     return TokenizedDataset.from_examples(
-        path.stem, zip(arrays, offsets), path=path, format=fmt
+        path.stem, zip(arrays, offsets), path=path, format=fmt, skipped=skipped
     )
 
 
@@ -329,8 +368,14 @@ def load_datasets(
     need_valid: bool = True,
     need_test: bool = False,
     max_length: Optional[int] = None,
+    max_seq_length: Optional[int] = None,
+    skip_empty: bool = False,
+    warn: Optional[Callable[[str], None]] = None,
 ) -> Datasets:
-    """Load ``train/valid/test.jsonl`` from a folder; splits not needed are left as None."""
+    """Load ``train/valid/test.jsonl`` from a folder; splits not needed are left as None.
+
+    ``max_seq_length``, ``skip_empty`` and ``warn`` are load_split's, for every split.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "folder not found"
@@ -348,7 +393,8 @@ def load_datasets(
     # is reported before minutes are spent on train.jsonl.
     paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
     loaded = {
-        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length)
+        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length,
+                      max_seq_length=max_seq_length, skip_empty=skip_empty, warn=warn)
         for n, p in paths.items()
     }
     return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))

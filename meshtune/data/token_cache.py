@@ -5,8 +5,9 @@ every rank of a run does it for the whole file: for the embedded 2,200-row data 
 was 1.7 s of a 6 s run, for real data minutes a rank. A split tokenized once is saved
 under a key that hashes everything the tokens depend on: the file's bytes, the
 tokenizer (its whole serialised model, chat template, special tokens and settings),
-the format options, max_seq_length, the transformers version and meshtune's own
-tokenizing code (formats.py, this file). Any change is another key, so a stale entry is
+the format options, max_seq_length, skip_empty, the transformers version and meshtune's own
+tokenizing code (formats.py, checks.py, this file). The rows skip_empty left out are kept
+in the entry with the tokens, so a split read back warns about them as one tokenized does. Any change is another key, so a stale entry is
 never read, only left behind (the folder can be deleted at any time).
 
 Where: $MESHTUNE_CACHE_DIR, else $XDG_CACHE_HOME/meshtune, else ~/.cache/meshtune,
@@ -30,7 +31,7 @@ import numpy as np
 from .dataset import TokenizedDataset
 
 CACHE_ENV = "MESHTUNE_CACHE_DIR"
-VERSION = b"meshtune-tokens-1"
+VERSION = b"meshtune-tokens-2"  # 2: entries hold the rows data.skip_empty left out
 # Keys of the tokenizer's init_kwargs that name where it was read from, not what it does.
 _PLACE_KEYS = {"name_or_path", "vocab_file", "tokenizer_file", "is_local", "local_files_only", "_commit_hash"}
 
@@ -77,7 +78,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> Optional[str]:
 def _code_digest() -> str:
     """A digest of meshtune's tokenizing code: a change to how rows become tokens is a new key."""
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("formats.py", "token_cache.py"))).hexdigest()
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("formats.py", "checks.py", "token_cache.py"))).hexdigest()
 
 
 def split_key(path: Path, tokenizer: Any, options: str) -> Optional[str]:
@@ -97,8 +98,10 @@ def split_key(path: Path, tokenizer: Any, options: str) -> Optional[str]:
 def _read(entry: Path, name: str, path: Path) -> Optional[TokenizedDataset]:
     try:
         with np.load(entry, allow_pickle=False) as saved:
+            skipped = tuple(zip(saved["skipped_lines"].tolist(), saved["skipped_why"].tolist()))
             return TokenizedDataset(name=name, path=path, format=str(saved["format"]), tokens=saved["tokens"],
-                                    starts=saved["starts"], lengths=saved["lengths"], offsets=saved["offsets"])
+                                    starts=saved["starts"], lengths=saved["lengths"], offsets=saved["offsets"],
+                                    skipped=skipped)
     except Exception:  # missing, partial or foreign: tokenize again
         return None
 
@@ -109,8 +112,10 @@ def _write(entry: Path, data: TokenizedDataset) -> None:
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as fid:
+                lines = np.array([line for line, _ in data.skipped], dtype=np.int64)
+                whys = np.array([why for _, why in data.skipped], dtype=np.str_)
                 np.savez(fid, format=np.array(data.format), tokens=data.tokens, starts=data.starts,
-                         lengths=data.lengths, offsets=data.offsets)
+                         lengths=data.lengths, offsets=data.offsets, skipped_lines=lines, skipped_why=whys)
             os.replace(tmp, entry)
         finally:
             if os.path.exists(tmp):

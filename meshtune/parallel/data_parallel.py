@@ -40,7 +40,7 @@ from ..adapters import ADAPTER_FILE, load_trainable, step_context, trainable_par
 from ..runtime.cuda import on_cuda
 from ..training.checkpoint import LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint, save_checkpoint
 from ..training.step import OneInFlight, evaluate, loss_terms
-from ..training.update import apply_update
+from ..training.update import StepVerdict, apply_update
 from .mesh import Mesh
 from .pack_kernel import pack_cuda
 from .socket_ring import BucketPump, SocketRing, hostfile_ips
@@ -234,7 +234,8 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
 
     Each call is one micro-batch: its gradients and tokens are added to `grads` and
     `ntoks` (None at a step's first); with `update` they are summed over the ranks and
-    the optimizer steps (training/update.py), and (loss_sum, ntoks_batch, None, None) comes back.
+    the optimizer steps unless the step is bad (training/update.py), and
+    (loss_sum, ntoks_batch, None, (ok, norm, global tokens)) comes back.
     """
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
@@ -247,9 +248,9 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
             grads = tree_map(mx.add, grads, acc_grads)
         return ce, n, grads, n if acc_tokens is None else acc_tokens + n
 
-    def apply(grads: Any, tokens: mx.array) -> None:
-        """The update from gradients and token count already summed over the ranks."""
-        apply_update(model, optimizer, grads, tokens, max_grad_norm=max_grad_norm)
+    def apply(grads: Any, tokens: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The update from gradients and token count already summed over the ranks; (ok, norm, tokens)."""
+        return tuple(apply_update(model, optimizer, grads, tokens, max_grad_norm=max_grad_norm).arrays())
 
     sockets = transport == "sockets" and mesh.world_size > 1
     split = sockets
@@ -263,8 +264,8 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
         if not update:
             return ce, n, grads, total
-        apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split, pump=pump))
-        return ce, n, None, None
+        verdict = apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split, pump=pump))
+        return ce, n, None, verdict
 
     return step if split else compiled(step)
 
@@ -297,7 +298,7 @@ class DataParallel:
         return cls(model, optimizer, mesh, accumulation=t.grad_accumulation_steps, max_grad_norm=t.max_grad_norm,
                    compile=t.compile, sync=p.grad_sync, bucket_mb=p.bucket_mb, transport=p.transport, overlap=overlap)
 
-    def step(self, batches: Iterator[Any]) -> list[tuple[mx.array, mx.array]]:
+    def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
         self._step = self._step or self._build()
         grads = ntoks = None
         losses = []
@@ -306,10 +307,11 @@ class DataParallel:
             ce, n, grads, ntoks = self._step(batch.tokens, batch.lengths, grads, ntoks, micro == self.accumulation - 1)
             losses.append((ce, n))
             # The wait is on a micro-batch's own loss arrays: the state's containers are updated
-            # in place, so by then they hold the next micro-batch's arrays.
+            # in place, so by then they hold the next micro-batch's arrays. The last call's
+            # `ntoks` is the verdict, evaluated with it.
             self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, ntoks],
                                 [ce, n])
-        return losses
+        return losses, StepVerdict(*ntoks)
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         return evaluate(self.model, batches, self.mesh, beat=beat, overlap=self.overlap)

@@ -33,7 +33,7 @@ from ..adapters import trainable_parameters
 from ..training.checkpoint import LoadedCheckpoint, TrainingState
 from ..training.losses import target_mask
 from ..training.step import evaluate
-from ..training.update import apply_update
+from ..training.update import StepVerdict, apply_update
 from .mesh import Mesh
 from .peers import sum_on_peers
 from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
@@ -139,12 +139,13 @@ def stage_gradients(stage: PipelineStage, schedule: Schedule, tokens: mx.array, 
 
 
 def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimizer: Any,
-                    max_grad_norm: float = 0.0) -> mx.array:
-    """Sum shared gradients, then the one update (training/update.py); returns the global token count.
+                    max_grad_norm: float = 0.0) -> StepVerdict:
+    """Sum shared gradients, then the one update (training/update.py); returns its verdict.
 
     The global count adds every replica's tokens: each pipeline's last stage
-    contributes its count to one world all_sum. The clipping norm adds every stage's
-    squares once (replica 0's, the tied table's first copy), as one process would.
+    contributes its count to one world all_sum. The norm (for clipping and for the
+    verdict, so taken every step) adds every stage's squares once (replica 0's, the
+    tied table's first copy), as one process would: every rank sees the same norm.
     """
     mesh = stage.mesh
     n = mesh.all_sum(n_local if stage.last else mx.zeros_like(n_local)) if mesh.dp > 1 else n_local
@@ -159,9 +160,9 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     # adds no squares, so its norm's all_sum would depend on nothing and could run before
     # the sums above: those finish first, on every rank.
     mx.eval(n, grads)
-    apply_update(stage.model, optimizer, grads, n, max_grad_norm=max_grad_norm, square_sum=square_sum)
-    mx.eval(stage.model.state, optimizer.state)
-    return n
+    verdict = apply_update(stage.model, optimizer, grads, n, max_grad_norm=max_grad_norm, square_sum=square_sum)
+    mx.eval(stage.model.state, optimizer.state, verdict.arrays())
+    return verdict
 
 
 class Pipeline:
@@ -205,9 +206,9 @@ class Pipeline:
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
         return pipeline
 
-    def step(self, batches: Iterator[Any]) -> list[tuple[mx.array, mx.array]]:
+    def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
         stage = self.stage
-        grads, tokens, losses = None, mx.array(0.0), []
+        grads, tokens, losses, verdict = None, mx.array(0.0), [], None
         for k in range(self.accumulation):
             batch = next(batches)
             loss, g, n = stage_gradients(stage, self.schedule, batch.tokens, batch.lengths, self.micro_batches)
@@ -215,11 +216,11 @@ class Pipeline:
             tokens = tokens + n
             mx.eval(grads, tokens)
             if k == self.accumulation - 1:
-                apply_gradients(stage, grads, tokens, self.optimizer, self.max_grad_norm)
+                verdict = apply_gradients(stage, grads, tokens, self.optimizer, self.max_grad_norm)
             # The loss is the last stage's; the others report zeros.
             losses.append((loss, n.astype(mx.int32)) if stage.last else (mx.array(0.0), mx.array(0)))
             mx.eval(losses[-1])
-        return losses
+        return losses, verdict
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         # Every rank evaluates the whole gathered model on its replica's batches; only the

@@ -8,10 +8,17 @@ on the same global batch. Reported losses are weighted by tokens the same way: t
 ranks' loss sums and token counts are added at each report. The allocator cache is
 left alone (clearing it every step, as stock mlx-lm does, costs time and buys
 nothing at a steady shape mix).
+
+A step whose update was not applied (a non-finite gradient norm, or no target tokens
+in the global batch: training/update.py) is skipped with one line while
+`skip_nonfinite` allows, else the loop raises NonFiniteStep and nothing more is
+saved. Its verdict is read one step late where steps overlap, but always before a
+report, an eval or a save, so nothing is written between a bad step and its discovery.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -23,8 +30,21 @@ from ..parallel.mesh import Mesh
 from .checkpoint import TrainingState
 from .metrics import Reporter, Window
 from .strategy import Strategy
+from .update import StepVerdict
 
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
+# Test hook (docs/architecture.md, environment switches): that step's batches keep no targets, so
+# its global batch has no tokens and its gradient norm is 0/0 = nan, through the real step and gate.
+TEST_NONFINITE_STEP = int(os.environ.get("MESHTUNE_TEST_NONFINITE_STEP", "0"))
+
+
+class NonFiniteStep(Exception):
+    """A step's update was not applied and no skips were left: the run stops (exit training.NONFINITE_EXIT_CODE)."""
+
+    def __init__(self, step: int, what: str, *, last_good: str = "") -> None:
+        tail = f"; last good checkpoint: {last_good}" if last_good else ""
+        super().__init__(f"step {step}: {what}; the update was not applied{tail}")
+        self.step, self.what = step, what
 
 
 @dataclass(kw_only=True)
@@ -35,6 +55,7 @@ class LoopSettings:
     steps_per_report: int
     steps_per_eval: int
     save_every: int
+    skip_nonfinite: int = 0  # bad steps skipped before the next one stops the run
 
 
 @dataclass(kw_only=True)
@@ -83,7 +104,25 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
-    step = start.step
+    step, skipped = start.step, 0
+    pending: list[tuple[int, StepVerdict, list[tuple[Any, Any]]]] = []  # dispatched, verdict not read
+
+    def settle(newest: bool) -> None:
+        """Read the verdicts of pending steps (all, or all but the newest, still in flight)."""
+        nonlocal skipped
+        ready = pending[:] if newest else pending[:-1]
+        del pending[:len(ready)]
+        for at, verdict, losses in ready:
+            if verdict.ok.item():
+                for loss_sum, tokens in losses:
+                    window.add(loss_sum, tokens)
+                window.applied += 1
+                continue
+            if skipped >= settings.skip_nonfinite:
+                raise NonFiniteStep(at, verdict.describe())
+            skipped += 1
+            reporter.note("skip", at, f"step {at}: {verdict.describe()}; the update was not applied "
+                          f"(skipped {skipped} of train.skip_nonfinite_steps={settings.skip_nonfinite})")
 
     def run_eval(at: int) -> float:
         tic = time.perf_counter()
@@ -97,14 +136,23 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
         while step < settings.iters:
             tic = time.perf_counter()
             mx.random.seed(step_seed(seed, step))
-            for loss_sum, tokens in strategy.step(batches):
-                window.add(loss_sum, tokens)
+            feed = batches if step + 1 != TEST_NONFINITE_STEP else (b._replace(lengths=0 * b.lengths) for b in batches)
+            losses, verdict = strategy.step(feed)
             window.end_step(time.perf_counter() - tic)
             step += 1
+            pending.append((step, verdict, losses))
             beat(step)
             reporter.advance()
 
-            if step % settings.steps_per_report == 0 or step == settings.iters:
+            report_now = step % settings.steps_per_report == 0 or step == settings.iters
+            eval_now = validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters)
+            # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
+            # every step: each agreement is one more round trip on the link.
+            agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
+            stopping = mesh.agree(stop.requested) if agree_now else False
+            save_now = step % settings.save_every == 0 or step == settings.iters or stopping
+            settle(newest=report_now or eval_now or save_now)
+            if report_now and window.applied:  # a window of skipped steps only is reported with the next
                 loss_sum, tokens = mesh.all_sum(window.loss_sum), mesh.all_sum(window.tokens)
                 tokens_n = int(tokens.item())
                 train_loss = loss_sum.item() / max(tokens_n, 1)
@@ -113,13 +161,9 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
                                steps=window.steps, learning_rate=float(strategy.optimizer.learning_rate),
                                trained_tokens=trained_tokens)
                 window = Window()
-            if validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters):
+            if eval_now:
                 val_loss = run_eval(step)
-            # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
-            # every step: each agreement is one more round trip on the link.
-            agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
-            stopping = mesh.agree(stop.requested) if agree_now else False
-            if step % settings.save_every == 0 or step == settings.iters or stopping:
+            if save_now:
                 save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
             if stopping:
                 reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")

@@ -30,6 +30,7 @@ class Window:
     tokens: Any = 0
     steps: int = 0
     seconds: float = 0.0
+    applied: int = 0  # steps whose update was applied (the loop counts them); skipped ones add no loss
 
     def add(self, loss_sum: mx.array, tokens: mx.array) -> None:
         """Count one micro-batch's loss sum and tokens (lazy arrays)."""

@@ -20,18 +20,22 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 
 from .checkpoint import LoadedCheckpoint, TrainingState
+from .update import StepVerdict
 
 
 class Strategy(Protocol):
     model: nn.Module
     optimizer: optim.Optimizer
 
-    def step(self, batches: Iterator[Any]) -> list[tuple[mx.array, mx.array]]:
+    def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
         """One optimizer step over the next `grad_accumulation_steps` batches: this rank's
-        (loss sum, target tokens) of each, in order.
+        (loss sum, target tokens) of each, in order, and the step's verdict.
 
         Reports add them over every rank, so a rank whose batches another rank
-        already counts (a pipeline's earlier stages) returns zeros.
+        already counts (a pipeline's earlier stages) returns zeros. The verdict
+        (training/update.py) says whether the update was applied; it is the same on
+        every rank, and a step that was not applied changed no weight and no optimizer
+        state. Its arrays may still be in flight: reading them waits for the step.
         """
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:

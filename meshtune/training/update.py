@@ -6,10 +6,18 @@ one process's on that batch. Clipping follows mlx's `optim.clip_grad_norm` (the 
 min(max_norm / (||g|| + 1e-6), 1) applied to each gradient, cast back to its dtype);
 only the global norm's square-sum differs by strategy: local for data parallelism,
 summed across stages for a pipeline (parallel/pipeline.py).
+
+The update is gated: a step whose global gradient norm is not finite, or whose global
+batch has no target tokens, leaves the parameters and the optimizer state as they were
+(`mx.where(ok, new, old)` on every array, inside the compiled step: no host sync). Both
+values are already the same on every rank, so every rank gates the same way with no
+extra collective. A non-finite loss makes a non-finite gradient (its logits are inf or
+nan), so the norm covers it. For a finite step `where` returns the new arrays bit for bit.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -26,16 +34,56 @@ def local_square_sum(grads: Any) -> mx.array:
     return tree_reduce(lambda acc, g: acc + squares(g), grads, 0.0)
 
 
+@dataclass(frozen=True)
+class StepVerdict:
+    """Whether a step's update was applied, and why not: lazy arrays, equal on every rank."""
+
+    ok: mx.array  # bool: the norm is finite and the global batch has target tokens
+    norm: mx.array  # the global gradient norm (of the token-averaged gradients, before clipping)
+    tokens: mx.array  # the global batch's target tokens
+
+    def arrays(self) -> list[mx.array]:
+        return [self.ok, self.norm, self.tokens]
+
+    def describe(self) -> str:
+        """What was wrong, for the one line the loop says (reads the arrays: a host sync)."""
+        if self.tokens.item() == 0:
+            return f"the global batch has no trainable tokens (gradient norm is {self.norm.item()})"
+        return f"gradient norm is {self.norm.item()}"
+
+
+def _keep_old(ok: mx.array, new: Any, old: Any) -> Any:
+    """`new` where `ok`, else `old`, leaf by leaf; containers (dicts, lists) are updated in place,
+    since a compiled step holds them (its `inputs`/`outputs` state)."""
+    if isinstance(new, dict):
+        for k in new:
+            new[k] = _keep_old(ok, new[k], old[k]) if k in old else new[k]
+        return new
+    if isinstance(new, list):
+        for i in range(len(new)):
+            new[i] = _keep_old(ok, new[i], old[i])
+        return new
+    return mx.where(ok, new, old) if isinstance(new, mx.array) else new
+
+
 def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, tokens: mx.array, *,
-                 max_grad_norm: float, square_sum: Callable[[Any], mx.array] = local_square_sum) -> None:
+                 max_grad_norm: float, square_sum: Callable[[Any], mx.array] = local_square_sum) -> StepVerdict:
     """Update `model` from summed `grads` and the global `tokens`; clip to `max_grad_norm` (0: off).
 
     `square_sum(grads)` is the square of the global gradient norm, over every parameter
-    of the model once, whichever rank holds it.
+    of the model once, whichever rank holds it (a collective where ranks hold different
+    parameters: every rank calls it every step). A bad step (see above) changes nothing.
     """
     grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
+    norm = mx.sqrt(square_sum(grads))
+    ok = mx.isfinite(norm) & (tokens > 0)
     if max_grad_norm > 0:
-        scale = mx.minimum(max_grad_norm / (mx.sqrt(square_sum(grads)) + 1e-6), 1.0)
+        scale = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
         # Cast after scaling, as mlx does, so a small scale does not underflow in float16.
         grads = tree_map(lambda g: (g * scale).astype(g.dtype), grads)
+    old_params = tree_map(lambda p: p, model.trainable_parameters())
+    old_state = tree_map(lambda s: s, optimizer.state)
     optimizer.update(model, grads)
+    model.update(_keep_old(ok, model.trainable_parameters(), old_params))
+    _keep_old(ok, optimizer.state, old_state)
+    return StepVerdict(ok=ok, norm=norm, tokens=tokens)

@@ -47,7 +47,7 @@ def main() -> None:
     print(f"TRANSFER {pipeline.stage.links.mode}", flush=True)
     losses, local = [], []
     for _ in range(2):  # the loss before each update, on every rank (only the last stage's sums are non-zero)
-        [(loss_sum, tokens_n)] = pipeline.step(iter([SimpleNamespace(tokens=tokens, lengths=lengths)]))
+        [(loss_sum, tokens_n)], _ = pipeline.step(iter([SimpleNamespace(tokens=tokens, lengths=lengths)]))
         local.append([loss_sum.item(), tokens_n.item()])
         losses.append((mesh.all_sum(loss_sum) / mesh.all_sum(tokens_n)).item())
     print("LOCAL " + json.dumps(local), flush=True)  # this rank's own sums, before the all_sum above

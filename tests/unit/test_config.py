@@ -570,3 +570,24 @@ def test_pipeline_stages_is_pp_under_its_long_name(tmp_path):
     cfg = load_config(path)
     with pytest.raises(ConfigError, match="parallel.pipeline_stages"):
         cfg.validate(world_size=6)
+
+
+def test_resume_compares_a_key_the_checkpoint_lacks_with_its_default():
+    """A checkpoint written before a config key existed resumes when this run keeps the key's default,
+    and names the key when it does not."""
+    from meshtune.api import resume_mismatches
+    from meshtune.config import Config
+
+    saved = Config().to_dict()
+    del saved["data"]["skip_empty"]
+    assert resume_mismatches(Config().to_dict(), saved) == []
+    changed = Config.from_dict({"data": {"skip_empty": True}}).to_dict()
+    assert resume_mismatches(changed, saved) == ["data.skip_empty"]
+    saved["adapter"]["rank"] = 4
+    assert resume_mismatches(Config().to_dict(), saved) == ["adapter.rank"]
+
+
+def test_negative_skip_nonfinite_steps_is_an_error():
+    cfg = Config.from_dict({"train": {"skip_nonfinite_steps": -1}})
+    with pytest.raises(ConfigError, match="train.skip_nonfinite_steps = -1: must be 0"):
+        cfg.validate()

@@ -1,10 +1,12 @@
-"""The compiled step: token weighting, accumulation and clipping, on a tiny model in code."""
+"""The compiled step: token weighting, accumulation, clipping and the bad-step gate, on a tiny model in code."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
+from mlx.utils import tree_flatten, tree_map
 
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.parallel.mesh import Mesh
@@ -132,3 +134,84 @@ def test_the_update_clips_as_mlx_does():
     got = dict(tree_flatten(holder.parameters()))
     for k, v in tree_flatten(want):
         assert got[k].dtype == v.dtype and mx.array_equal(got[k], v).item(), k
+
+
+def _bad_step_setup(model_factory, optimizer):
+    model = model_factory(seed=3)
+    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=4, scale=10.0, dropout=0.0)
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.full(m.lora_b.shape, 0.01)
+    optimizer.init(model.trainable_parameters())
+    mx.eval(model.parameters(), optimizer.state)
+    return model
+
+
+def _snapshot(model, optimizer):
+    return ({k: mx.array(v) for k, v in trainable_parameters(model).items()},
+            {k: mx.array(v) for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)})
+
+
+def _assert_unchanged(before, model, optimizer):
+    params, state = _snapshot(model, optimizer)
+    assert params.keys() == before[0].keys() and state.keys() == before[1].keys()
+    for k in params:
+        assert mx.array_equal(params[k], before[0][k]).item(), k
+    for k in state:
+        assert mx.array_equal(state[k], before[1][k]).item(), k
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_zero_token_global_batch_is_not_applied(model_factory, compile, clip):
+    """Lengths that leave no target in any micro-batch: the step is bad, nothing moves (AdamW state too)."""
+    opt = optim.AdamW(learning_rate=0.1)
+    model = _bad_step_setup(model_factory, opt)
+    step = build_step(model, opt, Mesh.single(), max_grad_norm=clip, compile=compile)
+    before = _snapshot(model, opt)
+    grads = ntoks = None
+    for i, offs in enumerate([[9, 9, 9, 9], [5, 8, 3, 7]]):  # offset >= length: no targets
+        _, n, grads, ntoks = step(*_batch(ROWS, offs), grads, ntoks, i == 1)
+        mx.eval(model.state, opt.state, grads, ntoks)
+        assert n.item() == 0
+    ok, norm, tokens = ntoks
+    assert not ok.item() and tokens.item() == 0 and not mx.isfinite(norm).item()
+    _assert_unchanged(before, model, opt)
+    # The next good step is applied as usual.
+    _, _, _, (ok, _, _) = step(*_batch(ROWS, OFFS), None, None, True)
+    mx.eval(model.state, opt.state, ok)
+    assert ok.item()
+    assert any(not mx.array_equal(v, before[0][k]).item() for k, v in trainable_parameters(model).items())
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_is_not_applied(model_factory, compile, poison):
+    """A frozen weight gone non-finite makes the loss and gradients non-finite: no update, state kept."""
+    opt = optim.AdamW(learning_rate=0.1)
+    model = _bad_step_setup(model_factory, opt)
+    step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=compile)
+    _, _, _, (ok, _, _) = step(*_batch(ROWS, OFFS), None, None, True)  # one good step: AdamW state non-zero
+    mx.eval(model.state, opt.state, ok)
+    assert ok.item()
+    before = _snapshot(model, opt)
+    norm_weight = model.model.norm.weight
+    model.model.norm.weight = mx.full(norm_weight.shape, poison)
+    ce, _, _, (ok, norm, tokens) = step(*_batch(ROWS, OFFS), None, None, True)
+    mx.eval(model.state, opt.state, ok, norm, ce)
+    assert not ok.item() and not mx.isfinite(norm).item() and tokens.item() > 0
+    assert not mx.isfinite(ce).item()
+    _assert_unchanged(before, model, opt)
+
+
+def test_a_finite_step_is_bit_identical_to_the_plain_update(model_factory):
+    """The gate's where(ok, new, old) returns the new arrays bit for bit."""
+    got = _run(model_factory, [(ROWS, OFFS)], clip=0.5)
+    model = _bad_step_setup(model_factory, optim.SGD(learning_rate=0.1))
+    opt = optim.SGD(learning_rate=0.1)
+    opt.init(model.trainable_parameters())
+    (_, n), grads = nn.value_and_grad(model, loss_terms)(model, *_batch(ROWS, OFFS))
+    grads = optim.clip_grad_norm(tree_map(lambda g: g / n.astype(g.dtype), grads), 0.5)[0]
+    opt.update(model, grads)
+    for k, v in trainable_parameters(model).items():
+        assert mx.array_equal(v, got[k]).item(), k

@@ -1,0 +1,82 @@
+"""Every example must leave at least one token in the loss; this module says why one does not.
+
+The loss (training/losses.py, mlx-lm's ``default_loss``) counts target positions ``t`` with
+``max(offset, 1) <= t < min(length, max_seq_length)``: the prompt mask removes the first
+``offset``, truncation everything past ``data.max_seq_length``. An example with no such position
+adds nothing to a step, and a batch made only of such examples divides zero by zero: the run
+reports ``loss=nan`` and trains on nothing. So every row is checked at load time, and one with
+nothing to learn is an ``EmptyExample`` error naming ``file:line`` and the cause (an empty
+completion, text or last message, a prompt that is the whole example, a completion cut off by
+max_seq_length), unless ``data.skip_empty`` drops such rows with one warning per split.
+
+A message whose role is not one of :data:`ROLES` is a different matter: chat templates drop
+(or reject) roles they do not know, so the example silently loses that message. That is bad
+input, usually a whole file written with another tool's role names (ShareGPT's human/gpt),
+and it is an error even with ``data.skip_empty``: skipping would quietly train on what is left.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+ROLES = ("system", "user", "assistant", "tool")
+SKIP_FIX = "or set --data.skip_empty true to skip such rows"
+SHOWN = 3  # skipped rows named in the warning, for reference
+
+
+class EmptyExample(ValueError):
+    """A row that leaves no token in the loss; ``why`` is the cause without the location."""
+
+    def __init__(self, where: str, why: str, fix: str) -> None:
+        self.where, self.why = where, why
+        super().__init__(f"{where}: {why}, so the example has nothing to learn; {fix}, {SKIP_FIX}")
+
+
+class SkippedExamplesWarning(UserWarning):
+    """``data.skip_empty`` dropped examples of a split that had nothing to learn."""
+
+
+def check_role(message: Dict[str, Any], k: int, key: str, where: str) -> None:
+    """Raise for a role outside :data:`ROLES`, which a chat template would drop."""
+    role = message.get("role")
+    if role not in ROLES:
+        raise ValueError(
+            f"{where}: message {k} of {key!r} has role {role!r}, which chat templates drop or reject; "
+            f"use one of {', '.join(ROLES)} (e.g. human -> user, gpt -> assistant); data.skip_empty "
+            "does not skip this row: an unknown role is a data error, not an empty example"
+        )
+
+
+def trained_tokens(length: int, offset: int, max_seq_length: Optional[int] = None) -> int:
+    """How many target positions of an example count in the loss (see the module docstring)."""
+    kept = length if max_seq_length is None else min(length, max_seq_length)
+    return max(0, kept - max(offset, 1))
+
+
+def check_example(where: str, length: int, offset: int, max_seq_length: Optional[int]) -> None:
+    """Raise ``EmptyExample`` when a tokenized example leaves no token in the loss."""
+    if trained_tokens(length, offset) == 0:
+        raise EmptyExample(
+            where, f"it is only {length} token{'s' if length != 1 else ''} long" +
+            (f" and the prompt mask covers {offset}" if offset else ""),
+            "give it content to learn")
+    if max_seq_length is not None and trained_tokens(length, offset, max_seq_length) == 0:
+        need = max(offset, 1) + 1
+        raise EmptyExample(
+            where, f"its completion starts at token {offset} of {length} but --max-seq-length "
+            f"{max_seq_length} (data.max_seq_length) cuts it off there",
+            f"raise it with --max-seq-length {max(need, length)} (at least {need}), shorten the prompt")
+
+
+def check_nonempty(row: Dict[str, Any], key: str, where: str) -> None:
+    """Raise ``EmptyExample`` when the string ``row[key]`` is empty or blank."""
+    if not row[key].strip():
+        raise EmptyExample(where, f"{key!r} is empty", "fill it in or remove the line")
+
+
+def skipped_message(name: str, path: Any, skipped: Sequence[Tuple[int, str]], total: int) -> str:
+    """The one warning of a split whose rows with nothing to learn were skipped."""
+    shown = "; ".join(f"{path}:{line} ({why})" for line, why in skipped[:SHOWN])
+    more = f"; and {len(skipped) - SHOWN} more" if len(skipped) > SHOWN else ""
+    return (f"{name}: skipped {len(skipped)} of {total} examples with nothing to learn "
+            f"(data.skip_empty): {shown}{more}")
