@@ -253,8 +253,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         return tuple(apply_update(model, optimizer, grads, tokens, max_grad_norm=max_grad_norm).arrays())
 
     sockets = transport == "sockets" and mesh.world_size > 1
-    split = sockets
-    if split:
+    if sockets:
         # Compiled backward and update; between them each bucket is handed to the socket
         # ring's threads as its gradients come due (sum_for_update with a pump).
         backward, apply = compiled(backward), compiled(apply)
@@ -264,10 +263,10 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
         if not update:
             return ce, n, grads, total
-        verdict = apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=split, pump=pump))
+        verdict = apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=sockets, pump=pump))
         return ce, n, None, verdict
 
-    return step if split else compiled(step)
+    return step if sockets else compiled(step)
 
 
 class DataParallel:
@@ -300,18 +299,19 @@ class DataParallel:
 
     def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
         self._step = self._step or self._build()
-        grads = ntoks = None
+        grads = carried = None  # carried: the tokens so far; after the last micro-batch, the verdict's arrays
         losses = []
         for micro in range(self.accumulation):
             batch = next(batches)
-            ce, n, grads, ntoks = self._step(batch.tokens, batch.lengths, grads, ntoks, micro == self.accumulation - 1)
+            ce, n, grads, carried = self._step(batch.tokens, batch.lengths, grads, carried,
+                                               micro == self.accumulation - 1)
             losses.append((ce, n))
             # The wait is on a micro-batch's own loss arrays: the state's containers are updated
-            # in place, so by then they hold the next micro-batch's arrays. The last call's
-            # `ntoks` is the verdict, evaluated with it.
-            self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, ntoks],
+            # in place, so by then they hold the next micro-batch's arrays. The verdict is
+            # evaluated with the last call.
+            self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, carried],
                                 [ce, n])
-        return losses, StepVerdict(*ntoks)
+        return losses, StepVerdict(*carried)
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         return evaluate(self.model, batches, self.mesh, beat=beat, overlap=self.overlap)

@@ -21,6 +21,22 @@ struct alignas(sizeof(T) * VEC) Lanes {
   T v[VEC];
 };
 
+// A block's 8 warps' column sums of `vals` (this thread's VEC columns) added in warp order into
+// `out`'s CB = 32 * VEC columns of this block, through the shared `sums`.
+template <int VEC, int COLS>
+__device__ void block_sums(float (*sums)[32 * VEC], const float* vals, float* out, int tid, int lane, int warp) {
+  for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = vals[v];
+  __syncthreads();
+  for (int c = tid; c < 32 * VEC; c += 256) {
+    int col = blockIdx.x * 32 * VEC + c;
+    if (col < COLS) {
+      float total = 0.0f;
+      for (int w = 0; w < 8; ++w) total += sums[w][c];
+      out[col] = total;
+    }
+  }
+}
+
 template <int SCALE_G, int R, int ROWS, int COLS, int CHUNK, int VEC, class T, class YT, class UT>
 __device__ void column_pass(const T* g, const YT* y, const UT* u, const float* m, const float* norm, T* gz,
                             float* part, float* bpart) {
@@ -94,31 +110,12 @@ __device__ void column_pass(const T* g, const YT* y, const UT* u, const float* m
     }
   }
   // The block's sums to its row of `part`, the warps' added in warp order.
-  for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = acc[v];
-  __syncthreads();
-  for (int c = tid; c < CB; c += 256) {
-    int col = blockIdx.x * CB + c;
-    if (col < COLS) {
-      float total = 0.0f;
-      for (int k = 0; k < 8; ++k) total += sums[k][c];
-      part[(long long)blockIdx.y * COLS + col] = total;
-    }
-  }
+  block_sums<VEC, COLS>(sums, acc, part + (long long)blockIdx.y * COLS, tid, lane, warp);
   if constexpr (R > 0) {  // then B's rows, one at a time through the same shared buffer
 #pragma unroll
     for (int k = 0; k < R; ++k) {
       __syncthreads();  // the shared sums' last reads are done
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) sums[warp][lane * VEC + v] = bacc[k][v];
-      __syncthreads();
-      for (int c = tid; c < CB; c += 256) {
-        int col = blockIdx.x * CB + c;
-        if (col < COLS) {
-          float total = 0.0f;
-          for (int w = 0; w < 8; ++w) total += sums[w][c];
-          bpart[((long long)blockIdx.y * R + k) * COLS + col] = total;
-        }
-      }
+      block_sums<VEC, COLS>(sums, bacc[k], bpart + ((long long)blockIdx.y * R + k) * COLS, tid, lane, warp);
     }
   }
 }
