@@ -22,16 +22,19 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import adapters as ad
+from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .data import BatchIterator, Features, load_datasets
+from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
 from .training.metrics import METRICS_FILE, Reporter
+from .training.report import summary_line, write_report
+from .training.trackers import check_trackers, open_trackers
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
 from .training.loop import LoopSettings, NonFiniteStep, train
@@ -135,6 +138,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
         if install_fast_swiglu():
             say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
     a = cfg.adapter
+    blocks = block_count(model)
+    if a.num_layers > blocks:  # as --num-layers -1; mlx-lm refuses, but the intent is plain
+        say(f"note: --num-layers {a.num_layers} > the model's {blocks} blocks: adapting all {blocks}")
     ad.set_base_path(a.base_path)
     touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
                                 keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
@@ -168,25 +174,27 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mx.random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
-    if not Path(data_path).is_dir():  # fail before the (possibly long) model load
-        raise ValueError(f"data.path={data_path}: no such folder; point --data at a folder holding "
-                         "train.jsonl and valid.jsonl (and test.jsonl to test)")
+    check_source(data_path)  # a folder or a hub id: fail before the (possibly long) model load
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
+    trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
                          optimizer=cfg.optimizer.name)
 
-    data = load_datasets(Path(data_path), tokenizer, mask_prompt=cfg.data.mask_prompt,
+    if cfg.data.pack:
+        check_packable(model)
+    data = load_datasets(data_path, tokenizer, mask_prompt=cfg.data.mask_prompt,
                          features=_features(cfg), need_valid=cfg.train.val_batches != 0,
                          need_test=cfg.train.test,
                          max_length=None if cfg.data.truncate else cfg.data.max_seq_length,
                          max_seq_length=cfg.data.max_seq_length, skip_empty=cfg.data.skip_empty,
-                         warn=_warner(mesh))
+                         warn=_warner(mesh), splits={"train": cfg.data.train_split, "valid": cfg.data.valid_split,
+                                                     "test": cfg.data.test_split})
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
-                            warn=_warner(mesh))
+                            warn=_warner(mesh), pack=cfg.data.pack)
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
                               learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)
@@ -216,7 +224,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / METRICS_FILE).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
-        extra = {"meshtune": resolved}
+        # generate reads data_format to choose the chat template or a raw prompt (cli/commands.py).
+        extra = {"meshtune": resolved, "data_format": data.train.format}
         atomic_write_text(out / ad.CONFIG_FILE, json.dumps(
             ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, extra=extra, model=model),
             indent=2))
@@ -241,7 +250,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     model.train()
     with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
-                            log=say, show_progress=show_progress) as reporter:
+                            log=say, show_progress=show_progress,
+                            trackers=open_trackers(trackers, out, config=resolved, project=cfg.output.project_name)
+                            ) as reporter:
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                            start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
@@ -259,6 +270,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         print(f"rank {mesh.rank} finished at step {result.step} (peak memory {peak / 1e9:.4f} GB, "
               f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
+    if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl
+        say(summary_line(write_report(out, resolved), out, out / ad.ADAPTER_FILE))
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
@@ -293,8 +306,12 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
                          "run without --resume to start, or point --adapter-path at the run")
     changed = resume_mismatches(resolved, ckpt.config)
     if changed:
-        raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {ckpt.path}; "
-                         "resume with the run's own settings or start a new --adapter-path")
+        defaults = Config().to_dict()
+        pairs = [(k, *k.split(".")) for k in changed]
+        values = "; ".join(f"{k} = {resolved[s][f]!r}, the checkpoint has "
+                           f"{ckpt.config.get(s, {}).get(f, defaults[s][f])!r}" for k, s, f in pairs)
+        raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {ckpt.path} ({values}); "
+                         "drop those flags to resume with the run's own settings, or start a new --adapter-path")
     strategy.restore(ckpt)
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state
@@ -309,10 +326,18 @@ def _drop_metrics_after(out: Path, step: int) -> None:
 
 
 def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
-         dequantize: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to)."""
+         dequantize: bool = False, overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to).
+
+    A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then.
+    """
     from mlx_lm.utils import dequantize_model, load, save
 
+    target = Path(save_path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        what = "a file" if not target.is_dir() else "a folder that already holds files"
+        raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write the fused model "
+                         "over it, or choose another --save-path")
     model, tokenizer, config = load(model_path, return_config=True)
     ad.load_adapters(model, adapter_path)
     n = ad.fuse_adapters(model, dequantize=dequantize)

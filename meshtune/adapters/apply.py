@@ -47,13 +47,15 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def block_count(model: nn.Module) -> int:
+    """How many transformer blocks the model has."""
+    return len(_blocks(model))
+
+
 def chosen_blocks(model: nn.Module, num_layers: int) -> list[nn.Module]:
-    """The last `num_layers` blocks (-1: all), with a clear error when there are fewer."""
+    """The last `num_layers` blocks; -1, or more than the model has, chooses all (as mlx-lm's loader slices)."""
     blocks = _blocks(model)
-    if num_layers > len(blocks):
-        raise ValueError(f"adapter.num_layers={num_layers} but the model has {len(blocks)} blocks; "
-                         f"use a value <= {len(blocks)} or -1 for all")
-    return blocks if num_layers < 0 else blocks[len(blocks) - num_layers:]
+    return blocks if num_layers < 0 or num_layers >= len(blocks) else blocks[len(blocks) - num_layers:]
 
 
 def _check_keys(model: nn.Module, keys: list[str]) -> None:
@@ -124,7 +126,7 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
         owner.update_modules(tree_unflatten([(name, new)]))
     if count == 0:
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {num_layers} blocks; "
-                         "name modules relative to a block, e.g. self_attn.q_proj")
+                         "name modules relative to a block, e.g. --adapter.keys '[self_attn.q_proj]'")
     route_frozen_quantized(model)
     return count
 

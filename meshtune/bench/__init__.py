@@ -21,21 +21,45 @@ error line naming the file or option and leave the output folder untouched.
 must end cleanly with one line naming the lost rank, and `--resume` must reproduce an
 uninterrupted run's weights.
 
+`meshtune bench packing`: target tokens/s and padding share of the same steps with and
+without data.pack.
+
 `meshtune bench soak`: thousands of steps with memory growth checked, and repeated
 short 3-rank runs that must never hang.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import re
+from pathlib import Path
 
 # Suite name -> module of this package whose main(argv) runs it.
 SUITES = {"peer": "peer", "adapters": "adapters", "scaling": "scaling", "pipeline": "pipeline",
-          "badinput": "bad_input", "faults": "faults", "soak": "soak"}
+          "badinput": "bad_input", "faults": "faults", "soak": "soak", "packing": "packing"}
 
 
-def run_bench(suite: str, args: list[str]) -> int:
-    """Dispatch `meshtune bench <suite> [options]`."""
+def run_bench(suite: str | None, args: list[str]) -> int:
+    """Dispatch `meshtune bench <suite> [options]`; with no suite, --help lists the suites."""
+    if suite is None:
+        if "-h" in args or "--help" in args:
+            print(suites_help())
+            return 0
+        raise ValueError(f"no bench suite given; run meshtune bench SUITE with one of {', '.join(SUITES)} "
+                         "(meshtune bench --help says what each measures)")
     if suite not in SUITES:
         raise ValueError(f"unknown bench suite '{suite}'; choose {', '.join(SUITES)}")
     return importlib.import_module(f".{SUITES[suite]}", __name__).main(args)
+
+
+def suites_help() -> str:
+    """Every suite with one line: the first line of its module's docstring, read without importing it."""
+    lines = ["usage: meshtune bench SUITE [options]   (meshtune bench SUITE --help: that suite's options)", "",
+             "suites:"]
+    for name, module in SUITES.items():
+        source = Path(__file__).with_name(f"{module}.py").read_text(encoding="utf-8")
+        first = (ast.get_docstring(ast.parse(source)) or "").strip().splitlines()[:1] or [""]
+        summary = re.sub(r"^`meshtune bench [^`]*`:\s*", "", first[0])
+        lines.append(f"  {name:<10}{summary}")
+    return "\n".join(lines)

@@ -6,6 +6,7 @@ and the unfused-adapter decode speed of the same four, then prints the ratios th
 adapter work is judged by: 4-bit LoRA step / dense LoRA step, DoRA / LoRA step on each
 base, and DoRA / LoRA generation tokens/s on each base, each for stock and meshtune.
 
+    meshtune bench adapters                        # the largest preset this machine fits (bench/fit.py)
     meshtune bench adapters --preset tiny --json   # seconds; what the test runs
     meshtune bench adapters --preset small         # CPU, a couple of minutes on 2 cores
     meshtune bench adapters --preset 1b --json     # one GPU (MLX's CUDA or Metal build), ~1B params
@@ -51,6 +52,7 @@ from mlx.utils import tree_map
 from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
 from ..training.step import OneInFlight, overlaps_steps
+from .fit import Load, choose_preset, detect
 from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 
@@ -66,8 +68,9 @@ StepRunner = Callable[[mx.array, mx.array], mx.array]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtune bench adapters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="1b",
-                   help="Shapes and run sizes (flags below override): tiny, small (CPU), 1b (GPU).")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="Shapes and run sizes (flags below override): tiny, small (CPU), 1b (GPU). Default: the "
+                        "largest that fits this device's memory (bench/fit.py), said in the first line.")
     p.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3", help="Model family of the shapes.")
     for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab", "batch-size", "seq-len",
                  "warmup", "steps", "gen-tokens"):
@@ -99,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(argv: list[str]) -> argparse.Namespace:
     """Parsed flags with every unset one taken from the preset."""
     a = _parser().parse_args(argv)
+    if a.combine:  # times nothing: no model to size
+        return a
+    a.preset, a.fit_line = choose_preset(a.preset, memory_load(a), detect(), batch=a.batch_size, seq=a.seq_len)
     for name, value in PRESETS[a.preset].items():
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -107,6 +113,12 @@ def _settings(argv: list[str]) -> argparse.Namespace:
     # Whether meshtune's steps overlap here, as runtime.overlap_steps would decide.
     a.overlap = overlaps_steps({"true": True, "false": False}.get(a.overlap_steps, a.overlap_steps))
     return a
+
+
+def memory_load(a: argparse.Namespace) -> Load:
+    """What this bench holds at its peak: four dense models and four 4-bit ones (all eight stay
+    loaded), plus the dense model each 4-bit one is quantized from, in the dense dtype."""
+    return Load(dense=5, quantized=4, dtype_bytes=DTYPES[dense_dtype_name(a)].size)
 
 
 def dense_dtype_name(a: argparse.Namespace) -> str:
@@ -403,6 +415,7 @@ def main(argv: list[str]) -> int:
         from .adapters_runs import main as combine_runs
 
         return combine_runs(a.combine, a.json)
+    print(a.fit_line, flush=True)
     a.keep_freed_memory = a.keep_freed_memory and keep_freed_memory()  # before any model exists
     from ..adapters import set_base_path
 

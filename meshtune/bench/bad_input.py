@@ -172,10 +172,12 @@ CASES: list[Case] = [
     Case("dora_on_norm", ("--fine-tune-type", "dora", "--adapter.keys", "[input_layernorm]"),
          "cannot put dora on a RMSNorm; adapter.keys"),
     Case("adapter_key_unknown", ("--adapter.keys", "[self_attn.qq_proj]"), "adapter.keys: 'self_attn.qq_proj'"),
-    Case("too_many_layers", ("--num-layers", "9"), "adapter.num_layers=9 but the model has 4 blocks"),
+    Case("fuse_over_files", ("fuse", "--adapter-path", "{tmp}/run", "--save-path", "{tmp}/run"),
+         "--save-path {tmp}/run is a folder that already holds files; pass --overwrite", train=False),
     Case("resume_mismatch", ("--resume", "--adapter.rank", "4", "--data", "{shared}"),
-         "--resume: adapter.rank differ from the checkpoint"),
-    Case("resume_corrupt", ("--resume",), "--resume: no intact checkpoint", setup=_corrupt_checkpoint),
+         "--resume: adapter.rank = 4 differs from the checkpoint's 8"),
+    Case("resume_corrupt", ("--resume", "--data", "{shared}"), "--resume: no intact checkpoint",
+         setup=_corrupt_checkpoint),
     Case("resume_nothing", ("--resume", "--adapter-path", "{tmp}/fresh"), "--resume: no checkpoint"),
     Case("existing_run", (), "output.adapter_path={tmp}/run already holds a run", overwrite=False),
     Case("output_under_a_file", ("--adapter-path", "{tmp}/run/adapter_config.json/x"), "is a file, not a folder"),
@@ -317,6 +319,9 @@ def main(args: list[str]) -> int:
     if a.json:
         print(json.dumps([r.__dict__ for r in results], indent=2))
     else:
+        from .fit import Load, embedded_line
+
+        print(embedded_line(2, 32, Load()))
         print(f"rule: {RULE}")
         print(table(results))
     return 0 if all(r.clean for r in results) else 1

@@ -39,6 +39,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .faultkit import CLI, FaultRun, env, max_abs_diff, survivors, train_args
+from .fit import Load, embedded_line
 
 BATCH, SAVE_EVERY, FAULT_AFTER = 6, 4, 6
 ADAPTERS = "adapters.safetensors"
@@ -266,6 +267,7 @@ def main(argv: list[str]) -> int:
     print(f"fault bench: embedded tiny model, arithmetic data, global batch {BATCH}, {a.iters} SGD steps, "
           f"checkpoint every {SAVE_EVERY}, runtime.watchdog_s {a.watchdog:g}, fault after step {FAULT_AFTER}; "
           "weights compared with an uninterrupted 2-rank run", flush=True)
+    print(embedded_line(BATCH, 32, Load(processes=3)), flush=True)  # kill9_3ranks: three at once
     with tempfile.TemporaryDirectory(prefix="meshtune-faults-") as tmp:
         bench = Bench(Path(tmp), a.iters, a.watchdog)
         outcomes = []

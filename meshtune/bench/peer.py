@@ -119,6 +119,10 @@ def main(argv: list[str]) -> int:
         "steps_per_report": a.report_every, "steps_per_eval": a.iters + 1, "val_batches": 1,
         "save_every": a.iters, "lora_parameters": {"rank": a.rank, "scale": 20.0, "dropout": 0.0},
     }
+    if not a.model:  # a model of the caller's is the caller's size
+        from .fit import Load, embedded_line
+
+        print(embedded_line(a.batch_size, a.max_seq_length if a.data else 32, Load()), flush=True)
     env = dict(os.environ)
     blas = describe_blas()
     tokens_per_step = a.batch_size * mean_example_tokens(opts["model"], opts["data"])

@@ -3,8 +3,9 @@
 Every configuration is `meshtune train --parallel.pp P` on the same global batch and
 step count: on a CPU started by `meshtune launch --pin` (one core and one BLAS thread
 per rank, ring backend); where MLX has CUDA, by `mlx.launch --backend nccl` (one GPU
-per rank, no pinning). The model is the embedded tiny one, or with `--preset` a random
-Qwen3-shaped model of the adapters bench's presets (1b: ~1B parameters, for GPUs).
+per rank, no pinning). The model is a random Qwen3-shaped model of the adapters bench's
+presets (`--preset`; 1b: ~1B parameters), by default on GPUs the largest one each GPU's
+memory fits (bench/fit.py); on a CPU by default the embedded tiny one.
 Steps/s comes from rank 0's report windows after the first. Beside it: the ideal
 pipeline efficiency m / (m + p - 1) and the measured one (over the naive schedule's,
 which keeps one stage busy at a time), and per stage the peak memory and the peak
@@ -32,6 +33,7 @@ import mlx.core as mx
 
 from ..runtime.blas import describe_blas
 from ..cli.launch import launch_local
+from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
 
@@ -95,6 +97,21 @@ def write_text_data(folder: Path, length: int, rows: int) -> Path:
     return folder
 
 
+def _size(a: argparse.Namespace) -> str:
+    """Set a.preset when it is left to this machine's GPUs; the line that says what runs.
+
+    Each rank holds 1/stages of one copy; CPU ranks share this machine's RAM, GPUs are one per rank.
+    """
+    gpu, ranks = on_gpu(), a.stages * a.data_parallel
+    load = Load(full=a.fine_tune_type == "full", stages=a.stages, processes=1 if gpu else ranks,
+                dtype_bytes=2 if gpu else 4)
+    batch, seq = max(a.batch_size // a.data_parallel, 1), a.seq_len or 32
+    if a.preset or gpu:
+        a.preset, line = choose_preset(a.preset, load, detect(), batch=batch, seq=seq)
+        return line
+    return embedded_line(batch, seq, load) + "; pass --preset small for a larger one"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="meshtune bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,8 +123,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="Global batch (divisible by every M).")
     p.add_argument("--fine-tune-type", default="lora", help="lora, dora or full.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="A random Qwen3-shaped model of this size (bench adapters' presets); default: the "
-                        "embedded tiny model.")
+                   help="A random Qwen3-shaped model of this size (bench adapters' presets); default: on GPUs "
+                        "the largest that fits (bench/fit.py), on a CPU the embedded tiny model.")
     p.add_argument("--seq-len", type=int, default=0,
                    help="Train on synthetic rows of about this many tokens (default: the embedded arithmetic "
                         "data, ~20 tokens a row); long rows make activations, and 1F1B's bound on them, show.")
@@ -117,6 +134,7 @@ def main(argv: list[str]) -> int:
         p.error("--stages and --data-parallel must be >= 1")
     a.model_folder = a.data_folder = None
     ms = [int(m) for m in a.micro_batches.split(",")]
+    print(_size(a), flush=True)
     rows, result = [], {}
     model_name = "embedded tiny model"
     with tempfile.TemporaryDirectory() as tmp:

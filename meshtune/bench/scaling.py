@@ -29,6 +29,7 @@ from typing import Any
 
 from ..runtime.blas import describe_blas
 from ..cli.launch import launch_local
+from .fit import Load, embedded_line
 from .peer import metric_windows, steps_per_sec
 
 
@@ -46,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     g = p.add_argument_group("in-process (GPUs; run every rank under a distributed launcher)")
     g.add_argument("--in-process", action="store_true", help="Measure inside this distributed job.")
-    g.add_argument("--preset", choices=["tiny", "small", "1b"], default="1b", help="Model shape (bench/models.py).")
+    g.add_argument("--preset", choices=["tiny", "small", "1b"], default=None,
+                   help="Model shape (bench/models.py); default: the largest that fits (bench/fit.py).")
     g.add_argument("--backend", default="any", help="mx.distributed backend: nccl on GPUs, ring, mpi, any.")
     for flag in ("batch-size", "seq-len", "warmup"):
         g.add_argument(f"--{flag}", type=int, default=None, help="Per rank; default: the preset's.")
@@ -137,6 +139,7 @@ def main(argv: list[str]) -> int:
     n = a.ranks
     print(f"scaling benchmark: {n} ranks vs 1 (ring backend), embedded tiny model, local batch {a.local_batch}, "
           f"{a.iters} steps, buckets {a.bucket_mb} MB")
+    print(embedded_line(a.local_batch, 32, Load(full=True, processes=n)))
     print(f"threads: meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
     with tempfile.TemporaryDirectory() as tmp:
         rows, result = _table(a, Path(tmp), "loopback")

@@ -1,11 +1,12 @@
 """`meshtune bench scaling --in-process`: the scaling table measured inside one distributed job.
 
 For accelerators (NCCL on GPUs, or any backend MLX's own launcher starts), every rank
-runs this module; rank 0 prints. Each rank builds the same random ~1B model
-(`--preset 1b`, bench/models.py) and three compiled steps over the same model and
-optimizer: `compute only` (this rank's local batch, no gradient sync: what one GPU
-alone does with the same batch), `after_backward` and `overlap` (buckets in reverse
-layer order, all_sums on their own GPU stream). Rounds visit the three in turn so
+runs this module; rank 0 prints. Each rank builds the same random model (`--preset 1b`:
+~1B parameters, bench/models.py; without --preset, the largest size every rank's memory
+fits, bench/fit.py) and three compiled steps over the same model and optimizer:
+`compute only` (this rank's local batch, no gradient sync: what one GPU alone does with
+the same batch), `after_backward` and `overlap` (buckets in reverse layer order,
+all_sums on their own GPU stream). Rounds visit the three in turn so
 clock drift falls on all of them. Exposed communication = synced step - compute-only
 step; weak-scaling efficiency = compute-only step / synced step (each GPU keeps its
 local batch, so N GPUs do N times the work per step).
@@ -33,6 +34,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from ..parallel.mesh import Mesh
+from .fit import ORDER, Load, choose_preset, detect
 from .models import PRESETS, Shape, add_adapters, build_model
 
 MODES = ("compute", "after_backward", "overlap")
@@ -141,13 +143,32 @@ def _one_rank_ms(path: str) -> dict[str, float]:
                          "process with --json and pass that output") from None
 
 
+def agreed_preset(a: argparse.Namespace, mesh: Mesh) -> tuple[str, str]:
+    """The preset every rank runs (the smallest any rank's memory fits) and this rank's line about it.
+
+    The ranks of one host share its RAM on a CPU (counted as all of them); a GPU is each rank's own.
+    """
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    load = Load(full=True, processes=1 if gpu else mesh.world_size, dtype_bytes=2 if gpu else 4)
+    preset, line = choose_preset(a.preset, load, detect(), batch=a.batch_size, seq=a.seq_len)
+    if a.preset is None and mesh.world_size > 1:
+        smallest = ORDER[min(mesh.all_ints(ORDER.index(preset)))]
+        if smallest != preset:
+            line += f"; {smallest}, the largest every rank fits"
+        preset = smallest
+    return preset, line
+
+
 def main(a: argparse.Namespace) -> int:
-    for name, value in PRESETS[a.preset].items():
-        if getattr(a, name, None) is None:
-            setattr(a, name, value)
     backend = a.backend
     # "any" without a launcher is one process: the 1-rank baseline run (--one-rank-json's source).
     mesh = Mesh.from_world(mx.distributed.init(strict=backend != "any", backend=backend))
+    a.preset, fit_line = agreed_preset(a, mesh)
+    if mesh.rank == 0:
+        print(fit_line, flush=True)
+    for name, value in PRESETS[a.preset].items():
+        if getattr(a, name, None) is None:
+            setattr(a, name, value)
     baseline = _one_rank_ms(a.one_rank_json) if a.one_rank_json else {}
     n = mesh.world_size
     shape = Shape(arch="qwen3", **{k: PRESETS[a.preset][k] for k in

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..training.metrics import read_metrics
 from .faultkit import CLI, env
+from .fit import Load, embedded_line
 
 LIMIT = 0.05
 REPEAT_TIMEOUT_S = 120
@@ -69,6 +70,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.steps < 40 or a.repeats < 1:
         raise ValueError(f"--steps {a.steps} --repeats {a.repeats}: need at least 40 steps and 1 repeat")
+    print(embedded_line(8, 32, Load(processes=3)), flush=True)  # three ranks at most
     tic = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshtune-soak-") as tmp:
         report = max(a.steps // 40, 1)

@@ -1,9 +1,12 @@
 """Command line: a thin layer from flags and YAML to the Python API.
 
     meshtune train [-c config.yaml] [--resume] [mlx_lm.lora flags] [--section.key value ...]
+    meshtune train --help              # every config key: type, default, one line of help
+    meshtune config [-c config.yaml] [flags ...]   # the resolved config as YAML that -c reads back
     meshtune demo                      # LoRA on the embedded model, before/after figures
-    meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize]
-    meshtune generate --prompt TEXT [--model M] [--adapter-path DIR]
+    meshtune plan --ranks 4 --memory-gb 64 [train's flags] [--json]   # memory per rank of each layout
+    meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize] [--overwrite]
+    meshtune generate --prompt TEXT [--model M] [--adapter-path DIR] [--raw | --chat]
     meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
     meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
     meshtune bench scaling [--ranks 2] [--in-process]  # 1 vs N ranks, gradient sync after vs overlapped

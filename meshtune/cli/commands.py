@@ -1,4 +1,4 @@
-"""The `meshtune` subcommands (train, demo, fuse, generate, bench) and the parser that routes to them.
+"""The `meshtune` subcommands (train, config, demo, fuse, generate, bench) and the parser that routes to them.
 
 Each command is a thin call into the Python API (meshtune.api, meshtune.demo,
 meshtune.bench); `meshtune launch` has its own parser (meshtune.cli.launch), which
@@ -9,32 +9,47 @@ the top: the BLAS choice (meshtune.cli.main) happens before MLX loads.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
 
-def _train_config(args: argparse.Namespace, rest: list[str]) -> Any:
-    from ..config import load_config, parse_override_args
+def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str], None] = print) -> Any:
+    """The run's config from -c, flags and (with --resume) the run's checkpoint; `say` gets the notes.
+
+    No -c, --model or --data (a bare `meshtune train`): the demo's settings. With --resume
+    and a checkpoint in the adapter folder, the checkpoint's settings, flags checked against them.
+    """
+    from ..config import MLX_LM_FLAGS, load_config, parse_override_args
+    from ..config.resume import resume_config, saved_run_config
 
     overrides = parse_override_args(rest)
-    if args.resume:
+    if getattr(args, "resume", False):
         overrides.append(("output.resume", "true"))
-    # No config and no model: train the embedded default (the demo's settings).
-    if args.config is None and not any(k in ("--model", "model.path", "--model.path") for k, _ in overrides):
+    named = {MLX_LM_FLAGS.get(k, k).removeprefix("--").replace("-", "_") for k, _ in overrides}
+    bare = args.config is None and not named & {"model.path", "data.path"}
+    cfg = load_config(args.config, overrides)
+    saved = saved_run_config(cfg.output.adapter_path) if cfg.output.resume else None
+    if saved is not None:
+        cfg = resume_config(cfg, *saved)
+        say(f"note: resuming with the settings saved in {saved[1]}")
+    elif bare:
         from ..demo import DEMO_CONFIG
 
-        args.config = str(DEMO_CONFIG)
-    cfg = load_config(args.config, overrides)
+        cfg = load_config(DEMO_CONFIG, overrides)
+        say(f"note: no --model/--data/-c given: training the embedded tiny model on the arithmetic data "
+            f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
     for line in cfg.mapped:
-        print(f"mlx-lm key mapped: {line}")
+        say(f"mlx-lm key mapped: {line}")
     for line in cfg.notes:
-        print(f"note: {line}")
+        say(f"note: {line}")
     return cfg
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     """0 finished, 3 stopped on request, 65 a non-finite step stopped it (docs/reliability.md, exit codes)."""
-    import sys
-
     from ..api import finetune
     from ..training import NONFINITE_EXIT_CODE
     from ..training.loop import NonFiniteStep
@@ -45,13 +60,16 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except NonFiniteStep as err:  # every rank stops at the same step and says it
         print(f"meshtune: {err}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE
-    return 0 if not result.stopped_early else 3
+    if not result.stopped_early:
+        return 0
+    if os.environ.get("MLX_RANK", "0") == "0":  # one line for the run, from the writer (rank 0)
+        print(f"to continue from step {result.step}: meshtune train --adapter-path "
+              f"{shlex.quote(str(result.adapter_path))} --resume", flush=True)
+    return 3
 
 
 def _mesh(cfg: Any) -> Any:
     """Single process unless launched by mlx.launch / meshtune launch (then the world group)."""
-    import os
-
     from ..parallel.mesh import Mesh
 
     if any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
@@ -59,6 +77,20 @@ def _mesh(cfg: Any) -> Any:
 
         return Mesh.from_world(mx.distributed.init(), pp=cfg.parallel.pp)
     return Mesh.single()
+
+
+def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    """Memory per rank and traffic per step of each layout (meshtune/plan; docs/plan.md)."""
+    from ..plan import plan
+    from ..plan.layouts import ranks_in_hostfile
+    from ..plan.report import as_json, table
+
+    # The config exactly as `meshtune train` reads it (the demo's with no -c, --model or --data).
+    cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout))
+    ranks = ranks_in_hostfile(args.hostfile) if args.hostfile else args.ranks
+    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len)
+    print(as_json(result) if args.json else table(result))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
@@ -72,16 +104,56 @@ def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
     from ..api import fuse
 
     model = args.model or _model_from_adapters(args.adapter_path)
-    fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize)
+    fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize, overwrite=args.overwrite)
     return 0
 
 
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
-    from ..api import generate
+    from ..api import complete, load_for_inference
 
-    model = args.model or (_model_from_adapters(args.adapter_path) if args.adapter_path else _default_model())
-    print(generate(model, args.prompt, adapter_path=args.adapter_path, max_tokens=args.max_tokens))
+    model_path = args.model or (_model_from_adapters(args.adapter_path) if args.adapter_path else _default_model())
+    model, tokenizer = load_for_inference(model_path, args.adapter_path)
+    chat, why = _chat_or_raw(args, bool(getattr(tokenizer, "chat_template", None)))
+    print(f"generate: {'chat template' if chat else 'raw prompt'} ({why})", file=sys.stderr, flush=True)
+    print(complete(model, tokenizer, args.prompt, max_tokens=args.max_tokens, chat=chat))
+    return 0
+
+
+def _chat_or_raw(args: argparse.Namespace, has_template: bool) -> tuple[bool, str]:
+    """Whether the prompt goes through the chat template, and why, in a few words.
+
+    The template only when the tokenizer has one and the adapters were trained on chat
+    or prompt/completion data (the format train recorded in adapter_config.json): a
+    model trained on plain text continues a raw prompt. --raw / --chat force either.
+    """
+    if args.raw:
+        return False, "--raw"
+    if args.chat:
+        if not has_template:
+            raise ValueError("--chat: the tokenizer has no chat template; drop --chat to send the prompt as is")
+        return True, "--chat"
+    if not has_template:
+        return False, "the tokenizer has no chat template"
+    if not args.adapter_path:
+        return True, "the tokenizer has one; --raw sends the prompt as is"
+    import json
+
+    config = Path(args.adapter_path) / "adapter_config.json"
+    fmt = json.loads(config.read_text()).get("data_format") if config.exists() else None
+    if fmt == "text":
+        return False, "the adapters were trained on text data; --chat forces the template"
+    if fmt in ("chat", "completions"):
+        return True, f"the adapters were trained on {fmt} data; --raw sends the prompt as is"
+    return True, "the tokenizer has one and the adapters record no data format; --raw sends the prompt as is"
+
+
+def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    """Print the config `meshtune train` would run with these arguments, as YAML that -c reads back."""
+    from ..config.show import config_yaml
+
+    cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr))
+    print(config_yaml(cfg), end="")
     return 0
 
 
@@ -121,12 +193,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-system-blas", action="store_true",
                         help="Keep MLX's bundled BLAS on Linux instead of a system OpenBLAS.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="Fine-tune (LoRA or full) from YAML and flags.",
-                           description="Extra options: mlx_lm.lora flags (--model, --data, --iters, ...) "
-                                       "and --section.key value for any config key.")
-    train.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
-    train.add_argument("--resume", action="store_true", help="Continue the run in --adapter-path.")
-    train.set_defaults(func=cmd_train)
+    from ..config.show import options_help
+
+    for name, func, doc in (
+        ("train", cmd_train, "Fine-tune (LoRA or full) from YAML and flags."),
+        ("config", cmd_config, "Print the resolved config of a train command as YAML (-c reads it back)."),
+    ):
+        cmd = sub.add_parser(name, help=doc, epilog=options_help(),
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             description=f"{doc} Options: mlx_lm.lora flags (--model, --data, --iters, ...) and "
+                                         "--section.key VALUE for any config key, listed below. With none of "
+                                         "-c, --model and --data: the demo's settings (meshtune/configs/demo.yaml).")
+        cmd.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
+        cmd.add_argument("--resume", action="store_true",
+                         help="Continue the run in --adapter-path with the settings its checkpoint saved.")
+        cmd.set_defaults(func=func)
+    plan = sub.add_parser("plan", help="Memory per rank, bubble and traffic of each layout; which fits.",
+                          epilog=options_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
+                                      "value); reads only config.json and safetensors headers.")
+    plan.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
+    plan.add_argument("--ranks", type=int, default=1, help="Ranks to plan for (default 1).")
+    plan.add_argument("--hostfile", help="mlx.launch's hostfile, as meshtune launch reads it: one rank per entry.")
+    plan.add_argument("--memory-gb", type=float, default=16.0, help="Memory of one rank in GB (default 16).")
+    plan.add_argument("--link", default="10gbit", help="Link bandwidth between ranks: 1gbit, 10gbit, 100mbit, "
+                                                       "5GB/s ... (default 10gbit).")
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help="Tokens per example after padding (default data.max_seq_length, the worst case).")
+    plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
+    plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")
     demo.add_argument("--adapter-path", default="runs/demo", help="Where the demo run writes.")
     demo.set_defaults(func=cmd_demo)
@@ -135,21 +230,25 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.add_argument("--adapter-path", default="adapters", help="Folder with adapters.safetensors.")
     fuse.add_argument("--save-path", default="fused_model", help="Where to write the fused model.")
     fuse.add_argument("--dequantize", action="store_true", help="Write a dense model instead of requantizing.")
+    fuse.add_argument("--overwrite", action="store_true", help="Write into a --save-path that already holds files.")
     fuse.set_defaults(func=cmd_fuse)
     gen = sub.add_parser("generate", help="Greedy completion of a prompt.")
     gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
     gen.add_argument("--adapter-path", help="Adapters to apply.")
     gen.add_argument("--prompt", required=True, help="The user message.")
     gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--raw", action="store_true", help="Send the prompt as is, without the chat template.")
+    form.add_argument("--chat", action="store_true", help="Send the prompt through the tokenizer's chat template "
+                                                          "(default: when the adapters were trained on chat or "
+                                                          "prompt/completion data).")
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     from ..bench import SUITES  # names only: no MLX import before the BLAS choice
 
-    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation.")
-    bench.add_argument("suite", choices=list(SUITES),
-                       help="peer: stock mlx_lm.lora vs meshtune; adapters: LoRA/DoRA step and generation, "
-                            "stock mlx-lm vs meshtune, dense and 4-bit bases; badinput: bad inputs "
-                            "must each fail with one clean error line; faults: kill/stop/cut/corrupt real "
-                            "runs, then resume; soak: long run memory and repeated short runs.")
+    # -h/--help goes to the suite (its own flags) or, with no suite, to run_bench (the list of suites).
+    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation "
+                                         "(meshtune bench --help lists them).", add_help=False)
+    bench.add_argument("suite", nargs="?", choices=list(SUITES), help="The suite (meshtune bench --help).")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -1,7 +1,7 @@
 """`meshtune launch`: start N ranks on MLX's ring backend, and fail loudly and together.
 
     meshtune launch -n 2 -- meshtune train -c run.yaml
-    meshtune launch -n 2 --pin -- python my_script.py
+    meshtune launch -n 2 --no-pin -- python my_script.py   # ranks share every core
     meshtune launch --hostfile hosts.json -- meshtune train -c run.yaml   # one rank per host, over ssh
     meshtune launch -n 2 --backend nccl -- meshtune train -c run.yaml     # one rank per GPU of this machine
 
@@ -12,8 +12,12 @@ when a rank fails. Here each rank's output is read by a blocking thread and pref
 `[rank i]`; when any rank is lost (killed by a signal, or stopped: state T in /proc)
 or exits non-zero, one line names it and the step of its last heartbeat (see
 meshtune/runtime/watchdog.py), the others are stopped (SIGKILL after a short grace:
-they sit in a collective) and a non-zero code is returned. `--pin` gives rank i its
-own core and one BLAS thread. With `--hostfile` (mlx.launch's format) rank i runs
+they sit in a collective) and a non-zero code is returned. Ring ranks on this machine
+are pinned by default when there are no more of them than cores: rank i gets its own
+core and one BLAS thread, since unpinned ranks' BLAS thread pools fight over the same
+cores. `--no-pin` turns it off; with more ranks than cores none is pinned and one note
+says so. An explicit `--pin` also pins NCCL ranks, and more ranks than cores in turn.
+With `--hostfile` (mlx.launch's format) rank i runs
 `ssh host 'cd $PWD && env MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is
 seen only through the survivors' watchdogs, since its state cannot be read from here.
 With `--backend nccl` (MLX's CUDA build) the ranks join NCCL through rank 0 on
@@ -319,7 +323,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hostfile", default=None,
                    help='mlx.launch\'s JSON hostfile: [{"ssh": host, "ips": [ip]}, ...]; rank i runs on entry i '
                         "through ssh.")
-    p.add_argument("--pin", action="store_true", help="One core and one BLAS thread per rank (local ranks).")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                   help="One core and one BLAS thread per local rank (default: on for ring ranks when there "
+                        "are no more ranks than cores; --no-pin turns it off).")
     p.add_argument("--timeout", type=float, default=None, help="Stop all ranks after this many seconds.")
     p.add_argument("--backend", choices=["ring", "nccl"], default="ring",
                    help="ring (CPU, Thunderbolt, Ethernet) or nccl (one rank per GPU of this machine, MLX's CUDA build).")
@@ -333,7 +339,30 @@ def main(argv: list[str]) -> int:
     if n is None:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
     preflight(n, command)
-    return launch_local(n, command, pin=a.pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
+    pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)
+    if note:
+        print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)
+    return launch_local(n, command, pin=pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
+
+
+def pin_choice(n: int, requested: bool | None, *, remote: bool, backend: str = "ring",
+               cores: int | None = None) -> tuple[bool, str]:
+    """(pin the ranks, a note to print or ""): --pin/--no-pin when given, else pin n <= cores local ring ranks.
+
+    Remote ranks (--hostfile) are never pinned from here. `cores` defaults to the cores this
+    process may run on.
+    """
+    if remote:
+        return False, ""
+    if requested is not None:
+        return requested, ""
+    if backend != "ring":  # a GPU rank's CPU work is not BLAS-bound: leave it every core
+        return False, ""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if n > cores:
+        return False, (f"{n} ranks on {cores} cores: ranks not pinned (they share the cores; "
+                       "--no-pin silences this)")
+    return True, ""
 
 
 def preflight(n: int, command: list[str]) -> None:

@@ -9,6 +9,7 @@ line (or option), the value and the fix. Cross-field rules are :meth:`Config.val
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import yaml
 
 from . import mlx_lm_compat as compat
 from .build import build
-from .fields import _coerce, _describe, _field_types, _suggest_key
+from .fields import _all_keys, _coerce, _describe, _field_types, _suggest_key
 from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
 from .schema import Config
 from .sections import SECTIONS, ConfigError
@@ -105,9 +106,7 @@ def _resolve_overrides(
         section, _, name = key.partition(".")
         dotted = f"{section}.{name.replace('-', '_')}"
         if section not in SECTIONS or dotted.partition(".")[2] not in _field_types(section):
-            flat = compat.FLAT_KEYS.get(key.replace("-", "_"))
-            hint = f"; did you mean --{flat}?" if flat else _suggest_key(dotted, "--").replace("'", "")
-            problems.append(f"{source}: unknown option --{key}{hint}")
+            problems.append(f"{source}: unknown option --{key}{_unknown_hint(key)}")
             continue
         tp = _field_types(section)[dotted.partition(".")[2]]
         if parse and isinstance(value, str):
@@ -119,6 +118,38 @@ def _resolve_overrides(
                 continue
         resolved.append((dotted, value, f"--{dotted}"))
     return resolved, problems
+
+
+def _known_option(token: str) -> bool:
+    key = MLX_LM_FLAGS.get(token, token).removeprefix("--")
+    section, _, name = key.partition(".")
+    return section in SECTIONS and name.replace("-", "_") in _field_types(section)
+
+
+def _unknown_hint(key: str) -> str:
+    """'; did you mean ...?' for an unknown option `--key`: the mlx-lm flag and/or the config key."""
+    flat = compat.FLAT_KEYS.get(key.replace("-", "_"))
+    if flat:
+        flag = next((f for f, target in MLX_LM_FLAGS.items() if target == flat), None)
+        return f"; did you mean {flag} (--{flat})?" if flag else f"; did you mean --{flat}?"
+    flat_name = key.replace("-", "_")
+    if flat_name == "train":
+        return "; mlx_lm.lora's --train is not needed: meshtune train always trains, so drop it"
+    if flat_name in compat.REJECTED:
+        return f"; {compat.REJECTED[flat_name]}"
+    if flat_name in compat.IGNORED:
+        return f"; {compat.IGNORED[flat_name]}, so drop it"
+    if "." not in key:  # spelled like an mlx_lm.lora flag
+        close = difflib.get_close_matches(f"--{key}", list(MLX_LM_FLAGS), n=1, cutoff=0.75)
+        if close:
+            return f"; did you mean {close[0]} (--{MLX_LM_FLAGS[close[0]]})?"
+        dotted = difflib.get_close_matches(key.replace("-", "_"), [k.partition(".")[2] for k in _all_keys()], n=1)
+        if dotted:
+            section = next(s for s in SECTIONS if dotted[0] in _field_types(s))
+            return f"; did you mean --{section}.{dotted[0]}?"
+        return "; see meshtune train --help for every option"
+    section, _, name = key.partition(".")
+    return _suggest_key(f"{section}.{name.replace('-', '_')}", "--").replace("'", "")
 
 
 def parse_override_args(tokens: list[str]) -> list[tuple[str, str]]:
@@ -155,8 +186,10 @@ def _split_override_args(tokens: list[str]) -> tuple[list[tuple[str, str]], list
                 section in SECTIONS and _field_types(section).get(name.replace("-", "_")) is bool)
             if is_switch:
                 items.append((token, "true"))
-            else:
+            elif _known_option(token):
                 problems.append(f"command line: option {token} needs a value, e.g. {token} VALUE")
+            else:
+                problems.append(f"command line: unknown option {token}{_unknown_hint(token[2:])}")
             i += 1
     return items, problems
 

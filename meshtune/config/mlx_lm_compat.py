@@ -41,6 +41,8 @@ FLAT_KEYS: dict[str, str] = {
     "grad_checkpoint": "train.grad_checkpoint",
     "grad_accumulation_steps": "train.grad_accumulation_steps",
     "adapter_path": "output.adapter_path",
+    "report_to": "output.report_to",
+    "project_name": "output.project_name",
 }
 
 #: mlx-lm keys holding a mapping whose entries map one by one.
@@ -62,25 +64,34 @@ NESTED_KEYS: dict[str, dict[str, str]] = {
 #: mlx-lm keys with no meaning in meshtune: accepted, ignored, and noted.
 IGNORED: dict[str, str] = {
     "clear_cache_threshold": "mlx-lm's allocator-cache threshold has no meshtune equivalent",
-    "report_to": "meshtune has no wandb/swanlab reporting",
-    "project_name": "it only names a wandb/swanlab project",
     "config": "it records which config file mlx-lm was started with",
 }
 
 #: mlx-lm keys meshtune refuses, with what to do instead.
 REJECTED: dict[str, str] = {
     "resume_adapter_file": (
-        "meshtune resumes by folder: set output.adapter_path (adapter_path) to the "
-        "run's folder and pass --resume"
-    ),
-    "hf_dataset": (
-        "meshtune reads no network datasets: put train/valid/test.jsonl in a folder "
-        "and set data (data.path) to it"
+        "meshtune resumes by folder: give the run's folder as --adapter-path (output.adapter_path) "
+        "and pass --resume"
     ),
 }
 
+#: mlx-lm's ``hf_dataset: {path, ...}`` entry -> meshtune dotted key (``name`` is its older spelling of path).
+HF_DATASET_KEYS: dict[str, str] = {
+    "path": "data.path",
+    "name": "data.path",
+    "train_split": "data.train_split",
+    "valid_split": "data.valid_split",
+    "test_split": "data.test_split",
+    "prompt_feature": "data.prompt_feature",
+    "completion_feature": "data.completion_feature",
+    "text_feature": "data.text_feature",
+    "chat_feature": "data.chat_feature",
+}
+#: The splits mlx-lm takes from an hf_dataset entry that names none.
+HF_DATASET_SPLITS = {"train_split": "train[:80%]", "valid_split": "train[-10%:]"}
+
 # Handled by hand below: their meaning depends on the value.
-_SPECIAL = ("train", "training_mode", "optimizer_config")
+_SPECIAL = ("train", "training_mode", "optimizer_config", "hf_dataset")
 
 #: mlx_lm.lora command-line flag -> meshtune dotted key.
 MLX_LM_FLAGS: dict[str, str] = {
@@ -105,6 +116,8 @@ MLX_LM_FLAGS: dict[str, str] = {
     "--test": "train.test",
     "--test-batches": "train.test_batches",
     "--trust-remote-code": "model.trust_remote_code",
+    "--report-to": "output.report_to",
+    "--project-name": "output.project_name",
 }
 
 #: The flags of MLX_LM_FLAGS that take no value: present means true.
@@ -205,6 +218,8 @@ def map_flat(key: str, value: Any, loc: Callable[[str], str]) -> FlatResult:
                 f"{loc(key)}: train must be true (mlx-lm style) or a mapping of train.* "
                 f"keys, got {_kind(value)}"
             )
+    elif key == "hf_dataset":
+        _map_hf_dataset(value, loc, out)
     elif key == "training_mode":
         if value == "normal":
             out.notes.append("training_mode: normal ignored: it is the only mode")
@@ -214,6 +229,32 @@ def map_flat(key: str, value: Any, loc: Callable[[str], str]) -> FlatResult:
                 "with the supervised (normal) objective only; remove the key"
             )
     return out
+
+
+def _map_hf_dataset(value: Any, loc: Callable[[str], str], out: FlatResult) -> None:
+    """mlx-lm's hub dataset entry: its path and splits (mlx-lm's default slices when it names none)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, list):
+        out.problems.append(f"{loc('hf_dataset')}: hf_dataset lists {len(value)} datasets; meshtune trains on "
+                            "one: concatenate them into one dataset (save_to_disk) and give it as data")
+        return
+    if not isinstance(value, dict) or not ("path" in value or "name" in value):
+        out.problems.append(f"{loc('hf_dataset')}: hf_dataset must be a mapping with a path "
+                            f"(and optional {', '.join(k for k in HF_DATASET_KEYS if k not in ('path', 'name'))})")
+        return
+    for sub, v in {**HF_DATASET_SPLITS, **value}.items():
+        path = f"hf_dataset.{sub}"
+        if sub == "config" and v:
+            out.problems.append(f"{loc(path)}: {path} (load_dataset arguments) is not supported; save the "
+                                "dataset with save_to_disk and give that folder as data")
+        elif sub in HF_DATASET_KEYS:
+            out.assignments.append((HF_DATASET_KEYS[sub], v, path))
+            out.mapped.append(f"{path} -> {HF_DATASET_KEYS[sub]}")
+        elif sub not in ("config", "mask_prompt"):
+            close = difflib.get_close_matches(str(sub), list(HF_DATASET_KEYS), n=1)
+            hint = f"; did you mean 'hf_dataset.{close[0]}'?" if close else f"; valid: {', '.join(HF_DATASET_KEYS)}"
+            out.problems.append(f"{loc(path)}: unknown key '{path}'{hint}")
 
 
 def map_optimizer_config(

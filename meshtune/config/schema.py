@@ -122,7 +122,7 @@ class Config:
         t, a, o, s, p, d = self.train, self.adapter, self.optimizer, self.schedule, self.parallel, self.data
         if p.pipeline_stages and p.pp != p.pipeline_stages:
             bad("parallel.pipeline_stages", p.pipeline_stages,
-                f"parallel.pp = {p.pp} says otherwise; give one of the two")
+                f"parallel.pp = {p.pp} says otherwise; give --parallel.pp or --parallel.pipeline_stages, not both")
         for option, value in [
             ("train.iters", t.iters), ("train.batch_size", t.batch_size),
             ("train.grad_accumulation_steps", t.grad_accumulation_steps),
@@ -132,7 +132,7 @@ class Config:
             ("parallel.pp", p.pp),
         ]:
             if value < 1:
-                bad(option, value, "must be at least 1; set a positive value")
+                bad(option, value, f"must be at least 1; give a positive value, e.g. --{option} 1")
         if a.fine_tune_type != "full" and a.rank < 1:
             bad("adapter.rank", a.rank, f"must be at least 1 for {a.fine_tune_type}; e.g. 8")
         if t.seed >= 2**32:
@@ -143,7 +143,8 @@ class Config:
         if t.val_batches < -1:
             bad("train.val_batches", t.val_batches, "must be -1 (the whole set), 0 (no validation) or a count")
         if t.test_batches != -1 and t.test_batches < 1:
-            bad("train.test_batches", t.test_batches, "must be -1 (the whole set) or at least 1; train.test false skips testing")
+            bad("train.test_batches", t.test_batches,
+                "must be -1 (the whole set) or at least 1; --train.test false skips testing")
         for option, value in [
             ("parallel.dp", p.dp), ("parallel.micro_batches", p.micro_batches),
             ("output.keep_last_n", self.output.keep_last_n), ("train.seed", t.seed),
@@ -151,16 +152,16 @@ class Config:
             ("train.max_grad_norm", t.max_grad_norm),
         ]:
             if value < 0:
-                bad(option, value, "must not be negative; use 0 for the default behaviour")
+                bad(option, value, f"must not be negative; --{option} 0 gives the default behaviour")
         if not 0 <= a.dropout < 1:
-            bad("adapter.dropout", a.dropout, "must be in [0, 1); 0 disables dropout")
+            bad("adapter.dropout", a.dropout, "must be in [0, 1); --adapter.dropout 0 disables dropout")
         if not p.bucket_mb > 0:
-            bad("parallel.bucket_mb", p.bucket_mb, "must be positive; 25 is a good start")
+            bad("parallel.bucket_mb", p.bucket_mb, "must be positive; --parallel.bucket_mb 25 is a good start")
         if a.num_layers != -1 and a.num_layers < 1:
             bad("adapter.num_layers", a.num_layers, "must be -1 (all blocks) or at least 1")
         if a.keys is not None and (not a.keys or not all(a.keys)):
             bad("adapter.keys", a.keys, "must list module paths such as self_attn.q_proj; "
-                "leave it unset to adapt every linear layer")
+                "--adapter.keys null adapts every linear layer")
         for option in ("prompt_feature", "completion_feature", "text_feature", "chat_feature"):
             if not getattr(d, option):
                 bad(f"data.{option}", "", "must name a JSONL field")
@@ -174,13 +175,14 @@ class Config:
                 bad("optimizer.weight_decay", o.weight_decay, "must not be negative")
             elif o.name == "adam":
                 bad("optimizer.weight_decay", o.weight_decay,
-                    "adam has no weight decay; use optimizer.name adamw or unset weight_decay")
+                    "adam has no weight decay; use --optimizer adamw, or --optimizer.weight_decay null")
         known = OPTIMIZER_OPTIONS[o.name]
         for key in o.options:
             if key == "learning_rate":
-                bad("optimizer.options", o.options, "set the rate with optimizer.learning_rate, not in options")
+                bad("optimizer.options", o.options,
+                    "set the rate with --learning-rate (optimizer.learning_rate), not in options")
             elif key == "weight_decay":
-                bad("optimizer.options", o.options, "set weight decay with optimizer.weight_decay, not in options")
+                bad("optimizer.options", o.options, "set weight decay with --optimizer.weight_decay, not in options")
             elif key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
                 guess = f" (did you mean '{close[0]}'?)" if close else ""
@@ -188,7 +190,8 @@ class Config:
                     f"{o.name} takes no option '{key}'{guess}; it takes {', '.join(sorted(known))}")
 
         if s.warmup >= t.iters >= 1:
-            bad("schedule.warmup", s.warmup, f"must be less than train.iters ({t.iters}); shorten the warmup or train longer")
+            bad("schedule.warmup", s.warmup,
+                f"must be less than train.iters ({t.iters}); lower --schedule.warmup or raise --iters")
         self._check_schedule_arguments(bad)
         self._check_parallel(bad, world_size)
         if problems:
@@ -199,11 +202,12 @@ class Config:
         names, required, step_at = _SCHEDULE_ARGS[s.name]
         if s.arguments is None:
             if s.name in ("exponential_decay", "step_decay"):
-                bad("schedule.arguments", None, f"{s.name} needs its arguments [{', '.join(names)}]; set schedule.arguments")
+                bad("schedule.arguments", None,
+                    f"{s.name} needs its arguments [{', '.join(names)}]; give them as --schedule.arguments '[...]'")
             return
         if s.name == "constant":
             bad("schedule.arguments", s.arguments,
-                "the constant schedule takes no arguments; remove them or pick another schedule.name")
+                "the constant schedule takes no arguments; --schedule.arguments null, or pick another --schedule.name")
             return
         if not required <= len(s.arguments) <= len(names):
             count = f"{required}" if required == len(names) else f"{required} to {len(names)}"
@@ -217,7 +221,7 @@ class Config:
         if not math.isclose(s.arguments[0], lr, rel_tol=1e-9):
             bad("schedule.arguments", s.arguments,
                 f"the first argument (initial rate {s.arguments[0]}) differs from "
-                f"optimizer.learning_rate ({lr}); make them equal or unset schedule.arguments")
+                f"optimizer.learning_rate ({lr}); make them equal or derive them with --schedule.arguments null")
 
     def _check_parallel(self, bad: Any, world_size: int) -> None:
         p, batch = self.parallel, self.train.batch_size
@@ -228,12 +232,13 @@ class Config:
             return  # already reported; the arithmetic below needs sane values
         if p.dp == 0 and world_size % p.pp:
             divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
-            bad("parallel.pp", p.pp, f"does not divide the world size {world_size}; use one of {divisors}")
+            bad("parallel.pp", p.pp,
+                f"does not divide the world size {world_size}; use --parallel.pp N, N one of {divisors}")
             return
         dp = p.dp or world_size // p.pp
         if dp * p.pp != world_size:
-            fix = (f"set parallel.dp to {world_size // p.pp} or to 0 to derive it" if world_size % p.pp == 0
-                   else f"pick a parallel.pp that divides {world_size} and set parallel.dp to 0")
+            fix = (f"--parallel.dp {world_size // p.pp}, or --parallel.dp 0 to derive it" if world_size % p.pp == 0
+                   else f"pick a --parallel.pp that divides {world_size} and --parallel.dp 0")
             bad("parallel.dp", p.dp,
                 f"dp * pp = {dp} * {p.pp} = {dp * p.pp} but the world size is {world_size}; {fix}")
             return
@@ -241,14 +246,15 @@ class Config:
             below, above = batch // dp * dp, (batch // dp + 1) * dp
             nearest = f"{below} or {above}" if below else f"{above}"
             bad("train.batch_size", batch, f"must be divisible by the {dp} data-parallel ranks; "
-                                           f"the nearest valid sizes are {nearest}")
+                                           f"the nearest valid sizes are {nearest} (--batch-size)")
             return
         if p.stage_layers is not None and (len(p.stage_layers) != p.pp or min(p.stage_layers, default=0) < 1):
             bad("parallel.stage_layers", p.stage_layers,
-                f"give {p.pp} block counts (one per stage of parallel.pp), each at least 1; or unset it")
+                f"give {p.pp} block counts (one per stage of parallel.pp), each at least 1, "
+                "or --parallel.stage_layers null")
         micro = p.micro_batches or p.pp
         if p.pp > 1 and (batch // dp) % micro:
             local = batch // dp
             bad("parallel.micro_batches", p.micro_batches,
                 f"{micro} micro-batches do not divide the local batch {local} "
-                f"(train.batch_size / dp); pick a divisor of {local}")
+                f"(train.batch_size / dp); pick a divisor of {local} for --parallel.micro_batches")

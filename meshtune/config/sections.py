@@ -45,7 +45,8 @@ class DataConfig:
     """The training data and how it becomes token batches."""
 
     path: str = ""
-    """Folder with train/valid/test.jsonl; "" uses the arithmetic data in meshtune/assets/data/arithmetic."""
+    """Folder with train/valid/test.jsonl or .parquet, a Hugging Face dataset folder (save_to_disk) or a
+    hub dataset id; "" uses the arithmetic data in meshtune/assets/data/arithmetic."""
     max_seq_length: int = 2048
     """Longest sequence in tokens; longer examples are truncated (see truncate)."""
     truncate: bool = True
@@ -68,6 +69,17 @@ class DataConfig:
     """JSONL field holding the text of a plain-text example."""
     chat_feature: str = "messages"
     """JSONL field holding the message list of a chat example."""
+    train_split: str = ""
+    """Split of a Hugging Face dataset (saved folder, parquet or hub id) to train on, with the
+    datasets library's slicing (e.g. train[:80%]); "" takes train."""
+    valid_split: str = ""
+    """Split to validate on (e.g. train[-10%:]); "" takes valid, else validation."""
+    test_split: str = ""
+    """Split to test on; "" takes test."""
+    pack: bool = False
+    """Pack short training examples into rows of max_seq_length tokens (batch_size then counts rows);
+    each example attends only to itself and keeps its own relative positions (RoPE models), and its
+    loss is unchanged. Evaluation batches stay unpacked."""
 
 
 @dataclass(kw_only=True)
@@ -169,6 +181,11 @@ class OutputConfig:
     keep_last_n: int = 0
     """Numbered checkpoints to keep, newest first, pruned after each successful save (the
     one just written always stays); 0, the default, keeps all: nothing is deleted unless asked."""
+    report_to: list[str] | str | None = None
+    """Where else reports go, besides metrics.jsonl: tensorboard, wandb, or both (a list or
+    "tensorboard,wandb"); written by rank 0 into the adapter folder (extras meshtune[tensorboard], meshtune[wandb])."""
+    project_name: str = ""
+    """The Weights & Biases project of a run with report_to wandb (empty: meshtune)."""
 
 
 @dataclass(kw_only=True)

@@ -1,15 +1,19 @@
-"""Data for fine-tuning: jsonl splits tokenized once, then length-sorted padded batches.
+"""Data for fine-tuning: splits tokenized once, then length-sorted padded (or packed) batches.
 
-``load_datasets``/``load_split`` read mlx-lm's text, completions and chat jsonl
-formats into compact ``TokenizedDataset``s; ``BatchIterator`` turns one into
-mlx-lm-compatible ``Batch(tokens, lengths)`` batches for one rank, with a
-cursor that resumes exactly.  Every example must leave a token in the loss (checks.py).
+``load_datasets`` reads mlx-lm's text, completions and chat formats from a jsonl folder, a
+saved Hugging Face dataset, parquet files or a hub id (sources.py) into compact
+``TokenizedDataset``s (``load_split``: one jsonl file); ``BatchIterator`` turns one into
+mlx-lm-compatible ``Batch(tokens, lengths)`` batches for one rank, packed with ``pack``
+(packing.py), with a cursor that resumes exactly.  Every example must leave a token in the
+loss (checks.py).
 """
 
 from .batches import Batch, BatchIterator, TruncationWarning, padded_width
 from .checks import EmptyExample, SkippedExamplesWarning
 from .dataset import Datasets, TokenizedDataset
-from .formats import Features, detect_format, load_datasets, load_split, tokenize_row
+from .formats import Features, detect_format, load_split, tokenize_row
+from .packing import check_packable
+from .sources import check_source, load_datasets
 
 __all__ = [
     "Batch",
@@ -20,6 +24,8 @@ __all__ = [
     "SkippedExamplesWarning",
     "TokenizedDataset",
     "TruncationWarning",
+    "check_packable",
+    "check_source",
     "detect_format",
     "load_datasets",
     "load_split",

@@ -14,6 +14,11 @@ and cached rather than re-padded each step, and the batch order of epoch ``e``
 is a permutation drawn only from ``(seed, e)``.  The cursor ``(epoch,
 position)`` therefore fully determines what comes next, so training resumes
 exactly, and since it counts global batches it is the same on every rank.
+
+With ``pack`` (data.pack) the unit is a packed row instead of an example: the split is
+packed once into rows of at most ``max_seq_length`` tokens (packing.py), rows are sorted by
+fill (fullest first), cut into global batches of ``batch_size`` rows and sharded, shuffled
+and resumed exactly as examples are; ``lengths`` is then [B, K, 3] (packing.py).
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import mlx.core as mx
 import numpy as np
 
 from .dataset import TokenizedDataset
+from .packing import pack_rows, packed_lengths
 
 
 class Batch(NamedTuple):
-    """One local batch: ``tokens`` int32 [B, width], ``lengths`` int32 [B, 2] = (offset, length).
+    """One local batch: ``tokens`` int32 [B, width], ``lengths`` int32 [B, 2] = (offset, length),
+    or for packed rows [B, K, 3] = (start, first target, end) per example (packing.py).
 
     A tuple, so ``tokens, lengths = batch`` and ``loss(model, *batch)`` work like
     mlx-lm's ``(batch, lengths)`` pair.
@@ -75,14 +82,29 @@ class BatchIterator:
         loop: bool = True,
         shuffle: Optional[bool] = None,
         warn: Optional[Callable[[str], None]] = None,
+        pack: bool = False,
     ) -> None:
         name = dataset.name
         _check_options(name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
-        if len(dataset) < batch_size:
-            raise ValueError(
-                f"{name}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
-                f" lower batch_size to at most {len(dataset)} or add examples"
-            )
+        # The unit a batch is made of: an example, or a packed row of examples (data.pack).
+        self.rows = pack_rows(dataset.lengths, max_seq_length) if pack else None
+        if self.rows is not None:
+            fill = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
+            self._slots = max(len(r) for r in self.rows)
+            unit_lengths = -fill  # fullest rows first: the dropped tail is the emptiest rows
+            if len(self.rows) < batch_size:
+                raise ValueError(
+                    f"{name}: its {len(dataset)} examples pack into {len(self.rows)} rows of "
+                    f"max_seq_length={max_seq_length} tokens, fewer than batch_size={batch_size}; lower "
+                    f"--batch-size to at most {len(self.rows)}, lower --max-seq-length, or use --data.pack false"
+                )
+        else:
+            unit_lengths = dataset.lengths
+            if len(dataset) < batch_size:
+                raise ValueError(
+                    f"{name}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
+                    f" lower batch_size to at most {len(dataset)} or add examples"
+                )
         self.dataset = dataset
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
@@ -95,14 +117,15 @@ class BatchIterator:
 
         # A stable sort keeps equal-length examples in file order, as Python's
         # sorted() does in mlx-lm, so both libraries form the same batches.
-        order = np.argsort(dataset.lengths, kind="stable")
-        n_batches = len(dataset) // batch_size
+        order = np.argsort(unit_lengths, kind="stable")
+        n_batches = len(unit_lengths) // batch_size
         global_idx = order[: n_batches * batch_size].reshape(n_batches, batch_size)
         # idx[i + r : i + batch_size : W] of mlx-lm is column r, r+W, ... of the row.
         self._batch_indices = np.ascontiguousarray(global_idx[:, rank::world_size])
         self._batch_indices.flags.writeable = False
 
-        message = _truncation_message(name, global_idx, dataset, max_seq_length)
+        used = global_idx if self.rows is None else np.concatenate([self.rows[i] for i in global_idx.reshape(-1)])
+        message = _truncation_message(name, used, dataset, max_seq_length)
         if message is not None:
             if warn is None:
                 warnings.warn(message, TruncationWarning, stacklevel=2)
@@ -134,7 +157,8 @@ class BatchIterator:
 
     @property
     def batch_indices(self) -> np.ndarray:
-        """Dataset indices of this rank's batches in sorted order, [batches, local]."""
+        """Dataset indices (packed: row indices into ``rows``) of this rank's batches in sorted order,
+        [batches, local]."""
         return self._batch_indices
 
     # -------------------------------------------------------------- iteration
@@ -207,6 +231,8 @@ class BatchIterator:
 
     # ---------------------------------------------------------------- helpers
     def _pad(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        if self.rows is not None:
+            return self._pack(rows)
         ds, msl = self.dataset, self.max_seq_length
         lengths = ds.lengths[rows]
         width = padded_width(int(lengths.max()), pad_to=self.pad_to, max_seq_length=msl)
@@ -217,6 +243,23 @@ class BatchIterator:
             tokens[j, : kept[j]] = ds.tokens[start : start + int(kept[j])]
         pairs = np.stack([ds.offsets[rows], kept], axis=1).astype(np.int32)
         return tokens, pairs
+
+    def _pack(self, units: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """One batch of packed rows: tokens [B, width] and slots [B, K, 3]."""
+        ds, msl = self.dataset, self.max_seq_length
+        members = [self.rows[int(u)] for u in units]
+        kept = [np.minimum(ds.lengths[m], msl) for m in members]
+        width = padded_width(max(int(k.sum()) for k in kept), pad_to=self.pad_to, max_seq_length=msl)
+        tokens = np.zeros((len(members), width), dtype=np.int32)
+        slots = np.zeros((len(members), self._slots, 3), dtype=np.int32)
+        for j, (m, k) in enumerate(zip(members, kept)):
+            at = 0
+            for i, n in zip(m.tolist(), k.tolist()):
+                start = int(ds.starts[i])
+                tokens[j, at : at + n] = ds.tokens[start : start + n]
+                at += n
+            slots[j] = packed_lengths(ds.offsets[m], k, self._slots)
+        return tokens, slots
 
 
 def _check_options(
@@ -255,7 +298,7 @@ def _truncation_message(
     name: str, global_idx: np.ndarray, ds: TokenizedDataset, max_seq_length: int
 ) -> Optional[str]:
     """One message for the whole split, counting examples that are actually batched."""
-    used = global_idx.reshape(-1)
+    used = np.asarray(global_idx).reshape(-1)
     long = ds.lengths[used] > max_seq_length
     n_long = int(long.sum())
     if n_long == 0:

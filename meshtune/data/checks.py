@@ -17,7 +17,7 @@ and it is an error even with ``data.skip_empty``: skipping would quietly train o
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 ROLES = ("system", "user", "assistant", "tool")
 SKIP_FIX = "or set --data.skip_empty true to skip such rows"
@@ -74,9 +74,9 @@ def check_nonempty(row: Dict[str, Any], key: str, where: str) -> None:
         raise EmptyExample(where, f"{key!r} is empty", "fill it in or remove the line")
 
 
-def skipped_message(name: str, path: Any, skipped: Sequence[Tuple[int, str]], total: int) -> str:
-    """The one warning of a split whose rows with nothing to learn were skipped."""
-    shown = "; ".join(f"{path}:{line} ({why})" for line, why in skipped[:SHOWN])
+def skipped_message(name: str, place: Callable[[int], str], skipped: Sequence[Tuple[int, str]], total: int) -> str:
+    """The one warning of a split whose rows with nothing to learn were skipped; `place(n)` names row n."""
+    shown = "; ".join(f"{place(line)} ({why})" for line, why in skipped[:SHOWN])
     more = f"; and {len(skipped) - SHOWN} more" if len(skipped) > SHOWN else ""
     return (f"{name}: skipped {len(skipped)} of {total} examples with nothing to learn "
             f"(data.skip_empty): {shown}{more}")

@@ -1,4 +1,4 @@
-"""Read jsonl data splits in mlx-lm's formats and tokenize them once, up front.
+"""Read data splits in mlx-lm's formats and tokenize them once, up front.
 
 Three formats are accepted, chosen from the keys of a file's first line exactly
 as ``mlx_lm.tuner.datasets.create_dataset`` chooses: completions
@@ -9,7 +9,9 @@ an assistant message), chat (``{"messages": [...]}``) and text
 applied to all messages but the last, as mlx-lm computes it.  Unlike mlx-lm,
 every line is checked, and any problem is a one-line ``ValueError`` naming
 ``file:line`` and the fix; that includes a row with nothing to learn (checks.py),
-which ``skip_empty`` skips instead, with one warning per split.
+which ``skip_empty`` skips instead, with one warning per split. ``tokenize_rows`` is that check
+and tokenization for any source of rows; a Hugging Face dataset (hf.py) names a row as
+``<path or id>[split] row N`` where a jsonl file names ``file:line``.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from .checks import EmptyExample, SkippedExamplesWarning, check_example, check_nonempty, check_role, skipped_message
-from .dataset import Datasets, TokenizedDataset
+from .dataset import TokenizedDataset
 from .token_cache import cached_split
 
 TEXT, COMPLETIONS, CHAT = "text", "completions", "chat"
@@ -148,7 +150,7 @@ def _masked(
             f"{where}: with mask_prompt the prompt's {len(prompt)} tokens are not a "
             f"prefix of the full conversation's {len(full)} tokens (first difference "
             f"at token {differ}), so the answer cannot be located; turn off "
-            "mask_prompt or use a chat template that renders the prompt unchanged"
+            "mask_prompt (--data.mask_prompt false) or use a chat template that renders the prompt unchanged"
         )
     if len(prompt) >= len(full):
         raise EmptyExample(
@@ -229,6 +231,20 @@ def _parse_line(line: str, where: str) -> Dict[str, Any]:
     return row
 
 
+class Source(NamedTuple):
+    """Where a split's rows come from, for messages: ``place(n)`` names row n; ``unit`` is line or row."""
+
+    label: str
+    unit: str
+    container: str
+    place: Callable[[int], str]
+
+
+def jsonl_source(path: Path) -> Source:
+    """A jsonl file: rows are lines, named ``file:line``."""
+    return Source(str(path), "line", "file", lambda n: f"{path}:{n}")
+
+
 def load_split(
     path: Path,
     tokenizer: Any,
@@ -255,36 +271,35 @@ def load_split(
         )
     # Tokenized once per file, tokenizer and these options; read back after that (token_cache.py).
     # The skipped rows are cached with the tokens, so a split read back warns the same way.
-    # Unmasked, a cut (to at least 2 tokens, batches.py) always leaves one target: no need to key on it.
-    cut = max_seq_length if mask_prompt else None
-    options = repr((mask_prompt, features, max_length, cut, skip_empty))
-    data = cached_split(path, tokenizer, options, lambda: _tokenize_split(
-        path, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length,
-        max_seq_length=cut, skip_empty=skip_empty))
-    if data.skipped:
-        message = skipped_message(data.name, path, data.skipped, len(data) + len(data.skipped))
-        if warn is None:
-            warnings.warn(message, SkippedExamplesWarning, stacklevel=2)
-        else:
-            warn(message)
+    cut, options = options_key(mask_prompt, features, max_length, max_seq_length, skip_empty)
+    source = jsonl_source(path)
+    data = cached_split(path, tokenizer, options, lambda: tokenize_rows(
+        _jsonl_rows(path), tokenizer, name=path.stem, path=path, source=source, mask_prompt=mask_prompt,
+        features=features, max_length=max_length, max_seq_length=cut, skip_empty=skip_empty))
+    warn_skipped(data, source, warn)
     return data
 
 
-def _tokenize_split(
-    path: Path,
-    tokenizer: Any,
-    *,
-    mask_prompt: bool,
-    features: Features,
-    max_length: Optional[int],
-    max_seq_length: Optional[int],
-    skip_empty: bool,
-) -> TokenizedDataset:
-    """load_split's work: every line checked and tokenized."""
-    fmt: Optional[str] = None
-    arrays: List[np.ndarray] = []
-    offsets: List[int] = []
-    skipped: List[Tuple[int, str]] = []
+def options_key(mask_prompt: bool, features: Features, max_length: Optional[int],
+                max_seq_length: Optional[int], skip_empty: bool) -> Tuple[Optional[int], str]:
+    """(the cut tokenize_rows applies, the cache's options key) for these settings."""
+    # Unmasked, a cut (to at least 2 tokens, batches.py) always leaves one target: no need to key on it.
+    cut = max_seq_length if mask_prompt else None
+    return cut, repr((mask_prompt, features, max_length, cut, skip_empty))
+
+
+def warn_skipped(data: TokenizedDataset, source: Source, warn: Optional[Callable[[str], None]]) -> None:
+    """The split's one warning about rows data.skip_empty left out, if any."""
+    if data.skipped:
+        message = skipped_message(data.name, source.place, data.skipped, len(data) + len(data.skipped))
+        if warn is None:
+            warnings.warn(message, SkippedExamplesWarning, stacklevel=3)
+        else:
+            warn(message)
+
+
+def _jsonl_rows(path: Path) -> Iterator[Tuple[int, Dict[str, Any]]]:
+    """(line number, parsed object) of every non-blank line."""
     # Read bytes and decode line by line, so bad text is reported at its line;
     # utf-8-sig on line 1 tolerates a byte-order mark, which editors on Windows add.
     with open(path, "rb") as fid:
@@ -293,108 +308,78 @@ def _tokenize_split(
             line = _decode(raw, where, "utf-8-sig" if lineno == 1 else "utf-8")
             if not line.strip():
                 continue  # blank lines (e.g. a trailing one) carry no example
-            row = _parse_line(line, where)
+            yield lineno, _parse_line(line, where)
+
+
+def tokenize_rows(
+    rows: Iterable[Tuple[int, Dict[str, Any]]],
+    tokenizer: Any,
+    *,
+    name: str,
+    path: Optional[Path],
+    source: Source,
+    mask_prompt: bool,
+    features: Features,
+    max_length: Optional[int],
+    max_seq_length: Optional[int],
+    skip_empty: bool,
+) -> TokenizedDataset:
+    """Check and tokenize every ``(number, row)`` of a split; errors name ``source.place(number)``."""
+    fmt: Optional[str] = None
+    arrays: List[np.ndarray] = []
+    offsets: List[int] = []
+    skipped: List[Tuple[int, str]] = []
+    for lineno, row in rows:
+        where = source.place(lineno)
+        if fmt is None:
+            fmt = detect_format(row, features)
             if fmt is None:
-                fmt = detect_format(row, features)
-                if fmt is None:
-                    raise ValueError(
-                        f"{where}: unrecognised format, got keys {sorted(row)}; use "
-                        f"{{{features.text_feature!r}}}, {{{features.prompt_feature!r}, "
-                        f"{features.completion_feature!r}}} or {{{features.chat_feature!r}}}"
-                        " or set text_feature/prompt_feature/completion_feature/"
-                        "chat_feature to your key names"
-                    )
-                if fmt == TEXT and mask_prompt:
-                    raise ValueError(
-                        f"{where}: mask_prompt needs prompt/completion or chat data but "
-                        f"this file is text ({_format_keys(TEXT, features)}); turn off "
-                        "mask_prompt or convert the data to prompt/completion rows"
-                    )
-            elif not _has_keys(row, fmt, features):
                 raise ValueError(
-                    f"{where}: expected {_format_keys(fmt, features)} like line 1, "
-                    f"got {sorted(row)}; use one format per file"
+                    f"{where}: unrecognised format, got keys {sorted(row)}; use "
+                    f"{{{features.text_feature!r}}}, {{{features.prompt_feature!r}, "
+                    f"{features.completion_feature!r}}} or {{{features.chat_feature!r}}}"
+                    " or name your keys with --data.text_feature, --data.prompt_feature, "
+                    "--data.completion_feature or --data.chat_feature"
                 )
-            try:
-                ids, offset = tokenize_row(
-                    row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
+            if fmt == TEXT and mask_prompt:
+                raise ValueError(
+                    f"{where}: mask_prompt needs prompt/completion or chat data but "
+                    f"this {source.container} is text ({_format_keys(TEXT, features)}); turn off "
+                    "mask_prompt (--data.mask_prompt false) or convert the data to prompt/completion rows"
                 )
-                if max_length is not None and len(ids) > max_length:
-                    raise ValueError(
-                        f"{where}: example is {len(ids)} tokens, longer than "
-                        f"data.max_seq_length={max_length}; raise data.max_seq_length, shorten "
-                        "the example, or set data.truncate true to cut it"
-                    )
-                check_example(where, len(ids), offset, max_seq_length)
-            except EmptyExample as empty:
-                if not skip_empty:
-                    raise
-                skipped.append((lineno, empty.why))
-                continue
-            arrays.append(np.asarray(ids, dtype=np.int32))
-            offsets.append(offset)
+            first = lineno
+        elif not _has_keys(row, fmt, features):
+            raise ValueError(
+                f"{where}: expected {_format_keys(fmt, features)} like {source.unit} {first}, "
+                f"got {sorted(row)}; use one format per {source.container}"
+            )
+        try:
+            ids, offset = tokenize_row(
+                row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
+            )
+            if max_length is not None and len(ids) > max_length:
+                raise ValueError(
+                    f"{where}: example is {len(ids)} tokens, longer than "
+                    f"data.max_seq_length={max_length}; raise --max-seq-length, shorten "
+                    "the example, or set --data.truncate true to cut it"
+                )
+            check_example(where, len(ids), offset, max_seq_length)
+        except EmptyExample as empty:
+            if not skip_empty:
+                raise
+            skipped.append((lineno, empty.why))
+            continue
+        arrays.append(np.asarray(ids, dtype=np.int32))
+        offsets.append(offset)
     if fmt is None:
-        raise ValueError(
-            f"{path}: file is empty; add one JSON object per line or remove the file"
-        )
+        fix = "add one JSON object per line or remove the file" if source.unit == "line" else "choose another split"
+        raise ValueError(f"{source.label}: {source.container} is empty; {fix}")
     if skipped and not arrays:
         line, why = skipped[0]
         raise ValueError(
-            f"{path}: all {len(skipped)} examples have nothing to learn (line {line}: {why}); "
+            f"{source.label}: all {len(skipped)} examples have nothing to learn ({source.unit} {line}: {why}); "
             "data.skip_empty leaves none, so fix the data"
         )
     return TokenizedDataset.from_examples(
-        path.stem, zip(arrays, offsets), path=path, format=fmt, skipped=skipped
+        name, zip(arrays, offsets), path=path, format=fmt, skipped=skipped
     )
-
-
-def _required(folder: Path, name: str, hint: str) -> Path:
-    path = folder / f"{name}.jsonl"
-    if not path.is_file():
-        raise ValueError(
-            f"{path}: not found; create {name}.jsonl in {folder} with one JSON object "
-            f"per line{hint}"
-        )
-    return path
-
-
-def load_datasets(
-    folder: Path,
-    tokenizer: Any,
-    *,
-    mask_prompt: bool = False,
-    features: Features = Features(),
-    need_train: bool = True,
-    need_valid: bool = True,
-    need_test: bool = False,
-    max_length: Optional[int] = None,
-    max_seq_length: Optional[int] = None,
-    skip_empty: bool = False,
-    warn: Optional[Callable[[str], None]] = None,
-) -> Datasets:
-    """Load ``train/valid/test.jsonl`` from a folder; splits not needed are left as None.
-
-    ``max_seq_length``, ``skip_empty`` and ``warn`` are load_split's, for every split.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        what = "is a file, not a folder" if folder.exists() else "folder not found"
-        raise ValueError(
-            f"{folder}: data {what}; point data at a folder holding train.jsonl and "
-            "valid.jsonl (and test.jsonl to test)"
-        )
-    hints = {
-        "train": "",
-        "valid": " (or turn off validation)",
-        "test": " (or turn off testing)",
-    }
-    needed = {"train": need_train, "valid": need_valid, "test": need_test}
-    # Check every needed file before tokenizing anything, so a missing valid.jsonl
-    # is reported before minutes are spent on train.jsonl.
-    paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
-    loaded = {
-        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length,
-                      max_seq_length=max_seq_length, skip_empty=skip_empty, warn=warn)
-        for n, p in paths.items()
-    }
-    return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))

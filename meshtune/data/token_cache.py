@@ -6,8 +6,10 @@ was 1.7 s of a 6 s run, for real data minutes a rank. A split tokenized once is 
 under a key that hashes everything the tokens depend on: the file's bytes, the
 tokenizer (its whole serialised model, chat template, special tokens and settings),
 the format options, max_seq_length, skip_empty, the transformers version and meshtune's own
-tokenizing code (formats.py, checks.py, this file). The rows skip_empty left out are kept
-in the entry with the tokens, so a split read back warns about them as one tokenized does. Any change is another key, so a stale entry is
+tokenizing code (formats.py, checks.py, hf.py, this file). A split read through the datasets
+library (hf.py) is keyed on its Arrow buffers and selected rows in place of a file's bytes.
+The rows skip_empty left out are kept in the entry with the tokens, so a split read back
+warns about them as one tokenized does. Any change is another key, so a stale entry is
 never read, only left behind (the folder can be deleted at any time).
 
 Where: $MESHTUNE_CACHE_DIR, else $XDG_CACHE_HOME/meshtune, else ~/.cache/meshtune,
@@ -78,24 +80,30 @@ def tokenizer_fingerprint(tokenizer: Any) -> Optional[str]:
 def _code_digest() -> str:
     """A digest of meshtune's tokenizing code: a change to how rows become tokens is a new key."""
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("formats.py", "checks.py", "token_cache.py"))).hexdigest()
+    names = ("formats.py", "checks.py", "hf.py", "token_cache.py")
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in names)).hexdigest()
 
 
-def split_key(path: Path, tokenizer: Any, options: str) -> Optional[str]:
-    """The cache key of tokenizing `path` with `tokenizer` and `options`, or None (not cached)."""
+def split_key(path: Optional[Path], tokenizer: Any, options: str,
+              content: Optional[Callable[[Any], None]] = None) -> Optional[str]:
+    """The cache key of tokenizing `path` (or the rows `content` feeds a hash) with `tokenizer` and
+    `options`, or None (not cached)."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
         return None
     digest = hashlib.sha256(VERSION)
     for part in (_code_digest().encode(), fingerprint.encode(), options.encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
+    if content is not None:
+        content(digest)
+        return digest.hexdigest()
     with open(path, "rb") as fid:
         for block in iter(lambda: fid.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
-def _read(entry: Path, name: str, path: Path) -> Optional[TokenizedDataset]:
+def _read(entry: Path, name: str, path: Optional[Path]) -> Optional[TokenizedDataset]:
     try:
         with np.load(entry, allow_pickle=False) as saved:
             skipped = tuple(zip(saved["skipped_lines"].tolist(), saved["skipped_why"].tolist()))
@@ -124,15 +132,16 @@ def _write(entry: Path, data: TokenizedDataset) -> None:
         pass
 
 
-def cached_split(path: Path, tokenizer: Any, options: str,
-                 tokenize: Callable[[], TokenizedDataset]) -> TokenizedDataset:
-    """`tokenize()`'s dataset for `path`, read from the cache where an entry with this key exists."""
+def cached_split(path: Optional[Path], tokenizer: Any, options: str, tokenize: Callable[[], TokenizedDataset], *,
+                 content: Optional[Callable[[Any], None]] = None, name: Optional[str] = None) -> TokenizedDataset:
+    """`tokenize()`'s dataset for `path` (or, without one, the rows `content` digests, named `name`),
+    read from the cache where an entry with this key exists."""
     where = cache_dir()
-    key = split_key(path, tokenizer, options) if where is not None else None
+    key = split_key(path, tokenizer, options, content) if where is not None else None
     if key is None:
         return tokenize()
     entry = where / f"{key}.npz"
-    data = _read(entry, path.stem, path)
+    data = _read(entry, name or path.stem, path)
     if data is None:
         data = tokenize()
         _write(entry, data)

@@ -21,12 +21,21 @@ with the token count's all_sum left on the default stream, ranks took the two
 streams' all_sums in different orders and paired wrong buffers (seen as wrong sums on
 the ring backend, MLX 0.32.4). MESHTUNE_COMM_STREAM=0 keeps overlap on the default
 stream (reverse bucket order only).
+
+With `transport: sockets` the step has a host-side point between compute and sums,
+so reports measure the exposed communication (`TimedPump`: from the moment the last
+bucket's gradients exist to the moment the last sum is back) as `comm_share`. On the
+mlx transport the sums run inside the one compiled step, where no host clock sees them,
+and nothing is reported: `meshtune bench scaling` measures that transport.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
+import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -34,12 +43,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..adapters import ADAPTER_FILE, load_trainable, step_context, trainable_parameters
 from ..runtime.cuda import on_cuda
-from ..training.checkpoint import LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint, save_checkpoint
+from ..training.checkpoint import (LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint,
+                                   save_checkpoint)
 from ..training.step import OneInFlight, evaluate, loss_terms
+from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
 from .mesh import Mesh
 from .pack_kernel import pack_cuda
@@ -207,6 +219,39 @@ def _sum_over_sockets(grads: Any, pump: Any, mode: str, bucket_mb: float) -> Any
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
 
+class TimedPump:
+    """A BucketPump whose step adds its exposed communication to a WaitClock.
+
+    A watcher thread waits for each submitted bucket to be computed (as the pump's own
+    threads do, releasing the GIL) and notes when; `collect` adds, once the last sum is
+    back, the time since the last bucket was ready: the wait the sums add after compute.
+    """
+
+    def __init__(self, pump: Any, clock: WaitClock) -> None:
+        self.pump, self.clock = pump, clock
+        self._watch: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        threading.Thread(target=self._watcher, daemon=True, name="meshtune-bucket-watch").start()
+
+    def _watcher(self) -> None:
+        while True:
+            bucket = self._watch.get()
+            try:
+                np.asarray(bucket)  # waits for an mx.array already started (mx.async_eval)
+            except Exception:  # the pump's own threads raise it on the training thread
+                pass
+            self._ready.put(time.perf_counter())
+
+    def submit(self, key: Any, buf: Any) -> None:
+        self._watch.put(buf)
+        self.pump.submit(key, buf)
+
+    def collect(self, count: int) -> Iterator[tuple[Any, np.ndarray]]:
+        yield from self.pump.collect(count)
+        done = time.perf_counter()
+        self.clock.add(done - max(self._ready.get() for _ in range(count)))
+
+
 def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward",
                    bucket_mb: float = 25.0, start: bool = False, pump: Any = None) -> tuple[Any, mx.array]:
     """Gradients and the step's token count summed over ranks, in the same buckets.
@@ -229,13 +274,15 @@ def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "aft
 
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
                compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
-               transport: str = "mlx") -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+               transport: str = "mlx", clock: WaitClock | None = None
+               ) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
     """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks).
 
     Each call is one micro-batch: its gradients and tokens are added to `grads` and
     `ntoks` (None at a step's first); with `update` they are summed over the ranks and
     the optimizer steps unless the step is bad (training/update.py), and
-    (loss_sum, ntoks_batch, None, (ok, norm, global tokens)) comes back.
+    (loss_sum, ntoks_batch, None, (ok, norm, global tokens)) comes back. On the socket
+    transport `clock` gets each step's exposed communication (TimedPump).
     """
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
@@ -258,6 +305,8 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         # ring's threads as its gradients come due (sum_for_update with a pump).
         backward, apply = compiled(backward), compiled(apply)
     pump = BucketPump(SocketRing(mesh.rank, hostfile_ips(), mesh.all_ints)) if sockets else None
+    if pump is not None and clock is not None:
+        pump = TimedPump(pump, clock)
 
     def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
@@ -277,10 +326,11 @@ class DataParallel:
                  bucket_mb: float = 25.0, transport: str = "mlx", overlap: bool = False):
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
         self.accumulation, self.overlap = accumulation, overlap
+        self.clock = WaitClock() if transport == "sockets" and mesh.world_size > 1 else None
         # Built at the first step: the compiled step holds the optimizer's state container, which a
         # resume replaces.
         self._build = partial(build_step, model, optimizer, mesh, max_grad_norm=max_grad_norm, compile=compile,
-                              sync=sync, bucket_mb=bucket_mb, transport=transport)
+                              sync=sync, bucket_mb=bucket_mb, transport=transport, clock=self.clock)
         self._step: Callable[..., tuple[mx.array, mx.array, Any, Any]] | None = None
         self._in_flight = OneInFlight(overlap)
 
@@ -312,6 +362,9 @@ class DataParallel:
             self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, carried],
                                 [ce, n])
         return losses, StepVerdict(*carried)
+
+    def waited(self) -> dict[str, float]:
+        return {} if self.clock is None else {"comm": self.clock.take()}
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         return evaluate(self.model, batches, self.mesh, beat=beat, overlap=self.overlap)

@@ -16,10 +16,15 @@ so only each micro-batch's stage input is kept between its forward and backward.
 Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm}
 with a head `model.lm_head` or a tied embedding (a trained tied table lives on the
 first and the last stage, its two gradients summed each step).
+
+Reports give `bubble_share`, measured: the share of the step a stage spends in its
+schedule's sends and receives (waiting for a neighbour, the transfers included);
+`idle_fraction` is the schedule's own idle share, analytic from its action lists.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -33,11 +38,12 @@ from ..adapters import trainable_parameters
 from ..training.checkpoint import LoadedCheckpoint, TrainingState
 from ..training.losses import target_mask
 from ..training.step import evaluate
+from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
 from .mesh import Mesh
 from .peers import sum_on_peers
 from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
-from .schedules import Schedule, build as build_schedule
+from .schedules import COSTS, Schedule, build as build_schedule
 from .stage import PipelineStage
 from .stages import check_stage_layers, declared_layers
 
@@ -45,11 +51,15 @@ if TYPE_CHECKING:
     from ..config import Config
 
 
-def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array, mx.array]]
-                 ) -> tuple[mx.array, Any]:
+MESSAGES = ("recv_act", "send_act", "recv_grad", "send_grad")
+
+
+def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array, mx.array]],
+                 clock: WaitClock | None = None) -> tuple[mx.array, Any]:
     """Run this stage's actions on micro-batches [(tokens, lengths)]; (loss sum, summed grads).
 
     Each action is evaluated on its own, in order: a send and a recv never share an eval.
+    `clock` gets the seconds spent in sends and receives.
     """
     rank = stage.mesh.rank
     inputs: dict[int, mx.array] = {}
@@ -58,6 +68,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
     dxs: dict[int, mx.array] = {}
     total_grads, loss_sum = None, mx.array(0.0)
     for act in actions:
+        tic = time.perf_counter() if clock is not None and act.kind in MESSAGES else None
         tokens, lengths = micro[act.mb]
         if act.kind == "recv_act":
             shape, dtype = stage.hidden_spec(tokens)
@@ -67,7 +78,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
             x = tokens[:, :-1] if stage.first else inputs[act.mb]
             inputs[act.mb] = x
             if not stage.last:
-                outputs[act.mb] = stage.hidden(x)
+                outputs[act.mb] = stage.hidden(x, lengths)
                 mx.eval(outputs[act.mb])
         elif act.kind == "send_act":
             mx.eval(stage.links.send(outputs.pop(act.mb), rank + 1))
@@ -85,7 +96,35 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
             mx.eval(total_grads, loss_sum, dx if dx is not None else [])
         elif act.kind == "send_grad":
             mx.eval(stage.links.send(dxs.pop(act.mb), rank - 1))
+        if tic is not None:
+            clock.add(time.perf_counter() - tic)
     return loss_sum, total_grads
+
+
+def idle_fraction(schedule: Schedule) -> float:
+    """The share of a step a stage idles under `schedule`, analytic: computes timed by
+    schedules.COSTS, messages free and sent at once, the step as long as the last stage's end."""
+    stages = len(schedule)
+    pc, clock, sent = [0] * stages, [0.0] * stages, {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(stages):
+            while pc[s] < len(schedule[s]):
+                act = schedule[s][pc[s]]
+                if act.kind in COSTS:
+                    clock[s] += COSTS[act.kind]
+                elif act.kind.startswith("send"):
+                    peer = s + 1 if act.kind == "send_act" else s - 1
+                    sent[(peer, act.kind.replace("send", "recv"), act.mb)] = clock[s]
+                elif (s, act.kind, act.mb) in sent:
+                    clock[s] = max(clock[s], sent[(s, act.kind, act.mb)])
+                else:
+                    break
+                pc[s] += 1
+                progressed = True
+    busy = sum(COSTS.get(a.kind, 0.0) for acts in schedule for a in acts)
+    return 1.0 - busy / (stages * max(clock))
 
 
 def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list[tuple[mx.array, mx.array]]:
@@ -131,10 +170,10 @@ def sum_shared(stage: PipelineStage, grads: Any) -> Any:
 
 
 def stage_gradients(stage: PipelineStage, schedule: Schedule, tokens: mx.array, lengths: mx.array,
-                    micro_batches: int) -> tuple[mx.array, Any, mx.array]:
+                    micro_batches: int, clock: WaitClock | None = None) -> tuple[mx.array, Any, mx.array]:
     """(loss sum, summed gradients, local target tokens) of one batch through this stage."""
     micro = split_micro_batches(tokens, lengths, micro_batches)
-    loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro)
+    loss_sum, grads = run_schedule(stage, schedule[stage.stage], micro, clock)
     return loss_sum, grads, target_tokens(lengths, tokens.shape[1]).astype(mx.float32)
 
 
@@ -182,6 +221,7 @@ class Pipeline:
         self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
         self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer)
         self.schedule, self.micro_batches = build_schedule(schedule, mesh.pp, micro_batches), micro_batches
+        self.clock = WaitClock()
 
     @staticmethod
     def check(cfg: "Config", mesh: Mesh, model_path: Path) -> None:
@@ -191,7 +231,7 @@ class Pipeline:
                              "stages recompute their forward")
         if cfg.parallel.transport == "sockets" and mesh.world_size > 1:
             raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
-                             f"parallel.pp={mesh.pp} set parallel.transport: mlx")
+                             f"parallel.pp={mesh.pp} set parallel.transport: mlx (--parallel.transport mlx)")
         if (declared := declared_layers(model_path)) is not None:
             check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)
 
@@ -211,7 +251,8 @@ class Pipeline:
         grads, tokens, losses, verdict = None, mx.array(0.0), [], None
         for k in range(self.accumulation):
             batch = next(batches)
-            loss, g, n = stage_gradients(stage, self.schedule, batch.tokens, batch.lengths, self.micro_batches)
+            loss, g, n = stage_gradients(stage, self.schedule, batch.tokens, batch.lengths, self.micro_batches,
+                                         self.clock)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             tokens = tokens + n
             mx.eval(grads, tokens)
@@ -221,6 +262,9 @@ class Pipeline:
             losses.append((loss, n.astype(mx.int32)) if stage.last else (mx.array(0.0), mx.array(0)))
             mx.eval(losses[-1])
         return losses, verdict
+
+    def waited(self) -> dict[str, float]:
+        return {"bubble": self.clock.take()}
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         # Every rank evaluates the whole gathered model on its replica's batches; only the

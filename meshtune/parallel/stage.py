@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..adapters import step_context
+from ..data.packing import packed_caches
 from ..training.losses import masked_ce_sum
 from .mesh import Mesh
 from .p2p import Links
@@ -44,10 +45,10 @@ def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, k) for k in ("embed_tokens", "layers", "norm")):
         raise ValueError(f"pipeline parallelism needs an mlx-lm decoder laid out as model.model.embed_tokens/"
-                         f"layers/norm; {type(model).__name__} is not; use parallel.pp 1")
+                         f"layers/norm; {type(model).__name__} is not; use --parallel.pp 1")
     if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
         raise ValueError("pipeline parallelism does not handle sliding-window attention layers yet; "
-                         "use parallel.pp 1")
+                         "use --parallel.pp 1")
     head = model.lm_head if "lm_head" in model else inner.embed_tokens.as_linear
     return inner, head
 
@@ -98,14 +99,19 @@ class PipelineStage:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def hidden(self, x: mx.array) -> mx.array:
-        """Token ids (stage 0) or hidden states in, this stage's hidden states out."""
+    def hidden(self, x: mx.array, lengths: mx.array | None = None) -> mx.array:
+        """Token ids (stage 0) or hidden states in, this stage's hidden states out.
+
+        Packed rows (3-D `lengths`, data.pack) attend within each example (data/packing.py)."""
         from mlx_lm.models.base import create_attention_mask
 
         h = self.inner.embed_tokens(x) if self.first else x
-        mask = create_attention_mask(h, None)
+        cache = None
+        if lengths is not None and lengths.ndim == 3:
+            cache = packed_caches(1, lengths, h.shape[1])[0]
+        mask = create_attention_mask(h, cache)
         for layer in self.inner.layers[self.start:self.end]:
-            h = layer(h, mask)
+            h = layer(h, mask) if cache is None else layer(h, mask, cache=cache)
         return h
 
     def loss(self, h: mx.array, targets: mx.array, lengths: mx.array) -> mx.array:
@@ -119,7 +125,7 @@ class PipelineStage:
 
         def fn(params: Any, inp: mx.array) -> mx.array:
             model.update(params)
-            h = self.hidden(inp)
+            h = self.hidden(inp, lengths)
             if self.last:
                 return self.loss(h, targets, lengths)
             return (h * mx.stop_gradient(dy)).sum()  # seeds the reverse pass with the received cotangent

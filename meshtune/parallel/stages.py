@@ -78,7 +78,7 @@ def check_stage_layers(stage_layers: list[int] | None, stages: int, num_layers: 
                          f"each at least 1")
     if sum(stage_layers) != num_layers:
         raise ValueError(f"parallel.stage_layers={stage_layers} sums to {sum(stage_layers)} but the model has "
-                         f"{num_layers} blocks; make the counts add up to {num_layers} or unset it")
+                         f"{num_layers} blocks; make the counts add up to {num_layers} or unset it (--parallel.stage_layers null)")
 
 
 def stage_bounds(counts: list[int]) -> list[tuple[int, int]]:

@@ -5,9 +5,10 @@ consumes `grad_accumulation_steps` micro-batches, takes gradients of the summed
 token losses and divides them by the token count of the whole global batch (all
 micro-batches, all ranks), so the update equals the one a single process would make
 on the same global batch. Reported losses are weighted by tokens the same way: the
-ranks' loss sums and token counts are added at each report. The allocator cache is
-left alone (clearing it every step, as stock mlx-lm does, costs time and buys
-nothing at a steady shape mix).
+ranks' loss sums and token counts are added at each report, with every rank's peak
+memory and the strategy's measured waits (Strategy.waited: comm or bubble seconds).
+The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
+costs time and buys nothing at a steady shape mix).
 
 A step whose update was not applied (a non-finite gradient norm, or no target tokens
 in the global batch: training/update.py) is skipped with one line while
@@ -28,7 +29,7 @@ import mlx.core as mx
 
 from ..parallel.mesh import Mesh
 from .checkpoint import TrainingState
-from .metrics import Reporter, Window
+from .metrics import Reporter, Window, peak_memory_per_rank, wait_shares
 from .strategy import Strategy
 from .update import StepVerdict
 
@@ -159,7 +160,8 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
                 trained_tokens += tokens_n
                 reporter.train(step, loss=train_loss, tokens=tokens_n, seconds=window.seconds,
                                steps=window.steps, learning_rate=float(strategy.optimizer.learning_rate),
-                               trained_tokens=trained_tokens)
+                               trained_tokens=trained_tokens, peaks=peak_memory_per_rank(mesh),
+                               shares=wait_shares(mesh, strategy.waited(), window.seconds))
                 window = Window()
             if eval_now:
                 val_loss = run_eval(step)

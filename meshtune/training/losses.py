@@ -16,8 +16,12 @@ def target_mask(lengths: mx.array, targets: int) -> mx.array:
     `lengths[:, 0]` is the prompt offset and `lengths[:, 1]` the sequence length L, as in
     mlx-lm. Target position p (1-based, predicting token p) counts when offset <= p < L;
     mlx-lm's `p <= L` also trains one padding target per padded row (its PR #1697).
+    Packed rows (data.pack) carry [B, K, 3] (start, first target, end) slots instead: a target
+    counts inside one example's [first target, end), never across a boundary (data/packing.py).
     """
     steps = mx.arange(1, targets + 1)
+    if lengths.ndim == 3:
+        return ((steps >= lengths[..., 1:2]) & (steps < lengths[..., 2:3])).any(axis=1)
     return (steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])
 
 

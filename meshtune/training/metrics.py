@@ -2,9 +2,10 @@
 
 Losses are sums of per-token cross entropy divided by the token count over all
 ranks and micro-batches, so 1 rank and N ranks report the same number for the same
-global batch. Reports go to `metrics.jsonl` (one JSON object per line), to a progress
-bar (loss, tokens/s, peak memory, ETA) and to a log function; only the writer rank
-writes.
+global batch. Reports go to `metrics.jsonl` (one JSON object per line), to the
+trackers of `output.report_to` (training/trackers.py) and as one line each to the log
+function; on a terminal a progress bar (loss, tokens/s, peak memory, ETA) stands
+below the lines, never in a file or pipe. Only the writer rank writes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,29 @@ import mlx.core as mx
 from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_per_rank(mesh: Any) -> list[float]:
+    """Every rank's peak memory in GB, in rank order: a collective over the whole world (every rank calls it).
+
+    Bytes travel as two int32 slots per rank (MiB and the rest, Mesh.all_ints), so the sums are exact.
+    """
+    peak = mx.get_peak_memory()
+    if mesh.world_size == 1:
+        return [peak / 1e9]
+    mib, rest = divmod(peak, 2**20)
+    return [(m * 2**20 + r) / 1e9 for m, r in zip(mesh.all_ints(mib), mesh.all_ints(rest))]
+
+
+def wait_shares(mesh: Any, waited: dict[str, float], seconds: float) -> dict[str, float]:
+    """`{kind}_share` for each kind of Strategy.waited(): each rank's seconds waited over its window's
+    step seconds, the mean over ranks (a world all_sum where there is more than one rank; every rank calls it)."""
+    if not waited:
+        return {}
+    kinds = sorted(waited)
+    own = mx.array([min(waited[k] / max(seconds, 1e-9), 1.0) for k in kinds], dtype=mx.float32)
+    means = (mesh.all_sum(own) / mesh.world_size).tolist() if mesh.world_size > 1 else own.tolist()
+    return {f"{k}_share": v for k, v in zip(kinds, means)}
 
 
 @dataclass
@@ -52,7 +76,8 @@ class Reporter:
     start_step: int = 0
     writer: bool = True
     log: Callable[[str], None] = print
-    show_progress: bool = True
+    show_progress: bool = True  # on a terminal only: in a file each frame would be a line
+    trackers: list[Any] = field(default_factory=list)  # training/trackers.py, closed on exit
     _bar: Any = field(default=None, init=False)
     _file: Any = field(default=None, init=False)
 
@@ -60,7 +85,7 @@ class Reporter:
         if self.writer and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.out_dir / METRICS_FILE, "a", buffering=1)
-        if self.writer and self.show_progress:
+        if self.writer and self.show_progress and sys.stderr.isatty():
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
                              dynamic_ncols=True, file=sys.stderr, leave=True)
         return self
@@ -70,6 +95,8 @@ class Reporter:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        for tracker in self.trackers:
+            tracker.close()
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -81,6 +108,8 @@ class Reporter:
             return
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+        for tracker in self.trackers:
+            tracker.log(record)
         if self._bar is not None:
             self._bar.write(line, file=sys.stderr)
             if record.get("type") == "train":
@@ -90,16 +119,22 @@ class Reporter:
             self.log(line)
 
     def train(self, step: int, *, loss: float, tokens: int, seconds: float, steps: int,
-              learning_rate: float, trained_tokens: int) -> dict[str, Any]:
+              learning_rate: float, trained_tokens: int, peaks: list[float] | None = None,
+              shares: dict[str, float] | None = None) -> dict[str, Any]:
+        """One train report. `peaks`: every rank's peak memory in GB (peak_memory_per_rank), else this
+        rank's; `shares`: the window's comm_share / bubble_share (wait_shares)."""
+        peaks = peaks or [mx.get_peak_memory() / 1e9]
         record = {
             "type": "train", "step": step, "loss": loss, "learning_rate": learning_rate,
             "tokens": tokens, "tokens_per_sec": tokens / max(seconds, 1e-9),
             "steps_per_sec": steps / max(seconds, 1e-9), "trained_tokens": trained_tokens,
-            "peak_memory_gb": mx.get_peak_memory() / 1e9, "active_memory_gb": mx.get_active_memory() / 1e9,
-            "time": time.time(),
+            "peak_memory_gb": max(peaks), "peak_memory_gb_per_rank": peaks,
+            "active_memory_gb": mx.get_active_memory() / 1e9,
+            **(shares or {}), "time": time.time(),
         }
+        waits = "".join(f", {k.removesuffix('_share')} {100 * v:.1f}%" for k, v in (shares or {}).items())
         self.emit(record, f"step {step}: train loss {loss:.4f}, lr {learning_rate:.3e}, "
-                          f"{record['tokens_per_sec']:.0f} tok/s, peak mem {record['peak_memory_gb']:.3f} GB")
+                          f"{record['tokens_per_sec']:.0f} tok/s, peak mem {record['peak_memory_gb']:.3f} GB{waits}")
         return record
 
     def eval(self, step: int, *, split: str, loss: float, tokens: int, seconds: float) -> dict[str, Any]:

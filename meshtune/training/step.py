@@ -13,13 +13,22 @@ from typing import Any, Callable, Iterable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..data.packing import packed_caches
 from ..parallel.mesh import Mesh
 from .losses import masked_ce_sum
 
 
 def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
-    """(sum of target-token cross entropy, number of target tokens) for one batch."""
-    return masked_ce_sum(model(tokens[:, :-1]), tokens[:, 1:], lengths)
+    """(sum of target-token cross entropy, number of target tokens) for one batch.
+
+    Packed rows (3-D `lengths`, data.pack) go through the model with a pass-through cache per
+    block whose mask keeps attention inside each example (data/packing.py)."""
+    inputs = tokens[:, :-1]
+    if lengths.ndim == 3:
+        logits = model(inputs, cache=packed_caches(len(model.layers), lengths, inputs.shape[1]))
+    else:
+        logits = model(inputs)
+    return masked_ce_sum(logits, tokens[:, 1:], lengths)
 
 
 class OneInFlight:

@@ -23,6 +23,21 @@ from .checkpoint import LoadedCheckpoint, TrainingState
 from .update import StepVerdict
 
 
+class WaitClock:
+    """Seconds a strategy's steps spent waiting, added up until `take` (Strategy.waited)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += max(seconds, 0.0)
+
+    def take(self) -> float:
+        """The seconds since the last take, and start again from zero."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 class Strategy(Protocol):
     model: nn.Module
     optimizer: optim.Optimizer
@@ -37,6 +52,12 @@ class Strategy(Protocol):
         every rank, and a step that was not applied changed no weight and no optimizer
         state. Its arrays may still be in flight: reading them waits for the step.
         """
+
+    def waited(self) -> dict[str, float]:
+        """Seconds this rank's steps waited since the last call, by kind, then reset: "comm" (blocked
+        on the data-parallel gradient sums after its own backward was done), "bubble" (a pipeline
+        stage in its schedule's sends and receives); {} where nothing is measured. Reports turn
+        them into comm_share / bubble_share of the step time (training/metrics.wait_shares)."""
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         """Token-weighted loss of the current weights over `batches`: (loss, global tokens), on every rank."""

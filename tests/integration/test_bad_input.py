@@ -53,6 +53,7 @@ def test_bench_command_prints_table_and_summary():
     proc = run_cli("bench", "badinput", "--case", "non_utf8", "--case", "zero_lr")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert "case" in lines[1] and "| exit | clean | seconds" in lines[1]
+    assert lines[0].startswith("model: the embedded tiny model") and lines[1].startswith("rule: exit 2")
+    assert "case" in lines[2] and "| exit | clean | seconds" in lines[2]
     assert any(l.startswith("non_utf8 ") and "|    2 |   yes |" in l for l in lines)
     assert lines[-1] == "cases tried 2, clean errors 2"

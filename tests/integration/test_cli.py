@@ -226,7 +226,6 @@ def test_grad_checkpoint_gives_the_same_losses(tmp_path, cli):
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model"], "model.path=/no/such/model: no mlx-lm model folder there"),
     (["--data", "/no/such/data"], "data.path=/no/such/data: no such folder"),
-    (["--num-layers", "9"], "adapter.num_layers=9 but the model has 4 blocks"),
     (["--batch-size", "0"], "train.batch_size"),
 ])
 def test_bad_input_is_one_line_naming_the_option(tmp_path, cli, args, message):

@@ -106,10 +106,9 @@ def test_bad_key_names_nearest(model_factory):
                        rank=4, scale=1.0, dropout=0.0)
 
 
-def test_too_many_layers(model_factory):
-    with pytest.raises(ValueError, match=r"num_layers=5 but the model has 2 blocks"):
-        apply_adapters(model_factory(), fine_tune_type="lora", num_layers=5, keys=None, rank=4, scale=1.0,
-                       dropout=0.0)
+def test_more_layers_than_blocks_adapts_all(model_factory):
+    kw = dict(fine_tune_type="lora", keys=None, rank=4, scale=1.0, dropout=0.0)
+    assert apply_adapters(model_factory(), num_layers=5, **kw) == apply_adapters(model_factory(), num_layers=-1, **kw)
 
 
 def test_full_unfreezes_chosen_blocks(model_factory):

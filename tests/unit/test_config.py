@@ -251,7 +251,7 @@ def test_validate_names_origin(tmp_path: Path) -> None:
         load_config(path).validate()
     assert str(e.value) == (
         f"{path}:4: schedule.warmup = 10: must be less than train.iters (10); "
-        "shorten the warmup or train longer"
+        "lower --schedule.warmup or raise --iters"
     )
 
 
@@ -439,7 +439,8 @@ def test_mlx_lm_config_is_mapped(tmp_path: Path) -> None:
     ]:
         assert line in cfg.mapped, line
     notes = "\n".join(cfg.notes)
-    for word in ["train: true ignored", "clear_cache_threshold ignored", "project_name ignored",
+    assert (cfg.output.report_to, cfg.output.project_name) == (None, "demo")
+    for word in ["train: true ignored", "clear_cache_threshold ignored",
                  "training_mode: normal ignored", "optimizer_config.sgd ignored"]:
         assert word in notes, word
 
@@ -481,13 +482,25 @@ def test_resume_adapter_file_rejected_with_fix(tmp_path: Path) -> None:
 
 def test_other_rejected_mlx_lm_keys() -> None:
     with pytest.raises(ConfigError) as e:
-        Config.from_dict({"hf_dataset": {"name": "billsum"}, "train": False,
+        Config.from_dict({"hf_dataset": [{"path": "a/b"}, {"path": "c/d"}], "train": False,
                           "training_mode": "dpo", "lora_parameters": {"alpha": 16}})
     text = str(e.value)
-    assert "hf_dataset is not supported: meshtune reads no network datasets" in text
+    assert "hf_dataset lists 2 datasets; meshtune trains on one" in text
     assert "train: false (mlx-lm's test-only mode) is not supported" in text
     assert "training_mode 'dpo' is not supported" in text
     assert "uses 'scale', not 'alpha'" in text
+
+
+def test_mlx_lm_hf_dataset_maps_to_data_keys_with_mlx_lm_default_splits() -> None:
+    cfg = Config.from_dict({"hf_dataset": {"path": "org/name", "prompt_feature": "q", "test_split": "test"}})
+    assert (cfg.data.path, cfg.data.prompt_feature, cfg.data.test_split) == ("org/name", "q", "test")
+    assert (cfg.data.train_split, cfg.data.valid_split) == ("train[:80%]", "train[-10%:]")  # mlx-lm's slices
+    cfg = Config.from_dict({"hf_dataset": [{"name": "org/x", "valid_split": "validation"}]})
+    assert (cfg.data.path, cfg.data.valid_split) == ("org/x", "validation")
+    with pytest.raises(ConfigError, match="hf_dataset.config .load_dataset arguments. is not supported"):
+        Config.from_dict({"hf_dataset": {"path": "org/x", "config": {"name": "sub"}}})
+    with pytest.raises(ConfigError, match="did you mean 'hf_dataset.train_split'"):
+        Config.from_dict({"hf_dataset": {"path": "org/x", "train_splt": "train"}})
 
 
 def test_round_trip() -> None:

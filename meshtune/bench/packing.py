@@ -1,0 +1,130 @@
+"""`meshtune bench packing`: target tokens/s and padding share of the same steps with and without data.pack.
+
+One process loads the model and the data once, then trains the same number of optimizer
+steps twice through the real compiled step (parallel/data_parallel.build_step): on
+length-sorted padded batches of `--batch-size` examples, and on `--batch-size` packed rows
+of `--max-seq-length` tokens (data.pack). Each first compiles every batch shape it will meet
+(one step per shape, untimed); then their timed steps alternate, one of each in turn, so both
+see the same load on a shared machine. Reported per setting: target tokens (tokens in the
+loss) per second (mean target tokens of a step over the median step time), the padding share
+(padded tokens / all tokens of the timed batches), examples and milliseconds (median) per
+step; then the speed-up in target tokens/s.
+
+    meshtune bench packing [--model M] [--data D] [--steps 20] [--batch-size 4] [--max-seq-length 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+from ..runtime.blas import describe_blas
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshtune bench packing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
+    p.add_argument("--data", default="", help="Any --data form (default: the embedded arithmetic set).")
+    p.add_argument("--steps", type=int, default=20, help="Timed optimizer steps per run.")
+    p.add_argument("--batch-size", type=int, default=4, help="Examples (unpacked) or packed rows per step.")
+    p.add_argument("--max-seq-length", type=int, default=256, help="Row length of a packed batch; cap of both.")
+    p.add_argument("--mask-prompt", action="store_true", help="Leave prompts out of the loss (data.mask_prompt).")
+    p.add_argument("--json", action="store_true", help="Print one JSON object last.")
+    return p
+
+
+def _real_tokens(lengths: np.ndarray) -> int:
+    """Tokens of a batch that belong to an example (the rest is padding)."""
+    if lengths.ndim == 3:
+        return int((lengths[..., 2] - lengths[..., 0]).sum())
+    return int(lengths[:, 1].sum())
+
+
+def _prepare(model: Any, data: Any, pack: bool, a: argparse.Namespace) -> tuple[Callable[[Any], int], list, dict]:
+    """(one compiled training step, the timed batches, their token counts) for one setting of data.pack."""
+    from ..data import BatchIterator
+    from ..parallel.data_parallel import build_step
+    from ..parallel.mesh import Mesh
+
+    opt = optim.Adam(learning_rate=1e-4)
+    opt.init(model.trainable_parameters())
+    step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=True)
+
+    def one(batch: Any) -> int:
+        _, n, _, _ = step(batch.tokens, batch.lengths, None, None, True)
+        mx.eval(n, model.parameters(), opt.state)
+        return int(n.item())
+
+    it = BatchIterator(data, batch_size=a.batch_size, max_seq_length=a.max_seq_length, seed=0, pack=pack,
+                       warn=lambda _m: None)
+    seen: set[tuple] = set()
+    for batch in BatchIterator(data, batch_size=a.batch_size, max_seq_length=a.max_seq_length, loop=False,
+                               pack=pack, warn=lambda _m: None):
+        shapes = (batch.tokens.shape, batch.lengths.shape)
+        if shapes not in seen:  # compile every shape before the clock starts
+            seen.add(shapes)
+            one(batch)
+    batches = [next(it) for _ in range(a.steps)]
+    examples = np.mean([np.count_nonzero(np.array(b.lengths)[..., -1]) for b in batches]) if pack else a.batch_size
+    all_tokens = sum(b.tokens.size for b in batches)
+    real = sum(_real_tokens(np.array(b.lengths)) for b in batches)
+    return one, batches, {"pack": pack, "padding_share": 1 - real / all_tokens, "examples_per_step": float(examples),
+                          "all_tokens": all_tokens, "compiled_shapes": len(seen)}
+
+
+def _measure(model: Any, data: Any, a: argparse.Namespace) -> list[dict]:
+    """Both settings' steps interleaved (so both see the same load on the machine), median step times."""
+    runs = [_prepare(model, data, pack, a) for pack in (False, True)]
+    times: list[list[float]] = [[], []]
+    targets = [0, 0]
+    for i in range(a.steps):
+        for k, (one, batches, _) in enumerate(runs):
+            began = time.perf_counter()
+            targets[k] += one(batches[i])
+            times[k].append(time.perf_counter() - began)
+    out = []
+    for k, (_, _, stats) in enumerate(runs):
+        median = statistics.median(times[k])
+        out.append({**stats, "target_tokens": targets[k], "step_ms": 1000 * median,
+                    "target_tokens_per_sec": targets[k] / a.steps / median})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    from ..adapters import apply_adapters
+    from ..api import load_model
+    from ..config.sections import DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH
+    from ..data import load_datasets
+
+    model_path = a.model or str(DEFAULT_MODEL_PATH)
+    data_path = a.data or str(DEFAULT_DATA_PATH)
+    model, tokenizer = load_model(model_path)
+    mx.random.seed(0)
+    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=8, scale=20.0, dropout=0.0)
+    data = load_datasets(data_path, tokenizer, mask_prompt=a.mask_prompt, need_valid=False,
+                         max_seq_length=a.max_seq_length).train
+    print(f"packing bench: {Path(model_path).name}, {Path(data_path).name} data ({len(data)} examples, "
+          f"mean {data.lengths.mean():.1f} tokens), {a.steps} timed steps of {a.batch_size} examples or rows, "
+          f"max_seq_length {a.max_seq_length}; {describe_blas()}", flush=True)
+    runs = _measure(model, data, a)
+    print("| data.pack | target tokens/s | padding share | examples/step | ms/step |")
+    print("|---|---:|---:|---:|---:|")
+    for r in runs:
+        print(f"| {str(r['pack']).lower()} | {r['target_tokens_per_sec']:.0f} | {100 * r['padding_share']:.1f}% | "
+              f"{r['examples_per_step']:.1f} | {r['step_ms']:.1f} |")
+    speedup = runs[1]["target_tokens_per_sec"] / runs[0]["target_tokens_per_sec"]
+    print(f"speed-up with data.pack (target tokens/s): {speedup:.2f}x")
+    if a.json:
+        print(json.dumps({"model": model_path, "data": data_path, "steps": a.steps, "batch_size": a.batch_size,
+                          "max_seq_length": a.max_seq_length, "runs": runs, "speedup": speedup}))
+    return 0

@@ -1,0 +1,95 @@
+"""One layout's figures per rank: memory by part for each stage, bubble and traffic per step.
+
+Every rank of a pipeline keeps the whole model object (parallel/pipeline.py: each trains
+only its stage's blocks), so weights and adapters are whole-model on every rank, while
+gradients, optimizer state and activations are the stage's. The peak adds the static
+part (weights, adapters, optimizer state, gradient-sum buffers) to the backward's:
+the backward frees a block's activations as that block's gradients appear, so it holds
+the larger of all activations and all gradients, plus one block's overlap of the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .layouts import Layout, bubble, micro_in_flight, ring_allreduce_bytes
+from .memory import FP32, Trained, activations, optimizer_bytes
+from .model_facts import ModelFacts
+
+
+def _stage_of(t: Trained, bounds: tuple[int, int], stage: int, stages: int, tied: bool) -> bool:
+    """Whether stage `stage` trains `t` (the embedding on the first, the head on the last, a tied table on both)."""
+    if t.block is not None:
+        return bounds[0] <= t.block < bounds[1]
+    head = "lm_head" in t.name
+    if head:
+        return stage == stages - 1
+    return stage == 0 or (tied and stage == stages - 1)
+
+
+def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trained], *, seq: int,
+                   link_bytes_s: float) -> dict[str, Any]:
+    """Memory per rank (one entry per stage), bubble, bytes sent per rank per step and their time."""
+    p, t = cfg.parallel, cfg.train
+    weights = sum(facts.weight_bytes().values())
+    adapters = sum(i.params * i.bytes_per_param for i in items if i.extra)
+    if cfg.adapter.fine_tune_type == "dora":  # DoRA keeps each layer's squared row norms (frozen, float32)
+        adapters += sum(i.shapes[-1][0] * i.shapes[-1][1] * FP32 for i in items if i.shapes)
+    local = t.batch_size // layout.dp
+    micro = max(local // layout.micro_batches, 1)
+    flight = micro_in_flight(p.schedule, layout.pp, layout.micro_batches)
+    act_bytes = facts.activation_dtype_bytes
+    boundary = micro * seq * facts.hidden * act_bytes  # one micro-batch's hidden states at a stage cut
+    starts = [sum(layout.stage_layers[:s]) for s in range(layout.pp + 1)]
+    stages = []
+    for s in range(layout.pp):
+        bounds = (starts[s], starts[s + 1])
+        mine = [i for i in items if _stage_of(i, bounds, s, layout.pp, facts.tied)]
+        grads = sum(i.params * i.bytes_per_param for i in mine) * (2 if t.grad_accumulation_steps > 1 else 1)
+        optimizer = optimizer_bytes(cfg.optimizer.name, mine, cfg.optimizer.options)
+        blocks = range(*bounds)
+        last = s == layout.pp - 1
+        examples = micro if layout.pp > 1 else local
+        act, per_block = activations(facts, adapter=cfg.adapter, examples=examples, seq=seq, blocks=blocks,
+                                     last=last, checkpoint=False)
+        ckpt = activations(facts, adapter=cfg.adapter, examples=examples, seq=seq, blocks=blocks,
+                           last=last, checkpoint=True)[0] if layout.pp == 1 else None
+        if layout.pp > 1:
+            # Inputs kept between each in-flight micro-batch's forward and backward (token ids on
+            # stage 0), and the cotangent received for the one in its backward.
+            kept = micro * seq * 4 if s == 0 else boundary
+            act += flight[s] * kept + (0 if last else boundary)
+        comm_buffer = 0.0
+        if layout.pp == 1 and layout.dp > 1:  # a packed gradient bucket beside the gradients
+            comm_buffer = min(grads, p.bucket_mb * 2**20)
+        elif layout.pp > 1 and layout.dp > 1:  # the world buffer with a slot per trained parameter, and its sum
+            comm_buffer = 2 * sum(i.params for i in items) * FP32
+        # The total keeps every activation even with train.grad_checkpoint: MLX evaluates the step as one
+        # graph and runs the recomputations early, so checkpointing saved about a quarter, not what `ckpt`
+        # (the design's floor) says (docs/plan.md, measured).
+        block_grads = grads / max(len(blocks), 1)
+        total = weights + adapters + optimizer + comm_buffer + max(act, grads) + min(per_block, block_grads)
+        stages.append({"stage": s, "blocks": [bounds[0], bounds[1]], "weights": weights, "adapters": adapters,
+                       "grads": grads, "optimizer": optimizer, "activations": act, "activations_ckpt": ckpt,
+                       "comm_buffers": comm_buffer, "in_flight": flight[s] if layout.pp > 1 else 1, "total": total})
+    sent = _sent_per_rank(layout, items, boundary, t.grad_accumulation_steps, facts.tied)
+    return {"stages": stages, "total": max(st["total"] for st in stages),
+            "bubble": bubble(p.schedule, layout.pp, layout.micro_batches), "comm_bytes": sent,
+            "comm_ms": 1e3 * sent / link_bytes_s, "micro_batch": micro}
+
+
+def _sent_per_rank(layout: Layout, items: list[Trained], boundary: float, accumulation: int, tied: bool) -> float:
+    """Bytes the busiest rank sends per optimizer step."""
+    if layout.ranks == 1:
+        return 0.0
+    if layout.pp == 1:
+        grads = sum(i.params * i.bytes_per_param for i in items) + FP32  # the token count rides along
+        return ring_allreduce_bytes(grads, layout.dp)
+    # A middle stage sends activations forward and gradients back; an end stage one of the two.
+    directions = 2 if layout.pp > 2 else 1
+    p2p = directions * boundary * layout.micro_batches * accumulation
+    # On backends without Group.split (ring, the default of meshtune launch) shared gradients go through
+    # one world all_sum of every trained parameter; with dp 1 only a trained tied table's.
+    table = [i for i in items if tied and i.block is None and "lm_head" not in i.name]
+    shared = items if layout.dp > 1 else table
+    return p2p + ring_allreduce_bytes(sum(i.params for i in shared) * FP32, layout.ranks)

@@ -1,0 +1,207 @@
+"""meshtune plan's pure parts: safetensors headers, weight and trainable accounting, layouts, bubble, link.
+
+Synthetic models are written in tmp_path as a config.json plus real safetensors files
+(mx.save_safetensors of real arrays, quantized by mx.quantize) or hand-written headers, so
+the accounting is checked against the bytes MLX itself stores.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from support import TINY_MODEL
+
+from meshtune.config import AdapterConfig, Config
+from meshtune.plan import parse_link, plan
+from meshtune.plan.layouts import bubble, micro_in_flight, ring_allreduce_bytes
+from meshtune.plan.memory import optimizer_bytes, trained
+from meshtune.plan.model_facts import read_header, read_model
+
+H, I, V = 64, 128, 50  # hidden, MLP width, vocabulary of the synthetic models
+
+
+def _write(folder: Path, config: dict, arrays: dict[str, mx.array]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), arrays)
+    return folder
+
+
+def _config(**extra: object) -> dict:
+    return {"model_type": "llama", "hidden_size": H, "intermediate_size": I, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": V, "tie_word_embeddings": True,
+            **extra}
+
+
+def _dense(dtype: mx.Dtype) -> dict[str, mx.array]:
+    arrays = {"model.embed_tokens.weight": mx.zeros((V, H), dtype), "model.norm.weight": mx.ones((H,), dtype)}
+    for b in range(2):
+        p = f"model.layers.{b}."
+        arrays.update({p + "self_attn.q_proj.weight": mx.zeros((H, H), dtype),
+                       p + "self_attn.k_proj.weight": mx.zeros((H // 2, H), dtype),
+                       p + "mlp.down_proj.weight": mx.zeros((H, I), dtype),
+                       p + "input_layernorm.weight": mx.ones((H,), dtype)})
+    return arrays
+
+
+def _adapter(**kw: object) -> AdapterConfig:
+    return AdapterConfig(**{"num_layers": -1, "rank": 4, **kw})
+
+
+@pytest.mark.parametrize("dtype,kind", [(mx.float16, "F16"), (mx.bfloat16, "BF16"), (mx.float32, "F32")])
+def test_dense_weights_are_the_stored_bytes_by_dtype(tmp_path: Path, dtype: mx.Dtype, kind: str) -> None:
+    arrays = _dense(dtype)
+    facts = read_model(_write(tmp_path / kind, _config(), arrays))
+    assert facts.weight_bytes() == {kind: sum(a.nbytes for a in arrays.values())}
+    assert facts.activation_dtype_bytes == dtype.size
+    assert facts.block_params() == [H * H + H // 2 * H + H * I + H] * 2
+
+
+def test_lora_dora_full_trainable_counts(tmp_path: Path) -> None:
+    facts = read_model(_write(tmp_path / "m", _config(), _dense(mx.float32)))
+    per_block = 4 * ((H + H) + (H + H // 2) + (I + H))  # r (in + out) per linear
+    lora = trained(facts, _adapter())
+    assert sum(t.params for t in lora) == 2 * per_block and all(t.extra for t in lora)
+    dora = trained(facts, _adapter(fine_tune_type="dora"))
+    assert sum(t.params for t in dora) == 2 * (per_block + H + H // 2 + H)  # plus one magnitude per output row
+    full = trained(facts, _adapter(fine_tune_type="full", num_layers=1))
+    assert sum(t.params for t in full) == H * H + H // 2 * H + H * I and not any(t.extra for t in full)
+    keyed = trained(facts, _adapter(keys=["self_attn.q_proj"]))
+    assert [t.name for t in keyed] == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    with pytest.raises(ValueError, match="num_layers=3 but the model has 2 blocks"):
+        trained(facts, _adapter(num_layers=3))
+
+
+def test_quantized_weights_scales_biases_and_input_width(tmp_path: Path) -> None:
+    mx.random.seed(0)
+    arrays: dict[str, mx.array] = {"model.norm.weight": mx.ones((H,), mx.float16)}
+    for name, shape in (("model.layers.0.mlp.down_proj", (H, I)), ("model.layers.0.self_attn.q_proj", (H, H)),
+                        ("model.embed_tokens", (V + 14, H))):
+        w, scales, biases = mx.quantize(mx.random.normal(shape).astype(mx.float16), group_size=32, bits=4)
+        arrays.update({f"{name}.weight": w, f"{name}.scales": scales, f"{name}.biases": biases})
+    config = _config(num_hidden_layers=1, vocab_size=V + 14, quantization={"group_size": 32, "bits": 4})
+    facts = read_model(_write(tmp_path / "q", config, arrays))
+    quantized = sum(a.nbytes for k, a in arrays.items() if k != "model.norm.weight")
+    assert facts.weight_bytes() == {"q4": quantized, "F16": H * 2}
+    layers = {layer.name: layer for layer in facts.layers}
+    down = layers["model.layers.0.mlp.down_proj"]
+    assert (down.in_dims, down.out_dims, down.quantized) == (I, H, True)
+    embed = layers["model.embed_tokens"]
+    assert (embed.in_dims, embed.out_dims, embed.embedding) == (V + 14, H, True)
+    assert facts.activation_dtype_bytes == 2  # the scales' dtype
+    assert sum(t.params for t in trained(facts, _adapter(rank=8))) == 8 * (I + H) + 8 * (H + H)
+    assert sum(t.params for t in trained(facts, _adapter(fine_tune_type="full"))) == 0  # quantized stays frozen
+
+
+def test_moe_experts_from_a_hand_written_header(tmp_path: Path) -> None:
+    experts, moe_i = 4, 32
+    tensors = {"model.embed_tokens.weight": ("BF16", [V, H]), "model.norm.weight": ("BF16", [H])}
+    for proj, shape in (("gate_proj", [experts, moe_i, H]), ("up_proj", [experts, moe_i, H]),
+                        ("down_proj", [experts, H, moe_i])):
+        tensors[f"model.layers.0.mlp.switch_mlp.{proj}.weight"] = ("BF16", shape)
+    tensors["model.layers.0.mlp.gate.weight"] = ("BF16", [experts, H])
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = 2 * int(mx.prod(mx.array(shape)).item())
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    (folder / "config.json").write_text(json.dumps(_config(num_hidden_layers=1, num_experts=experts,
+                                                           num_experts_per_tok=2, moe_intermediate_size=moe_i)))
+    assert [t.name for t in read_header(folder / "model.safetensors")] == list(tensors)
+    facts = read_model(folder)
+    assert (facts.experts, facts.experts_per_token, facts.moe_intermediate) == (experts, 2, moe_i)
+    assert facts.weight_bytes() == {"BF16": offset}
+    items = {t.name: t for t in trained(facts, _adapter(rank=2))}
+    assert items["model.layers.0.mlp.switch_mlp.gate_proj"].params == experts * 2 * (H + moe_i)
+    assert items["model.layers.0.mlp.gate"].params == 2 * (H + experts)
+
+
+def test_optimizer_state_by_optimizer() -> None:
+    from meshtune.plan.memory import Trained
+
+    items = [Trained("a", 6 * 10, 4, 0, True, shapes=((1, 6, 10),))]
+    assert optimizer_bytes("adam", items, {}) == optimizer_bytes("adamw", items, {}) == 2 * 60 * 4
+    assert optimizer_bytes("sgd", items, {}) == optimizer_bytes("muon", items, {}) == 60 * 4
+    assert optimizer_bytes("adafactor", items, {}) == (6 + 10) * 4  # a row and a column factor
+    assert optimizer_bytes("adafactor", items, {"beta_1": 0.9}) == (6 + 10 + 60) * 4
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 2), (2, 4), (3, 6), (4, 8)])
+def test_bubble_and_in_flight_follow_the_schedules(stages: int, micro: int) -> None:
+    for name in ("gpipe", "1f1b"):
+        assert bubble(name, stages, micro) == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert bubble("naive", stages, micro) == pytest.approx(1 - 1 / stages)
+    assert micro_in_flight("gpipe", stages, micro) == [micro] * stages
+    assert micro_in_flight("1f1b", stages, micro) == [min(stages - s, micro) for s in range(stages)]
+    assert micro_in_flight("naive", stages, micro) == [1] * stages
+
+
+@pytest.mark.parametrize("text,bytes_s", [("10gbit", 1.25e9), ("1gbit", 1.25e8), ("100mbit", 1.25e7),
+                                          ("40gbit", 5e9), ("5GB/s", 5e9), ("10Gb/s", 1.25e9)])
+def test_link_forms(text: str, bytes_s: float) -> None:
+    assert parse_link(text) == pytest.approx(bytes_s)
+
+
+@pytest.mark.parametrize("text", ["fast", "10", "10 gigs", "-1gbit"])
+def test_bad_link_names_the_flag(text: str) -> None:
+    with pytest.raises(ValueError, match=r"--link .*e\.g\.|--link .*like 10gbit"):
+        parse_link(text)
+
+
+def test_hub_id_not_on_disk_asks_for_a_local_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="plan reads a local folder") as err:
+        read_model("mlx-community/Not-A-Model-4bit")
+    assert "\n" not in str(err.value)
+
+
+def test_candidates_and_their_split_match_the_pipeline(tmp_path: Path) -> None:
+    import mlx_lm.utils
+
+    from meshtune.adapters.apply import apply_adapters
+    from meshtune.parallel.stage import split_stages
+
+    cfg = Config.from_dict({"adapter": {"num_layers": -1}, "train": {"batch_size": 6}})
+    result = plan(cfg, 4, 1.0, "10gbit", seq_len=32)
+    assert [r["layout"] for r in result["layouts"]] == ["1 process", "DP 4", "DP 2 x PP 2", "PP 4"]
+    bad = {r["layout"]: r["problem"] for r in result["layouts"]}
+    assert "not divisible by dp 4" in bad["DP 4"] and "micro-batches do not divide" in bad["PP 4"]
+    assert result["recommended"] == "1 process" and "no layout using all 4 ranks fits" in result["reason"]
+    model, _ = mlx_lm.utils.load_model(TINY_MODEL)
+    apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=8, scale=20.0, dropout=0.0)
+    for pp in (2, 3, 4):
+        layout = plan(Config.from_dict({"adapter": {"num_layers": -1}, "train": {"batch_size": 12}}), pp, 1.0,
+                      "1gbit", seq_len=32)["layouts"][-1]
+        bounds = split_stages(model, pp)
+        assert layout["stage_layers"] == [e - s for s, e in bounds], pp
+
+
+def test_allreduce_bytes() -> None:
+    assert ring_allreduce_bytes(100.0, 1) == 0
+    assert ring_allreduce_bytes(100.0, 4) == pytest.approx(150.0)
+
+
+@pytest.mark.parametrize("kind", ["quantized", "moe"])
+def test_whole_plan_on_quantized_and_moe_models(tmp_path: Path, kind: str) -> None:
+    if kind == "quantized":
+        test_quantized_weights_scales_biases_and_input_width(tmp_path)
+        folder = tmp_path / "q"
+    else:
+        test_moe_experts_from_a_hand_written_header(tmp_path)
+        folder = tmp_path / "moe"
+    cfg = Config.from_dict({"model": {"path": str(folder)}, "adapter": {"num_layers": -1},
+                            "optimizer": {"name": "adafactor"}})
+    result = plan(cfg, 1, 1.0, "1gbit", seq_len=64)
+    row = result["layouts"][0]
+    stage = row["stages"][0]
+    assert row["total"] > stage["weights"] + stage["adapters"] + stage["optimizer"]
+    assert stage["activations"] > 0 and stage["activations_ckpt"] > 0  # one block: checkpointing saves nothing
+    assert result["recommended"] == "1 process"

@@ -1,0 +1,155 @@
+"""The run report, the report line and the trackers' plumbing, without starting a run."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtune.config.mlx_lm_compat import FLAT_KEYS, MLX_LM_FLAGS
+from meshtune.parallel.mesh import Mesh
+from meshtune.parallel.pipeline import idle_fraction
+from meshtune.parallel.schedules import build
+from meshtune.training import trackers
+from meshtune.training.metrics import Reporter, peak_memory_per_rank, read_metrics, wait_shares
+from meshtune.training.report import PLOT_FILE, REPORT_FILE, summary_line, write_report
+
+TRAIN = [  # (step, loss, tokens, tokens/s)
+    (2, 3.5, 100, 50.0), (4, 2.25, 120, 60.0), (6, 1.125, 80, 40.0),
+]
+
+
+def _fake_run(out: Path, *, pp: int = 1, ranks: int = 2) -> None:
+    out.mkdir()
+    config = {"model": "models/tiny", "data": "data/arith", "fine_tune_type": "dora",
+              "meshtune": {"adapter": {"fine_tune_type": "dora", "rank": 4, "scale": 10.0, "num_layers": 2},
+                           "parallel": {"pp": pp, "schedule": "gpipe", "micro_batches": 4}}}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    records = [{"type": "val", "step": 0, "val_loss": 4.0, "tokens": 9, "seconds": 0.1, "time": 1000.0}]
+    trained = 0
+    for i, (step, loss, tokens, tps) in enumerate(TRAIN):
+        trained += tokens
+        records.append({"type": "train", "step": step, "loss": loss, "learning_rate": 1e-3, "tokens": tokens,
+                        "tokens_per_sec": tps, "trained_tokens": trained, "peak_memory_gb": 0.5 + i,
+                        "peak_memory_gb_per_rank": [0.5 + i] + [0.1] * (ranks - 1), "comm_share": 0.1 * (i + 1),
+                        "time": 1001.0 + i})
+    records.append({"type": "val", "step": 6, "val_loss": 1.5, "tokens": 9, "seconds": 0.1, "time": 1010.5})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def _row(text: str, name: str) -> str:
+    found = re.search(rf"^\| {re.escape(name)} \| (.*) \|$", text, re.M)
+    assert found, f"no row {name!r} in report.md:\n{text}"
+    return found.group(1)
+
+
+def test_report_numbers_come_from_the_metrics(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _fake_run(run)
+    summary = write_report(run)
+    text = (run / REPORT_FILE).read_text()
+    assert _png_size(run / PLOT_FILE) == (800, 500)
+    records = [r for r in read_metrics(run) if r["type"] == "train"]
+    seconds = sum(r["tokens"] / r["tokens_per_sec"] for r in records)  # 2 + 2 + 2
+    assert _row(text, "model") == "models/tiny" and _row(text, "data") == "data/arith"
+    assert _row(text, "layout") == "2 ranks: dp 2, pp 1"
+    assert _row(text, "adapter") == "dora, rank 4, scale 10.0, layers 2"
+    assert _row(text, "steps") == "6"
+    assert _row(text, "tokens trained") == "300" == str(records[-1]["trained_tokens"])
+    assert _row(text, "time in steps") == f"{seconds:.1f} s" == "6.0 s"
+    assert _row(text, "wall time, first to last report") == "10.5 s"
+    assert _row(text, "tokens/s") == f"{300 / seconds:.1f}"
+    assert _row(text, "peak memory") == "2.500 GB (the largest rank)"
+    assert _row(text, "train loss") == "3.5000 (step 2) -> 1.1250 (step 6)"
+    assert _row(text, "validation loss") == "4.0000 (step 0) -> 1.5000 (step 6)"
+    assert _row(text, "comm share, measured (mean of the reports)") == "20.0%"
+    line = summary_line(summary, run, run / "adapters.safetensors")
+    assert line.startswith("done: 6 steps, 300 tokens in 6.0 s (50 tok/s); final train loss 1.1250, val loss 1.5000")
+    assert str(run / REPORT_FILE) in line and str(run / PLOT_FILE) in line
+
+
+def test_a_pipeline_report_gives_the_schedule_and_its_analytic_idle_share(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _fake_run(run, pp=2, ranks=4)
+    text = (write_report(run), (run / REPORT_FILE).read_text())[1]
+    assert _row(text, "layout") == "4 ranks: dp 2, pp 2, schedule gpipe, 4 micro-batches"
+    assert _row(text, "pipeline idle share, analytic from the schedule") == "20.0%"  # (2 - 1) / (4 + 2 - 1)
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 2), (2, 4), (4, 8), (3, 5)])
+def test_idle_fraction_is_the_textbook_bubble(stages: int, micro: int) -> None:
+    for name in ("gpipe", "1f1b"):
+        assert idle_fraction(build(name, stages, micro)) == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert idle_fraction(build("naive", stages, micro)) == pytest.approx((stages - 1) / stages)
+    assert idle_fraction(build("gpipe", 1, micro)) == 0.0
+
+
+def test_report_line_has_no_bar_off_a_terminal(tmp_path: Path, monkeypatch) -> None:
+    lines: list[str] = []
+    err = io.StringIO()  # not a terminal
+    monkeypatch.setattr(sys, "stderr", err)
+    with Reporter(tmp_path, total_steps=4, log=lines.append) as rep:
+        assert rep._bar is None
+        for step in (1, 2):
+            rep.advance()
+            rep.train(step, loss=2.0, tokens=10, seconds=0.5, steps=1, learning_rate=1e-3, trained_tokens=10 * step,
+                      peaks=[0.25, 0.75], shares={"bubble_share": 0.125})
+    assert err.getvalue() == ""
+    assert lines == [f"step {s}: train loss 2.0000, lr 1.000e-03, 20 tok/s, peak mem 0.750 GB, bubble 12.5%"
+                     for s in (1, 2)]
+    rec = read_metrics(tmp_path)[0]
+    assert rec["peak_memory_gb"] == 0.75 and rec["peak_memory_gb_per_rank"] == [0.25, 0.75]
+    assert rec["bubble_share"] == 0.125
+
+
+def test_the_bar_stays_on_a_terminal(tmp_path: Path, monkeypatch) -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    with Reporter(tmp_path, total_steps=4, log=lambda _: None) as rep:
+        assert rep._bar is not None
+
+
+def test_one_process_gathers_its_own_peak_and_shares() -> None:
+    mesh = Mesh.single()
+    peaks = peak_memory_per_rank(mesh)
+    assert len(peaks) == 1 and peaks[0] >= 0
+    assert wait_shares(mesh, {}, 2.0) == {}
+    assert wait_shares(mesh, {"comm": 0.5}, 2.0) == {"comm_share": 0.25}
+
+
+def test_report_to_names(monkeypatch) -> None:
+    assert trackers.tracker_names(None) == [] and trackers.tracker_names("") == []
+    assert trackers.tracker_names("TensorBoard, wandb") == ["tensorboard", "wandb"]
+    assert trackers.tracker_names(["wandb", "wandb"]) == ["wandb"]
+    with pytest.raises(ValueError, match=r"'swanlab' is not one of tensorboard, wandb; e.g. --report-to"):
+        trackers.tracker_names("swanlab")
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails as if not installed
+    with pytest.raises(ValueError) as err:
+        trackers.check_trackers("tensorboard,wandb")
+    assert str(err.value) == ("output.report_to=tensorboard needs tensorboardX: pip install 'meshtune[tensorboard]', "
+                              "or --report-to wandb")
+    assert MLX_LM_FLAGS["--report-to"] == FLAT_KEYS["report_to"] == "output.report_to"
+    assert MLX_LM_FLAGS["--project-name"] == FLAT_KEYS["project_name"] == "output.project_name"
+
+
+def test_tracker_scalars() -> None:
+    train = {"type": "train", "step": 3, "loss": 1.0, "learning_rate": 0.1, "tokens_per_sec": 5.0,
+             "peak_memory_gb": 0.5, "comm_share": 0.2, "tokens": 7}
+    assert trackers.scalars(train) == {"train/loss": 1.0, "train/learning_rate": 0.1, "train/tokens_per_sec": 5.0,
+                                       "train/peak_memory_gb": 0.5, "train/comm_share": 0.2}
+    assert trackers.scalars({"type": "val", "step": 3, "val_loss": 2.0}) == {"val/loss": 2.0}
+    assert trackers.scalars({"type": "skip", "step": 3}) == {}
