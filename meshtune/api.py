@@ -140,7 +140,8 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     a = cfg.adapter
     blocks = block_count(model)
     if a.num_layers > blocks:  # as --num-layers -1; mlx-lm refuses, but the intent is plain
-        say(f"note: --num-layers {a.num_layers} > the model's {blocks} blocks: adapting all {blocks}")
+        say(f"note: adapter.num_layers {a.num_layers} (--num-layers) is more than the model's {blocks} blocks: "
+            f"adapting all {blocks}")
     ad.set_base_path(a.base_path)
     touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
                                 keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
@@ -312,6 +313,10 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
                            f"{ckpt.config.get(s, {}).get(f, defaults[s][f])!r}" for k, s, f in pairs)
         raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint in {ckpt.path} ({values}); "
                          "drop those flags to resume with the run's own settings, or start a new --adapter-path")
+    step, iters = ckpt.state.step, resolved["train"]["iters"]
+    if iters <= step:  # nothing left to train: finishing "at" the checkpoint would hide the typo
+        raise ValueError(f"--resume: --iters {iters} is not past the checkpoint's step {step} ({ckpt.path}); "
+                         f"give --iters above {step} to train more")
     strategy.restore(ckpt)
     batches.load_state(ckpt.state.data_cursor)
     return ckpt.state

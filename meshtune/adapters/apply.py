@@ -148,9 +148,12 @@ def mlx_lm_adapter_config(adapter: Any, *, model_path: str, data_path: str,
     lora: dict[str, Any] = {"rank": adapter.rank, "scale": adapter.scale, "dropout": adapter.dropout}
     if adapter.keys is not None:
         lora["keys"] = list(adapter.keys)
+    num_layers = adapter.num_layers
+    if model is not None and num_layers > 0:  # more than the model has trains all: record how many
+        num_layers = len(chosen_blocks(model, num_layers))
     config = {
         "fine_tune_type": adapter.fine_tune_type,
-        "num_layers": adapter.num_layers,
+        "num_layers": num_layers,
         "lora_parameters": lora,
         "model": model_path,
         "data": data_path,

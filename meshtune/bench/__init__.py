@@ -26,6 +26,9 @@ without data.pack.
 
 `meshtune bench soak`: thousands of steps with memory growth checked, and repeated
 short 3-rank runs that must never hang.
+
+`meshtune bench plan`: `meshtune plan`'s memory estimate for each rank beside the peak
+memory a real run of the same layout reports.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from pathlib import Path
 
 # Suite name -> module of this package whose main(argv) runs it.
 SUITES = {"peer": "peer", "adapters": "adapters", "scaling": "scaling", "pipeline": "pipeline",
-          "badinput": "bad_input", "faults": "faults", "soak": "soak", "packing": "packing"}
+          "badinput": "bad_input", "faults": "faults", "soak": "soak", "packing": "packing",
+          "plan": "plan"}
 
 
 def run_bench(suite: str | None, args: list[str]) -> int:

@@ -108,6 +108,10 @@ def main(argv: list[str]) -> int:
 
     model_path = a.model or str(DEFAULT_MODEL_PATH)
     data_path = a.data or str(DEFAULT_DATA_PATH)
+    if not a.model:  # a model of the caller's is the caller's size
+        from .fit import Load, embedded_line
+
+        print(embedded_line(a.batch_size, a.max_seq_length, Load()), flush=True)
     model, tokenizer = load_model(model_path)
     mx.random.seed(0)
     apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=8, scale=20.0, dropout=0.0)

@@ -23,6 +23,7 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
     and a checkpoint in the adapter folder, the checkpoint's settings, flags checked against them.
     """
     from ..config import MLX_LM_FLAGS, load_config, parse_override_args
+    from ..config.load import flag_spellings
     from ..config.resume import resume_config, saved_run_config
 
     overrides = parse_override_args(rest)
@@ -33,7 +34,7 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
     cfg = load_config(args.config, overrides)
     saved = saved_run_config(cfg.output.adapter_path) if cfg.output.resume else None
     if saved is not None:
-        cfg = resume_config(cfg, *saved)
+        cfg = resume_config(cfg, *saved, spelled=flag_spellings(overrides))
         say(f"note: resuming with the settings saved in {saved[1]}")
     elif bare:
         from ..demo import DEMO_CONFIG
@@ -55,17 +56,46 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from ..training.loop import NonFiniteStep
 
     cfg = _train_config(args, rest)
+    mesh = _mesh(cfg)
     try:
-        result = finetune(cfg, mesh=_mesh(cfg))
+        result = finetune(cfg, mesh=mesh)
     except NonFiniteStep as err:  # every rank stops at the same step and says it
         print(f"meshtune: {err}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE
     if not result.stopped_early:
         return 0
     if os.environ.get("MLX_RANK", "0") == "0":  # one line for the run, from the writer (rank 0)
-        print(f"to continue from step {result.step}: meshtune train --adapter-path "
-              f"{shlex.quote(str(result.adapter_path))} --resume", flush=True)
+        print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
     return 3
+
+
+def resume_command(adapter_path: Any, mesh: Any, environ: Any = os.environ) -> str:
+    """The command that continues a stopped run on the ranks it ran on.
+
+    One process: `meshtune train --adapter-path X --resume`. Ranks started by a launcher
+    (MLX_RANK set): the same behind `meshtune launch -n <world size> --`, or behind
+    `meshtune launch --hostfile FILE --` when MLX_HOSTFILE is an mlx.launch hostfile (one
+    {"ssh", "ips"} entry per rank; the ring hostfile a launcher writes for its ranks is not).
+    """
+    train = f"meshtune train --adapter-path {shlex.quote(str(adapter_path))} --resume"
+    size = getattr(mesh, "world_size", 1) or 1
+    if "MLX_RANK" not in environ or size < 2:
+        return train
+    hostfile = environ.get("MLX_HOSTFILE")
+    if hostfile and _is_launch_hostfile(hostfile):
+        return f"meshtune launch --hostfile {shlex.quote(hostfile)} -- {train}"
+    return f"meshtune launch -n {size} -- {train}"
+
+
+def _is_launch_hostfile(path: str) -> bool:
+    """Whether `path` is an mlx.launch hostfile ([{"ssh": host, "ips": [...]}, ...]) that can be read here."""
+    import json
+
+    try:
+        entries = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(entries, list) and bool(entries) and all(isinstance(e, dict) and "ssh" in e for e in entries)
 
 
 def _mesh(cfg: Any) -> Any:
@@ -75,7 +105,9 @@ def _mesh(cfg: Any) -> Any:
     if any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
         import mlx.core as mx
 
-        return Mesh.from_world(mx.distributed.init(), pp=cfg.parallel.pp)
+        group = mx.distributed.init()
+        cfg.validate(world_size=group.size())  # a layout this world cannot run: the error names the flag
+        return Mesh.from_world(group, pp=cfg.parallel.pp)
     return Mesh.single()
 
 
@@ -213,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
                                       "value); reads only config.json and safetensors headers.")
     plan.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
-    plan.add_argument("--ranks", type=int, default=1, help="Ranks to plan for (default 1).")
-    plan.add_argument("--hostfile", help="mlx.launch's hostfile, as meshtune launch reads it: one rank per entry.")
+    ranks = plan.add_mutually_exclusive_group()
+    ranks.add_argument("--ranks", type=int, default=1, help="Ranks to plan for (default 1).")
+    ranks.add_argument("--hostfile", help="mlx.launch's hostfile, as meshtune launch reads it: one rank per entry.")
     plan.add_argument("--memory-gb", type=float, default=16.0, help="Memory of one rank in GB (default 16).")
     plan.add_argument("--link", default="10gbit", help="Link bandwidth between ranks: 1gbit, 10gbit, 100mbit, "
                                                        "5GB/s ... (default 10gbit).")

@@ -194,6 +194,21 @@ def _split_override_args(tokens: list[str]) -> tuple[list[tuple[str, str]], list
     return items, problems
 
 
+def flag_spellings(items: list[tuple[str, str]]) -> dict[str, str]:
+    """Dotted key -> the flag as the user typed it, for (key, text) pairs of parse_override_args.
+
+    ``[("--learning-rate", "1e-3")]`` gives ``{"optimizer.learning_rate": "--learning-rate"}``,
+    so a message can name the flag the user knows; unknown keys are left out.
+    """
+    spelled = {}
+    for raw_key, _ in items:
+        key = MLX_LM_FLAGS.get(str(raw_key), str(raw_key)).removeprefix("--")
+        section, _, name = key.partition(".")
+        if str(raw_key).startswith("--") and section in SECTIONS and name.replace("-", "_") in _field_types(section):
+            spelled[f"{section}.{name.replace('-', '_')}"] = str(raw_key)
+    return spelled
+
+
 def apply_overrides(
     cfg_dict: dict[str, Any], items: list[tuple[str, str]], source: str = "command line"
 ) -> dict[str, Any]:

@@ -27,6 +27,7 @@ FLAT_KEYS: dict[str, str] = {
     "chat_feature": "data.chat_feature",
     "fine_tune_type": "adapter.fine_tune_type",
     "num_layers": "adapter.num_layers",
+    "lora_layers": "adapter.num_layers",  # mlx-lm's older name of num_layers
     "optimizer": "optimizer.name",
     "learning_rate": "optimizer.learning_rate",
     "seed": "train.seed",
@@ -102,6 +103,7 @@ MLX_LM_FLAGS: dict[str, str] = {
     "--batch-size": "train.batch_size",
     "--fine-tune-type": "adapter.fine_tune_type",
     "--num-layers": "adapter.num_layers",
+    "--lora-layers": "adapter.num_layers",  # mlx-lm's older name of --num-layers
     "--learning-rate": "optimizer.learning_rate",
     "--max-seq-length": "data.max_seq_length",
     "--steps-per-eval": "train.steps_per_eval",

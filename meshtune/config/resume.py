@@ -3,15 +3,18 @@
 `meshtune train --adapter-path runs/x --resume` needs no other flag: the run's
 settings come from its newest checkpoint (`checkpoints/<step>/config.yaml`, or a
 pipeline's `state.stage0.json`; the adapter folder's `adapter_config.json` holds the
-same under "meshtune"). A setting given again must equal the checkpoint's, except
-``train.iters``, which may extend the run; the output, parallel and runtime sections
-describe this launch (where it writes, on how many ranks), so they are this
-command's. File names follow meshtune.training.checkpoint, which this package cannot
-import (it loads MLX; the CLI reads configs before choosing the BLAS).
+same under "meshtune"). Every section starts from the checkpoint. A run setting given
+again must equal the checkpoint's, except ``train.iters``, which may extend the run; an
+output, parallel or runtime setting given now wins (a run saved with ``parallel.pp 2``
+resumes in one process with ``--parallel.pp 1``), and only ``output.adapter_path``,
+``output.resume`` and ``output.overwrite`` describe this launch alone. File names
+follow meshtune.training.checkpoint, which this package cannot import (it loads MLX;
+the CLI reads configs before choosing the BLAS).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,9 @@ from .sections import SECTIONS, ConfigError
 
 #: Sections the checkpoint decides: what is trained, on what, and how.
 RUN_SECTIONS = ("model", "data", "adapter", "optimizer", "schedule", "train")
-#: Keys a resumed run may change: more steps extend it.
+#: Keys this launch alone decides: where it writes, and that it resumes.
+LAUNCH_KEYS = ("output.adapter_path", "output.resume", "output.overwrite")
+#: Run keys a resumed run may change: more steps extend it.
 EXTENDABLE = ("train.iters",)
 
 
@@ -63,38 +68,70 @@ def _same_folder(dotted: str, new: Any, old: Any) -> bool:
     return Path(new).expanduser().resolve() == Path(old).expanduser().resolve()
 
 
-def resume_config(given: Config, saved: dict[str, Any], source: str) -> Config:
-    """The config of a resumed run: the checkpoint's run settings, this command's output/parallel/runtime.
+def _shown(value: Any) -> str:
+    """A value as a flag takes it: 1, 1f1b, [2, 2], null, true."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
 
-    Every setting the user gave (in a file or as a flag; ``given.origins``) that differs
-    from the checkpoint's is one line of the ConfigError, naming the key, both values and
-    the fix; ``train.iters`` may differ. A key the checkpoint lacks (written by a meshtune
-    without it) takes its default, as that run did.
+
+def _drop_hint(dotted: str, where: str, spelled: dict[str, str]) -> str:
+    """How to take back a setting the user gave: the flag as typed, or the file line that set it."""
+    if dotted in spelled:
+        return f"drop {spelled[dotted]}"
+    if where == "command line":
+        return f"drop --{dotted}"
+    return f"remove {dotted} from {where.rpartition(':')[0] or where}"
+
+
+def resume_config(given: Config, saved: dict[str, Any], source: str,
+                  spelled: dict[str, str] | None = None) -> Config:
+    """The config of a resumed run: the checkpoint's, with what this command gave on top.
+
+    Every section starts from the checkpoint; ``output.adapter_path``, ``output.resume``
+    and ``output.overwrite`` are this launch's. A setting the user gave (in a file or
+    as a flag; ``given.origins``) overrides the checkpoint's in the output, parallel and
+    runtime sections (a changed parallel layout is one note); in the run sections it must
+    equal the checkpoint's, except ``train.iters``, and each one that differs is a line of
+    the ConfigError naming the key, both values and the fix (the flag as ``spelled``
+    maps it: dotted key -> flag as typed). A key the checkpoint lacks (written by a
+    meshtune without it) takes its default, as that run did.
     """
+    spelled = spelled or {}
     ours = given.to_dict()
     defaults = Config().to_dict()
-    merged: dict[str, dict[str, Any]] = {}
+    had: dict[str, dict[str, Any]] = {}
     for section in SECTIONS:
-        if section in RUN_SECTIONS:
-            old = saved.get(section) if isinstance(saved.get(section), dict) else {}
-            merged[section] = {k: old.get(k, defaults[section][k]) for k in _field_types(section)}
-        else:
-            merged[section] = dict(ours[section])
+        old = saved.get(section) if isinstance(saved.get(section), dict) else {}
+        had[section] = {k: old.get(k, defaults[section][k]) for k in _field_types(section)}
+    merged = copy.deepcopy(had)
+    for dotted in LAUNCH_KEYS:
+        section, _, key = dotted.partition(".")
+        merged[section][key] = ours[section][key]
     problems = []
     for dotted, where in given.origins.items():
         section, _, key = dotted.partition(".")
-        if section not in RUN_SECTIONS:
-            continue
-        new, old = ours[section][key], merged[section][key]
-        if dotted in EXTENDABLE:
+        new, old = ours[section][key], had[section][key]
+        if section not in RUN_SECTIONS or dotted in EXTENDABLE:
             merged[section][key] = new
         elif new != old and not _same_folder(dotted, new, old):
             problems.append(f"{where}: --resume: {dotted} = {new!r} differs from the checkpoint's {old!r} "
-                            f"({source}); drop --{dotted} to resume with the run's own settings, "
-                            "or start a new run in another --adapter-path")
+                            f"({source}); {_drop_hint(dotted, where, spelled)} to resume with the run's own "
+                            "settings, or start a new run in another --adapter-path")
     if problems:
         raise ConfigError(problems)
+    parallel = merged["parallel"]
+    if {"parallel.pp", "parallel.pipeline_stages"} & set(given.origins):
+        # Two names for one number, consistent in what was given (ParallelConfig.__post_init__).
+        parallel["pp"], parallel["pipeline_stages"] = ours["parallel"]["pp"], ours["parallel"]["pipeline_stages"]
+    if parallel["pp"] != had["parallel"]["pp"] and "parallel.stage_layers" not in given.origins:
+        parallel["stage_layers"] = None  # one count per stage of the run's pp: split the new stages evenly
+    changed = [f"parallel.{k} {_shown(v)} (the run had {_shown(had['parallel'][k])})"
+               for k, v in parallel.items() if v != had["parallel"][k]]
     cfg = Config.from_built(build(merged, source))
     cfg.mapped, cfg.notes = list(given.mapped), list(given.notes)
-    cfg.origins = {**{f"{s}.{k}": source for s in RUN_SECTIONS for k in _field_types(s)}, **given.origins}
+    if changed:
+        cfg.notes.append(f"resuming with {', '.join(changed)}")
+    cfg.origins = {**{f"{s}.{k}": source for s in SECTIONS for k in _field_types(s)
+                      if f"{s}.{k}" not in LAUNCH_KEYS}, **given.origins}
     return cfg

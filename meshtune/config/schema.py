@@ -232,8 +232,8 @@ class Config:
             return  # already reported; the arithmetic below needs sane values
         if p.dp == 0 and world_size % p.pp:
             divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
-            bad("parallel.pp", p.pp,
-                f"does not divide the world size {world_size}; use --parallel.pp N, N one of {divisors}")
+            fix = f"--parallel.pp {divisors[0]}" if len(divisors) == 1 else f"--parallel.pp N, N one of {divisors}"
+            bad("parallel.pp", p.pp, f"does not divide the world size {world_size}; give {fix}")
             return
         dp = p.dp or world_size // p.pp
         if dp * p.pp != world_size:

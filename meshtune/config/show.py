@@ -10,6 +10,7 @@ YAML `-c` reads back into an equal config (`meshtune config` prints it).
 from __future__ import annotations
 
 import re
+import textwrap
 import types
 import typing
 from typing import Any, Literal
@@ -45,16 +46,9 @@ def _value_text(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
 
 
-def _one_line(doc: str, limit: int = 90) -> str:
-    """The docstring's first sentence, cut at a clause (or a word) when it runs past `limit`."""
-    # A sentence ends at ". " before a capital; "e.g. [a, b]" does not end one.
-    text = re.split(r"\.\s+(?=[A-Z])", doc, maxsplit=1)[0].rstrip(".")
-    if len(text) <= limit:
-        return text
-    clause = re.search(r"[;:] | \(", text[20:limit])
-    if clause:
-        return text[:20 + clause.start()]
-    return text[:limit].rsplit(" ", 1)[0] + " ..."
+def _first_sentence(doc: str) -> str:
+    """The docstring's first sentence, whole ("e.g. [a, b]" does not end one)."""
+    return " ".join(re.split(r"\.\s+(?=[A-Z])", doc, maxsplit=1)[0].rstrip(".").split())
 
 
 def options_help() -> str:
@@ -66,8 +60,9 @@ def options_help() -> str:
         lines.append(f"{section}: {(cls.__doc__ or '').strip()}")
         for key, tp in _field_types(section).items():
             default, doc = rows[f"{section}.{key}"]
-            lines.append(f"  --{section}.{key} {_type_word(tp)} (default {_value_text(default)})  "
-                         f"{_one_line(doc)}")
+            lines.append(f"  --{section}.{key} {_type_word(tp)} (default {_value_text(default)})")
+            lines += textwrap.wrap(_first_sentence(doc), width=100, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6)
         lines.append("")
     lines.append("mlx_lm.lora flags (each sets the config key beside it; * takes no value):")
     flags = [f"{flag}{'*' if flag in MLX_LM_SWITCHES else ''} -> {key}" for flag, key in MLX_LM_FLAGS.items()]

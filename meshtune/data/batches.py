@@ -103,7 +103,7 @@ class BatchIterator:
             if len(dataset) < batch_size:
                 raise ValueError(
                     f"{name}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
-                    f" lower batch_size to at most {len(dataset)} or add examples"
+                    f" give --batch-size {len(dataset)} (or less) or add examples"
                 )
         self.dataset = dataset
         self.batch_size = batch_size

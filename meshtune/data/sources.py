@@ -67,7 +67,7 @@ def load_datasets(
         return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "folder not found"
-        raise ValueError(f"{folder}: data {what}; point data at {FORMS}")
+        raise ValueError(f"{folder}: data {what}; point --data at {FORMS}")
     if specs:
         role = next(iter(specs))
         raise ValueError(f"data.{role}_split={specs[role]!r} applies to Hugging Face datasets and parquet files; "

@@ -19,7 +19,6 @@ first and the last stage, its two gradients summed each step).
 
 Reports give `bubble_share`, measured: the share of the step a stage spends in its
 schedule's sends and receives (waiting for a neighbour, the transfers included);
-`idle_fraction` is the schedule's own idle share, analytic from its action lists.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from ..training.update import StepVerdict, apply_update
 from .mesh import Mesh
 from .peers import sum_on_peers
 from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
-from .schedules import COSTS, Schedule, build as build_schedule
+from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
 from .stages import check_stage_layers, declared_layers
 
@@ -99,32 +98,6 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
         if tic is not None:
             clock.add(time.perf_counter() - tic)
     return loss_sum, total_grads
-
-
-def idle_fraction(schedule: Schedule) -> float:
-    """The share of a step a stage idles under `schedule`, analytic: computes timed by
-    schedules.COSTS, messages free and sent at once, the step as long as the last stage's end."""
-    stages = len(schedule)
-    pc, clock, sent = [0] * stages, [0.0] * stages, {}
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(stages):
-            while pc[s] < len(schedule[s]):
-                act = schedule[s][pc[s]]
-                if act.kind in COSTS:
-                    clock[s] += COSTS[act.kind]
-                elif act.kind.startswith("send"):
-                    peer = s + 1 if act.kind == "send_act" else s - 1
-                    sent[(peer, act.kind.replace("send", "recv"), act.mb)] = clock[s]
-                elif (s, act.kind, act.mb) in sent:
-                    clock[s] = max(clock[s], sent[(s, act.kind, act.mb)])
-                else:
-                    break
-                pc[s] += 1
-                progressed = True
-    busy = sum(COSTS.get(a.kind, 0.0) for acts in schedule for a in acts)
-    return 1.0 - busy / (stages * max(clock))
 
 
 def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list[tuple[mx.array, mx.array]]:

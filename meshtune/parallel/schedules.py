@@ -9,7 +9,8 @@ the matching receive (rendezvous), whatever the message size.
 
 Stage s receives activations from s-1 and gradients from s+1: `recv_act`, `fwd`,
 `send_act` and `recv_grad`, `bwd`, `send_grad` per micro-batch, the sends and
-receives placed by `_with_messages`.
+receives placed by `_with_messages`. `idle_fraction` is a schedule's analytic idle share
+(report.md and `meshtune plan` give it).
 """
 
 from __future__ import annotations
@@ -207,3 +208,29 @@ def in_flight(schedule: Schedule) -> list[int]:
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
+
+
+def idle_fraction(schedule: Schedule) -> float:
+    """The share of a step a stage idles under `schedule`, analytic: computes timed by
+    COSTS, messages free and sent at once, the step as long as the last stage's end."""
+    stages = len(schedule)
+    pc, clock, sent = [0] * stages, [0.0] * stages, {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(stages):
+            while pc[s] < len(schedule[s]):
+                act = schedule[s][pc[s]]
+                if act.kind in COSTS:
+                    clock[s] += COSTS[act.kind]
+                elif act.kind.startswith("send"):
+                    peer = s + 1 if act.kind == "send_act" else s - 1
+                    sent[(peer, act.kind.replace("send", "recv"), act.mb)] = clock[s]
+                elif (s, act.kind, act.mb) in sent:
+                    clock[s] = max(clock[s], sent[(s, act.kind, act.mb)])
+                else:
+                    break
+                pc[s] += 1
+                progressed = True
+    busy = sum(COSTS.get(a.kind, 0.0) for acts in schedule for a in acts)
+    return 1.0 - busy / (stages * max(clock))

@@ -94,7 +94,10 @@ def recommend(rows: list[dict[str, Any]], ranks: int, memory_gb: float) -> tuple
     size = f"{best['total'] / 1e9:.2f} GB" if best["total"] >= 1e8 else f"{best['total'] / 1e6:.2f} MB"
     why = [f"fits ({size} of {memory_gb:g} GB per rank)"]
     if best["ranks"] < ranks:
-        why.append(f"no layout using all {ranks} ranks fits")
+        full = [r for r in rows if r["ranks"] == ranks]
+        refused = [f"{r['layout']}: {r['problem']}" for r in full if r["problem"]]
+        why.append(f"no layout using all {ranks} ranks " + ("is valid (" + "; ".join(refused) + ")"
+                                                             if len(refused) == len(full) else "fits"))
     elif ranks > 1:
         why.append(f"uses all {ranks} ranks")
     same = [r for r in fitting if r["ranks"] == best["ranks"] and r is not best]

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..parallel.schedules import COSTS, Action, build, in_flight
+from ..parallel.schedules import build, idle_fraction, in_flight
 from ..parallel.stages import balanced_split, check_stage_layers
 
 _LINK = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(bit/s|bits/s|bit|bps|b/s|B/s|Bps|byte/s|bytes/s)\s*$")
@@ -94,44 +94,20 @@ def candidates(ranks: int, *, batch_size: int, blocks: int, micro_batches: int, 
             layout.stage_layers = balanced_split(block_costs, pp, first_extra, last_extra) if pp > 1 else [blocks]
         local = batch_size // dp
         if batch_size % dp:
-            layout.problem = f"train.batch_size {batch_size} is not divisible by dp {dp}"
+            layout.problem = f"--batch-size {batch_size} is not divisible by dp {dp}"
         elif pp > 1 and local % layout.micro_batches:
-            layout.problem = f"{layout.micro_batches} micro-batches do not divide the local batch {local}"
+            layout.problem = f"--parallel.micro_batches {layout.micro_batches} does not divide the local batch {local}"
         elif pp > 1 and grad_checkpoint:
             layout.problem = "a pipeline refuses train.grad_checkpoint (it recomputes); --train.grad_checkpoint false"
         elif pp > 1 and transport == "sockets" and ranks > 1:
-            layout.problem = "parallel.transport sockets carries data-parallel gradients only"
+            layout.problem = "--parallel.transport sockets carries data-parallel gradients only"
         out.append(layout)
     return out
 
 
 def bubble(schedule: str, stages: int, micro_batches: int) -> float:
-    """Idle fraction of a stage over one batch: 1 - busy / makespan, timing the schedule's action lists."""
-    if stages == 1:
-        return 0.0
-    lists = build(schedule, stages, micro_batches)
-    pc, clock = [0] * stages, [0.0] * stages
-    peer = {"send_act": (1, "recv_act"), "send_grad": (-1, "recv_grad")}
-    while any(pc[s] < len(lists[s]) for s in range(stages)):
-        for s in range(stages):
-            while pc[s] < len(lists[s]):
-                act = lists[s][pc[s]]
-                if act.kind in COSTS:
-                    clock[s] += COSTS[act.kind]
-                    pc[s] += 1
-                elif act.kind in peer:  # a send meets its receive: both wait for the later one
-                    step, match = peer[act.kind]
-                    p = s + step
-                    if pc[p] < len(lists[p]) and lists[p][pc[p]] == Action(match, act.mb):
-                        clock[s] = clock[p] = max(clock[s], clock[p])
-                        pc[s] += 1
-                        pc[p] += 1
-                    else:
-                        break
-                else:
-                    break  # a receive: its sender advances it
-    busy = micro_batches * (COSTS["fwd"] + COSTS["bwd"])
-    return 1.0 - busy / max(clock)
+    """Idle fraction of a stage over one batch, from the schedule's own action lists (as report.md gives it)."""
+    return 0.0 if stages == 1 else idle_fraction(build(schedule, stages, micro_batches))
 
 
 def micro_in_flight(schedule: str, stages: int, micro_batches: int) -> list[int]:

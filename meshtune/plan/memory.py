@@ -45,12 +45,9 @@ class Trained:
 
 
 def chosen_blocks(facts: ModelFacts, num_layers: int) -> range:
-    """The last `num_layers` blocks (-1: all), as adapters/apply.py picks them."""
+    """The last `num_layers` blocks; -1, or more than the model has, all (as adapters/apply.py picks them)."""
     n = facts.num_blocks
-    if num_layers > n:
-        raise ValueError(f"adapter.num_layers={num_layers} but the model has {n} blocks; "
-                         f"use --num-layers {n} or -1 for all")
-    return range(n) if num_layers < 0 else range(n - num_layers, n)
+    return range(n) if num_layers < 0 or num_layers >= n else range(n - num_layers, n)
 
 
 def _relative(name: str) -> tuple[int | None, str]:

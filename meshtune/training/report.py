@@ -40,7 +40,6 @@ class RunSummary:
     steps: int = 0
     trained_tokens: int = 0
     step_seconds: float = 0.0
-    wall_seconds: float = 0.0
     peak_memory_gb: float = 0.0
     train: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     val: list[tuple[int, float]] = field(default_factory=list)
@@ -73,7 +72,6 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
         steps=max((r["step"] for r in records if r.get("type") in ("train", "val", "skip", "stop")), default=0),
         trained_tokens=train[-1]["trained_tokens"] if train else 0,
         step_seconds=sum(r["tokens"] / r["tokens_per_sec"] for r in train if r["tokens_per_sec"] > 0),
-        wall_seconds=records[-1]["time"] - records[0]["time"] if len(records) > 1 else 0.0,
         peak_memory_gb=max((r["peak_memory_gb"] for r in train), default=0.0),
         train=[(r["step"], r["loss"]) for r in train], val=[(r["step"], r["val_loss"]) for r in val],
         test_loss=test[-1]["test_loss"] if test else None,
@@ -103,15 +101,14 @@ def markdown(s: RunSummary) -> str:
         ("model", s.model), ("data", s.data), ("layout", layout),
         ("adapter", f"{a.get('fine_tune_type')}, rank {a.get('rank')}, scale {a.get('scale')}, layers {layers}"),
         ("steps", str(s.steps)), ("tokens trained", str(s.trained_tokens)),
-        ("time in steps", f"{s.step_seconds:.1f} s"), ("wall time, first to last report", f"{s.wall_seconds:.1f} s"),
+        ("time in steps", f"{s.step_seconds:.1f} s"),
         ("tokens/s", f"{s.tokens_per_sec:.1f}"), ("peak memory", f"{s.peak_memory_gb:.3f} GB (the largest rank)"),
         ("train loss", _first_last(s.train)), ("validation loss", _first_last(s.val)),
     ]
     if s.test_loss is not None:
         rows.append(("test loss", f"{s.test_loss:.4f}"))
     if s.pp > 1 and s.schedule:
-        from ..parallel.pipeline import idle_fraction
-        from ..parallel.schedules import build
+        from ..parallel.schedules import build, idle_fraction
 
         idle = idle_fraction(build(s.schedule, s.pp, s.micro_batches))
         rows.append(("pipeline idle share, analytic from the schedule", f"{100 * idle:.1f}%"))

@@ -18,7 +18,7 @@ def test_train_help_lists_every_key_and_the_mlx_lm_flags(cli):
     for dotted, *_ in describe_options():
         assert f"\n  --{dotted} " in proc.stdout, dotted
     assert "\ntrain: The training loop.\n" in proc.stdout
-    assert "  --train.batch_size INT (default 4)  Global batch" in proc.stdout
+    assert "  --train.batch_size INT (default 4)\n      Global batch" in proc.stdout
     assert "--learning-rate -> optimizer.learning_rate" in proc.stdout
     assert "--mask-prompt* -> data.mask_prompt" in proc.stdout
 

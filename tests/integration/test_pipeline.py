@@ -229,7 +229,7 @@ def test_resumed_pipeline_equals_an_uninterrupted_one(tmp_path, ranks, damage):
         (newest / "stage1.safetensors").write_bytes(bytes(data))
     if ranks == 2 and not damage:  # one process resumes the stages' checkpoint too, reading every shard
         shutil.copytree(tmp_path / "parts", tmp_path / "single")
-        assert "resumed from step 4" in run(one, "--iters", "6", "--resume", "--adapter-path",
+        assert "resumed from step 4" in run(one, "--iters", "6", "--resume", "--parallel.pp", "1", "--adapter-path",
                                             str(tmp_path / "single")).stdout
     out = run(two, "--iters", "6", "--resume", "--adapter-path", str(tmp_path / "parts")).stdout
     assert f"resumed from step {2 if damage else 4}" in out

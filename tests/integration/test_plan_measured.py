@@ -1,76 +1,55 @@
-"""meshtune plan against meshtune's own runs: its per-rank estimate vs the peak memory each rank reports.
+"""meshtune plan against meshtune's own runs, through `meshtune bench plan`: its per-rank estimate vs each rank's peak.
 
-The tiny model on the arithmetic data (inputs padded to 32 tokens), for 1 rank, DP 2 and
-PP 2 (1F1B, 2 micro-batches). Each rank's `peak_memory_gb_per_rank` in metrics.jsonl
-(mx.get_peak_memory) must be within 15% of the plan's figure for that rank's stage; the
-assertion message states the error. Also the command's own contract: --json's last line,
-one-line errors with exit code 2.
+The bench runs the tiny model on the arithmetic data (inputs padded to 32 tokens) for 1
+rank, DP 2 and PP 2 (1F1B, 2 micro-batches), and the plan for each; every rank's
+`peak_memory_gb_per_rank` in metrics.jsonl (mx.get_peak_memory) must be within 15% of the
+plan's figure for that rank's stage, the assertion message stating the error. Also the
+command's own contract: --json's last line, one-line errors with exit code 2.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support import ARITH_DATA, ROOT, TINY_MODEL, run_cli
+from support import ARITH_DATA, TINY_MODEL, run_cli
 
 RUN = ["--model", str(TINY_MODEL), "--data", str(ARITH_DATA), "--num-layers", "-1", "--batch-size", "8"]
 TOLERANCE = 0.15
 
 
-def _plan(ranks: int, *extra: str) -> dict:
-    out = run_cli("plan", *RUN, *extra, "--ranks", str(ranks), "--memory-gb", "1", "--seq-len", "32", "--json")
-    assert out.returncode == 0, out.stderr
+def _bench(*args: str) -> dict:
+    out = run_cli("bench", "plan", *args, "--json")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _measure(tmp: Path, ranks: int, *extra: str) -> list[float]:
-    """Each rank's peak memory in bytes, from the last train record of a 4-step run."""
-    train = [sys.executable, "-m", "meshtune.cli", "train", *RUN, *extra, "--iters", "4", "--val-batches", "0",
-             "--steps-per-report", "2", "--adapter-path", str(tmp)]
-    cmd = train if ranks == 1 else [sys.executable, "-m", "meshtune.cli", "launch", "-n", str(ranks), "--", *train]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if r["type"] == "train"][-1]
-    per_rank = last.get("peak_memory_gb_per_rank") or [last["peak_memory_gb"]] * ranks
-    assert len(per_rank) == ranks, last
-    return [gb * 1e9 for gb in per_rank]
+def _report(rows: list[dict]) -> str:
+    return ", ".join(f"{r['layout']} rank {r['rank']}: estimate {r['estimate'] / 1e6:.2f} MB vs measured "
+                     f"{r['measured'] / 1e6:.2f} MB ({r['error']:+.1%})" for r in rows)
 
 
-@pytest.mark.parametrize("layout,ranks,extra", [("1 process", 1, ()), ("DP 2", 2, ()),
-                                                ("PP 2", 2, ("--parallel.pp", "2"))])
-def test_estimate_within_15_percent_of_each_ranks_peak(tmp_path: Path, layout: str, ranks: int,
-                                                       extra: tuple[str, ...]) -> None:
-    row = next(r for r in _plan(ranks, *extra)["layouts"] if r["layout"] == layout)
-    measured = _measure(tmp_path / "run", ranks, *extra)
-    # Rank r of a pipeline with dp 1 is stage r; data-parallel ranks all match the one stage.
-    estimates = [row["stages"][r % len(row["stages"])]["total"] for r in range(ranks)]
-    errors = [(e - m) / m for e, m in zip(estimates, measured)]
-    report = ", ".join(f"rank {r}: estimate {e / 1e6:.2f} MB vs measured {m / 1e6:.2f} MB ({err:+.1%})"
-                       for r, (e, m, err) in enumerate(zip(estimates, measured, errors)))
-    assert all(abs(err) <= TOLERANCE for err in errors), f"{layout}: {report}"
-    print(f"{layout}: {report}")
+def test_estimate_within_15_percent_of_each_ranks_peak() -> None:
+    result = _bench("--layouts", "1,dp2,pp2", "--jobs", "3")
+    rows = result["rows"]
+    assert [(r["layout"], r["rank"], r["stage"]) for r in rows] == [
+        ("1 process", 0, 0), ("DP 2", 0, 0), ("DP 2", 1, 0), ("PP 2", 0, 0), ("PP 2", 1, 1)], rows
+    for r in rows:  # the error is the estimate's against the measured peak; the parts add up to the estimate
+        assert r["measured"] > 1e6 and r["error"] == (r["estimate"] - r["measured"]) / r["measured"], r
+        part = r["parts"]
+        assert 0 <= part["overlap"] <= part["grads"], r
+        assert sum(part.values()) - min(part["grads"], part["activations"]) == pytest.approx(r["estimate"]), r
+    assert all(abs(r["error"]) <= TOLERANCE for r in rows), _report(rows)
 
 
-def test_quantized_model_estimate_within_15_percent(tmp_path: Path) -> None:
+def test_quantized_model_estimate_within_15_percent() -> None:
     """The tiny model quantized to 4 bits (bf16 scales): quantized words, scales and biases, bf16 activations."""
-    from mlx_lm import convert
-
-    model = tmp_path / "q4"
-    convert(str(TINY_MODEL), mlx_path=str(model), quantize=True, q_group_size=64, q_bits=4, dtype="bfloat16")
-    swap = ["--model", str(model)]
-    estimate = _plan(1, *swap)["layouts"][0]["total"]
-    measured = _measure(tmp_path / "run", 1, *swap)[0]
-    error = (estimate - measured) / measured
-    message = f"4-bit: estimate {estimate / 1e6:.2f} MB vs measured {measured / 1e6:.2f} MB ({error:+.1%})"
-    assert abs(error) <= TOLERANCE, message
-    print(message)
+    result = _bench("--quantize", "--layouts", "1")
+    rows = result["rows"]
+    assert "4 bits" in result["what"] and result["rows"][0]["parts"]["weights"] < 1e6, result
+    assert len(rows) == 1 and abs(rows[0]["error"]) <= TOLERANCE, f"4-bit: {_report(rows)}"
 
 
 def test_json_table_and_one_line_errors(tmp_path: Path) -> None:
@@ -82,8 +61,9 @@ def test_json_table_and_one_line_errors(tmp_path: Path) -> None:
     hosts.write_text(json.dumps([{"ssh": f"h{i}", "ips": [f"10.0.0.{i}"]} for i in range(4)]))
     plan = json.loads(run_cli("plan", *RUN, "--hostfile", str(hosts), "--json").stdout.strip().splitlines()[-1])
     assert plan["ranks"] == 4 and plan["layouts"][-1]["layout"] == "PP 4"
-    for args, words in ((("--link", "fast"), "--link 'fast'"),
-                        (("--model", "someone/not-downloaded"), "plan reads a local folder")):
-        bad = run_cli("plan", *RUN, *args)
+    for cmd, words in ((("plan", *RUN, "--link", "fast"), "--link 'fast'"),
+                       (("plan", *RUN, "--model", "someone/not-downloaded"), "plan reads a local folder"),
+                       (("bench", "plan", "--layouts", "1,dp1"), "--layouts 1,dp1")):
+        bad = run_cli(*cmd)
         assert bad.returncode == 2 and words in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -29,10 +29,10 @@ def run(tmp_path_factory):
 def test_num_layers_past_the_model_adapts_all_blocks_with_one_note(run):
     out, proc = run
     notes = [l for l in proc.stdout.splitlines() if "--num-layers" in l]
-    assert notes == ["note: --num-layers 32 > the model's 4 blocks: adapting all 4"]
+    assert notes == ["note: adapter.num_layers 32 (--num-layers) is more than the model's 4 blocks: adapting all 4"]
     assert {k.split(".")[2] for k in mx.load(str(out / "adapters.safetensors"))} == {"0", "1", "2", "3"}
     config = json.loads((out / "adapter_config.json").read_text())
-    assert config["data_format"] == "completions"
+    assert config["data_format"] == "completions" and config["num_layers"] == 4  # what was trained
     assert config["meshtune"]["train"]["batch_size"] == 4 and config["meshtune"]["data"]["mask_prompt"] is False
 
 
@@ -49,8 +49,21 @@ def test_resume_needs_only_the_adapter_path(run, tmp_path, cli):
     assert changed.returncode == 2
     assert changed.stderr.splitlines() == [
         f"meshtune: error: command line: --resume: train.batch_size = 8 differs from the checkpoint's 4 "
-        f"({copy}/checkpoints/0000004/config.yaml); drop --train.batch_size to resume with the run's own "
+        f"({copy}/checkpoints/0000004/config.yaml); drop --batch-size to resume with the run's own "
         "settings, or start a new run in another --adapter-path"]
+
+
+def test_resume_with_iters_not_past_the_checkpoint_is_an_error(run, tmp_path, cli):
+    out, _ = run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)  # its newest checkpoint is step 4
+    for iters in ("2", "4"):
+        proc = cli("train", "--adapter-path", str(copy), "--resume", "--iters", iters)
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [
+            f"meshtune: error: --resume: --iters {iters} is not past the checkpoint's step 4 "
+            f"({copy}/checkpoints/0000004); give --iters above 4 to train more"]
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["0000002", "0000004"]
 
 
 def test_generate_picks_the_template_by_the_trained_format(run, tmp_path, cli):

@@ -230,7 +230,7 @@ def test_template_failure_names_line(tmp_path, tok):
 
 
 def test_load_datasets(tmp_path, tok):
-    with pytest.raises(ValueError, match=r"nope: data folder not found; point data at a folder"):
+    with pytest.raises(ValueError, match=r"nope: data folder not found; point --data at a folder"):
         load_datasets(tmp_path / "nope", tok)
     write_jsonl(tmp_path, "train", completion_rows(4))
     with pytest.raises(ValueError, match=r"valid\.jsonl: not found; create valid\.jsonl in"):

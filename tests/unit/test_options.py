@@ -47,11 +47,13 @@ def test_help_lists_every_key_by_section_with_type_default_and_doc() -> None:
     text = options_help()
     lines = text.splitlines()
     for dotted, _, default, doc in describe_options():
-        line = next((l for l in lines if l.startswith(f"  --{dotted} ")), None)
-        assert line is not None, dotted
-        assert "(default " in line and doc.split()[0] in line, line
-    assert "  --train.batch_size INT (default 4)  Global batch" in text
-    assert "  --optimizer.learning_rate FLOAT (default 1e-05)  Peak learning rate" in text
+        at = next((i for i, l in enumerate(lines) if l.startswith(f"  --{dotted} ")), None)
+        assert at is not None, dotted
+        assert "(default " in lines[at] and lines[at + 1].startswith("      " + doc.split()[0]), lines[at:at + 2]
+    assert "  --train.batch_size INT (default 4)\n      Global batch" in text
+    assert "  --optimizer.learning_rate FLOAT (default 1e-05)\n      Peak learning rate" in text
+    # the whole first sentence: the choices of report_to are not cut off
+    assert "tensorboard, wandb, or both" in text.split("--output.report_to", 1)[1].split("--output.", 1)[0]
     assert "  --adapter.fine_tune_type {lora,dora,full} (default lora)" in text
     assert lines.index("model: The model to fine-tune.") < lines.index("runtime: Process-level settings.")
     for flag, key in compat.MLX_LM_FLAGS.items():
@@ -143,10 +145,11 @@ def test_resume_takes_the_run_settings_from_the_checkpoint(tmp_path: Path) -> No
     run = _saved_run(tmp_path)
     saved, source = saved_run_config(run)
     assert source == str(run / "checkpoints" / "0000004" / "config.yaml")
-    given = load_config(None, ["--adapter-path", str(run), "--output.resume", "true", "--iters", "10"])
+    given = load_config(None, ["--adapter-path", str(run), "--output.resume", "true", "--iters", "10",
+                               "--parallel.pp", "1"])
     cfg = resume_config(given, saved, source)
     assert (cfg.adapter.rank, cfg.train.batch_size, cfg.data.path, cfg.train.iters) == (4, 8, "d", 10)
-    # Where and how this launch runs is its own: the checkpoint's pipeline stages do not follow.
+    # Where this launch writes is its own; the checkpoint's pipeline stages give way to the flag given.
     assert cfg.parallel.pp == 1 and cfg.output.adapter_path == str(run) and cfg.output.resume
     same = load_config(None, ["--adapter-path", str(run), "--adapter.rank", "4", "--data", "./d"])
     assert resume_config(same, saved, source).data.path == "d"  # one folder, spelled two ways
