@@ -6,6 +6,9 @@ deadlocks at 3+ ranks). A watchdog thread on every rank expects a heartbeat from
 training loop; after `timeout_s` without one it prints one line and ends the process
 with EXIT_CODE, so a launcher sees a failure instead of waiting forever.
 
+Before a rank's first finished step, a peer that has written no heartbeat yet is
+still loading, and the watchdog waits for it up to STARTUP_GRACE timeouts.
+
 A rank alone cannot tell which peer stopped answering, so the same thread also keeps
 a small side channel: every `interval` it writes `rank<i>.json` (pid, host, last
 finished step, wall time now) into a run-scoped folder, `$MESHTUNE_HEARTBEAT_DIR`
@@ -38,6 +41,11 @@ HEARTBEAT_ENV = "MESHTUNE_HEARTBEAT_DIR"
 # so lines interleave, e.g. "[ring]3  Sending to socketwas closed by the peer" or
 # "was closed by the peer[ring]".
 BACKEND_ERROR = re.compile(r"\[(ring|jaccl|mpi|nccl)\]")
+
+
+# A peer with no heartbeat yet is still loading (model, data), not lost: before this rank's first
+# beat, the watchdog waits for such a peer up to this many timeouts (ranks start unevenly on a busy host).
+STARTUP_GRACE = 6
 
 
 def heartbeat_folder(adapter_path: Path) -> Path:
@@ -103,6 +111,13 @@ def lost_peer(folder: Path, world_size: int, me: int | None, stale_s: float) -> 
     return min(lost)[1:] if lost else None
 
 
+def peer_still_starting(folder: Path | None, world_size: int, me: int, idle: float, timeout_s: float) -> bool:
+    """Whether a local-folder peer has not reached its loop yet and the startup grace is not used up."""
+    if folder is None or idle > STARTUP_GRACE * timeout_s:
+        return False
+    return any(read_heartbeat(folder, rank) is None for rank in range(world_size) if rank != me)
+
+
 class Watchdog:
     """`beat(step)` from the loop; exits the process when beats stop for `timeout_s`."""
 
@@ -116,6 +131,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._gave_up = False
+        self._beaten = False  # no step finished yet: a peer may still be starting
 
     def __enter__(self) -> "Watchdog":
         if self.timeout_s > 0 and self.world_size > 1:
@@ -144,7 +160,7 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         """A finished step (written to the heartbeat file now, so a peer names the exact step)."""
-        self._step, self._last = step, time.monotonic()
+        self._step, self._last, self._beaten = step, time.monotonic(), True
         self._write()
 
     def _write(self, gave_up: bool = False) -> None:
@@ -165,7 +181,9 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             self._write()
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
+            starting = not self._beaten and peer_still_starting(self.heartbeat_dir, self.world_size, self.rank,
+                                                                 idle, self.timeout_s)
+            if idle > self.timeout_s and not starting:
                 self._write(gave_up=True)
                 print(f"\n{self.message(idle)}", file=sys.stderr, flush=True)  # below any progress bar
                 os._exit(EXIT_CODE)

@@ -205,9 +205,11 @@ def test_a_stopped_rank_makes_the_others_exit_cleanly_and_resume_continues(tmp_p
     # The launcher sees the stopped rank itself (state T) and names it in one line.
     assert re.search(r"meshtune launch: rank 1 stopped answering at step \d+ \(stopped \(SIGSTOP\)\); stopping rank 0",
                      err), err
-    # The last complete checkpoint resumes on one process.
-    resumed = subprocess.run([*cmd, "train", "--iters", "12", "--batch-size", "4", "--save-every", "5",
+    # The last complete checkpoint resumes on one process and trains on past it.
+    last = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    resumed = subprocess.run([*cmd, "train", "--iters", str(last + 2), "--batch-size", "4", "--save-every", "5",
                               "--adapter-path", str(run), "--resume"], env=env, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert re.search(r"resumed from step \d+", resumed.stdout)
+    assert re.search(rf"resumed from step {last}\b", resumed.stdout), resumed.stdout[-2000:]
+    assert (run / "checkpoints" / f"{last + 2:07d}").is_dir()  # the last step's checkpoint

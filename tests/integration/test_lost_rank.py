@@ -17,11 +17,20 @@ import pytest
 
 from meshtune.bench.faultkit import CLI, FaultRun, env, survivors, train_args
 from meshtune.cli.launch import write_ring_hostfile
-from meshtune.runtime.watchdog import lost_peer, write_heartbeat
+from meshtune.runtime.watchdog import STARTUP_GRACE, lost_peer, peer_still_starting, write_heartbeat
 
 WATCHDOG_S = 6.0
 pytestmark = pytest.mark.serial  # each test times the exit after a fault
 WHY = {signal.SIGKILL: r"killed by signal 9 \(SIGKILL\)", signal.SIGSTOP: r"stopped \(SIGSTOP\)"}
+
+
+def test_a_peer_without_a_heartbeat_is_starting_for_the_grace_only(tmp_path):
+    write_heartbeat(tmp_path, 0, 0)
+    assert peer_still_starting(tmp_path, 2, me=0, idle=7.0, timeout_s=5.0)  # rank 1 still loading
+    assert not peer_still_starting(tmp_path, 2, me=0, idle=STARTUP_GRACE * 5.0 + 1, timeout_s=5.0)  # too long
+    assert not peer_still_starting(None, 2, me=0, idle=7.0, timeout_s=5.0)  # no side channel: no grace
+    write_heartbeat(tmp_path, 1, 0)
+    assert not peer_still_starting(tmp_path, 2, me=0, idle=7.0, timeout_s=5.0)  # in its loop: lost means lost
 
 
 def test_lost_peer_blames_the_first_silent_rank_not_those_that_gave_up(tmp_path):
