@@ -29,6 +29,9 @@ short 3-rank runs that must never hang.
 
 `meshtune bench plan`: `meshtune plan`'s memory estimate for each rank beside the peak
 memory a real run of the same layout reports.
+
+`meshtune bench torch`: meshtune beside PyTorch + transformers + PEFT on the same model,
+batch and adapters: tokens/s, peak memory and useful TFLOP/s against each one's matmul peak.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pathlib import Path
 # Suite name -> module of this package whose main(argv) runs it.
 SUITES = {"peer": "peer", "adapters": "adapters", "scaling": "scaling", "pipeline": "pipeline",
           "badinput": "bad_input", "faults": "faults", "soak": "soak", "packing": "packing",
-          "plan": "plan"}
+          "plan": "plan", "torch": "torch_peer"}
 
 
 def run_bench(suite: str | None, args: list[str]) -> int:

@@ -26,6 +26,7 @@ OWN_FLAGS = {
     "soak": ["--repeats"],
     "packing": ["--steps", "--max-seq-length"],
     "plan": ["--layouts", "--quantize"],
+    "torch": ["--kinds", "--matmul-size"],
 }
 
 
