@@ -6,13 +6,17 @@ per rank, ring backend); where MLX has CUDA, by `mlx.launch --backend nccl` (one
 per rank, no pinning). The model is a random Qwen3-shaped model of the adapters bench's
 presets (`--preset`; 1b: ~1B parameters), by default on GPUs the largest one each GPU's
 memory fits (bench/fit.py); on a CPU by default the embedded tiny one.
-Steps/s comes from rank 0's report windows after the first. Beside it: the ideal
-pipeline efficiency m / (m + p - 1) and the measured one (over the naive schedule's,
-which keeps one stage busy at a time), and per stage the peak memory and the peak
-activation memory (the peak above what weights, adapters and optimizer state hold
-after setup), where 1F1B's bound of P micro-batches in flight shows against GPipe's M.
+Steps/s comes from rank 0's report windows after the first. The baseline is the naive
+schedule at M=1, the whole batch through the stages in turn, which is what runs without
+micro-batches; at M > 1 GPipe and 1F1B run, and every row's ratio is over that baseline (in
+the JSON `<schedule>_over_naive_m<M>`, and `best_over_m1` for the fastest), beside the
+ideal P M / (M + P - 1). The bubble column is the share of the step the stages spent in
+sends and receives, measured (the mean over stages), beside the schedule's analytic idle
+share. Per stage: the peak memory and the peak activation memory (the peak above what
+weights, adapters and optimizer state hold after setup), where 1F1B's bound of P
+micro-batches in flight shows against GPipe's M.
 
-    meshtune bench pipeline [--stages 2] [--iters 30] [--batch-size 16] [--json]
+    meshtune bench pipeline [--stages 2] [--micro-batches 1,2,4,8] [--iters 30] [--batch-size 16] [--json]
     meshtune bench pipeline --preset 1b --micro-batches 8 --batch-size 16   # 2 GPUs, NCCL
 """
 
@@ -33,11 +37,12 @@ import mlx.core as mx
 
 from ..runtime.blas import describe_blas
 from ..cli.launch import launch_local
+from ..parallel.schedules import build as build_schedule, idle_fraction
 from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
 
-SCHEDULE_NAMES = ("naive", "gpipe", "1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b")  # at M > 1; the baseline is naive at M=1
 
 
 def on_gpu() -> bool:
@@ -62,8 +67,8 @@ def _launch(stages: int, cmd: list[str]) -> tuple[int, str]:
 
 
 def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Path
-         ) -> tuple[float, list[float], list[float]]:
-    """(steps/s, peak GB per stage, activation GB per stage) of one configuration."""
+         ) -> tuple[float, float, list[float], list[float]]:
+    """(steps/s, bubble share, peak GB per stage, activation GB per stage) of one configuration."""
     model = ["--model", str(a.model_folder)] if a.model_folder else []
     if a.data_folder:
         model += ["--data", str(a.data_folder), "--max-seq-length", str(a.seq_len + 8)]
@@ -80,7 +85,11 @@ def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Pat
     # Each rank's own last line (launchers differ in how they prefix output).
     found = sorted((int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in re.finditer(
         r"rank (\d+) finished at step \d+ \(peak memory ([\d.]+) GB, activations ([-\d.]+) GB\)", log))
-    return steps_per_sec(metric_windows(out)), [f[1] for f in found], [f[2] for f in found]
+    reports = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shares = [r.get("bubble_share", 0.0) for r in reports if r["type"] == "train"]
+    later = shares[1:] or shares  # the windows steps/s counts
+    bubble = sum(later) / len(later) if later else 0.0
+    return steps_per_sec(metric_windows(out)), bubble, [f[1] for f in found], [f[2] for f in found]
 
 
 def write_text_data(folder: Path, length: int, rows: int) -> Path:
@@ -118,7 +127,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stages", type=int, default=2, help="Pipeline stages.")
     p.add_argument("--data-parallel", type=int, default=1,
                    help="Data-parallel replicas of the pipeline (ranks = stages x this), e.g. 2 for DP2 x PP2.")
-    p.add_argument("--micro-batches", default="2,4,8", help="Comma-separated micro-batch counts.")
+    p.add_argument("--micro-batches", default="1,2,4,8",
+                   help="Comma-separated micro-batch counts; 1 (the naive baseline) is always run.")
     p.add_argument("--iters", type=int, default=30, help="Optimizer steps per run.")
     p.add_argument("--batch-size", type=int, default=16, help="Global batch (divisible by every M).")
     p.add_argument("--fine-tune-type", default="lora", help="lora, dora or full.")
@@ -133,7 +143,12 @@ def main(argv: list[str]) -> int:
     if a.data_parallel < 1 or a.stages < 1:
         p.error("--stages and --data-parallel must be >= 1")
     a.model_folder = a.data_folder = None
-    ms = [int(m) for m in a.micro_batches.split(",")]
+    try:
+        ms = sorted({1, *(int(m) for m in a.micro_batches.split(","))})
+    except ValueError:
+        p.error(f"--micro-batches {a.micro_batches!r}: give counts such as 1,4,8")
+    if ms[0] < 1:
+        p.error("--micro-batches: every count must be >= 1")
     print(_size(a), flush=True)
     rows, result = [], {}
     model_name = "embedded tiny model"
@@ -146,33 +161,38 @@ def main(argv: list[str]) -> int:
         if a.seq_len:
             a.data_folder = write_text_data(Path(tmp) / "data", a.seq_len, rows=max(4 * a.batch_size, 64))
             model_name += f", synthetic rows of {a.seq_len} tokens"
-        for m in ms:
-            naive_rate = None
-            for name in SCHEDULE_NAMES:
-                rate, peaks, acts = _run(name, a.stages, m, a, Path(tmp) / f"{name}-{m}")
-                naive_rate = rate if name == "naive" else naive_rate
-                rows.append((m, name, rate, rate / naive_rate, peaks, acts))
-                result[f"{name}_steps_per_s_m{m}"] = rate
-                result[f"peak_gb_{name}_m{m}"] = peaks
-                result[f"act_gb_{name}_m{m}"] = acts
-                if name != "naive":
-                    result[f"{name}_over_naive_m{m}"] = rate / naive_rate
+        baseline = _run("naive", a.stages, 1, a, Path(tmp) / "naive-1")
+        for m, name in [(1, "naive")] + [(m, name) for m in ms[1:] for name in SCHEDULE_NAMES]:
+            rate, bubble, peaks, acts = baseline if m == 1 else _run(name, a.stages, m, a, Path(tmp) / f"{name}-{m}")
+            rows.append((m, name, rate, rate / baseline[0], bubble, peaks, acts))
+            result[f"{name}_steps_per_s_m{m}"] = rate
+            result[f"bubble_{name}_m{m}"] = bubble
+            result[f"peak_gb_{name}_m{m}"] = peaks
+            result[f"act_gb_{name}_m{m}"] = acts
+            if m > 1:
+                result[f"{name}_over_naive_m{m}"] = rate / baseline[0]
+    best = max(rows[1:] or rows, key=lambda r: r[2])  # the fastest schedule at M > 1
+    result["best_schedule"], result["best_over_m1"] = f"{best[1]} M={best[0]}", best[3]
     mlast = ms[-1]
-    gp, ob = result[f"peak_gb_gpipe_m{mlast}"], result[f"peak_gb_1f1b_m{mlast}"]
-    result["peak_mem_1f1b_over_gpipe"] = max(ob) / max(gp) if gp and ob else float("nan")
-    ga, oa = result[f"act_gb_gpipe_m{mlast}"], result[f"act_gb_1f1b_m{mlast}"]
-    result["act_mem_1f1b_over_gpipe"] = max(oa) / max(ga) if ga and oa and max(ga) > 0 else float("nan")
+    if mlast > 1:
+        gp, ob = result[f"peak_gb_gpipe_m{mlast}"], result[f"peak_gb_1f1b_m{mlast}"]
+        result["peak_mem_1f1b_over_gpipe"] = max(ob) / max(gp) if gp and ob else float("nan")
+        ga, oa = result[f"act_gb_gpipe_m{mlast}"], result[f"act_gb_1f1b_m{mlast}"]
+        result["act_mem_1f1b_over_gpipe"] = max(oa) / max(ga) if ga and oa and max(ga) > 0 else float("nan")
     where = ("mlx.launch --backend nccl (one GPU per rank)" if on_gpu() else
              f"meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
     layout = f"{a.stages} stages" + (f" x {a.data_parallel} data-parallel replicas" if a.data_parallel > 1 else "")
     print(f"pipeline benchmark: {layout}, {model_name}, {a.fine_tune_type}, global batch "
           f"{a.batch_size}, {a.iters} steps; {where}")
-    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs naive':>10}{'ideal':>8}   peak GB per rank    "
-          f"activation GB per rank")
-    for m, name, rate, speed, peaks, acts in rows:
-        ideal = (m / (m + a.stages - 1)) / (1 / a.stages) if name != "naive" else 1.0
-        print(f"{m:>3} {name:<8}{rate:>10.2f}{speed:>9.2f}x{ideal:>7.2f}x   {', '.join(f'{x:.4f}' for x in peaks):<18}"
-              f"{', '.join(f'{x:.4f}' for x in acts)}")
+    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs M=1':>10}{'ideal':>8}{'bubble':>8}{'ideal':>7}   "
+          f"peak GB per rank    activation GB per rank")
+    for m, name, rate, speed, bubble, peaks, acts in rows:
+        # P stages in turn at M=1; the fill and drain at M. Bubble: the measured share of the step in
+        # sends and receives (the mean over stages) beside the schedule's analytic idle share.
+        ideal, idle = a.stages * m / (m + a.stages - 1), idle_fraction(build_schedule(name, a.stages, m))
+        print(f"{m:>3} {name:<8}{rate:>10.2f}{speed:>9.2f}x{ideal:>7.2f}x{bubble:>7.0%}{idle:>7.0%}   "
+              f"{', '.join(f'{x:.4f}' for x in peaks):<18}{', '.join(f'{x:.4f}' for x in acts)}")
+    print(f"best: {result['best_schedule']} at {result['best_over_m1']:.2f}x naive M=1")
     if a.json:
         print(json.dumps(result))
     return 0

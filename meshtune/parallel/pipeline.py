@@ -12,7 +12,8 @@ No backend differentiates through send/recv, so a stage's backward is written by
 hand: the last stage differentiates its loss; the others differentiate the surrogate
 sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, and
 send dx back. The backward recomputes the stage's forward (activation recomputation),
-so only each micro-batch's stage input is kept between its forward and backward.
+so only each micro-batch's stage input is kept between its forward and backward. With
+`train.compile` the stage's forward and backward are compiled functions (stage.py).
 Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm}
 with a head `model.lm_head` or a tied embedding (a trained tied table lives on the
 first and the last stage, its two gradients summed each step).
@@ -77,7 +78,7 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
             x = tokens[:, :-1] if stage.first else inputs[act.mb]
             inputs[act.mb] = x
             if not stage.last:
-                outputs[act.mb] = stage.hidden(x, lengths)
+                outputs[act.mb] = stage.forward(x, lengths)
                 mx.eval(outputs[act.mb])
         elif act.kind == "send_act":
             mx.eval(stage.links.send(outputs.pop(act.mb), rank + 1))
@@ -188,11 +189,13 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, schedule: str,
                  micro_batches: int, stage_layers: list[int] | None = None, accumulation: int = 1,
-                 max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None):
+                 max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None,
+                 compile: bool = False):
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
         self.accumulation, self.max_grad_norm, self.overlap = accumulation, max_grad_norm, overlap
         self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
-        self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer)
+        self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer,
+                                   compile=compile)
         self.schedule, self.micro_batches = build_schedule(schedule, mesh.pp, micro_batches), micro_batches
         self.clock = WaitClock()
 
@@ -214,7 +217,7 @@ class Pipeline:
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
         pipeline = cls(model, optimizer, mesh, schedule=cfg.parallel.schedule, micro_batches=micro_batches,
                        stage_layers=cfg.parallel.stage_layers, accumulation=cfg.train.grad_accumulation_steps,
-                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap)
+                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
         return pipeline

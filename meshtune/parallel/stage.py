@@ -8,6 +8,7 @@ pipeline_state.py saves and restores, so both import it from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -66,6 +67,9 @@ class PipelineStage:
     transfer: str | None = None
     """Stage-to-stage transfers: "send", "all_sum" (for backends without send) or None
     to pick by the mesh's backend (p2p.Links)."""
+    compile: bool = False
+    """Compile the forward and the backward with mx.compile (`train.compile`, as one process's step):
+    one graph per micro-batch shape, traced once, with its elementwise operations fused."""
 
     def __post_init__(self) -> None:
         self.inner, self.head = _parts(self.model)
@@ -90,6 +94,10 @@ class PipelineStage:
                 self.model.lm_head.freeze()
         # Sub-groups for sum_shared where the backend can split (None on ring and JACCL).
         self.peers = peer_groups(self.mesh, bool(self.tied_keys)) if self.mesh.dp > 1 or self.tied_keys else None
+        # The compiled functions read the model's current weights and the random state at each call.
+        state = [self.model.state, mx.random.state]
+        wrap = partial(mx.compile, inputs=state, outputs=state) if self.compile else (lambda f: f)
+        self.forward, self._value_and_grads = wrap(self.hidden), wrap(self._differentiate)
 
     @property
     def first(self) -> bool:
@@ -121,6 +129,12 @@ class PipelineStage:
     def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
                  ) -> tuple[mx.array, Any, mx.array | None]:
         """(value, parameter gradients, input gradient or None) for one micro-batch."""
+        out = self._value_and_grads(x, targets, lengths, *([] if dy is None else [dy]))
+        return out if len(out) == 3 else (*out, None)
+
+    def _differentiate(self, x: mx.array, targets: mx.array, lengths: mx.array, *dy: mx.array) -> tuple:
+        """(value, gradients) on the first stage, (value, gradients, dx) on the others; `dy` is
+        the received cotangent, absent on the last stage, which differentiates its loss."""
         model = self.model
 
         def fn(params: Any, inp: mx.array) -> mx.array:
@@ -128,13 +142,12 @@ class PipelineStage:
             h = self.hidden(inp, lengths)
             if self.last:
                 return self.loss(h, targets, lengths)
-            return (h * mx.stop_gradient(dy)).sum()  # seeds the reverse pass with the received cotangent
+            return (h * mx.stop_gradient(dy[0])).sum()  # seeds the reverse pass with the received cotangent
 
         # Adapters' per-step work on the stage's blocks (DoRA's norms on CUDA).
         with step_context(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
             if self.first:  # token ids have no gradient
-                value, grads = mx.value_and_grad(fn)(model.trainable_parameters(), x)
-                return value, grads, None
+                return mx.value_and_grad(fn)(model.trainable_parameters(), x)
             value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
         return value, grads, dx
 
