@@ -53,10 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("batch-size", "seq-len", "warmup"):
         g.add_argument(f"--{flag}", type=int, default=None, help="Per rank; default: the preset's.")
     g.add_argument("--steps", type=int, default=5, help="Timed steps per mode per round.")
-    g.add_argument("--rounds", type=int, default=3, help="Rounds over the three modes.")
+    g.add_argument("--rounds", type=int, default=3,
+                   help="Rounds, each timing 1 rank (no gradient sync) and then the N-rank modes; ratios per round.")
     g.add_argument("--seed", type=int, default=0, help="Seed of the weights (batches: seed + rank).")
-    g.add_argument("--one-rank-json", default="",
-                   help="Output of this bench run in one process (--json): its step is the 1-rank figure.")
     return p
 
 

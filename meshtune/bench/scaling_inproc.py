@@ -4,12 +4,17 @@ For accelerators (NCCL on GPUs, or any backend MLX's own launcher starts), every
 runs this module; rank 0 prints. Each rank builds the same random model (`--preset 1b`:
 ~1B parameters, bench/models.py; without --preset, the largest size every rank's memory
 fits, bench/fit.py) and three compiled steps over the same model and optimizer:
-`compute only` (this rank's local batch, no gradient sync: what one GPU alone does with
-the same batch), `after_backward` and `overlap` (buckets in reverse layer order,
-all_sums on their own GPU stream). Rounds visit the three in turn so
-clock drift falls on all of them. Exposed communication = synced step - compute-only
-step; weak-scaling efficiency = compute-only step / synced step (each GPU keeps its
-local batch, so N GPUs do N times the work per step).
+`compute only` (this rank's local batch on a mesh of one, no gradient sync: what one GPU
+alone does with the same batch, the 1-rank figure), `after_backward` and `overlap`
+(buckets in reverse layer order, all_sums on their own GPU stream). Every round times
+the 1-rank step first, then the two N-rank steps (their order alternating), so 1 rank
+and N ranks come from the same invocation and the same stretch of clock. Each round's
+step per mode is the mean over ranks of each rank's median. Per round, weak-scaling
+efficiency = 1-rank step / N-rank step (each GPU keeps its local batch, so N GPUs do N
+times the work per step: N-rank tokens/s over N x 1-rank tokens/s; the faster synced mode,
+and each mode's own in weak_scaling_after/_overlap) and overlap speedup
+= after_backward step / overlap step; the table and --json give each ratio's median over
+rounds and its spread [min, max]. Exposed communication = synced step - 1-rank step.
 
     mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- \\
         python -m meshtune.cli bench scaling --in-process --preset 1b --json
@@ -38,6 +43,7 @@ from .fit import ORDER, Load, choose_preset, detect
 from .models import PRESETS, Shape, add_adapters, build_model
 
 MODES = ("compute", "after_backward", "overlap")
+SYNCED = MODES[1:]
 
 
 def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.array, bucket_mb: float) -> float:
@@ -68,7 +74,8 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
 
 
 def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
-    """Median step seconds of the three modes for `kind` (lora or full) on this rank."""
+    """Per round, the median step seconds of the three modes for `kind` (lora or full),
+    each the mean over ranks of every rank's own median."""
     from ..parallel.data_parallel import build_step
 
     model = build_model(shape, dtype, quantized=False, seed=a.seed)
@@ -93,54 +100,65 @@ def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: m
 
         return run
 
+    # "compute": a mesh of one, so the compiled step has no cross-rank sum: this GPU alone.
     steps = {"compute": runner(Mesh.single(), "after_backward"),
              "after_backward": runner(mesh, "after_backward"), "overlap": runner(mesh, "overlap")}
     for run in steps.values():
         for _ in range(a.warmup):
             run()
     mismatch = sum_mismatch(model, mesh, tokens, lengths, a.bucket_mb)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    rounds = []
     for r in range(a.rounds):
-        for mode in MODES[r % 3:] + MODES[:r % 3]:  # each mode goes first in some round
+        # 1 rank first, then the two synced modes, which alternate in second place.
+        order = ("compute",) + (SYNCED if r % 2 == 0 else SYNCED[::-1])
+        medians = {}
+        for mode in order:
             mesh.all_sum(mx.array(0.0)).item()  # line the ranks up before each block
             steps[mode]()  # untimed: the switch from another graph's buffers
+            times = []
             for _ in range(a.steps):
                 tic = time.perf_counter()
                 steps[mode]()
-                times[mode].append(time.perf_counter() - tic)
+                times.append(time.perf_counter() - tic)
+            medians[mode] = statistics.median(times)
+        rounds.append([medians[m] for m in MODES])
+    # Mean over ranks: each rank's 1-rank step is its own GPU alone; the synced steps agree anyway.
+    mean = (mesh.all_sum(mx.array(rounds, dtype=mx.float32)) / mesh.world_size).tolist()
     params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    return {"step_s": {m: statistics.median(t) for m, t in times.items()}, "trainable": params,
+    return {"rounds_s": [dict(zip(MODES, row)) for row in mean], "trainable": params,
             "overlap_sum_mismatch": mismatch}
 
 
-def _row(kind: str, r: dict[str, Any], n: int, tokens: int, one_rank_ms: float | None = None) -> dict[str, float]:
-    s = r["step_s"]
-    one, after, over = s["compute"], s["after_backward"], s["overlap"]
-    if one_rank_ms is not None:
-        one = one_rank_ms / 1e3  # a separate 1-process run's step, not this process's sync-free step
-    return {
+def spread(values: list[float]) -> tuple[float, list[float]]:
+    """Median and [min, max] of per-round values."""
+    return statistics.median(values), [min(values), max(values)]
+
+
+def _row(kind: str, r: dict[str, Any], n: int, tokens: int) -> dict[str, Any]:
+    """The JSON figures of one kind: step times are medians over rounds; each ratio is
+    taken per round (the same round's 1-rank and N-rank steps) and given as its median
+    over rounds and its spread [min, max]."""
+    per = r["rounds_s"]
+    one, after, over = (statistics.median(x[m] for x in per) for m in MODES)
+    ratios = {
+        "weak_scaling": [x["compute"] / min(x["after_backward"], x["overlap"]) for x in per],
+        "weak_scaling_after": [x["compute"] / x["after_backward"] for x in per],
+        "weak_scaling_overlap": [x["compute"] / x["overlap"] for x in per],
+        "overlap_speedup": [x["after_backward"] / x["overlap"] for x in per],
+    }
+    out: dict[str, Any] = {
         f"tok_s_1_{kind}": tokens / one, f"tok_s_{n}_after_{kind}": n * tokens / after,
         f"tok_s_{n}_overlap_{kind}": n * tokens / over,
-        f"weak_scaling_{kind}": one / min(after, over),
-        f"overlap_speedup_{kind}": after / over,
         f"exposed_comm_ms_after_{kind}": 1e3 * (after - one),
         f"exposed_comm_ms_overlap_{kind}": 1e3 * (over - one),
         f"exposed_comm_fraction_after_{kind}": max(after - one, 0.0) / after,
         f"exposed_comm_fraction_overlap_{kind}": max(over - one, 0.0) / over,
+        f"step_ms_{kind}": {"compute": 1e3 * one, "after_backward": 1e3 * after, "overlap": 1e3 * over},
+        f"step_ms_rounds_{kind}": {m: [1e3 * x[m] for x in per] for m in MODES},
     }
-
-
-def _one_rank_ms(path: str) -> dict[str, float]:
-    """Per kind, the compute step (ms) from the JSON line a 1-process run of this bench printed."""
-    import pathlib
-
-    try:
-        line = [l for l in pathlib.Path(path).read_text().splitlines() if l.lstrip().startswith("{")][-1]
-        data = json.loads(line)
-        return {kind: float(data[f"step_ms_{kind}"]["compute"]) for kind in ("lora", "full")}
-    except (OSError, IndexError, KeyError, ValueError) as err:
-        raise ValueError(f"--one-rank-json {path}: no 1-rank result in it ({err}); run this bench in one "
-                         "process with --json and pass that output") from None
+    for name, values in ratios.items():
+        out[f"{name}_{kind}"], out[f"{name}_{kind}_spread"] = spread(values)
+    return out
 
 
 def agreed_preset(a: argparse.Namespace, mesh: Mesh) -> tuple[str, str]:
@@ -159,9 +177,18 @@ def agreed_preset(a: argparse.Namespace, mesh: Mesh) -> tuple[str, str]:
     return preset, line
 
 
+def _ratio(value: float, bounds: list[float], percent: bool) -> str:
+    """A ratio and its spread over rounds as the table prints it: 86.0% (84.1-88.2) or 1.03x (1.01-1.05)."""
+    if percent:
+        return f"{100 * value:.1f}% ({100 * bounds[0]:.1f}-{100 * bounds[1]:.1f})"
+    return f"{value:.2f}x ({bounds[0]:.2f}-{bounds[1]:.2f})"
+
+
 def main(a: argparse.Namespace) -> int:
+    if a.rounds < 1 or a.steps < 1:
+        raise ValueError(f"--rounds {a.rounds} --steps {a.steps}: each needs at least 1 (e.g. --rounds 3 --steps 5)")
     backend = a.backend
-    # "any" without a launcher is one process: the 1-rank baseline run (--one-rank-json's source).
+    # "any" without a launcher is one process: then every mode is the same 1-rank step.
     mesh = Mesh.from_world(mx.distributed.init(strict=backend != "any", backend=backend))
     a.preset, fit_line = agreed_preset(a, mesh)
     if mesh.rank == 0:
@@ -169,7 +196,6 @@ def main(a: argparse.Namespace) -> int:
     for name, value in PRESETS[a.preset].items():
         if getattr(a, name, None) is None:
             setattr(a, name, value)
-    baseline = _one_rank_ms(a.one_rank_json) if a.one_rank_json else {}
     n = mesh.world_size
     shape = Shape(arch="qwen3", **{k: PRESETS[a.preset][k] for k in
                                    ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")})
@@ -177,14 +203,14 @@ def main(a: argparse.Namespace) -> int:
     dtype = mx.bfloat16 if gpu else mx.float32
     tokens = a.batch_size * a.seq_len
     result: dict[str, Any] = {"ranks": n, "backend": backend, "preset": a.preset, "batch_size": a.batch_size,
-                              "seq_len": a.seq_len, "params": shape.params(), "mlx": mx.__version__}
+                              "seq_len": a.seq_len, "params": shape.params(), "mlx": mx.__version__,
+                              "rounds": a.rounds, "steps": a.steps, "one_rank": "mean over ranks"}
     rows = {}
     for kind in ("lora", "full"):
         r = measure(kind, a, shape, mesh, dtype)
         rows[kind] = r
-        result.update(_row(kind, r, n, tokens, baseline.get(kind)))
+        result.update(_row(kind, r, n, tokens))
         result[f"overlap_sum_mismatch_{kind}"] = r["overlap_sum_mismatch"]
-        result[f"step_ms_{kind}"] = {m: 1e3 * v for m, v in r["step_s"].items()}
         gc.collect()
         mx.clear_cache()
     result["exposed_comm_fraction_overlap"] = result["exposed_comm_fraction_overlap_full"]
@@ -195,20 +221,21 @@ def main(a: argparse.Namespace) -> int:
               f"{'bfloat16' if gpu else 'float32'}, local batch {a.batch_size} x {a.seq_len} per rank, "
               f"buckets {a.bucket_mb} MB, {a.rounds} rounds x {a.steps} steps per mode; {describe_device()}; "
               f"mlx {mx.__version__}")
-        print(f"1 rank = a separate 1-process run ({a.one_rank_json})" if baseline else
-              "1 rank = the same process's step without gradient sync (compute only)")
+        print("1 rank = each rank's own step without gradient sync (a mesh of one), timed first in every round, "
+              f"then the {n}-rank after_backward and overlap steps; step ms = median over rounds of the mean over "
+              "ranks of each rank's median; ratios per round, median (min-max over rounds)")
         print(f"{'':<6}{'1 rank tok/s':>14}{f'{n} after tok/s':>16}{f'{n} overlap tok/s':>18}"
-              f"{'step ms 1 / after / overlap':>30}{'exposed ms after / overlap':>28}{'weak eff.':>11}"
-              f"{'overlap':>9}{'sum rel. diff':>15}")
+              f"{'step ms 1 / after / overlap':>30}{'exposed ms after / overlap':>28}{'weak eff. (min-max)':>23}"
+              f"{'overlap (min-max)':>21}{'sum rel. diff':>15}")
         for kind, r in rows.items():
-            s = {m: 1e3 * v for m, v in r["step_s"].items()}
-            s["compute"] = baseline.get(kind, s["compute"])  # the 1-rank column's own step
+            s = result[f"step_ms_{kind}"]
+            weak = _ratio(result[f"weak_scaling_{kind}"], result[f"weak_scaling_{kind}_spread"], True)
+            over = _ratio(result[f"overlap_speedup_{kind}"], result[f"overlap_speedup_{kind}_spread"], False)
             print(f"{kind:<6}{result[f'tok_s_1_{kind}']:>14.0f}{result[f'tok_s_{n}_after_{kind}']:>16.0f}"
                   f"{result[f'tok_s_{n}_overlap_{kind}']:>18.0f}"
                   f"{s['compute']:>12.1f} /{s['after_backward']:>7.1f} /{s['overlap']:>7.1f}"
                   f"{result[f'exposed_comm_ms_after_{kind}']:>15.1f} /{result[f'exposed_comm_ms_overlap_{kind}']:>7.1f}"
-                  f"{100 * result[f'weak_scaling_{kind}']:>10.1f}%{result[f'overlap_speedup_{kind}']:>8.2f}x"
-                  f"{r['overlap_sum_mismatch']:>15.1e}")
+                  f"{weak:>23}{over:>21}{r['overlap_sum_mismatch']:>15.1e}")
         if a.json:
             print(json.dumps(result))
     return 0

@@ -19,7 +19,7 @@ from meshtune.bench import SUITES
 OWN_FLAGS = {
     "peer": ["--report-every", "--max-seq-length"],
     "adapters": ["--combine", "--base-path", "--gen-tokens"],
-    "scaling": ["--in-process", "--one-rank-json", "--local-batch"],
+    "scaling": ["--in-process", "--rounds", "--local-batch"],
     "pipeline": ["--micro-batches", "--data-parallel"],
     "badinput": ["--subprocess"],
     "faults": ["--skip-badinput", "--watchdog"],

@@ -1,43 +1,92 @@
-"""`meshtune bench scaling --in-process` (the GPU form) run on the ring backend with the tiny preset."""
+"""`meshtune bench scaling --in-process` (the GPU form) run on the ring backend with the tiny preset:
+1 rank and 2 ranks timed in one invocation, interleaved in rounds, each ratio with its spread."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from support import ROOT
+from support import ROOT, run_cli
 
-BENCH = ["-m", "meshtune.cli", "bench", "scaling", "--in-process", "--preset", "tiny", "--steps", "2",
-         "--rounds", "1", "--json"]
+ROUNDS = 3
+BENCH = ["-m", "meshtune.cli", "bench", "scaling", "--in-process", "--preset", "tiny", "--steps", "1",
+         "--rounds", str(ROUNDS), "--warmup", "1", "--backend", "ring", "--json"]
+KINDS = ("lora", "full")
+RATIOS = ("weak_scaling", "weak_scaling_after", "weak_scaling_overlap", "overlap_speedup")
 
 
-def test_one_process_then_two_ranks_with_its_baseline(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks() -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    one = subprocess.run([sys.executable, *BENCH], env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    first = json.loads(one.stdout.strip().splitlines()[-1])
-    assert first["ranks"] == 1 and first["step_ms_lora"]["compute"] > 0
-    (tmp_path / "one.txt").write_text(one.stdout)
-    two = subprocess.run([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", sys.executable, *BENCH,
-                          "--backend", "ring", "--one-rank-json", str(tmp_path / "one.txt")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
-    assert "[rank 0] 1 rank = a separate 1-process run" in two.stdout and "[rank 1]" not in two.stdout.replace(
-        "[rank 1] rank", "")  # only rank 0 prints the table
-    out = json.loads(two.stdout.strip().splitlines()[-1].split("] ", 1)[1])
-    assert out["ranks"] == 2
-    # The 1-rank figure is the baseline's step, and the sums of both modes agree.
-    assert out["tok_s_1_lora"] == pytest.approx(2 * 32 / (first["step_ms_lora"]["compute"] / 1e3))
-    assert out["overlap_sum_mismatch_lora"] < 1e-5 and out["overlap_sum_mismatch_full"] < 1e-5
+    return subprocess.run([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", sys.executable, *BENCH],
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_baseline_without_a_result_is_one_line(tmp_path):
-    from meshtune.bench.scaling_inproc import _one_rank_ms
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1].split("] ", 1)[1])
 
-    (tmp_path / "empty.txt").write_text("no json here\n")
-    with pytest.raises(ValueError, match="--one-rank-json .*no 1-rank result"):
-        _one_rank_ms(str(tmp_path / "empty.txt"))
+
+def test_both_ranks_finish_and_only_rank_0_prints(two_ranks):
+    assert two_ranks.returncode == 0, two_ranks.stdout[-2000:] + two_ranks.stderr[-2000:]
+    lines = [l for l in two_ranks.stdout.splitlines() if l.startswith("[rank ")]
+    assert lines and all(l.startswith("[rank 0] ") for l in lines), lines
+    assert "[rank 0] 1 rank = each rank's own step without gradient sync" in two_ranks.stdout
+
+
+def test_one_rank_and_two_ranks_come_from_the_same_rounds(two_ranks):
+    out = _result(two_ranks)
+    assert out["ranks"] == 2 and out["rounds"] == ROUNDS and out["one_rank"] == "mean over ranks"
+    for kind in KINDS:
+        per = out[f"step_ms_rounds_{kind}"]
+        assert {m: len(v) for m, v in per.items()} == {"compute": ROUNDS, "after_backward": ROUNDS, "overlap": ROUNDS}
+        # Each ratio is per round, from that round's own 1-rank and 2-rank steps.
+        weak = sorted(c / min(a, o) for c, a, o in zip(per["compute"], per["after_backward"], per["overlap"]))
+        speed = sorted(a / o for a, o in zip(per["after_backward"], per["overlap"]))
+        assert out[f"weak_scaling_{kind}"] == pytest.approx(weak[1])
+        assert out[f"weak_scaling_{kind}_spread"] == pytest.approx([weak[0], weak[-1]])
+        assert out[f"overlap_speedup_{kind}"] == pytest.approx(speed[1])
+        assert out[f"overlap_speedup_{kind}_spread"] == pytest.approx([speed[0], speed[-1]])
+        # tokens/s from the median steps: 2 x 32 tokens per rank per step.
+        step = out[f"step_ms_{kind}"]
+        assert out[f"tok_s_1_{kind}"] == pytest.approx(64 / (step["compute"] / 1e3))
+        assert out[f"tok_s_2_after_{kind}"] == pytest.approx(2 * 64 / (step["after_backward"] / 1e3))
+        assert out[f"overlap_sum_mismatch_{kind}"] < 1e-5
+
+
+def test_every_spread_brackets_its_median(two_ranks):
+    out = _result(two_ranks)
+    for kind in KINDS:
+        for ratio in RATIOS:
+            low, high = out[f"{ratio}_{kind}_spread"]
+            assert 0 < low <= out[f"{ratio}_{kind}"] <= high, (ratio, kind)
+
+
+def test_the_table_prints_the_json_figures(two_ranks):
+    out = _result(two_ranks)
+    for kind in KINDS:
+        row = re.search(rf"^\[rank 0\] {kind} +(.*)$", two_ranks.stdout, re.M)
+        assert row, kind
+        f = re.findall(r"(?<![\d.])-?\d+(?:\.\d+)?(?:e[-+]\d+)?", row.group(1))  # 60.8-117.1: two
+        step = out[f"step_ms_{kind}"]
+        weak, (wlo, whi) = out[f"weak_scaling_{kind}"], out[f"weak_scaling_{kind}_spread"]
+        speed, (slo, shi) = out[f"overlap_speedup_{kind}"], out[f"overlap_speedup_{kind}_spread"]
+        expected = [f"{out[f'tok_s_1_{kind}']:.0f}", f"{out[f'tok_s_2_after_{kind}']:.0f}",
+                    f"{out[f'tok_s_2_overlap_{kind}']:.0f}", f"{step['compute']:.1f}",
+                    f"{step['after_backward']:.1f}", f"{step['overlap']:.1f}",
+                    f"{out[f'exposed_comm_ms_after_{kind}']:.1f}", f"{out[f'exposed_comm_ms_overlap_{kind}']:.1f}",
+                    f"{100 * weak:.1f}", f"{100 * wlo:.1f}", f"{100 * whi:.1f}",
+                    f"{speed:.2f}", f"{slo:.2f}", f"{shi:.2f}", f"{out[f'overlap_sum_mismatch_{kind}']:.1e}"]
+        assert f == expected, (kind, row.group(1))
+
+
+def test_the_separate_baseline_flag_is_gone_and_bad_rounds_is_one_line():
+    gone = run_cli("bench", "scaling", "--in-process", "--one-rank-json", "x.txt", timeout=120)
+    assert gone.returncode == 2 and "--one-rank-json" in gone.stderr
+    bad = run_cli("bench", "scaling", "--in-process", "--preset", "tiny", "--rounds", "0", timeout=120)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()] and "--rounds 0" in bad.stderr
