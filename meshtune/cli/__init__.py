@@ -10,7 +10,8 @@
     meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
     meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
     meshtune bench scaling [--ranks 2] [--in-process]  # 1 vs N ranks, gradient sync after vs overlapped
-    meshtune bench pipeline [--stages 2]  # naive vs GPipe vs 1F1B
+    meshtune bench packing | plan | torch [--json]   # packing speed-up; plan vs measured peak; PyTorch + PEFT
+    meshtune bench pipeline [--stages 2]  # GPipe and 1F1B against the whole batch at once (naive, M=1)
     meshtune bench badinput [--case NAME]  # bad inputs must each fail cleanly (exit 2, one line)
     meshtune bench faults [--json]     # kill/stop/cut/corrupt real runs; clean exit, exact resume
     meshtune bench soak [--steps 2000] [--repeats 20]  # memory growth and repeated runs without a hang
