@@ -38,6 +38,7 @@ import mlx.core as mx
 from ..runtime.blas import describe_blas
 from ..cli.launch import launch_local
 from ..parallel.schedules import build as build_schedule, idle_fraction
+from ..training.metrics import read_metrics
 from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
@@ -85,8 +86,7 @@ def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Pat
     # Each rank's own last line (launchers differ in how they prefix output).
     found = sorted((int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in re.finditer(
         r"rank (\d+) finished at step \d+ \(peak memory ([\d.]+) GB, activations ([-\d.]+) GB\)", log))
-    reports = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    shares = [r.get("bubble_share", 0.0) for r in reports if r["type"] == "train"]
+    shares = [r.get("bubble_share", 0.0) for r in read_metrics(out) if r["type"] == "train"]
     later = shares[1:] or shares  # the windows steps/s counts
     bubble = sum(later) / len(later) if later else 0.0
     return steps_per_sec(metric_windows(out)), bubble, [f[1] for f in found], [f[2] for f in found]

@@ -35,7 +35,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..plan import layouts
 from ..runtime.blas import describe_blas
+from ..training.metrics import read_metrics
 from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .pipeline import on_gpu, write_text_data
@@ -58,7 +60,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return "1 process" if self.ranks == 1 else f"DP {self.dp}" if self.pp == 1 else f"PP {self.pp}"
+        """The planner's name of this layout (its rows are matched by it)."""
+        return layouts.Layout(self.dp, self.pp).name
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -104,8 +107,7 @@ def _run_command(flags: list[str], layout: Layout, iters: int, out: Path) -> lis
 
 def _peaks(layout: Layout, out: Path) -> list[float]:
     """Each rank's peak memory in bytes: the last train record of the run's metrics.jsonl."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = [r for r in records if r.get("type") == "train"][-1]
+    last = [r for r in read_metrics(out) if r.get("type") == "train"][-1]
     per_rank = last.get("peak_memory_gb_per_rank") or [last["peak_memory_gb"]] * layout.ranks
     if len(per_rank) != layout.ranks:
         raise RuntimeError(f"{layout.name}: metrics.jsonl gives {len(per_rank)} ranks' peaks, not {layout.ranks}")

@@ -64,7 +64,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         return NONFINITE_EXIT_CODE
     if not result.stopped_early:
         return 0
-    if os.environ.get("MLX_RANK", "0") == "0":  # one line for the run, from the writer (rank 0)
+    if mesh.is_writer:  # one line for the run
         print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
     return 3
 
@@ -89,13 +89,13 @@ def resume_command(adapter_path: Any, mesh: Any, environ: Any = os.environ) -> s
 
 def _is_launch_hostfile(path: str) -> bool:
     """Whether `path` is an mlx.launch hostfile ([{"ssh": host, "ips": [...]}, ...]) that can be read here."""
-    import json
+    from ..parallel.hostfile import read_hostfile
 
     try:
-        entries = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        read_hostfile(Path(path))
+    except ValueError:
         return False
-    return isinstance(entries, list) and bool(entries) and all(isinstance(e, dict) and "ssh" in e for e in entries)
+    return True
 
 
 def _mesh(cfg: Any) -> Any:
@@ -227,11 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from ..config.show import options_help
 
+    every_option = options_help()  # the epilog of train, config and plan
     for name, func, doc in (
         ("train", cmd_train, "Fine-tune (LoRA or full) from YAML and flags."),
         ("config", cmd_config, "Print the resolved config of a train command as YAML (-c reads it back)."),
     ):
-        cmd = sub.add_parser(name, help=doc, epilog=options_help(),
+        cmd = sub.add_parser(name, help=doc, epilog=every_option,
                              formatter_class=argparse.RawDescriptionHelpFormatter,
                              description=f"{doc} Options: mlx_lm.lora flags (--model, --data, --iters, ...) and "
                                          "--section.key VALUE for any config key, listed below. With none of "
@@ -241,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Continue the run in --adapter-path with the settings its checkpoint saved.")
         cmd.set_defaults(func=func)
     plan = sub.add_parser("plan", help="Memory per rank, bubble and traffic of each layout; which fits.",
-                          epilog=options_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=every_option, formatter_class=argparse.RawDescriptionHelpFormatter,
                           description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
                                       "value); reads only config.json and safetensors headers.")
     plan.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")

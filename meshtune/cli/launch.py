@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from ..parallel.hostfile import read_hostfile
 from ..training import NONFINITE_EXIT_CODE
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
@@ -66,22 +67,6 @@ def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) ->
     ips = hosts or ["127.0.0.1"] * n
     path.write_text(json.dumps([[f"{ip}:{p}"] for ip, p in zip(ips, free_ports(n))]))
     return path
-
-
-def read_hostfile(path: Path) -> list[dict[str, Any]]:
-    """mlx.launch's hostfile: a JSON list with one {"ssh": host, "ips": [ip, ...]} per rank."""
-    try:
-        hosts = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--hostfile {path}: cannot read it as JSON ({' '.join(str(err).split())}); give a "
-                         'list like [{"ssh": "mac1", "ips": ["10.0.0.1"]}, ...], one entry per rank') from None
-    ok = isinstance(hosts, list) and hosts and all(
-        isinstance(h, dict) and isinstance(h.get("ssh"), str) and h["ssh"] and isinstance(h.get("ips"), list)
-        and h["ips"] and all(isinstance(ip, str) for ip in h["ips"]) for h in hosts)
-    if not ok:
-        raise ValueError(f'--hostfile {path}: every entry needs "ssh" (a host name) and "ips" (a non-empty list '
-                         'of addresses), e.g. [{"ssh": "mac1", "ips": ["10.0.0.1"]}]')
-    return hosts
 
 
 # Environment a remote rank gets from this machine (ssh forwards none of it).

@@ -72,8 +72,7 @@ def load_datasets(
         role = next(iter(specs))
         raise ValueError(f"data.{role}_split={specs[role]!r} applies to Hugging Face datasets and parquet files; "
                          f"{folder} is read as jsonl ({role}.jsonl), so unset --data.{role}_split")
-    return load_jsonl_folder(folder, tokenizer, need_train=need_train, need_valid=need_valid,
-                             need_test=need_test, **options)
+    return load_jsonl_folder(folder, tokenizer, needed, **options)
 
 
 def _required(folder: Path, name: str, hint: str) -> Path:
@@ -86,23 +85,11 @@ def _required(folder: Path, name: str, hint: str) -> Path:
     return path
 
 
-def load_jsonl_folder(
-    folder: Path,
-    tokenizer: Any,
-    *,
-    mask_prompt: bool = False,
-    features: Features = Features(),
-    need_train: bool = True,
-    need_valid: bool = True,
-    need_test: bool = False,
-    max_length: Optional[int] = None,
-    max_seq_length: Optional[int] = None,
-    skip_empty: bool = False,
-    warn: Optional[Callable[[str], None]] = None,
-) -> Datasets:
-    """Load ``train/valid/test.jsonl`` from a folder; splits not needed are left as None.
+def load_jsonl_folder(folder: Path, tokenizer: Any, needed: Dict[str, bool], **options: Any) -> Datasets:
+    """Load ``train/valid/test.jsonl`` from a folder; splits not `needed` are left as None.
 
-    ``max_seq_length``, ``skip_empty`` and ``warn`` are load_split's, for every split.
+    `options` are load_split's (mask_prompt, features, max_length, max_seq_length, skip_empty,
+    warn), for every split; the same shape as hf.load_roles.
     """
     folder = Path(folder)
     hints = {
@@ -110,13 +97,10 @@ def load_jsonl_folder(
         "valid": " (or turn off validation with --val-batches 0)",
         "test": " (or leave out --test)",
     }
-    needed = {"train": need_train, "valid": need_valid, "test": need_test}
     # Check every needed file before tokenizing anything, so a missing valid.jsonl
     # is reported before minutes are spent on train.jsonl.
     paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
     loaded = {
-        n: load_split(p, tokenizer, mask_prompt=mask_prompt, features=features, max_length=max_length,
-                      max_seq_length=max_seq_length, skip_empty=skip_empty, warn=warn)
-        for n, p in paths.items()
+        n: load_split(p, tokenizer, **options) for n, p in paths.items()
     }
     return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))

@@ -12,11 +12,11 @@ its output forward and its input gradient back for every micro-batch.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..parallel.hostfile import read_hostfile
 from ..parallel.schedules import build, idle_fraction, in_flight
 from ..parallel.stages import balanced_split, check_stage_layers
 
@@ -39,16 +39,7 @@ def parse_link(text: str) -> float:
 
 def ranks_in_hostfile(path: str | Path) -> int:
     """Ranks of mlx.launch's hostfile as `meshtune launch --hostfile` reads it: one {"ssh", "ips"} entry per rank."""
-    try:
-        hosts = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--hostfile {path}: cannot read it as JSON ({' '.join(str(err).split())}); give a "
-                         'list like [{"ssh": "mac1", "ips": ["10.0.0.1"]}, ...], one entry per rank') from None
-    if not (isinstance(hosts, list) and hosts and all(isinstance(h, dict) and h.get("ssh") and h.get("ips")
-                                                      for h in hosts)):
-        raise ValueError(f'--hostfile {path}: every entry needs "ssh" (a host name) and "ips" (a non-empty list '
-                         'of addresses), e.g. [{"ssh": "mac1", "ips": ["10.0.0.1"]}]')
-    return len(hosts)
+    return len(read_hostfile(Path(path)))
 
 
 @dataclass
