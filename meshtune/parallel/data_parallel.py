@@ -26,7 +26,10 @@ With `transport: sockets` the step has a host-side point between compute and sum
 so reports measure the exposed communication (`TimedPump`: from the moment the last
 bucket's gradients exist to the moment the last sum is back) as `comm_share`. On the
 mlx transport the sums run inside the one compiled step, where no host clock sees them,
-and nothing is reported: `meshtune bench scaling` measures that transport.
+so one step per report window is sampled (`build_sampled_step`): the first step after
+each report runs split, its sums evaluated and timed alone after its backward, and
+every step of the window counts that sample's seconds. With `grad_sync: overlap` the
+sampled sums are not overlapped, so there it is an upper bound of the exposed wait.
 """
 
 from __future__ import annotations
@@ -272,18 +275,9 @@ def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "aft
     return summed["grads"], summed["tokens"]
 
 
-def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
-               compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
-               transport: str = "mlx", clock: WaitClock | None = None
-               ) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
-    """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks).
-
-    Each call is one micro-batch: its gradients and tokens are added to `grads` and
-    `ntoks` (None at a step's first); with `update` they are summed over the ranks and
-    the optimizer steps unless the step is bad (training/update.py), and
-    (loss_sum, ntoks_batch, None, (ok, norm, global tokens)) comes back. On the socket
-    transport `clock` gets each step's exposed communication (TimedPump).
-    """
+def _step_parts(model: nn.Module, optimizer: optim.Optimizer, *, max_grad_norm: float, compile: bool
+                ) -> tuple[Callable, Callable, Callable]:
+    """(backward, apply, compiled): a step's two halves, and what compiles a function over the step's state."""
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
     compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
@@ -299,6 +293,22 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         """The update from gradients and token count already summed over the ranks; (ok, norm, tokens)."""
         return tuple(apply_update(model, optimizer, grads, tokens, max_grad_norm=max_grad_norm).arrays())
 
+    return backward, apply, compiled
+
+
+def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
+               compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
+               transport: str = "mlx", clock: WaitClock | None = None
+               ) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
+    """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks).
+
+    Each call is one micro-batch: its gradients and tokens are added to `grads` and
+    `ntoks` (None at a step's first); with `update` they are summed over the ranks and
+    the optimizer steps unless the step is bad (training/update.py), and
+    (loss_sum, ntoks_batch, None, (ok, norm, global tokens)) comes back. On the socket
+    transport `clock` gets each step's exposed communication (TimedPump).
+    """
+    backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile)
     sockets = transport == "sockets" and mesh.world_size > 1
     if sockets:
         # Compiled backward and update; between them each bucket is handed to the socket
@@ -318,20 +328,59 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
     return step if sockets else compiled(step)
 
 
+def build_sampled_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
+                       compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0
+                       ) -> Callable[..., tuple[tuple[mx.array, mx.array, None, Any], float]]:
+    """sampled(tokens, lengths, grads, ntoks) -> (build_step's outputs with `update`, comm seconds).
+
+    A step's last micro-batch run split, for the mlx transport's comm_share: the
+    compiled backward is evaluated, then the gradient sums (sum_for_update, the same
+    buckets) are evaluated and timed alone (the communication wait this step exposes,
+    the slowest rank's backward included), then the compiled update. The sums run
+    after the whole backward, so with `overlap` the seconds are an upper bound of the
+    wait the compiled step exposes. The weights equal the compiled step's within float
+    rounding; the evaluations are the host syncs of this one step.
+    """
+    backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile)
+    backward, apply = compiled(backward), compiled(apply)
+
+    def sampled(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
+        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
+        mx.eval(ce, n, grads, total)
+        tic = time.perf_counter()
+        summed = sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb)
+        mx.eval(summed)
+        return (ce, n, None, apply(*summed)), time.perf_counter() - tic
+
+    return sampled
+
+
 class DataParallel:
-    """The strategy of a mesh without pipeline stages: the whole model on every rank (or the one process)."""
+    """The strategy of a mesh without pipeline stages: the whole model on every rank (or the one process).
+
+    `sample_comm` (on from from_config, which the training loop's runs use): on the mlx
+    transport with more than one rank, the first step after each `waited()` (each report
+    window's first, and the run's first) runs split (build_sampled_step) and its sums'
+    seconds are added to the clock once for every step until the next `waited()`: the
+    window's comm seconds are sampled comm x steps in the window. No other step syncs the host.
+    """
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, accumulation: int = 1,
                  max_grad_norm: float = 0.0, compile: bool = True, sync: str = "after_backward",
-                 bucket_mb: float = 25.0, transport: str = "mlx", overlap: bool = False):
+                 bucket_mb: float = 25.0, transport: str = "mlx", overlap: bool = False, sample_comm: bool = False):
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
         self.accumulation, self.overlap = accumulation, overlap
-        self.clock = WaitClock() if transport == "sockets" and mesh.world_size > 1 else None
+        sampled = sample_comm and transport == "mlx" and mesh.world_size > 1
+        self.clock = WaitClock() if sampled or (transport == "sockets" and mesh.world_size > 1) else None
         # Built at the first step: the compiled step holds the optimizer's state container, which a
         # resume replaces.
         self._build = partial(build_step, model, optimizer, mesh, max_grad_norm=max_grad_norm, compile=compile,
                               sync=sync, bucket_mb=bucket_mb, transport=transport, clock=self.clock)
+        self._build_sampled = partial(build_sampled_step, model, optimizer, mesh, max_grad_norm=max_grad_norm,
+                                      compile=compile, sync=sync, bucket_mb=bucket_mb) if sampled else None
         self._step: Callable[..., tuple[mx.array, mx.array, Any, Any]] | None = None
+        self._sampled: Callable[..., Any] | None = None
+        self._comm: float | None = None  # the window's sampled comm seconds; None: sample the next step
         self._in_flight = OneInFlight(overlap)
 
     @staticmethod
@@ -345,25 +394,35 @@ class DataParallel:
                     overlap: bool, say: Callable[[str], None]) -> "DataParallel":
         t, p = cfg.train, cfg.parallel
         return cls(model, optimizer, mesh, accumulation=t.grad_accumulation_steps, max_grad_norm=t.max_grad_norm,
-                   compile=t.compile, sync=p.grad_sync, bucket_mb=p.bucket_mb, transport=p.transport, overlap=overlap)
+                   compile=t.compile, sync=p.grad_sync, bucket_mb=p.bucket_mb, transport=p.transport, overlap=overlap,
+                   sample_comm=True)
 
     def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
         self._step = self._step or self._build()
+        sample = self._build_sampled is not None and self._comm is None
+        if sample:
+            self._sampled = self._sampled or self._build_sampled()
         grads = carried = None  # carried: the tokens so far; after the last micro-batch, the verdict's arrays
         losses = []
         for micro in range(self.accumulation):
             batch = next(batches)
-            ce, n, grads, carried = self._step(batch.tokens, batch.lengths, grads, carried,
-                                               micro == self.accumulation - 1)
+            last = micro == self.accumulation - 1
+            if last and sample:
+                (ce, n, grads, carried), self._comm = self._sampled(batch.tokens, batch.lengths, grads, carried)
+            else:
+                ce, n, grads, carried = self._step(batch.tokens, batch.lengths, grads, carried, last)
             losses.append((ce, n))
             # The wait is on a micro-batch's own loss arrays: the state's containers are updated
             # in place, so by then they hold the next micro-batch's arrays. The verdict is
             # evaluated with the last call.
             self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, carried],
                                 [ce, n])
+        if self._build_sampled is not None:
+            self.clock.add(self._comm)
         return losses, StepVerdict(*carried)
 
     def waited(self) -> dict[str, float]:
+        self._comm = None  # the next window samples its own first step
         return {} if self.clock is None else {"comm": self.clock.take()}
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
