@@ -27,6 +27,7 @@ OWN_FLAGS = {
     "packing": ["--steps", "--max-seq-length"],
     "plan": ["--layouts", "--quantize"],
     "torch": ["--kinds", "--matmul-size"],
+    "startup": ["--runs-per-cache", "--kinds"],
 }
 
 
