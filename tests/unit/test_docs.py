@@ -28,3 +28,13 @@ def test_readme_opens_with_make_demo_and_make_test() -> None:
     lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.strip()]
     assert lines[0] == "# meshtune" and lines[1] == "```"
     assert lines[2].startswith("make demo ") and lines[3].startswith("make test ") and lines[4] == "```"
+
+
+def test_bench_tables_are_few_each_headed_by_its_command_and_cited() -> None:
+    """docs/bench keeps the reference tables the docs cite, at most 12, each opening with its command."""
+    tables = sorted((ROOT / "docs" / "bench").iterdir())
+    assert 0 < len(tables) <= 12, [t.name for t in tables]
+    text = "\n".join(page.read_text() for page in PAGES)
+    for table in tables:
+        assert table.read_text().startswith("$ meshtune bench "), table.name  # rerunnable as written
+        assert table.name in text, f"no page cites docs/bench/{table.name}"
