@@ -71,16 +71,17 @@ def model_need(shape: Shape, batch: int, seq: int, load: Load) -> int:
     return int(load.processes * (weights + state + activations) / load.stages)
 
 
-def preset_shape(name: str, arch: str = "qwen3") -> Shape:
-    """The dimensions of a preset of bench/models.py."""
-    p = PRESETS[name]
+def preset_shape(name: str, arch: str = "qwen3", presets: dict[str, dict[str, int]] | None = None) -> Shape:
+    """The dimensions of a preset of bench/models.py (or of `presets`, a suite's own table of the same keys)."""
+    p = (presets or PRESETS)[name]
     return Shape(arch=arch, **{k: p[k] for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")})
 
 
-def preset_need(name: str, load: Load, batch: int | None = None, seq: int | None = None) -> int:
+def preset_need(name: str, load: Load, batch: int | None = None, seq: int | None = None,
+                presets: dict[str, dict[str, int]] | None = None) -> int:
     """A preset's need under `load`, at its own batch and sequence length unless given."""
-    return model_need(preset_shape(name), batch or PRESETS[name]["batch_size"], seq or PRESETS[name]["seq_len"],
-                      load)
+    p = (presets or PRESETS)[name]
+    return model_need(preset_shape(name, presets=presets), batch or p["batch_size"], seq or p["seq_len"], load)
 
 
 def detect() -> Machine:
@@ -130,14 +131,18 @@ def fits(need: int, machine: Machine) -> bool:
 
 
 def choose_preset(requested: str | None, load: Load, machine: Machine, *, batch: int | None = None,
-                  seq: int | None = None, candidates: tuple[str, ...] = ORDER) -> tuple[str, str]:
+                  seq: int | None = None, candidates: tuple[str, ...] | None = None,
+                  presets: dict[str, dict[str, int]] | None = None) -> tuple[str, str]:
     """(preset, the line that says why): the largest candidate that fits `machine`, or `requested`.
 
     On a CPU only CPU_PRESETS are candidates; when none fits, the smallest runs. `batch`
-    and `seq` are the flags that override the presets' own (None: the preset's).
+    and `seq` are the flags that override the presets' own (None: the preset's). `presets`
+    is a suite's own table, smallest first (default: bench/models.py's, in ORDER).
     """
-    needs = {name: preset_need(name, load, batch, seq) for name in ORDER}
-    gb = {name: f"~{needs[name] / GB:.1f} GB" for name in ORDER}
+    order = tuple(presets) if presets else ORDER
+    candidates = candidates or order
+    needs = {name: preset_need(name, load, batch, seq, presets) for name in order}
+    gb = {name: f"~{needs[name] / GB:.1f} GB" for name in order}
     if requested is not None:
         line = f"preset: {requested} (--preset; {machine.describe()}, {requested} needs {gb[requested]})"
         if not fits(needs[requested], machine):
@@ -149,7 +154,7 @@ def choose_preset(requested: str | None, load: Load, machine: Machine, *, batch:
     fitting = [n for n in allowed if fits(needs[n], machine)]
     chosen = fitting[-1] if fitting else allowed[0]
     line = f"preset: {chosen} ({machine.describe()}, {chosen} needs {gb[chosen]}"
-    larger = [n for n in candidates if ORDER.index(n) > ORDER.index(chosen)]
+    larger = [n for n in candidates if order.index(n) > order.index(chosen)]
     if larger:
         bigger = larger[0]
         why = gb[bigger] + (" and a GPU" if machine.kind == "CPU" and bigger not in CPU_PRESETS else "")

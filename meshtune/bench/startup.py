@@ -20,7 +20,7 @@ OS page cache (it was just written) and Python's bytecode compiled, so a fresh m
 reads are not in these figures. On the CPU there is no PTX cache: cold and warm differ only
 by noise, and the tiny preset takes seconds.
 
-    meshtune bench startup                        # 1.7b on a GPU with the memory for it; tiny on a CPU
+    meshtune bench startup                        # 1.7b on a GPU with the memory for it; small on a CPU
     meshtune bench startup --preset tiny --json   # seconds on a CPU; what the test runs
 
 What is whose: compiling a kernel with NVRTC the first time it is met is MLX's, and so is
@@ -47,7 +47,8 @@ import mlx.core as mx
 
 from . import torch_peer
 from .adapters import describe_device
-from .fit import GB, Load, Machine, detect, fits, model_need
+from . import fit
+from .fit import Load, Machine, detect
 from .models import PRESETS as MODEL_PRESETS
 from .models import Shape, write_model_folder
 
@@ -58,7 +59,6 @@ SHAPE_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")
 PRESETS: dict[str, dict[str, int]] = {"tiny": MODEL_PRESETS["tiny"], "small": MODEL_PRESETS["small"],
                                       "1.7b": torch_peer.PRESETS["1.7b"]}
 TIED = {"1.7b"}
-CPU_PRESETS = ("tiny",)
 ITERS = 2
 MARKS = {  # phase end -> the first stdout line that ends it
     "loaded": re.compile(r"^(lora|dora|full) on \d+ layers"),
@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtune bench startup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="tiny (CPU), small, or 1.7b (Qwen3-1.7B's shape, a GPU). Default: 1.7b where it fits this "
-                        "GPU's memory, else the largest that fits; tiny on a CPU. Said in the first line.")
+                   help="tiny, small (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: the largest that fits "
+                        "this device's memory (bench/fit.py), said in the first line.")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(DEFAULT_KINDS),
                    help="Fine-tuning kinds (--fine-tune-type) to start.")
     p.add_argument("--runs-per-cache", type=int, default=1,
@@ -86,30 +86,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def preset_shape(name: str) -> Shape:
-    return Shape("qwen3", **{k: PRESETS[name][k] for k in SHAPE_KEYS})
+    return fit.preset_shape(name, presets=PRESETS)
 
 
 def choose_preset(requested: str | None, batch: int | None, seq: int | None, dtype_bytes: int,
                   machine: Machine) -> tuple[str, str]:
-    """(preset, the line that says why), as fit.choose_preset words it: the largest that fits a GPU, else tiny."""
+    """(preset, the line that says why), by fit.choose_preset: the largest that fits a GPU, else tiny."""
     load = Load(full=True, dtype_bytes=dtype_bytes)  # full fine-tuning is the peak of the kinds
-    need = {n: model_need(preset_shape(n), batch or p["batch_size"], seq or p["seq_len"], load)
-            for n, p in PRESETS.items()}
-    gb = {n: f"~{v / GB:.1f} GB" for n, v in need.items()}
-    if requested is not None:
-        if not fits(need[requested], machine):
-            print(f"meshtune bench: warning: --preset {requested} needs {gb[requested]} and this {machine.kind} has "
-                  f"{machine.memory / GB:.1f} GB: it may run out of memory; leave --preset out to pick a size that "
-                  "fits", file=sys.stderr, flush=True)
-        return requested, f"preset: {requested} (--preset; {machine.describe()}, {requested} needs {gb[requested]})"
-    allowed = list(PRESETS) if machine.kind == "GPU" else list(CPU_PRESETS)
-    chosen = ([n for n in allowed if fits(need[n], machine)] or allowed[:1])[-1]
-    line = f"preset: {chosen} ({machine.describe()}, {chosen} needs {gb[chosen]}"
-    larger = list(PRESETS)[list(PRESETS).index(chosen) + 1:]
-    if larger:
-        gpu = " and a GPU" if machine.kind == "CPU" else ""
-        line += f"; {larger[0]} needs {gb[larger[0]]}{gpu}: pass --preset {larger[0]} to force"
-    return chosen, line + ")"
+    return fit.choose_preset(requested, load, machine, batch=batch, seq=seq, presets=PRESETS)
 
 
 def write_model(name: str, dtype: mx.Dtype, folder: Path) -> Path:

@@ -48,7 +48,8 @@ from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
 from ..training.step import overlaps_steps
 from .adapters import _meshtune_runner, describe_device, time_step_rounds
-from .fit import GB, Load, Machine, detect, fits, model_need
+from . import fit
+from .fit import GB, Load, Machine, detect
 from .models import BITS, GROUP_SIZE, Shape, add_adapters, build_model
 
 LIBRARIES = ("torch", "transformers", "peft")
@@ -102,23 +103,10 @@ def missing_libraries() -> list[str]:
 
 def choose_preset(requested: str | None, batch: int | None, seq: int | None, dtype_bytes: int,
                   machine: Machine) -> tuple[str, str]:
-    """(preset, the line that says why), as fit.choose_preset words it: 1.7b where it fits a GPU, else tiny."""
+    """(preset, the line that says why), by fit.choose_preset: 1.7b where it fits a GPU, else tiny."""
     # Two frameworks each hold a fully trained model at the full-fine-tuning peak, like two ranks.
-    load = Load(full=True, processes=2, dtype_bytes=dtype_bytes)
-    need = {name: model_need(Shape("qwen3", **{k: p[k] for k in SHAPE_KEYS}), batch or p["batch_size"],
-                             seq or p["seq_len"], load) for name, p in PRESETS.items()}
-    gb = {name: f"~{n / GB:.1f} GB" for name, n in need.items()}
-    if requested is not None:
-        if not fits(need[requested], machine):
-            print(f"meshtune bench: warning: --preset {requested} needs {gb[requested]} and this {machine.kind} has "
-                  f"{machine.memory / GB:.1f} GB: it may run out of memory; leave --preset out to pick a size that "
-                  "fits", file=sys.stderr, flush=True)
-        return requested, f"preset: {requested} (--preset; {machine.describe()}, {requested} needs {gb[requested]})"
-    if machine.kind == "GPU" and fits(need["1.7b"], machine):
-        return "1.7b", f"preset: 1.7b ({machine.describe()}, 1.7b needs {gb['1.7b']})"
-    gpu = " and a GPU" if machine.kind == "CPU" else ""
-    return "tiny", (f"preset: tiny ({machine.describe()}, tiny needs {gb['tiny']}; 1.7b needs {gb['1.7b']}{gpu}: "
-                    "pass --preset 1.7b to force)")
+    return fit.choose_preset(requested, Load(full=True, processes=2, dtype_bytes=dtype_bytes), machine,
+                             batch=batch, seq=seq, presets=PRESETS)
 
 
 def _settings(argv: list[str]) -> argparse.Namespace:

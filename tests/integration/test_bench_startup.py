@@ -59,12 +59,14 @@ def test_table_matches_json(bench):
     assert any(f"MLX {result['mlx']}" in line and result["device"] in line for line in table)
 
 
-def test_a_cpu_picks_the_tiny_preset():
+def test_the_preset_is_the_largest_that_fits_and_1_7b_needs_a_gpu():
     from meshtune.bench.fit import Machine
     from meshtune.bench.startup import choose_preset
 
     chosen, line = choose_preset(None, None, None, 4, Machine("CPU", "test", 10 ** 12))
-    assert chosen == "tiny" and "pass --preset small" in line
+    assert chosen == "small" and "pass --preset 1.7b" in line and "and a GPU" in line
+    chosen, line = choose_preset(None, None, None, 4, Machine("CPU", "test", 10 ** 6))
+    assert chosen == "tiny"
     chosen, _ = choose_preset(None, None, None, 2, Machine("GPU", "test", 140 * 10 ** 9))
     assert chosen == "1.7b"
     chosen, _ = choose_preset(None, None, None, 2, Machine("GPU", "test", 4 * 10 ** 9))
