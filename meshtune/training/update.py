@@ -13,6 +13,9 @@ batch has no target tokens, leaves the parameters and the optimizer state as the
 values are already the same on every rank, so every rank gates the same way with no
 extra collective. A non-finite loss makes a non-finite gradient (its logits are inf or
 nan), so the norm covers it. For a finite step `where` returns the new arrays bit for bit.
+Adam and AdamW take the selects inside their own update (`_gated_adam`), so that MLX's
+compiler makes one kernel of each parameter's whole update; without clipping the norm is
+taken from the summed gradients and divided once, so the division joins that kernel too.
 """
 
 from __future__ import annotations
@@ -74,16 +77,54 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     of the model once, whichever rank holds it (a collective where ranks hold different
     parameters: every rank calls it every step). A bad step (see above) changes nothing.
     """
-    grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
-    norm = mx.sqrt(square_sum(grads))
+    if max_grad_norm > 0:  # mlx's clip_grad_norm, bit for bit: the norm of the divided gradients
+        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
+        norm = mx.sqrt(square_sum(grads))
+    else:  # the norm only gates: taken before the division, which then fuses into the optimizer's kernel
+        norm = mx.sqrt(square_sum(grads)) / tokens.astype(mx.float32)
+        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
     ok = mx.isfinite(norm) & (tokens > 0)
     if max_grad_norm > 0:
         scale = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
         # Cast after scaling, as mlx does, so a small scale does not underflow in float16.
         grads = tree_map(lambda g: (g * scale).astype(g.dtype), grads)
+    if type(optimizer) in (optim.Adam, optim.AdamW):
+        counters = {k: optimizer.state[k] for k in ("step", "learning_rate") if k in optimizer.state}
+        optimizer.apply_single = _gated_adam(optimizer, ok)  # this update's only: removed below
+        try:
+            optimizer.update(model, grads)
+        finally:
+            del optimizer.apply_single
+        _keep_old(ok, optimizer.state, counters)
+        return StepVerdict(ok=ok, norm=norm, tokens=tokens)
     old_params = tree_map(lambda p: p, model.trainable_parameters())
     old_state = tree_map(lambda s: s, optimizer.state)
     optimizer.update(model, grads)
     model.update(_keep_old(ok, model.trainable_parameters(), old_params))
     _keep_old(ok, optimizer.state, old_state)
     return StepVerdict(ok=ok, norm=norm, tokens=tokens)
+
+
+def _gated_adam(optimizer: optim.Adam, ok: mx.array) -> Callable[[mx.array, mx.array, dict], mx.array]:
+    """mlx's Adam (and AdamW) `apply_single` with the gate inside: m and v are selected as they are
+    made and the parameter's update reads the selected ones, so MLX fuses each parameter's whole
+    update (division by the tokens, moments, parameter, selects) into one kernel. Selecting after
+    the optimizer, as for the other optimizers, leaves each new moment two readers and costs each
+    parameter five more kernels. A step with `ok` gives mlx's arithmetic bit for bit (a test compares)."""
+    decoupled = isinstance(optimizer, optim.AdamW)
+
+    def apply_single(gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        lr = optimizer.learning_rate.astype(gradient.dtype)
+        start = parameter * (1 - lr * optimizer.weight_decay) if decoupled else parameter
+        b1, b2 = optimizer.betas
+        m = state["m"] = mx.where(ok, b1 * state["m"] + (1 - b1) * gradient, state["m"])
+        v = state["v"] = mx.where(ok, b2 * state["v"] + (1 - b2) * mx.square(gradient), state["v"])
+        if optimizer.bias_correction:
+            c1 = (lr / (1 - b1 ** optimizer.step)).astype(gradient.dtype)
+            c2 = mx.rsqrt(1 - b2 ** optimizer.step).astype(gradient.dtype)
+            new = start - (c1 * m) / (mx.sqrt(v) * c2 + optimizer.eps)
+        else:
+            new = start - lr * m / (mx.sqrt(v) + optimizer.eps)
+        return mx.where(ok, new, parameter)
+
+    return apply_single

@@ -215,3 +215,52 @@ def test_a_finite_step_is_bit_identical_to_the_plain_update(model_factory):
     opt.update(model, grads)
     for k, v in trainable_parameters(model).items():
         assert mx.array_equal(v, got[k]).item(), k
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("make", [
+    lambda: optim.Adam(learning_rate=0.01),
+    lambda: optim.Adam(learning_rate=0.01, bias_correction=True),
+    lambda: optim.AdamW(learning_rate=0.01, weight_decay=0.1),
+    lambda: optim.AdamW(learning_rate=optim.cosine_decay(0.01, 10), bias_correction=True),
+], ids=["adam", "adam-bias-correction", "adamw", "adamw-schedule-bias-correction"])
+def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile):
+    """Adam and AdamW take the gate inside their update (training/update._gated_adam): on good steps the
+    parameters and every optimizer state array equal mlx's own optimizer's, bit for bit, in float32 and
+    bfloat16; then a bad step (no tokens) changes nothing, its step counter and learning rate included."""
+    from meshtune.training.update import apply_update
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = mx.random.normal((6, 5), key=mx.random.key(1))
+            self.h = mx.random.normal((7,), key=mx.random.key(2)).astype(mx.bfloat16)
+
+    ours, theirs = Holder(), Holder()
+    theirs.update(tree_map(lambda p: p, ours.parameters()))
+    opt_ours, opt_theirs = make(), make()
+    opt_ours.init(ours.trainable_parameters())
+    opt_theirs.init(theirs.trainable_parameters())
+    state = [ours.state, opt_ours.state]
+
+    def update(grads, tokens):
+        return apply_update(ours, opt_ours, grads, tokens, max_grad_norm=0.0).arrays()
+
+    update = mx.compile(update, inputs=state, outputs=state) if compile else update
+    for i in range(3):
+        grads = {"w": mx.random.normal((6, 5), key=mx.random.key(10 + i)) * 7,
+                 "h": (mx.random.normal((7,), key=mx.random.key(20 + i)) * 7).astype(mx.bfloat16)}
+        tokens = mx.array(7)
+        ok, _, _ = update(grads, tokens)
+        opt_theirs.update(theirs, tree_map(lambda g: g / tokens.astype(g.dtype), grads))
+        mx.eval(state, ok, theirs.parameters(), opt_theirs.state)
+        assert ok.item()
+        for (k, a), (_, b) in zip(tree_flatten([ours.parameters(), opt_ours.state]),
+                                  tree_flatten([theirs.parameters(), opt_theirs.state])):
+            assert a.dtype == b.dtype and mx.array_equal(a, b).item(), k
+    before = [tree_map(lambda x: x, ours.parameters()), tree_map(lambda x: x, opt_ours.state)]
+    ok, _, _ = update(grads, mx.array(0))
+    mx.eval(state, ok)
+    assert not ok.item()
+    for (k, a), (_, b) in zip(tree_flatten([ours.parameters(), opt_ours.state]), tree_flatten(before)):
+        assert mx.array_equal(a, b).item(), k
