@@ -264,3 +264,33 @@ def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile):
     assert not ok.item()
     for (k, a), (_, b) in zip(tree_flatten([ours.parameters(), opt_ours.state]), tree_flatten(before)):
         assert mx.array_equal(a, b).item(), k
+
+
+def test_each_parameter_s_gated_adam_update_is_one_kernel(tmp_path):
+    """MLX's compiler fuses each parameter's whole gated AdamW update (division, moments, parameter,
+    selects) into one kernel: in the compiled update's graph every array-wide select sits inside the
+    kernel that takes the square root, one such kernel a parameter (the others: the norm's reductions
+    and the step counter's scalars)."""
+    import re
+
+    from meshtune.training.update import apply_update
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = mx.ones((16, 8)), mx.ones((8,)), mx.ones((4, 4))
+
+    model, opt = Holder(), optim.AdamW(learning_rate=1e-3)
+    opt.init(model.trainable_parameters())
+    state = [model.state, opt.state]
+    update = mx.compile(lambda g, t: apply_update(model, opt, g, t, max_grad_norm=0.0).arrays(),
+                        inputs=state, outputs=state)
+    grads = tree_map(lambda p: mx.full(p.shape, 0.5), model.trainable_parameters())
+    mx.eval(update(grads, mx.array(3)), state)
+    outputs = update(grads, mx.array(3))
+    mx.export_to_dot(str(tmp_path / "update.dot"), *outputs, *[v for _, v in tree_flatten(state)])
+    labels = re.findall(r'label ="([A-Za-z]+)', (tmp_path / "update.dot").read_text())
+    updates = [label for label in labels if "Sqrt" in label and "Select" in label and "Divide" in label]
+    assert len(updates) == 3, labels
+    wide_selects = [label for label in labels if "Select" in label and label not in updates]
+    assert len(wide_selects) <= 2, labels  # the step counter and the learning rate, scalars
