@@ -80,14 +80,13 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     if max_grad_norm > 0:  # mlx's clip_grad_norm, bit for bit: the norm of the divided gradients
         grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
         norm = mx.sqrt(square_sum(grads))
+        scale = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
+        # Cast after scaling, as mlx does, so a small scale does not underflow in float16.
+        grads = tree_map(lambda g: (g * scale).astype(g.dtype), grads)
     else:  # the norm only gates: taken before the division, which then fuses into the optimizer's kernel
         norm = mx.sqrt(square_sum(grads)) / tokens.astype(mx.float32)
         grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
     ok = mx.isfinite(norm) & (tokens > 0)
-    if max_grad_norm > 0:
-        scale = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
-        # Cast after scaling, as mlx does, so a small scale does not underflow in float16.
-        grads = tree_map(lambda g: (g * scale).astype(g.dtype), grads)
     if type(optimizer) in (optim.Adam, optim.AdamW):
         counters = {k: optimizer.state[k] for k in ("step", "learning_rate") if k in optimizer.state}
         optimizer.apply_single = _gated_adam(optimizer, ok)  # this update's only: removed below
