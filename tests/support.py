@@ -6,6 +6,7 @@ Imported by tests/conftest.py (which sets the environment first) and by tests an
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,11 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
     env.setdefault("PYTHONPATH", str(ROOT))
     return subprocess.run([sys.executable, "-m", "meshtune.cli", *args], cwd=cwd or ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_bench_json(*args: str, timeout: int = 600) -> tuple[list[str], dict]:
+    """`meshtune bench ARGS --json`, which must exit 0: (the lines before the JSON, the JSON object)."""
+    proc = run_cli("bench", *args, "--json", timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    return lines[:-1], json.loads(lines[-1])

@@ -20,12 +20,9 @@ NUMBER = r"(\d+(?:\.\d+)?)"
 
 @pytest.fixture(scope="module")
 def bench():
-    from support import run_cli
+    from support import run_bench_json
 
-    proc = run_cli("bench", "adapters", "--preset", "tiny", "--json", timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    return lines[:-1], json.loads(lines[-1])
+    return run_bench_json("adapters", "--preset", "tiny", timeout=120)
 
 
 def _section(table: list[str], title: str) -> list[str]:

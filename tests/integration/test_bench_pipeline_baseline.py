@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from support import ROOT
+from support import run_cli
 
 
 def test_bench_pipeline_ratios_are_over_naive_at_one_micro_batch():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "pipeline", "--micro-batches", "1,4",
-                           "--iters", "3", "--batch-size", "4", "--json"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_cli("bench", "pipeline", "--micro-batches", "1,4", "--iters", "3", "--batch-size", "4", "--json",
+                   timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     result = json.loads(lines[-1])
@@ -39,7 +34,5 @@ def test_bench_pipeline_ratios_are_over_naive_at_one_micro_batch():
 
 
 def test_bench_pipeline_names_bad_micro_batch_counts():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "pipeline", "--micro-batches", "1,x"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = run_cli("bench", "pipeline", "--micro-batches", "1,x", timeout=60)
     assert proc.returncode == 2 and "--micro-batches '1,x'" in proc.stderr, proc.stderr

@@ -3,12 +3,11 @@ and the JSON say the same, a CPU picks the tiny preset, and a bad --runs-per-cac
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-from support import run_cli
+from support import run_bench_json, run_cli
 
 ROW = re.compile(r"^  (full|lora|dora)\s+(cold|warm)\s+" + r"\s+".join([r"(-?\d+\.\d+)"] * 5) + r"$")
 COLUMNS = ("start", "load", "first_step", "total", "steady_step")
@@ -16,10 +15,7 @@ COLUMNS = ("start", "load", "first_step", "total", "steady_step")
 
 @pytest.fixture(scope="module")
 def bench():
-    proc = run_cli("bench", "startup", "--preset", "tiny", "--json", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    return lines[:-1], json.loads(lines[-1])
+    return run_bench_json("startup", "--preset", "tiny", timeout=300)
 
 
 def test_every_kind_has_a_cold_and_a_warm_run(bench):

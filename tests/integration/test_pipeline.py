@@ -14,7 +14,7 @@ import mlx.optimizers as optim
 import pytest
 from mlx.utils import tree_flatten
 
-from support import ROOT, tiny_llama
+from support import ROOT, run_cli, tiny_llama
 from meshtune.api import finetune
 from meshtune.training.checkpoint import load_checkpoint, verify_checkpoint
 from meshtune.config import Config, ConfigError
@@ -297,10 +297,8 @@ def _assert_same_run(a_dir, b_dir, exact=False, atol=1e-5):
 
 
 def test_bench_pipeline_prints_table_and_json():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "pipeline", "--micro-batches", "2",
-                           "--iters", "3", "--batch-size", "4", "--json"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_cli("bench", "pipeline", "--micro-batches", "2", "--iters", "3", "--batch-size", "4", "--json",
+                   timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "gpipe" in proc.stdout and "1f1b" in proc.stdout and "peak GB per rank" in proc.stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])
