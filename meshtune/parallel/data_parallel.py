@@ -53,7 +53,7 @@ from ..adapters import ADAPTER_FILE, load_trainable, step_context, trainable_par
 from ..runtime.cuda import on_cuda
 from ..training.checkpoint import (LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint,
                                    save_checkpoint)
-from ..training.step import OneInFlight, evaluate, loss_terms
+from ..training.step import OneInFlight, evaluate, training_loss_terms
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
 from .mesh import Mesh
@@ -278,7 +278,7 @@ def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "aft
 def _step_parts(model: nn.Module, optimizer: optim.Optimizer, *, max_grad_norm: float, compile: bool
                 ) -> tuple[Callable, Callable, Callable]:
     """(backward, apply, compiled): a step's two halves, and what compiles a function over the step's state."""
-    loss_and_grad = nn.value_and_grad(model, loss_terms)
+    loss_and_grad = nn.value_and_grad(model, training_loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
     compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
 

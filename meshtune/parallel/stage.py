@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten
 
 from ..adapters import step_context
 from ..data.packing import packed_caches
-from ..training.losses import masked_ce_sum
+from ..training.head_loss import head_ce_sum, split_head
+from ..training.losses import masked_ce_sum, target_mask
 from .mesh import Mesh
 from .p2p import Links
 from .peers import peer_groups
@@ -123,8 +124,12 @@ class PipelineStage:
         return h
 
     def loss(self, h: mx.array, targets: mx.array, lengths: mx.array) -> mx.array:
-        """The last stage's summed target-token cross entropy (the single-process loss)."""
-        return masked_ce_sum(self.head(self.inner.norm(h)), targets, lengths)[0]
+        """The last stage's summed target-token cross entropy (the single-process loss), the head
+        and its loss a chunk of tokens at a time where the model allows (training/head_loss.py)."""
+        head, h = split_head(self.model), self.inner.norm(h)
+        if head is None:
+            return masked_ce_sum(self.head(h), targets, lengths)[0]
+        return head_ce_sum(head, h, targets, target_mask(lengths, targets.shape[1]))
 
     def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
                  ) -> tuple[mx.array, Any, mx.array | None]:

@@ -15,7 +15,8 @@ import mlx.nn as nn
 
 from ..data.packing import packed_caches
 from ..parallel.mesh import Mesh
-from .losses import masked_ce_sum
+from .head_loss import head_ce_sum, split_head
+from .losses import masked_ce_sum, target_mask
 
 
 def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
@@ -29,6 +30,20 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
     else:
         logits = model(inputs)
     return masked_ce_sum(logits, tokens[:, 1:], lengths)
+
+
+def training_loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """`loss_terms` as the training step differentiates it: where the model's head allows
+    (training/head_loss.py), the head and its loss run a chunk of tokens at a time with their
+    gradient taken on the way, so the step never holds the whole batch's logits."""
+    head = split_head(model)
+    if head is None:
+        return loss_terms(model, tokens, lengths)
+    inputs = tokens[:, :-1]
+    cache = packed_caches(len(model.layers), lengths, inputs.shape[1]) if lengths.ndim == 3 else None
+    mask = target_mask(lengths, inputs.shape[1])
+    hidden = head.body(inputs) if cache is None else head.body(inputs, cache)
+    return head_ce_sum(head, hidden, tokens[:, 1:], mask), mask.sum()
 
 
 class OneInFlight:

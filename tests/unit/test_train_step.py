@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten, tree_map
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.parallel.mesh import Mesh
 from meshtune.parallel.data_parallel import build_step
-from meshtune.training.step import loss_terms
+from meshtune.training.step import loss_terms, training_loss_terms
 
 
 def _batch(rows: list[list[int]], offsets: list[int], width: int = 9):
@@ -210,7 +210,7 @@ def test_a_finite_step_is_bit_identical_to_the_plain_update(model_factory):
     model = _bad_step_setup(model_factory, optim.SGD(learning_rate=0.1))
     opt = optim.SGD(learning_rate=0.1)
     opt.init(model.trainable_parameters())
-    (_, n), grads = nn.value_and_grad(model, loss_terms)(model, *_batch(ROWS, OFFS))
+    (_, n), grads = nn.value_and_grad(model, training_loss_terms)(model, *_batch(ROWS, OFFS))
     grads = optim.clip_grad_norm(tree_map(lambda g: g / n.astype(g.dtype), grads), 0.5)[0]
     opt.update(model, grads)
     for k, v in trainable_parameters(model).items():

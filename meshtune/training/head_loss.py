@@ -1,0 +1,108 @@
+"""The head and its cross entropy a chunk of tokens at a time, their gradient taken on the way.
+
+A step's logits are tokens x vocabulary: 4096 x 151,936 in bfloat16 is 1.2 GB, and the plain
+loss (losses.masked_ce_sum) keeps them for the backward pass, which then forms their gradient,
+as large again. `head_ce_sum` computes, for CHUNK_TOKENS tokens at a time, the head's logits,
+their summed cross entropy and its gradient with respect to the hidden states (and to the
+head's weight when that trains), each chunk after the one before (mx.depends), so one chunk's
+logits are alive at a time. The backward pass only scales the stored gradients by the loss's
+cotangent (mx.custom_function). The matmuls are the plain loss's three; none is recomputed.
+
+`split_head` says whether a model's logits are `head(body(inputs))` in a form this handles:
+the mlx-lm families in HEAD_THEN_LOGITS (a test checks each against the model's own logits),
+a head that is frozen or a plain bias-free weight. Other models take the plain loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+CHUNK_TOKENS = 1024
+"""Tokens per chunk: 1024 x 151,936 bfloat16 logits are 0.3 GB, and a 1024-row matmul
+runs the head at the GPU's full rate."""
+
+HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3"})
+"""mlx-lm model types whose Model.__call__ is `head(self.model(inputs, cache))` and nothing else
+(no logit scaling or soft-capping), the head being `lm_head` or the tied embedding's `as_linear`."""
+
+
+@dataclass
+class Head:
+    """A model cut before its head: `body(inputs, cache)` gives the final-normed hidden states."""
+
+    body: nn.Module
+    apply: Callable[[mx.array], mx.array]
+    """hidden states -> logits, with the head's weights as the model holds them."""
+    weight_module: nn.Module | None
+    """The nn.Linear or nn.Embedding whose `weight` trains, or None when the head is frozen."""
+
+
+def split_head(model: nn.Module) -> Head | None:
+    """`model` as body and head when its logits are head(body(x)) and the head is one this module handles."""
+    body = getattr(model, "model", None)
+    if getattr(model, "model_type", None) not in HEAD_THEN_LOGITS or body is None:
+        return None
+    tied = "lm_head" not in model
+    module = body.embed_tokens if tied else model.lm_head
+    trainable = {k for k, _ in tree_flatten(module.trainable_parameters())}
+    if not trainable:
+        return Head(body, module.as_linear if tied else module, None)
+    if trainable == {"weight"} and type(module) is (nn.Embedding if tied else nn.Linear) and "bias" not in module:
+        return Head(body, module.as_linear if tied else module, module)
+    return None
+
+
+def head_ce_sum(head: Head, hidden: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+    """The summed cross entropy of the counted (`mask`) targets, in float32, as masked_ce_sum's
+    first value, with its gradient to `hidden` (and the head's weight) taken in the forward pass."""
+    shape = hidden.shape
+    x = hidden.reshape(-1, shape[-1])
+    t = targets.reshape(-1)
+    m = mask.reshape(-1)
+    bounds = [(a, min(a + CHUNK_TOKENS, x.shape[0])) for a in range(0, x.shape[0], CHUNK_TOKENS)]
+
+    def chunks(x: mx.array, weight: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
+        total, dx, dw = mx.array(0.0, dtype=mx.float32), [], None
+        for a, b in bounds:
+            xc = x[a:b] if a == 0 else mx.depends(x[a:b], [total, dx[-1]] + ([] if dw is None else [dw]))
+            logits = head.apply(xc) if weight is None else xc @ weight.T
+            tc, mc = t[a:b], m[a:b]
+            ce = nn.losses.cross_entropy(logits, tc).astype(mx.float32)
+            total = total + (ce * mc).sum()
+            lse = ce + mx.take_along_axis(logits, tc[:, None], axis=-1).squeeze(-1).astype(mx.float32)
+            hot = mx.arange(logits.shape[-1]) == tc[:, None]
+            g = ((mx.exp(logits.astype(mx.float32) - lse[:, None]) - hot) * mc[:, None]).astype(logits.dtype)
+            if weight is None:
+                dx.append(mx.vjp(head.apply, [xc], [g])[1][0])
+            else:
+                dx.append(g @ weight)
+                dw = g.T @ xc if dw is None else mx.addmm(dw, g.T, xc)
+        return total, mx.concatenate(dx) if len(dx) > 1 else dx[0], dw
+
+    if head.weight_module is None:
+        @mx.custom_function
+        def frozen(x):
+            total, dx, _ = chunks(x, None)
+            return total, dx
+
+        @frozen.vjp
+        def frozen_vjp(primals, cotangents, outputs):
+            return (outputs[1] * cotangents[0].astype(outputs[1].dtype),)
+
+        return frozen(x)[0]
+
+    @mx.custom_function
+    def trained(x, weight):
+        return chunks(x, weight)
+
+    @trained.vjp
+    def trained_vjp(primals, cotangents, outputs):
+        scale = cotangents[0]
+        return outputs[1] * scale.astype(outputs[1].dtype), outputs[2] * scale.astype(outputs[2].dtype)
+
+    return trained(x, head.weight_module.weight)[0]
