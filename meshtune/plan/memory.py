@@ -10,8 +10,9 @@ and per block until the backward needs it:
     MLP gate, up, sigmoid(gate), SiLU, product (per routed expert for MoE)  5 I
     adapter inner products x A (LoRA; DoRA also its unscaled product)       r (+ out) per layer
 
-plus, once per stage, the logits and the cross entropy's softmax and gradient (3 vocab,
-float32) and the final norm (2 h); and while a block runs its backward, the cotangents
+plus, once per stage, the final norm (2 h) and the logits with the cross entropy's softmax and
+gradient (3 vocab, float32), for one chunk of 1024 tokens where the step takes the head's loss
+a chunk at a time (training/head_loss.py; the families it handles), else for every token; and while a block runs its backward, the cotangents
 of its MLP and attention (3 I + 2 h + 2 heads L). The backward walks the blocks from the
 last: a block's activations are freed as its gradients appear, so the peak holds the
 larger of the two. A quantized base multiplied through its dequantized weights keeps one
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..training import HEAD_CHUNK_TOKENS, HEAD_THEN_LOGITS
 from .model_facts import Linear, ModelFacts
 
 FP32 = 4
@@ -173,7 +175,8 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
     head = 0.0
     if last:
         norm, loss = head_elems(facts)
-        head = tokens * (norm * act + loss * FP32)
+        chunked = facts.get("model_type") in HEAD_THEN_LOGITS
+        head = tokens * norm * act + (min(tokens, HEAD_CHUNK_TOKENS) if chunked else tokens) * loss * FP32
     transient = backward_transient_elems(facts, seq) * tokens * act
     if adapter.base_path != "quantized":
         # The dequantized base path (adapters/base_path.py; "auto" takes it for many tokens) multiplies by

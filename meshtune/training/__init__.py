@@ -3,3 +3,11 @@ evaluation, optimizers, checkpoints, metrics)."""
 
 # Exit code of a run stopped by a non-finite step (loop.NonFiniteStep); here, without MLX, for the launcher.
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a step went non-finite; --resume from the last good checkpoint
+
+# The chunked head loss's shape (head_loss.py); here, without MLX, for the planner (plan/memory.py).
+HEAD_CHUNK_TOKENS = 1024
+"""Tokens per chunk: 1024 x 151,936 bfloat16 logits are 0.3 GB, and a 1024-row matmul runs the
+head at the GPU's full rate."""
+HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3"})
+"""mlx-lm model types whose Model.__call__ is `head(self.model(inputs, cache))` and nothing else
+(no logit scaling or soft-capping), the head being `lm_head` or the tied embedding's `as_linear`."""

@@ -22,13 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-CHUNK_TOKENS = 1024
-"""Tokens per chunk: 1024 x 151,936 bfloat16 logits are 0.3 GB, and a 1024-row matmul
-runs the head at the GPU's full rate."""
+from . import HEAD_CHUNK_TOKENS, HEAD_THEN_LOGITS
 
-HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3"})
-"""mlx-lm model types whose Model.__call__ is `head(self.model(inputs, cache))` and nothing else
-(no logit scaling or soft-capping), the head being `lm_head` or the tied embedding's `as_linear`."""
+CHUNK_TOKENS = HEAD_CHUNK_TOKENS  # read at each call, so a test can shrink it
 
 
 @dataclass

@@ -18,7 +18,7 @@ from support import TINY_MODEL
 from meshtune.config import AdapterConfig, Config
 from meshtune.plan import parse_link, plan
 from meshtune.plan.layouts import bubble, micro_in_flight, ring_allreduce_bytes
-from meshtune.plan.memory import optimizer_bytes, trained
+from meshtune.plan.memory import activations, head_elems, optimizer_bytes, trained
 from meshtune.plan.model_facts import read_header, read_model
 
 H, I, V = 64, 128, 50  # hidden, MLP width, vocabulary of the synthetic models
@@ -73,6 +73,24 @@ def test_lora_dora_full_trainable_counts(tmp_path: Path) -> None:
     keyed = trained(facts, _adapter(keys=["self_attn.q_proj"]))
     assert [t.name for t in keyed] == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
     assert [t.name for t in trained(facts, _adapter(num_layers=3))] == [t.name for t in lora]  # more than all: all
+
+
+@pytest.mark.parametrize("model_type,chunked", [("llama", True), ("qwen3", True), ("gemma", False)])
+def test_the_loss_counts_one_chunk_of_logits_where_the_step_chunks_it(tmp_path: Path, model_type: str,
+                                                                      chunked: bool) -> None:
+    """The last stage's logits term: one 1024-token chunk for the families training/head_loss.py
+    handles, every token for the others; the rest of the estimate is the same."""
+    facts = read_model(_write(tmp_path / model_type, _config(model_type=model_type), _dense(mx.float32)))
+    norm, loss = head_elems(facts)
+
+    def head_bytes(examples: int, seq: int) -> float:
+        def total(last: bool) -> float:
+            return activations(facts, adapter=_adapter(), examples=examples, seq=seq, blocks=range(2), last=last,
+                               checkpoint=False)[0]
+        return total(True) - total(False)
+
+    assert head_bytes(2, 256) == 512 * (norm * 4 + loss * 4)  # under one chunk: every token either way
+    assert head_bytes(8, 512) == 4096 * norm * 4 + (1024 if chunked else 4096) * loss * 4
 
 
 def test_quantized_weights_scales_biases_and_input_width(tmp_path: Path) -> None:
