@@ -8,6 +8,7 @@ NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a step went non-finite; --resume from th
 HEAD_CHUNK_TOKENS = 1024
 """Tokens per chunk: 1024 x 151,936 bfloat16 logits are 0.3 GB, and a 1024-row matmul runs the
 head at the GPU's full rate."""
-HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3"})
+HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "phimoe",
+                              "gemma", "gemma3_text", "olmo2", "starcoder2", "glm4", "smollm3", "deepseek_v3"})
 """mlx-lm model types whose Model.__call__ is `head(self.model(inputs, cache))` and nothing else
 (no logit scaling or soft-capping), the head being `lm_head` or the tied embedding's `as_linear`."""

@@ -20,7 +20,12 @@ from meshtune.training.step import loss_terms, training_loss_terms
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, vocab_size=96, max_position_embeddings=64,
               rope_theta=1e4, num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-              shared_expert_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+              shared_expert_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+              query_pre_attn_scalar=8, sliding_window=16, sliding_window_pattern=2, no_rope_layers=[1, 1],
+              n_routed_experts=4, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+              qk_nope_head_dim=4, v_head_dim=8, topk_group=1, n_group=1, first_k_dense_replace=1,
+              moe_layer_freq=1, routed_scaling_factor=1.0, partial_rotary_factor=0.5, norm_epsilon=1e-5,
+              attention_bias=False, mlp_bias=False)
 
 
 def make(model_type: str = "qwen3", tie: bool = True, dtype=mx.float32, **config) -> nn.Module:
@@ -54,6 +59,7 @@ def grads_of(model: nn.Module, loss, tokens, lengths, compiled: bool = False):
 @pytest.mark.parametrize("model_type", sorted(HEAD_THEN_LOGITS))
 def test_each_listed_family_s_logits_are_its_head_of_its_body(model_type, tie):
     model = make(model_type, tie)
+    model.freeze()  # any frozen head is taken; a trained one must be a plain weight (the tests below)
     head = split_head(model)
     x = mx.array([[1, 2, 3, 4, 5, 6]])
     assert head is not None
@@ -114,7 +120,8 @@ def test_a_quantized_tied_head_which_is_frozen_gives_the_plain_gradients(monkeyp
 
 
 def test_heads_it_does_not_handle_take_the_plain_loss():
-    assert split_head(make("gemma", tie=True)) is None  # not a listed family
+    assert split_head(make("gemma2", tie=True, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)) is None
+    # gemma2 soft-caps its logits: not head(body(x)), so not listed
     model = make(tie=False)
     model.lm_head = nn.Linear(32, 96, bias=True)  # a trainable head with a bias
     assert split_head(model) is None

@@ -75,7 +75,7 @@ def test_lora_dora_full_trainable_counts(tmp_path: Path) -> None:
     assert [t.name for t in trained(facts, _adapter(num_layers=3))] == [t.name for t in lora]  # more than all: all
 
 
-@pytest.mark.parametrize("model_type,chunked", [("llama", True), ("qwen3", True), ("gemma", False)])
+@pytest.mark.parametrize("model_type,chunked", [("llama", True), ("qwen3", True), ("gemma2", False)])
 def test_the_loss_counts_one_chunk_of_logits_where_the_step_chunks_it(tmp_path: Path, model_type: str,
                                                                       chunked: bool) -> None:
     """The last stage's logits term: one 1024-token chunk for the families training/head_loss.py
