@@ -155,6 +155,17 @@ def head_elems(facts: ModelFacts) -> tuple[int, int]:
     return 2 * facts.hidden, 3 * facts.vocab
 
 
+def chunked_loss(facts: ModelFacts, adapter: Any) -> bool:
+    """Whether the step takes the head's loss a chunk of tokens at a time (training/head_loss.split_head):
+    a listed family whose head is frozen or, trained in full, a plain weight without a bias."""
+    if facts.get("model_type") not in HEAD_THEN_LOGITS:
+        return False
+    head = "model.embed_tokens" if facts.tied else "lm_head"
+    if head not in {t.name for t in trained(facts, adapter)}:
+        return True
+    return adapter.fine_tune_type == "full" and not any(t.name == f"{head}.bias" for t in facts.tensors)
+
+
 def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blocks: range,
                 last: bool, checkpoint: bool) -> tuple[float, float]:
     """(bytes the forward keeps for `blocks` on `examples` x `seq` tokens, per-block part of it)."""
@@ -175,8 +186,8 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
     head = 0.0
     if last:
         norm, loss = head_elems(facts)
-        chunked = facts.get("model_type") in HEAD_THEN_LOGITS
-        head = tokens * norm * act + (min(tokens, HEAD_CHUNK_TOKENS) if chunked else tokens) * loss * FP32
+        loss_tokens = min(tokens, HEAD_CHUNK_TOKENS) if chunked_loss(facts, adapter) else tokens
+        head = tokens * norm * act + loss_tokens * loss * FP32
     transient = backward_transient_elems(facts, seq) * tokens * act
     if adapter.base_path != "quantized":
         # The dequantized base path (adapters/base_path.py; "auto" takes it for many tokens) multiplies by

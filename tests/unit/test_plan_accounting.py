@@ -18,7 +18,7 @@ from support import TINY_MODEL
 from meshtune.config import AdapterConfig, Config
 from meshtune.plan import parse_link, plan
 from meshtune.plan.layouts import bubble, micro_in_flight, ring_allreduce_bytes
-from meshtune.plan.memory import activations, head_elems, optimizer_bytes, trained
+from meshtune.plan.memory import activations, chunked_loss, head_elems, optimizer_bytes, trained
 from meshtune.plan.model_facts import read_header, read_model
 
 H, I, V = 64, 128, 50  # hidden, MLP width, vocabulary of the synthetic models
@@ -91,6 +91,20 @@ def test_the_loss_counts_one_chunk_of_logits_where_the_step_chunks_it(tmp_path: 
 
     assert head_bytes(2, 256) == 512 * (norm * 4 + loss * 4)  # under one chunk: every token either way
     assert head_bytes(8, 512) == 4096 * norm * 4 + (1024 if chunked else 4096) * loss * 4
+
+
+def test_an_adapted_or_biased_trained_head_takes_the_plain_loss(tmp_path: Path) -> None:
+    """As training/head_loss.split_head decides: LoRA on the head, or a trained head with a bias, keep
+    the whole batch's logits; a frozen head, or a plain weight trained in full, is chunked."""
+    tied = read_model(_write(tmp_path / "tied", _config(), _dense(mx.float32)))
+    assert chunked_loss(tied, _adapter())
+    assert not chunked_loss(tied, _adapter(keys=["self_attn.q_proj", "model.embed_tokens"]))
+    assert chunked_loss(tied, _adapter(fine_tune_type="full", keys=["model.embed_tokens"]))
+    arrays = {**_dense(mx.float32), "lm_head.weight": mx.zeros((V, H)), "lm_head.bias": mx.zeros((V,))}
+    biased = read_model(_write(tmp_path / "biased", _config(tie_word_embeddings=False), arrays))
+    assert chunked_loss(biased, _adapter(fine_tune_type="full"))  # the head is not among the trained layers
+    assert not chunked_loss(biased, _adapter(fine_tune_type="full", keys=["lm_head"]))
+    assert not chunked_loss(biased, _adapter(keys=["lm_head"]))
 
 
 def test_quantized_weights_scales_biases_and_input_width(tmp_path: Path) -> None:
