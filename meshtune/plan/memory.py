@@ -12,10 +12,10 @@ and per block until the backward needs it:
 
 plus, once per stage, the final norm (2 h) and the logits with the cross entropy's softmax and
 gradient (3 vocab, float32), for one chunk of 1024 tokens where the step takes the head's loss
-a chunk at a time (training/head_loss.py; the families it handles), else for every token; and while a block runs its backward, the cotangents
-of its MLP and attention (3 I + 2 h + 2 heads L). The backward walks the blocks from the
-last: a block's activations are freed as its gradients appear, so the peak holds the
-larger of the two. A quantized base multiplied through its dequantized weights keeps one
+a chunk at a time (training/head_loss.py; `chunked_loss`), else for every token; and while a
+block runs its backward, the cotangents of its MLP and attention (3 I + 2 h + 2 heads L). The
+backward walks the blocks from the last: a block's activations are freed as its gradients
+appear, so the peak holds the larger of the two. A quantized base multiplied through its dequantized weights keeps one
 dense copy per layer for the backward.
 """
 

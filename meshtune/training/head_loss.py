@@ -60,54 +60,40 @@ def split_head(model: nn.Module) -> Head | None:
 def head_ce_sum(head: Head, hidden: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
     """The summed cross entropy of the counted (`mask`) targets, in float32, as masked_ce_sum's
     first value, with its gradient to `hidden` (and the head's weight) taken in the forward pass."""
-    shape = hidden.shape
-    x = hidden.reshape(-1, shape[-1])
+    x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     m = mask.reshape(-1)
     bounds = [(a, min(a + CHUNK_TOKENS, x.shape[0])) for a in range(0, x.shape[0], CHUNK_TOKENS)]
+    trained = head.weight_module is not None
 
-    def chunks(x: mx.array, weight: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
+    @mx.custom_function
+    def loss_and_gradients(x: mx.array, *weight: mx.array) -> tuple[mx.array, ...]:
+        """(loss, its gradient to x[, to the head's weight]): each chunk after the one before."""
         total, dx, dw = mx.array(0.0, dtype=mx.float32), [], None
-        sum_dtype = mx.float32 if len(bounds) > SUM_IN_FLOAT32_ABOVE else None if weight is None else weight.dtype
+        sum_dtype = mx.float32 if len(bounds) > SUM_IN_FLOAT32_ABOVE else weight[0].dtype if trained else None
         for a, b in bounds:
             xc = x[a:b] if a == 0 else mx.depends(x[a:b], [total, dx[-1]] + ([] if dw is None else [dw]))
-            logits = head.apply(xc) if weight is None else xc @ weight.T
+            logits = head.apply(xc)
             tc, mc = t[a:b], m[a:b]
             ce = nn.losses.cross_entropy(logits, tc).astype(mx.float32)
             total = total + (ce * mc).sum()
             lse = ce + mx.take_along_axis(logits, tc[:, None], axis=-1).squeeze(-1).astype(mx.float32)
             hot = mx.arange(logits.shape[-1]) == tc[:, None]
             g = ((mx.exp(logits.astype(mx.float32) - lse[:, None]) - hot) * mc[:, None]).astype(logits.dtype)
-            if weight is None:
-                dx.append(mx.vjp(head.apply, [xc], [g])[1][0])
-            else:
-                dx.append((g @ weight).astype(x.dtype))  # a head wider than the hidden states gives its dtype back
-                if dw is not None and dw.dtype == g.dtype == xc.dtype:
-                    dw = mx.addmm(dw, g.T, xc)
-                else:
-                    part = (g.T @ xc).astype(sum_dtype)
-                    dw = part if dw is None else dw + part
-        return total, mx.concatenate(dx) if len(dx) > 1 else dx[0], None if dw is None else dw.astype(weight.dtype)
+            dx.append(mx.vjp(head.apply, [xc], [g])[1][0])
+            if not trained:
+                continue
+            if dw is not None and dw.dtype == g.dtype == xc.dtype:
+                dw = mx.addmm(dw, g.T, xc)
+            else:  # the first chunk, a float32 sum, or a head wider than the hidden states
+                part = (g.T @ xc).astype(sum_dtype)
+                dw = part if dw is None else dw + part
+        dx = mx.concatenate(dx) if len(dx) > 1 else dx[0]
+        return (total, dx) if not trained else (total, dx, dw.astype(weight[0].dtype))
 
-    if head.weight_module is None:
-        @mx.custom_function
-        def frozen(x):
-            total, dx, _ = chunks(x, None)
-            return total, dx
+    @loss_and_gradients.vjp
+    def scale_gradients(primals, cotangents, outputs):
+        return tuple(g * cotangents[0].astype(g.dtype) for g in outputs[1:])
 
-        @frozen.vjp
-        def frozen_vjp(primals, cotangents, outputs):
-            return (outputs[1] * cotangents[0].astype(outputs[1].dtype),)
-
-        return frozen(x)[0]
-
-    @mx.custom_function
-    def trained(x, weight):
-        return chunks(x, weight)
-
-    @trained.vjp
-    def trained_vjp(primals, cotangents, outputs):
-        scale = cotangents[0]
-        return outputs[1] * scale.astype(outputs[1].dtype), outputs[2] * scale.astype(outputs[2].dtype)
-
-    return trained(x, head.weight_module.weight)[0]
+    weights = [head.weight_module.weight] if trained else []
+    return loss_and_gradients(x, *weights)[0]

@@ -24,12 +24,8 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
 
     Packed rows (3-D `lengths`, data.pack) go through the model with a pass-through cache per
     block whose mask keeps attention inside each example (data/packing.py)."""
-    inputs = tokens[:, :-1]
-    if lengths.ndim == 3:
-        logits = model(inputs, cache=packed_caches(len(model.layers), lengths, inputs.shape[1]))
-    else:
-        logits = model(inputs)
-    return masked_ce_sum(logits, tokens[:, 1:], lengths)
+    inputs, cache = _model_inputs(model, tokens, lengths)
+    return masked_ce_sum(model(inputs) if cache is None else model(inputs, cache=cache), tokens[:, 1:], lengths)
 
 
 def training_loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
@@ -39,11 +35,18 @@ def training_loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -
     head = split_head(model)
     if head is None:
         return loss_terms(model, tokens, lengths)
-    inputs = tokens[:, :-1]
-    cache = packed_caches(len(model.layers), lengths, inputs.shape[1]) if lengths.ndim == 3 else None
+    inputs, cache = _model_inputs(model, tokens, lengths)
     mask = target_mask(lengths, inputs.shape[1])
     hidden = head.body(inputs) if cache is None else head.body(inputs, cache)
     return head_ce_sum(head, hidden, tokens[:, 1:], mask), mask.sum()
+
+
+def _model_inputs(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, list | None]:
+    """(the model's inputs, all but each row's last token; packed rows' caches or None)."""
+    inputs = tokens[:, :-1]
+    if lengths.ndim == 3:
+        return inputs, packed_caches(len(model.layers), lengths, inputs.shape[1])
+    return inputs, None
 
 
 class OneInFlight:
