@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 from . import adapters as ad
 from .adapters.apply import block_count
 from .runtime.blas import describe_blas
+from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
@@ -105,7 +106,8 @@ def _eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> list[Any
     """
     it = BatchIterator(dataset, batch_size=cfg.train.batch_size, max_seq_length=cfg.data.max_seq_length,
                        pad_to=cfg.data.pad_to, seed=cfg.train.seed, rank=mesh.dp_rank,
-                       world_size=mesh.dp, loop=False, shuffle=True, warn=_warner(mesh))
+                       world_size=mesh.dp, loop=False, shuffle=True, warn=_warner(mesh),
+                       inputs_multiple_of=attention_inputs_multiple())
     batches = list(it)
     return batches if limit < 0 else batches[:limit]
 
@@ -195,7 +197,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
-                            warn=_warner(mesh), pack=cfg.data.pack)
+                            warn=_warner(mesh), pack=cfg.data.pack,
+                            inputs_multiple_of=attention_inputs_multiple())
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
                               learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)

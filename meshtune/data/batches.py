@@ -9,6 +9,11 @@ batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)`` columns
 ``Batch(tokens, lengths)`` with ``lengths[:, 0]`` the prompt offset and
 ``lengths[:, 1]`` the (truncated) length, so mlx-lm's ``default_loss`` applies.
 
+With ``inputs_multiple_of`` (meshtune passes 128 on an NVIDIA GPU, runtime/cuda.py) that
+width is then widened with padding until the model inputs are a multiple of it, past
+``max_seq_length`` if need be, where that adds at most 1/16 of the inputs: no example gains a
+token, only masked columns.
+
 Two things differ on purpose: the padded arrays of every batch are built once
 and cached rather than re-padded each step, and the batch order of epoch ``e``
 is a permutation drawn only from ``(seed, e)``.  The cursor ``(epoch,
@@ -49,13 +54,27 @@ class TruncationWarning(UserWarning):
     """Some examples of a split are longer than ``max_seq_length``."""
 
 
-def padded_width(max_len: int, *, pad_to: int, max_seq_length: int) -> int:
-    """Columns of a batch whose longest example has ``max_len`` tokens (mlx-lm's rule).
+# Widening a batch for inputs_multiple_of costs its padding columns in every layer, so it is done
+# only where they are at most this fraction of the inputs: 1023 -> 1024 or 992 -> 1024, not 96 -> 128.
+MAX_WIDENING = 1 / 16
 
-    One more than a multiple of ``pad_to`` so the model inputs (all but the last
-    column) are a multiple of ``pad_to``, capped at ``max_seq_length``.
+
+def padded_width(max_len: int, *, pad_to: int, max_seq_length: int,
+                 inputs_multiple_of: Optional[int] = None) -> int:
+    """Columns of a batch whose longest example has ``max_len`` tokens.
+
+    mlx-lm's rule: one more than a multiple of ``pad_to``, so the model inputs (all but the
+    last column) are a multiple of ``pad_to``, capped at ``max_seq_length``. With
+    ``inputs_multiple_of``, then widened until the inputs are a multiple of that, even past
+    the cap (a 1024-column batch, 1023 inputs, becomes 1025 columns for 128), where that adds
+    at most MAX_WIDENING of the inputs.
     """
-    return min(1 + pad_to * -(-max_len // pad_to), max_seq_length)
+    width = min(1 + pad_to * -(-max_len // pad_to), max_seq_length)
+    if inputs_multiple_of:
+        wider = 1 + inputs_multiple_of * -(-(width - 1) // inputs_multiple_of)
+        if wider - width <= MAX_WIDENING * (width - 1):
+            width = wider
+    return width
 
 
 class BatchIterator:
@@ -83,6 +102,7 @@ class BatchIterator:
         shuffle: Optional[bool] = None,
         warn: Optional[Callable[[str], None]] = None,
         pack: bool = False,
+        inputs_multiple_of: Optional[int] = None,
     ) -> None:
         name = dataset.name
         _check_options(name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
@@ -109,6 +129,7 @@ class BatchIterator:
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
         self.pad_to = pad_to
+        self.inputs_multiple_of = inputs_multiple_of
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -235,7 +256,8 @@ class BatchIterator:
             return self._pack(rows)
         ds, msl = self.dataset, self.max_seq_length
         lengths = ds.lengths[rows]
-        width = padded_width(int(lengths.max()), pad_to=self.pad_to, max_seq_length=msl)
+        width = padded_width(int(lengths.max()), pad_to=self.pad_to, max_seq_length=msl,
+                             inputs_multiple_of=self.inputs_multiple_of)
         kept = np.minimum(lengths, msl)
         tokens = np.zeros((rows.shape[0], width), dtype=np.int32)
         for j, i in enumerate(rows):
@@ -249,7 +271,8 @@ class BatchIterator:
         ds, msl = self.dataset, self.max_seq_length
         members = [self.rows[int(u)] for u in units]
         kept = [np.minimum(ds.lengths[m], msl) for m in members]
-        width = padded_width(max(int(k.sum()) for k in kept), pad_to=self.pad_to, max_seq_length=msl)
+        width = padded_width(max(int(k.sum()) for k in kept), pad_to=self.pad_to, max_seq_length=msl,
+                             inputs_multiple_of=self.inputs_multiple_of)
         tokens = np.zeros((len(members), width), dtype=np.int32)
         slots = np.zeros((len(members), self._slots, 3), dtype=np.int32)
         for j, (m, k) in enumerate(zip(members, kept)):

@@ -22,6 +22,18 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
 
 
+# MLX's CUDA backend differentiates its fused (cuDNN) attention only where the query length is a
+# multiple of 128 (ScaledDotProductAttentionVJP::use_fallback, mlx/backend/cuda); any other length
+# takes the unfused backward, which keeps every layer's whole attention matrix. Batches are padded
+# to it there (data/batches.py); mlx_lm.lora's 1024-token rows give 1023 model inputs.
+FUSED_ATTENTION_MULTIPLE = 128
+
+
+def attention_inputs_multiple() -> int | None:
+    """What the model inputs' length must be a multiple of for fused attention on this device."""
+    return FUSED_ATTENTION_MULTIPLE if on_cuda() else None
+
+
 def kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):
     """The `mx.fast.cuda_kernel` of this name, built once: `header` (device functions, from a .cuh file) goes
     before the kernel function MLX writes around `source` (its body).

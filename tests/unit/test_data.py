@@ -26,6 +26,7 @@ from meshtune.data import (
     load_datasets,
     load_split,
 )
+from meshtune.data.batches import padded_width
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -302,6 +303,38 @@ def test_batches_sorted_padded_and_exact():
         assert ds.lengths[rows].min() >= prev_max
         prev_max = ds.lengths[rows].max()
     assert k == 11
+
+
+def test_padded_width_widens_to_the_inputs_multiple_past_the_cap_where_it_costs_little():
+    assert padded_width(1024, pad_to=32, max_seq_length=1024) == 1024  # mlx-lm's: 1023 model inputs
+    assert padded_width(1024, pad_to=32, max_seq_length=1024, inputs_multiple_of=128) == 1025
+    assert padded_width(990, pad_to=32, max_seq_length=2048, inputs_multiple_of=128) == 1025  # 992 + 32
+    assert padded_width(860, pad_to=32, max_seq_length=2048, inputs_multiple_of=128) == 897  # 864 + 32
+    assert padded_width(470, pad_to=32, max_seq_length=2048, inputs_multiple_of=128) == 481  # 480 + 32 is > 1/16
+    assert padded_width(896, pad_to=32, max_seq_length=2048, inputs_multiple_of=128) == 897  # already 7 x 128
+    assert padded_width(90, pad_to=32, max_seq_length=1024, inputs_multiple_of=128) == 97  # 96 + 32: 1/3 more
+    assert padded_width(4096, pad_to=32, max_seq_length=4096, inputs_multiple_of=128) == 4097
+    assert padded_width(1880, pad_to=32, max_seq_length=4096, inputs_multiple_of=128) == 1921  # 1888 + 32
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_an_inputs_multiple_only_adds_padding_columns(pack):
+    ds = synthetic(40, hi=120)
+    msl, multiple = 64, 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TruncationWarning)
+        plain = list(BatchIterator(ds, batch_size=4, max_seq_length=msl, loop=False, pack=pack))
+        wide = list(BatchIterator(ds, batch_size=4, max_seq_length=msl, loop=False, pack=pack,
+                                  inputs_multiple_of=multiple))
+    assert len(plain) == len(wide) > 0
+    capped = 0
+    for a, b in zip(map(np_batch, plain), map(np_batch, wide)):
+        width = a[0].shape[1]
+        capped += width == msl
+        assert (b[0].shape[1] - 1) % multiple == 0 and width <= b[0].shape[1] < width + multiple
+        assert np.array_equal(b[0][:, :width], a[0]) and not b[0][:, width:].any()
+        assert np.array_equal(b[1], a[1])
+    assert capped  # the cap was met, and passed
 
 
 def test_truncation_warns_once_with_count():

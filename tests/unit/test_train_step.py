@@ -34,6 +34,28 @@ def test_loss_counts_only_real_targets(model_factory):
     assert n.item() == sum(len(r) - max(o, 1) for r, o in zip(ROWS, OFFS))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_padding_columns_change_neither_the_loss_nor_its_gradients(model_factory, packed):
+    """What data/batches.py's inputs_multiple_of adds (on CUDA) leaves the step's results alone."""
+    model = model_factory()
+    value_and_grad = nn.value_and_grad(model, training_loss_terms)
+
+    def run(width):
+        tokens, lengths = _batch(ROWS, OFFS, width)
+        if packed:  # rows 0+2 and 1+3 packed: (start, first target, end) slots
+            tokens, _ = _batch([[*ROWS[0], *ROWS[2]], [*ROWS[1], *ROWS[3]]], [0, 0], width)
+            lengths = mx.array([[[0, 1, 5], [5, 6, 8]], [[0, 3, 8], [8, 10, 15]]])
+        (ce, n), grads = value_and_grad(model, tokens, lengths)
+        mx.eval(ce, n, grads)
+        return ce.item(), n.item(), dict(tree_flatten(grads))
+
+    ce, n, grads = run(16)
+    wide_ce, wide_n, wide_grads = run(16 + 48)
+    assert wide_n == n > 0 and wide_ce == pytest.approx(ce, rel=1e-6)
+    for k, g in grads.items():
+        assert mx.allclose(wide_grads[k], g, rtol=1e-5, atol=1e-6 * mx.abs(g).max().item()).item(), k
+
+
 def _run(model_factory, micro_batches, clip=0.0, compile=True):
     model = model_factory(seed=3)
     apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=4, scale=10.0, dropout=0.0)
