@@ -160,9 +160,10 @@ def test_bench_scaling_prints_table_and_json():
     assert "weak-scaling efficiency" in proc.stdout and "--pin" in proc.stdout
     assert "\nlora  sockets" in proc.stdout and "\nfull  mlx" in proc.stdout  # both transports ran
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("overlap_speedup_full", "overlap_speedup_lora", "weak_scaling_lora", "exposed_comm_fraction_overlap",
-                "overlap_speedup_full_sockets", "overlap_speedup_lora_mlx"):
-        assert key in result and result[key] == result[key]  # present and not NaN
+    for key in ("overlap_speedup_full", "overlap_speedup_lora", "weak_scaling_lora", "overlap_speedup_full_sockets",
+                "overlap_speedup_lora_mlx"):
+        assert 0 < result[key] < 10, (key, result[key])  # a ratio of two measured rates
+    assert 0 <= result["exposed_comm_fraction_overlap"] <= 1
     # the headline figures are the table's own numbers: best N-rank steps/s over the 1-rank steps/s of each kind
     for kind in ("lora", "full"):
         rows = re.findall(rf"^{kind}\s+\w+\s+([\d.]+) st/s\s+([\d.]+) st/s\s+([\d.]+) st/s", proc.stdout, re.M)

@@ -33,13 +33,14 @@ def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
     while len(_train_records(run)) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
+    seen = _train_records(run)[-1]["step"]
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 3, out[-2000:]  # meshtune/cli/commands.py: 3 = stopped on request, resumable
     stopped = [line for line in out.splitlines() if "stopped at step" in line]
     assert len(stopped) == 1, out[-2000:]
     step = int(stopped[0].split("stopped at step ")[1].split()[0])
-    assert step < 1000  # it stopped soon after the request, not at --iters
+    assert seen <= step <= seen + 10, (seen, step)  # at the step after the request, not at --iters
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert saved == [f"{step:07d}"], saved  # --save-every 100000: the stop's checkpoint is the only one
     assert verify_checkpoint(run / "checkpoints" / saved[0]) is None  # complete, every file matching its sha256

@@ -157,7 +157,7 @@ def test_two_ranks_report_every_rank_and_their_waits(tmp_path, args, share, layo
         per_rank = rec["peak_memory_gb_per_rank"]
         assert len(per_rank) == 2 and rec["peak_memory_gb"] == max(per_rank) and min(per_rank) > 0
         assert all(per_rank[r] <= finished[r] + 1e-4 for r in range(2))
-        assert 0.0 <= rec[share] <= 1.0
+        assert 0.0 < rec[share] <= 1.0  # the sockets ring's all-reduce, the pipeline's bubble: never free
         assert f", {share.removesuffix('_share')} {100 * rec[share]:.1f}%" in proc.stdout
     assert not any(l.startswith("[rank 1] ") and ": train loss" in l for l in proc.stdout.splitlines())
     report = (run / "report.md").read_text()

@@ -1,4 +1,4 @@
-"""Gradient buckets: grouping, and that bucketed sums are exact (mock of a 1-rank mesh aside)."""
+"""Gradient buckets: how gradients are grouped (their sums are checked by the data-parallel tests)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from meshtune.adapters import apply_adapters, set_base_path
+from meshtune.adapters import apply_adapters, base_path, set_base_path
 from meshtune.adapters.frozen import RoutedQuantizedEmbedding, RoutedQuantizedLinear
 
 
@@ -19,7 +19,7 @@ def _restore_mode():
 
 @pytest.mark.parametrize("mode", ["quantized", "dequantized"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_frozen_quantized_layers_are_routed(model_factory, mode, tied):
+def test_frozen_quantized_layers_are_routed(model_factory, mode, tied, monkeypatch):
     model = model_factory(layers=2, dim=64, vocab=128, tied=tied)
     nn.quantize(model, group_size=32, bits=4)
     tokens = mx.array([[1, 2, 3, 4, 5, 6]])
@@ -33,6 +33,10 @@ def test_frozen_quantized_layers_are_routed(model_factory, mode, tied):
     assert isinstance(head, RoutedQuantizedEmbedding if tied else RoutedQuantizedLinear)
     base_names = {k: v.shape for k, v in tree_flatten(model.parameters()) if "lora_" not in k}
     assert {k.replace(".linear.", "."): v for k, v in base_names.items()} == names
+    dequantized = []  # the product each routed layer took: the dequantized weight's or quantized_matmul
+    real = base_path.dequantized_weight
+    monkeypatch.setattr(base_path, "dequantized_weight", lambda layer: dequantized.append(layer) or real(layer))
     got = model(tokens)
+    assert any(layer is head for layer in dequantized) == (mode == "dequantized")
     exact = mode == "quantized"
     assert mx.array_equal(got, want) if exact else mx.allclose(got, want, atol=1e-3)

@@ -9,6 +9,7 @@ import struct
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from meshtune.config.mlx_lm_compat import FLAT_KEYS, MLX_LM_FLAGS
@@ -124,8 +125,9 @@ def test_the_bar_stays_on_a_terminal(tmp_path: Path, monkeypatch) -> None:
 
 def test_one_process_gathers_its_own_peak_and_shares() -> None:
     mesh = Mesh.single()
+    mx.eval(mx.zeros((16, 2**20), dtype=mx.float32))  # 64 MiB, so the peak is at least that
     peaks = peak_memory_per_rank(mesh)
-    assert len(peaks) == 1 and peaks[0] >= 0
+    assert len(peaks) == 1 and peaks[0] == mx.get_peak_memory() / 1e9 and peaks[0] >= 64 * 2**20 / 1e9
     assert wait_shares(mesh, {}, 2.0) == {}
     assert wait_shares(mesh, {"comm": 0.5}, 2.0) == {"comm_share": 0.25}
 
