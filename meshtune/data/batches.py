@@ -10,9 +10,9 @@ batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)`` columns
 ``lengths[:, 1]`` the (truncated) length, so mlx-lm's ``default_loss`` applies.
 
 With ``inputs_multiple_of`` (meshtune passes 128 on an NVIDIA GPU, runtime/cuda.py) that
-width is then widened with padding until the model inputs are a multiple of it, past
-``max_seq_length`` if need be, where that adds at most 1/16 of the inputs: no example gains a
-token, only masked columns.
+width is then widened with padding until the model inputs are a multiple of it, where that adds
+at most 1/16 of the inputs and they stay within ``max_seq_length`` (the batch may be one column
+wider than it): no example gains a token, only masked columns.
 
 Two things differ on purpose: the padded arrays of every batch are built once
 and cached rather than re-padded each step, and the batch order of epoch ``e``
@@ -65,14 +65,15 @@ def padded_width(max_len: int, *, pad_to: int, max_seq_length: int,
 
     mlx-lm's rule: one more than a multiple of ``pad_to``, so the model inputs (all but the
     last column) are a multiple of ``pad_to``, capped at ``max_seq_length``. With
-    ``inputs_multiple_of``, then widened until the inputs are a multiple of that, even past
-    the cap (a 1024-column batch, 1023 inputs, becomes 1025 columns for 128), where that adds
-    at most MAX_WIDENING of the inputs.
+    ``inputs_multiple_of``, then widened until the inputs are a multiple of that (a 1024-column
+    batch, 1023 inputs, becomes 1025 columns for 128), where that adds at most MAX_WIDENING of
+    the inputs and leaves them no more than ``max_seq_length``: a model's position table holds
+    that many, and positions past it would be out of its range.
     """
     width = min(1 + pad_to * -(-max_len // pad_to), max_seq_length)
     if inputs_multiple_of:
         wider = 1 + inputs_multiple_of * -(-(width - 1) // inputs_multiple_of)
-        if wider - width <= MAX_WIDENING * (width - 1):
+        if wider - width <= MAX_WIDENING * (width - 1) and wider - 1 <= max_seq_length:
             width = wider
     return width
 

@@ -305,7 +305,7 @@ def test_batches_sorted_padded_and_exact():
     assert k == 11
 
 
-def test_padded_width_widens_to_the_inputs_multiple_past_the_cap_where_it_costs_little():
+def test_padded_width_widens_to_the_inputs_multiple_where_it_costs_little_and_fits_the_cap():
     assert padded_width(1024, pad_to=32, max_seq_length=1024) == 1024  # mlx-lm's: 1023 model inputs
     assert padded_width(1024, pad_to=32, max_seq_length=1024, inputs_multiple_of=128) == 1025
     assert padded_width(990, pad_to=32, max_seq_length=2048, inputs_multiple_of=128) == 1025  # 992 + 32
@@ -315,6 +315,7 @@ def test_padded_width_widens_to_the_inputs_multiple_past_the_cap_where_it_costs_
     assert padded_width(90, pad_to=32, max_seq_length=1024, inputs_multiple_of=128) == 97  # 96 + 32: 1/3 more
     assert padded_width(4096, pad_to=32, max_seq_length=4096, inputs_multiple_of=128) == 4097
     assert padded_width(1880, pad_to=32, max_seq_length=4096, inputs_multiple_of=128) == 1921  # 1888 + 32
+    assert padded_width(1000, pad_to=32, max_seq_length=1000, inputs_multiple_of=128) == 1000  # 1024 > 1000 inputs
 
 
 @pytest.mark.parametrize("pack", [False, True])
