@@ -28,6 +28,8 @@ from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
+from .config.schema import is_local_path
+from .config.sections import full_needs_dense
 from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
@@ -60,17 +62,18 @@ class RunResult:
     stopped_early: bool
 
 
-def load_model(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
-    """Model and tokenizer through mlx-lm's loader (local folder or hub id)."""
+def load_model(path: str, trust_remote_code: bool = False, return_config: bool = False) -> tuple[Any, ...]:
+    """Model and tokenizer (and with `return_config` its config.json) through mlx-lm's loader (local
+    folder or hub id); a folder that lacks something, or a load that fails, is one line naming model.path."""
     from mlx_lm.utils import load
 
     local = Path(path).expanduser()
-    if path.startswith(("/", ".", "~")) or local.exists():
+    if is_local_path(path):
         _check_model_folder(path, local)
         path = str(local)
     try:
         return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
-                    trust_remote_code=trust_remote_code)
+                    trust_remote_code=trust_remote_code, return_config=return_config)
     except Exception as err:  # hub and loader errors come in many types; the user needs one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "
@@ -91,6 +94,15 @@ def _check_model_folder(path: str, local: Path) -> None:
     if not any((local / name).exists() for name in TOKENIZER_FILES):
         raise ValueError(f"model.path={path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) in the folder; "
                          "copy the tokenizer files of the base model there")
+
+
+def _quantized_folder(folder: Path) -> bool:
+    """Whether a local model folder's config.json says its weights are quantized (mlx-lm's keys)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("quantization") or config.get("quantization_config"))
 
 
 def _features(cfg: Config) -> Features:
@@ -161,6 +173,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
+    cfg = cfg.with_absolute_paths()  # what the run saves names its model and data from anywhere
     # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
     layout = Pipeline if mesh.pp > 1 else DataParallel
     say = log if mesh.is_writer else (lambda _line: None)
@@ -179,6 +192,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
     check_source(data_path)  # a folder or a hub id: fail before the (possibly long) model load
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
+    if cfg.adapter.fine_tune_type == "full" and _quantized_folder(Path(model_path)):
+        raise ValueError(full_needs_dense(f"model.path={model_path}"))  # apply_adapters checks hub models
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
@@ -339,14 +354,14 @@ def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
 
     A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then.
     """
-    from mlx_lm.utils import dequantize_model, load, save
+    from mlx_lm.utils import dequantize_model, save
 
     target = Path(save_path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         what = "a file" if not target.is_dir() else "a folder that already holds files"
         raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write the fused model "
                          "over it, or choose another --save-path")
-    model, tokenizer, config = load(model_path, return_config=True)
+    model, tokenizer, config = load_model(model_path, return_config=True)
     ad.load_adapters(model, adapter_path)
     n = ad.fuse_adapters(model, dequantize=dequantize)
     if dequantize:

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from ..config.sections import full_needs_dense
 from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear
 from .frozen import route_frozen_quantized
 from .lora import LoRAEmbedding, LoRALinear
@@ -117,6 +118,8 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
 
     def visit(owner: nn.Module, name: str, module: nn.Module) -> None:
         if fine_tune_type == "full":
+            if "scales" in module:  # a quantized layer's weight is packed words, not trainable values
+                raise ValueError(full_needs_dense(f"layer {name} ({type(module).__name__})"))
             module.unfreeze()
         else:
             replacements.append((owner, name, _to_adapter(module, fine_tune_type, rank, scale, dropout)))

@@ -84,6 +84,13 @@ def _model_without(*patterns: str) -> Callable[[Path], None]:
     return setup
 
 
+def _quantized_model(tmp: Path) -> None:
+    """The tiny model quantized to 4 bits, as mlx_lm.convert -q writes it."""
+    from mlx_lm import convert
+
+    convert(str(TINY), mlx_path=str(tmp / "q4"), quantize=True, q_group_size=32, q_bits=4)
+
+
 def _adapters_of_another_model(tmp: Path) -> None:
     """A copy of the earlier run's adapters with every tensor twice as wide (another hidden size)."""
     import mlx.core as mx
@@ -169,11 +176,18 @@ CASES: list[Case] = [
     Case("model_without_tokenizer", ("--model", "{tmp}/model"), "model.path={tmp}/model: no tokenizer",
          setup=_model_without("tokenizer*", "special_tokens_map.json")),
     Case("model_missing", ("--model", "{tmp}/no-model"), "model.path={tmp}/no-model"),
+    Case("model_dot_path_missing", ("--model", "./no-such-model-folder"),
+         "no-such-model-folder: no mlx-lm model folder there"),  # a folder by its "./", never a hub id
+    Case("data_dot_path_missing", ("--data", "./no-such-data-folder"), "no-such-data-folder: no such folder"),
+    Case("full_on_quantized", ("--model", "{tmp}/q4", "--fine-tune-type", "full"),
+         "adapter.fine_tune_type=full: model.path={tmp}/q4 is quantized", setup=_quantized_model),
     Case("dora_on_norm", ("--fine-tune-type", "dora", "--adapter.keys", "[input_layernorm]"),
          "cannot put dora on a RMSNorm; adapter.keys"),
     Case("adapter_key_unknown", ("--adapter.keys", "[self_attn.qq_proj]"), "adapter.keys: 'self_attn.qq_proj'"),
     Case("fuse_over_files", ("fuse", "--adapter-path", "{tmp}/run", "--save-path", "{tmp}/run"),
          "--save-path {tmp}/run is a folder that already holds files; pass --overwrite", train=False),
+    Case("fuse_model_missing", ("fuse", "--model", "{tmp}/no-model", "--adapter-path", "{tmp}/run", "--save-path",
+                                "{tmp}/fused"), "model.path={tmp}/no-model: no mlx-lm model folder there", train=False),
     Case("resume_mismatch", ("--resume", "--adapter.rank", "4", "--data", "{shared}"),
          "--resume: adapter.rank = 4 differs from the checkpoint's 8"),
     Case("resume_corrupt", ("--resume", "--data", "{shared}"), "--resume: no intact checkpoint",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,17 @@ _SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int, tuple[int, ...]]] = {
     "exponential_decay": (("init", "decay_rate"), 2, ()),
     "step_decay": (("init", "decay_rate", "step_size"), 3, (2,)),
 }
+
+
+def is_local_path(text: str) -> bool:
+    """Whether model.path / data.path `text` names a local path, not a hub id: it starts with /, . or ~
+    (``./models/x`` is a folder even where none exists, which is then the error), or it exists."""
+    return text.startswith(("/", ".", "~")) or Path(text).expanduser().exists()
+
+
+def _source_path(text: str) -> Path:
+    """A local path made absolute, or a hub id as given."""
+    return Path(os.path.abspath(Path(text).expanduser())) if is_local_path(text) else Path(text)
 
 
 @dataclass(kw_only=True)
@@ -74,12 +86,22 @@ class Config:
         }
 
     def resolved_model_path(self) -> Path:
-        """The model folder, the shipped tiny model when model.path is ""."""
-        return Path(self.model.path).expanduser() if self.model.path else DEFAULT_MODEL_PATH
+        """The model folder (absolute) or hub id, the shipped tiny model when model.path is ""."""
+        return _source_path(self.model.path) if self.model.path else DEFAULT_MODEL_PATH
 
     def resolved_data_path(self) -> Path:
-        """The data folder, the shipped arithmetic data when data.path is ""."""
-        return Path(self.data.path).expanduser() if self.data.path else DEFAULT_DATA_PATH
+        """The data folder (absolute) or hub id, the shipped arithmetic data when data.path is ""."""
+        return _source_path(self.data.path) if self.data.path else DEFAULT_DATA_PATH
+
+    def with_absolute_paths(self) -> Config:
+        """A copy whose model.path and data.path, where they name local paths, are absolute, so that
+        what a run saves (its checkpoints' config, adapter_config.json, report.md) names them from
+        any working directory: generate, fuse and --resume elsewhere find them."""
+        cfg = copy.deepcopy(self)
+        for section in (cfg.model, cfg.data):
+            if section.path:
+                section.path = str(_source_path(section.path))
+        return cfg
 
     def parallel_sizes(self, world_size: int = 1) -> tuple[int, int, int]:
         """(dp, pp, micro_batches) with the 0 defaults resolved; validate first."""

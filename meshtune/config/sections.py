@@ -82,6 +82,13 @@ class DataConfig:
     loss is unchanged. Evaluation batches stay unpacked."""
 
 
+def full_needs_dense(what: str) -> str:
+    """The one-line refusal of full fine-tuning on a quantized base (train, and plan before it)."""
+    return (f"adapter.fine_tune_type=full: {what} is quantized, and full fine-tuning trains the weights "
+            "themselves; pass --fine-tune-type lora (or dora), or give a dense model (the original, or "
+            "mlx_lm.convert --hf-path MODEL --mlx-path DENSE --dequantize)")
+
+
 @dataclass(kw_only=True)
 class AdapterConfig:
     """What is trained: LoRA/DoRA adapters or the full weights."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.sections import full_needs_dense
 from ..training import HEAD_CHUNK_TOKENS, HEAD_THEN_LOGITS
 from .model_facts import Linear, ModelFacts
 
@@ -73,6 +74,8 @@ def trained(facts: ModelFacts, adapter: Any) -> list[Trained]:
         else:
             hit = (block in blocks and rel in keys) or (block is None and layer.name in keys)
         if hit:
+            if adapter.fine_tune_type == "full" and layer.quantized:
+                raise ValueError(full_needs_dense(f"layer {layer.name} of --model {facts.path}"))
             out.append(_trained_of(layer, block, adapter))
     if not out:
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {adapter.num_layers} blocks; "

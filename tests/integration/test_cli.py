@@ -163,6 +163,27 @@ def test_fuse_and_generate(trained, tmp_path, cli):
     assert proc.stdout == generate(base, tok, prompt=prompt, max_tokens=4) + "\n"
 
 
+def test_a_run_on_relative_paths_generates_and_resumes_from_anywhere(tmp_path, cli):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(TINY_MODEL)
+    (tmp_path / "data").symlink_to(ARITH_DATA)
+    proc = cli("train", "--model", "models/tiny", "--data", "./data", "--iters", "2", *QUICK,
+               "--adapter-path", "runs/a", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = tmp_path / "runs" / "a"
+    saved = json.loads((run / "adapter_config.json").read_text())
+    assert saved["model"] == str(tmp_path / "models" / "tiny")  # absolute, the link's own name kept
+    assert saved["meshtune"]["data"]["path"] == str(tmp_path / "data")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = cli("generate", "--adapter-path", str(run), "--prompt", "What is 4 + 2?", "--max-tokens", "2",
+               cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = cli("train", "--adapter-path", str(run), "--resume", "--iters", "3", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from step" in proc.stdout
+
+
 def test_quantized_base_trains_and_fuse_requantizes(tmp_path, cli):
     from mlx_lm import convert
     from mlx_lm.utils import load

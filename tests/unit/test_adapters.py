@@ -111,6 +111,14 @@ def test_more_layers_than_blocks_adapts_all(model_factory):
     assert apply_adapters(model_factory(), num_layers=5, **kw) == apply_adapters(model_factory(), num_layers=-1, **kw)
 
 
+def test_full_on_a_quantized_base_is_refused_naming_the_layer_and_the_fix(model_factory):
+    model = model_factory()
+    nn.quantize(model, group_size=32, bits=4)
+    with pytest.raises(ValueError, match=r"adapter.fine_tune_type=full: layer [\w.]+_proj \(QuantizedLinear\) "
+                                         r"is quantized.*--fine-tune-type lora"):
+        apply_adapters(model, fine_tune_type="full", num_layers=2, keys=None, rank=4, scale=1.0, dropout=0.0)
+
+
 def test_full_unfreezes_chosen_blocks(model_factory):
     model = model_factory(layers=3)
     apply_adapters(model, fine_tune_type="full", num_layers=1, keys=None, rank=4, scale=1.0, dropout=0.0)

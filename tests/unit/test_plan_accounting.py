@@ -125,7 +125,10 @@ def test_quantized_weights_scales_biases_and_input_width(tmp_path: Path) -> None
     assert (embed.in_dims, embed.out_dims, embed.embedding) == (V + 14, H, True)
     assert facts.activation_dtype_bytes == 2  # the scales' dtype
     assert sum(t.params for t in trained(facts, _adapter(rank=8))) == 8 * (I + H) + 8 * (H + H)
-    assert sum(t.params for t in trained(facts, _adapter(fine_tune_type="full"))) == 0  # quantized stays frozen
+    # Full fine-tuning cannot train packed words: refused as `meshtune train` refuses it.
+    with pytest.raises(ValueError, match=r"adapter.fine_tune_type=full: layer model.layers.0.mlp.down_proj of "
+                                         r"--model .* is quantized.*--fine-tune-type lora"):
+        trained(facts, _adapter(fine_tune_type="full"))
 
 
 def test_moe_experts_from_a_hand_written_header(tmp_path: Path) -> None:
