@@ -195,6 +195,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if cfg.adapter.fine_tune_type == "full" and _quantized_folder(Path(model_path)):
         raise ValueError(full_needs_dense(f"model.path={model_path}"))  # apply_adapters checks hub models
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
+    if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
+        raise ValueError(_no_checkpoint(out, "no checkpoint"))
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
@@ -214,6 +216,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
                             warn=_warner(mesh), pack=cfg.data.pack,
                             inputs_multiple_of=attention_inputs_multiple())
+    # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
+    val_batches = (_eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
+                   if data.valid is not None and cfg.train.val_batches != 0 else None)
+    test_batches = (_eval_batches(data.test, cfg, mesh, cfg.train.test_batches)
+                    if cfg.train.test and data.test is not None else None)
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
                               learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)
@@ -260,8 +267,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                 raise CheckpointWriteError(write_error(out, err)) from None
 
     validate = None
-    if data.valid is not None and cfg.train.val_batches != 0:
-        val_batches = _eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
+    if val_batches is not None:
         validate = lambda: strategy.evaluate(val_batches, beat=watchdog.alive)  # noqa: E731
     t = cfg.train
     settings = LoopSettings(iters=t.iters, steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
@@ -280,8 +286,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             last = f"{found[-1]} (resume with --resume)" if found else "none yet (start again)"
             raise NonFiniteStep(err.step, err.what, last_good=last) from None
         test_loss = None
-        if t.test and data.test is not None and not result.stopped_early:
-            test_loss, n = strategy.evaluate(_eval_batches(data.test, cfg, mesh, t.test_batches))
+        if test_batches is not None and not result.stopped_early:
+            test_loss, n = strategy.evaluate(test_batches)
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
@@ -294,6 +300,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
+
+
+def _no_checkpoint(out: Path, what: str) -> str:
+    return (f"--resume: {what} in {out / 'checkpoints'}; run without --resume to start, "
+            "or point --adapter-path at the run")
 
 
 def resume_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
@@ -321,8 +332,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
     if ckpt is None:
         found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
-        raise ValueError(f"--resume: {what} in {out / 'checkpoints'}; "
-                         "run without --resume to start, or point --adapter-path at the run")
+        raise ValueError(_no_checkpoint(out, what))
     changed = resume_mismatches(resolved, ckpt.config)
     if changed:
         defaults = Config().to_dict()

@@ -147,6 +147,8 @@ CASES: list[Case] = [
          {TRAIN: '{"messages": []}\n'}),
     Case("too_long_strict", ("--data.max_seq_length", "8", "--data.truncate", "false"),
          "data/train.jsonl:1: example is", {TRAIN: GOOD * 8}),
+    Case("valid_smaller_than_a_batch", (), "valid ({tmp}/data/valid.jsonl): has 2 examples, fewer than "
+         "batch_size=4; give --batch-size 2", {"data/valid.jsonl": GOOD * 2}),
     Case("missing_valid_split", (), "data/valid.jsonl: not found", setup=lambda t: (t / "data/valid.jsonl").unlink()),
     Case("no_data_dir", ("--data", "{tmp}/nowhere"), "data.path={tmp}/nowhere"),
     Case("yaml_unknown_key", ("-c", "{tmp}/run.yaml"), "run.yaml:3: unknown key 'train.iter'; did you mean 'train.iters'",
@@ -171,6 +173,8 @@ CASES: list[Case] = [
     Case("more_stages_than_layers", ("launch", "-n", "8", "--", "meshtune", "train", *BASE[:2],
                                      "--batch-size", "8", "--parallel.pp", "8", "--adapter-path", "{tmp}/run"),
          "parallel.pp=8 stages for a model of 4 blocks", train=False),
+    Case("launch_command_missing", ("launch", "-n", "2", "--", "meshtun", "train"),
+         "command 'meshtun' not found", train=False),
     Case("model_without_weights", ("--model", "{tmp}/model"), "model.path={tmp}/model: no weights",
          setup=_model_without("*.safetensors"), subprocess=True),
     Case("model_without_tokenizer", ("--model", "{tmp}/model"), "model.path={tmp}/model: no tokenizer",

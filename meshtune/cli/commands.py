@@ -9,6 +9,7 @@ the top: the BLAS choice (meshtune.cli.main) happens before MLX loads.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import sys
@@ -42,6 +43,9 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
         cfg = load_config(DEMO_CONFIG, overrides)
         say(f"note: no --model/--data/-c given: training the embedded tiny model on the arithmetic data "
             f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
+    elif not cfg.data.path:
+        say("note: no --data given: training on the embedded arithmetic data; pass --data with a folder "
+            "or a hub dataset id for your own")
     for line in cfg.mapped:
         say(f"mlx-lm key mapped: {line}")
     for line in cfg.notes:
@@ -208,7 +212,8 @@ def _model_from_adapters(adapter_path: str) -> str:
 
     config = Path(adapter_path) / "adapter_config.json"
     if not config.exists():
-        raise ValueError(f"{config} not found; pass --adapter-path of a trained run or --model")
+        raise ValueError(f"{config} not found; pass the --adapter-path of a trained run "
+                         "(generate also runs the base alone: --model without --adapter-path)")
     model = json.loads(config.read_text()).get("model")
     if not model:
         raise ValueError(f"{config} records no base model; pass --model")
@@ -221,10 +226,13 @@ def _no_extra(rest: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune language models with MLX.")
+    # No abbreviations: `plan --rank 2` must not be read as --ranks 2 (train's options are --section.key).
+    parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune language models with MLX.",
+                                     allow_abbrev=False)
     parser.add_argument("--no-system-blas", action="store_true",
                         help="Keep MLX's bundled BLAS on Linux instead of a system OpenBLAS.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     from ..config.show import options_help
 
     every_option = options_help()  # the epilog of train, config and plan

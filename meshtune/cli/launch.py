@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -323,6 +324,11 @@ def main(argv: list[str]) -> int:
     n = a.num_ranks if a.num_ranks is not None else (len(ssh_hosts) if ssh_hosts else None)
     if n is None:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
+    if not command:
+        raise ValueError("no command to run; give it after --, e.g. meshtune launch -n 2 -- meshtune train")
+    if ssh_hosts is None and shutil.which(command[0]) is None:
+        raise ValueError(f"command {command[0]!r} not found (not a file, nor on PATH); e.g. "
+                         "meshtune launch -n 2 -- meshtune train ...")
     preflight(n, command)
     pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)
     if note:

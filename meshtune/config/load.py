@@ -139,6 +139,9 @@ def _unknown_hint(key: str) -> str:
         return f"; {compat.REJECTED[flat_name]}"
     if flat_name in compat.IGNORED:
         return f"; {compat.IGNORED[flat_name]}, so drop it"
+    if flat_name in compat.NESTED_KEYS:  # mlx-lm's mapping keys: their entries are meshtune options
+        entries = ", ".join(f"--{k}" for k in compat.NESTED_KEYS[flat_name].values())
+        return f"; mlx-lm's {flat_name} is a YAML mapping; here its entries are options: {entries}"
     if "." not in key:  # spelled like an mlx_lm.lora flag
         close = difflib.get_close_matches(f"--{key}", list(MLX_LM_FLAGS), n=1, cutoff=0.75)
         if close:

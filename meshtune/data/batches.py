@@ -122,8 +122,9 @@ class BatchIterator:
         else:
             unit_lengths = dataset.lengths
             if len(dataset) < batch_size:
+                where = f"{name} ({dataset.path})" if dataset.path is not None else name
                 raise ValueError(
-                    f"{name}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
+                    f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
                     f" give --batch-size {len(dataset)} (or less) or add examples"
                 )
         self.dataset = dataset

@@ -204,7 +204,7 @@ class Pipeline:
         """Raise what this layout cannot run as `cfg` asks, before the model loads."""
         if cfg.train.grad_checkpoint:
             raise ValueError(f"parallel.pp={mesh.pp}: train.grad_checkpoint with a pipeline is not needed: "
-                             "stages recompute their forward")
+                             "stages recompute their forward; drop --grad-checkpoint (--train.grad_checkpoint false)")
         if cfg.parallel.transport == "sockets" and mesh.world_size > 1:
             raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
                              f"parallel.pp={mesh.pp} set parallel.transport: mlx (--parallel.transport mlx)")

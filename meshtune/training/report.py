@@ -68,7 +68,9 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
         data=saved.get("data") or cfg.get("data", {}).get("path", ""),
         ranks=ranks, pp=pp, dp=max(ranks // pp, 1), schedule=parallel.get("schedule", "") if pp > 1 else "",
         micro_batches=int(parallel.get("micro_batches", 0) or 0) or pp,
-        adapter={k: adapter.get(k) for k in ("fine_tune_type", "rank", "scale", "num_layers")},
+        # num_layers as applied (adapter_config.json's: 16 on a 4-block model is 4), else as asked.
+        adapter={**{k: adapter.get(k) for k in ("fine_tune_type", "rank", "scale")},
+                 "num_layers": saved.get("num_layers", adapter.get("num_layers"))},
         steps=max((r["step"] for r in records if r.get("type") in ("train", "val", "skip", "stop")), default=0),
         trained_tokens=train[-1]["trained_tokens"] if train else 0,
         step_seconds=sum(r["tokens"] / r["tokens_per_sec"] for r in train if r["tokens_per_sec"] > 0),
@@ -160,9 +162,13 @@ def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not (Path(argv[0]) / "metrics.jsonl").exists():
+    if len(argv) != 1:
         print("usage: python -m meshtune.training.report ADAPTER_PATH (a run folder holding metrics.jsonl)",
               file=sys.stderr)
+        return 2
+    if not (Path(argv[0]) / "metrics.jsonl").exists():
+        what = "no metrics.jsonl in that folder" if Path(argv[0]).is_dir() else "no such folder"
+        print(f"meshtune report: {argv[0]}: {what}; give the --adapter-path of a run", file=sys.stderr)
         return 2
     s = write_report(Path(argv[0]))
     print(summary_line(s, Path(argv[0]), Path(argv[0]) / "adapters.safetensors"))

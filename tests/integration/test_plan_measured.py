@@ -63,7 +63,8 @@ def test_json_table_and_one_line_errors(tmp_path: Path) -> None:
     assert plan["ranks"] == 4 and plan["layouts"][-1]["layout"] == "PP 4"
     for cmd, words in ((("plan", *RUN, "--link", "fast"), "--link 'fast'"),
                        (("plan", *RUN, "--model", "someone/not-downloaded"), "plan reads a local folder"),
-                       (("bench", "plan", "--layouts", "1,dp1"), "--layouts 1,dp1")):
+                       (("bench", "plan", "--layouts", "1,dp1"), "--layouts 1,dp1"),
+                       (("plan", *RUN, "--rank", "2"), "unknown option --rank; did you mean --adapter.rank")):
         bad = run_cli(*cmd)
         assert bad.returncode == 2 and words in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

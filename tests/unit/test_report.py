@@ -27,8 +27,9 @@ TRAIN = [  # (step, loss, tokens, tokens/s)
 
 def _fake_run(out: Path, *, pp: int = 1, ranks: int = 2) -> None:
     out.mkdir()
-    config = {"model": "models/tiny", "data": "data/arith", "fine_tune_type": "dora",
-              "meshtune": {"adapter": {"fine_tune_type": "dora", "rank": 4, "scale": 10.0, "num_layers": 2},
+    # 16 blocks asked of a 2-block model: adapter_config.json says what was applied, which the report gives.
+    config = {"model": "models/tiny", "data": "data/arith", "fine_tune_type": "dora", "num_layers": 2,
+              "meshtune": {"adapter": {"fine_tune_type": "dora", "rank": 4, "scale": 10.0, "num_layers": 16},
                            "parallel": {"pp": pp, "schedule": "gpipe", "micro_batches": 4}}}
     (out / "adapter_config.json").write_text(json.dumps(config))
     records = [{"type": "val", "step": 0, "val_loss": 4.0, "tokens": 9, "seconds": 0.1, "time": 1000.0}]
