@@ -28,7 +28,7 @@ from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .config.schema import is_local_path
+from .config.schema import absolute_source, is_local_path
 from .config.sections import full_needs_dense
 from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
@@ -310,11 +310,14 @@ def _no_checkpoint(out: Path, what: str) -> str:
 def resume_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
     """The RESUME_MUST_MATCH keys whose value differs between this run's config and the checkpoint's.
 
-    A key the checkpoint lacks was written by a meshtune without it: that run had its default."""
+    A key the checkpoint lacks was written by a meshtune without it: that run had its default. A
+    relative model or data path (saved before runs saved them absolute) is read from here."""
     defaults = Config().to_dict()
     changed = []
     for section in RESUME_MUST_MATCH:
         old = {**defaults[section], **saved.get(section, {})}
+        if section in ("model", "data") and isinstance(old.get("path"), str):
+            old["path"] = absolute_source(old["path"])
         changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
                     if resolved[section].get(k) != old.get(k)]
     return changed

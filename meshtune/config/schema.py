@@ -48,6 +48,11 @@ def _source_path(text: str) -> Path:
     return Path(os.path.abspath(Path(text).expanduser())) if is_local_path(text) else Path(text)
 
 
+def absolute_source(text: str) -> str:
+    """model.path / data.path `text` as a run saves it: a local path absolute, a hub id or "" as given."""
+    return str(_source_path(text)) if text else text
+
+
 @dataclass(kw_only=True)
 class Config:
     """A whole meshtune run."""
@@ -99,8 +104,7 @@ class Config:
         any working directory: generate, fuse and --resume elsewhere find them."""
         cfg = copy.deepcopy(self)
         for section in (cfg.model, cfg.data):
-            if section.path:
-                section.path = str(_source_path(section.path))
+            section.path = absolute_source(section.path)
         return cfg
 
     def parallel_sizes(self, world_size: int = 1) -> tuple[int, int, int]:

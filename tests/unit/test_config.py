@@ -604,3 +604,21 @@ def test_negative_skip_nonfinite_steps_is_an_error():
     cfg = Config.from_dict({"train": {"skip_nonfinite_steps": -1}})
     with pytest.raises(ConfigError, match="train.skip_nonfinite_steps = -1: must be 0"):
         cfg.validate()
+
+
+def test_resume_reads_a_checkpoint_s_relative_paths_from_here(tmp_path, monkeypatch):
+    """A run saved before paths were saved absolute resumes from the folder it was started in."""
+    from meshtune.api import resume_mismatches
+    from meshtune.config import Config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    saved = Config.from_dict({"model": {"path": "models/tiny"}, "data": {"path": "./data"}}).to_dict()
+    now = Config.from_dict(saved).with_absolute_paths().to_dict()
+    assert now["model"]["path"] == str(tmp_path / "models" / "tiny") and now["data"]["path"] == str(tmp_path / "data")
+    assert resume_mismatches(now, saved) == []
+    moved = Config.from_dict({**saved, "model": {"path": "/elsewhere"}}).with_absolute_paths().to_dict()
+    assert resume_mismatches(moved, saved) == ["model.path"]
+    hub = Config.from_dict({"model": {"path": "org/model"}}).to_dict()  # a hub id stays as given
+    assert Config.from_dict(hub).with_absolute_paths().model.path == "org/model"
+    assert resume_mismatches(hub, hub) == []
