@@ -28,8 +28,8 @@ from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .config.schema import absolute_source, is_local_path
-from .config.sections import full_needs_dense
+from .config.resume import same_source
+from .config.schema import is_local_path
 from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
@@ -96,13 +96,20 @@ def _check_model_folder(path: str, local: Path) -> None:
                          "copy the tokenizer files of the base model there")
 
 
-def _quantized_folder(folder: Path) -> bool:
-    """Whether a local model folder's config.json says its weights are quantized (mlx-lm's keys)."""
+def _check_full_is_dense(cfg: Config, folder: Path) -> None:
+    """Refuse full fine-tuning of a targeted quantized layer before the load, from the local folder's
+    safetensors headers as `meshtune plan` reads them (a layer with scales); apply_adapters refuses it
+    after the load for a hub id, or a folder the headers do not describe."""
+    from .plan.memory import trained
+    from .plan.model_facts import read_model
+
+    if not (folder / "config.json").exists():
+        return
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and bool(config.get("quantization") or config.get("quantization_config"))
+        facts = read_model(folder)
+    except ValueError:
+        return  # load_model names what the folder lacks
+    trained(facts, cfg.adapter)  # raises full_needs_dense's line for a targeted quantized layer
 
 
 def _features(cfg: Config) -> Features:
@@ -118,8 +125,7 @@ def _eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> list[Any
     """
     it = BatchIterator(dataset, batch_size=cfg.train.batch_size, max_seq_length=cfg.data.max_seq_length,
                        pad_to=cfg.data.pad_to, seed=cfg.train.seed, rank=mesh.dp_rank,
-                       world_size=mesh.dp, loop=False, shuffle=True, warn=_warner(mesh),
-                       inputs_multiple_of=attention_inputs_multiple())
+                       world_size=mesh.dp, loop=False, shuffle=True, warn=_warner(mesh))
     batches = list(it)
     return batches if limit < 0 else batches[:limit]
 
@@ -192,8 +198,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
     check_source(data_path)  # a folder or a hub id: fail before the (possibly long) model load
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
-    if cfg.adapter.fine_tune_type == "full" and _quantized_folder(Path(model_path)):
-        raise ValueError(full_needs_dense(f"model.path={model_path}"))  # apply_adapters checks hub models
+    if cfg.adapter.fine_tune_type == "full":
+        _check_full_is_dense(cfg, Path(model_path))
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
         raise ValueError(_no_checkpoint(out, "no checkpoint"))
@@ -211,11 +217,15 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                          max_seq_length=cfg.data.max_seq_length, skip_empty=cfg.data.skip_empty,
                          warn=_warner(mesh), splits={"train": cfg.data.train_split, "valid": cfg.data.valid_split,
                                                      "test": cfg.data.test_split})
+    # On CUDA, training batches widened for fused attention's backward (evaluation runs none); every
+    # rank the same, or a pipeline's stages would disagree on activation shapes.
+    multiple = attention_inputs_multiple(model)
+    if len(set(mesh.all_ints(multiple or 0))) > 1:
+        multiple = None
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
-                            warn=_warner(mesh), pack=cfg.data.pack,
-                            inputs_multiple_of=attention_inputs_multiple())
+                            warn=_warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
     # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
     val_batches = (_eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
                    if data.valid is not None and cfg.train.val_batches != 0 else None)
@@ -310,16 +320,15 @@ def _no_checkpoint(out: Path, what: str) -> str:
 def resume_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
     """The RESUME_MUST_MATCH keys whose value differs between this run's config and the checkpoint's.
 
-    A key the checkpoint lacks was written by a meshtune without it: that run had its default. A
-    relative model or data path (saved before runs saved them absolute) is read from here."""
+    A key the checkpoint lacks was written by a meshtune without it: that run had its default. The
+    model and data paths compare as folders (config/resume.py same_source)."""
     defaults = Config().to_dict()
     changed = []
     for section in RESUME_MUST_MATCH:
         old = {**defaults[section], **saved.get(section, {})}
-        if section in ("model", "data") and isinstance(old.get("path"), str):
-            old["path"] = absolute_source(old["path"])
         changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
-                    if resolved[section].get(k) != old.get(k)]
+                    if resolved[section].get(k) != old.get(k)
+                    and not same_source(f"{section}.{k}", resolved[section].get(k), old.get(k))]
     return changed
 
 

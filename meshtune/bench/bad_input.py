@@ -148,7 +148,8 @@ CASES: list[Case] = [
     Case("too_long_strict", ("--data.max_seq_length", "8", "--data.truncate", "false"),
          "data/train.jsonl:1: example is", {TRAIN: GOOD * 8}),
     Case("valid_smaller_than_a_batch", (), "valid ({tmp}/data/valid.jsonl): has 2 examples, fewer than "
-         "batch_size=4; give --batch-size 2", {"data/valid.jsonl": GOOD * 2}),
+         "batch_size=4; add examples, give --batch-size 2 (or less), or skip validation with --val-batches 0",
+         {"data/valid.jsonl": GOOD * 2}),
     Case("missing_valid_split", (), "data/valid.jsonl: not found", setup=lambda t: (t / "data/valid.jsonl").unlink()),
     Case("no_data_dir", ("--data", "{tmp}/nowhere"), "data.path={tmp}/nowhere"),
     Case("yaml_unknown_key", ("-c", "{tmp}/run.yaml"), "run.yaml:3: unknown key 'train.iter'; did you mean 'train.iters'",
@@ -184,7 +185,7 @@ CASES: list[Case] = [
          "no-such-model-folder: no mlx-lm model folder there"),  # a folder by its "./", never a hub id
     Case("data_dot_path_missing", ("--data", "./no-such-data-folder"), "no-such-data-folder: no such folder"),
     Case("full_on_quantized", ("--model", "{tmp}/q4", "--fine-tune-type", "full"),
-         "adapter.fine_tune_type=full: model.path={tmp}/q4 is quantized", setup=_quantized_model),
+         "adapter.fine_tune_type=full: layer model.layers.0.mlp.down_proj of {tmp}/q4 is quantized", setup=_quantized_model),
     Case("dora_on_norm", ("--fine-tune-type", "dora", "--adapter.keys", "[input_layernorm]"),
          "cannot put dora on a RMSNorm; adapter.keys"),
     Case("adapter_key_unknown", ("--adapter.keys", "[self_attn.qq_proj]"), "adapter.keys: 'self_attn.qq_proj'"),

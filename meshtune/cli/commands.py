@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str], None] = print) -> Any:
-    """The run's config from -c, flags and (with --resume) the run's checkpoint; `say` gets the notes.
+def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str], None] = print,
+                  reads_data: bool = True) -> Any:
+    """The run's config from -c, flags and (with --resume) the run's checkpoint; `say` gets the notes
+    (`plan`, which reads no data, is not told which data it would train on).
 
     No -c, --model or --data (a bare `meshtune train`): the demo's settings. With --resume
     and a checkpoint in the adapter folder, the checkpoint's settings, flags checked against them.
@@ -43,7 +45,7 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
         cfg = load_config(DEMO_CONFIG, overrides)
         say(f"note: no --model/--data/-c given: training the embedded tiny model on the arithmetic data "
             f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
-    elif not cfg.data.path:
+    elif not cfg.data.path and reads_data:
         say("note: no --data given: training on the embedded arithmetic data; pass --data with a folder "
             "or a hub dataset id for your own")
     for line in cfg.mapped:
@@ -122,7 +124,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     from ..plan.report import as_json, table
 
     # The config exactly as `meshtune train` reads it (the demo's with no -c, --model or --data).
-    cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout))
+    cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
+                        reads_data=False)
     ranks = ranks_in_hostfile(args.hostfile) if args.hostfile else args.ranks
     result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len)
     print(as_json(result) if args.json else table(result))

@@ -327,6 +327,9 @@ def main(argv: list[str]) -> int:
     if not command:
         raise ValueError("no command to run; give it after --, e.g. meshtune launch -n 2 -- meshtune train")
     if ssh_hosts is None and shutil.which(command[0]) is None:
+        if Path(command[0]).is_file():
+            raise ValueError(f"command {command[0]!r} is not executable; chmod +x {command[0]}, or run it through "
+                             f"its interpreter (e.g. -- bash {command[0]})")
         raise ValueError(f"command {command[0]!r} not found (not a file, nor on PATH); e.g. "
                          "meshtune launch -n 2 -- meshtune train ...")
     preflight(n, command)

@@ -61,11 +61,19 @@ def saved_run_config(adapter_path: str | Path) -> tuple[dict[str, Any], str] | N
     return (saved, str(folder / "adapter_config.json")) if isinstance(saved, dict) else None
 
 
-def _same_folder(dotted: str, new: Any, old: Any) -> bool:
-    """model.path / data.path spelled two ways for one folder ("./data" and "data")."""
+def same_source(dotted: str, new: Any, old: Any) -> bool:
+    """Whether model.path / data.path `new` stands for the checkpoint's `old`: one folder spelled two
+    ways ("./data", "data", absolute; a relative `old` is read from here, as the run that saved it
+    read it), or a saved absolute folder that no longer exists (the project moved) given anew."""
     if dotted not in ("model.path", "data.path") or not (new and old):
         return False
-    return Path(new).expanduser().resolve() == Path(old).expanduser().resolve()
+    if Path(new).expanduser().resolve() == Path(old).expanduser().resolve():
+        return True
+    return Path(old).is_absolute() and not Path(old).exists()
+
+
+def _moved(dotted: str, new: Any, old: Any) -> bool:
+    return same_source(dotted, new, old) and Path(new).expanduser().resolve() != Path(old).expanduser().resolve()
 
 
 def _shown(value: Any) -> str:
@@ -108,13 +116,16 @@ def resume_config(given: Config, saved: dict[str, Any], source: str,
     for dotted in LAUNCH_KEYS:
         section, _, key = dotted.partition(".")
         merged[section][key] = ours[section][key]
-    problems = []
+    problems, moved = [], []
     for dotted, where in given.origins.items():
         section, _, key = dotted.partition(".")
         new, old = ours[section][key], had[section][key]
         if section not in RUN_SECTIONS or dotted in EXTENDABLE:
             merged[section][key] = new
-        elif new != old and not _same_folder(dotted, new, old):
+        elif _moved(dotted, new, old):
+            merged[section][key] = new
+            moved.append(f"{dotted}: the checkpoint's {old} no longer exists; using {new}")
+        elif new != old and not same_source(dotted, new, old):
             problems.append(f"{where}: --resume: {dotted} = {new!r} differs from the checkpoint's {old!r} "
                             f"({source}); {_drop_hint(dotted, where, spelled)} to resume with the run's own "
                             "settings, or start a new run in another --adapter-path")
@@ -132,6 +143,7 @@ def resume_config(given: Config, saved: dict[str, Any], source: str,
     cfg.mapped, cfg.notes = list(given.mapped), list(given.notes)
     if changed:
         cfg.notes.append(f"resuming with {', '.join(changed)}")
+    cfg.notes += moved
     cfg.origins = {**{f"{s}.{k}": source for s in SECTIONS for k in _field_types(s)
                       if f"{s}.{k}" not in LAUNCH_KEYS}, **given.origins}
     return cfg

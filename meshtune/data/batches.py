@@ -123,9 +123,10 @@ class BatchIterator:
             unit_lengths = dataset.lengths
             if len(dataset) < batch_size:
                 where = f"{name} ({dataset.path})" if dataset.path is not None else name
+                skip = {"valid": ", or skip validation with --val-batches 0", "test": ", or drop --test"}
                 raise ValueError(
                     f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
-                    f" give --batch-size {len(dataset)} (or less) or add examples"
+                    f" add examples, give --batch-size {len(dataset)} (or less){skip.get(name, '')}"
                 )
         self.dataset = dataset
         self.batch_size = batch_size

@@ -75,7 +75,7 @@ def trained(facts: ModelFacts, adapter: Any) -> list[Trained]:
             hit = (block in blocks and rel in keys) or (block is None and layer.name in keys)
         if hit:
             if adapter.fine_tune_type == "full" and layer.quantized:
-                raise ValueError(full_needs_dense(f"layer {layer.name} of --model {facts.path}"))
+                raise ValueError(full_needs_dense(f"layer {layer.name} of {facts.path}"))
             out.append(_trained_of(layer, block, adapter))
     if not out:
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {adapter.num_layers} blocks; "

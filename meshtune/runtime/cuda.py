@@ -12,6 +12,8 @@ import hashlib
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 _kernels: dict[tuple, object] = {}
 
@@ -24,14 +26,29 @@ def on_cuda() -> bool:
 
 # MLX's CUDA backend differentiates its fused (cuDNN) attention only where the query length is a
 # multiple of 128 (ScaledDotProductAttentionVJP::use_fallback, mlx/backend/cuda); any other length
-# takes the unfused backward, which keeps every layer's whole attention matrix. Batches are padded
-# to it there (data/batches.py); mlx_lm.lora's 1024-token rows give 1023 model inputs.
+# takes the unfused backward, which keeps every layer's whole attention matrix. Training batches
+# are padded to it there (data/batches.py); mlx_lm.lora's 1024-token rows give 1023 model inputs.
 FUSED_ATTENTION_MULTIPLE = 128
+# What cuDNN's attention takes (supports_sdpa_cudnn): half-precision inputs, a head dim that is a
+# multiple of 8 and at most 128. Other models attend unfused at any length, so padding buys nothing.
+CUDNN_ATTENTION_DTYPES = (mx.bfloat16, mx.float16)
+CUDNN_MAX_HEAD_DIM = 128
 
 
-def attention_inputs_multiple() -> int | None:
-    """What the model inputs' length must be a multiple of for fused attention on this device."""
-    return FUSED_ATTENTION_MULTIPLE if on_cuda() else None
+def attention_inputs_multiple(model: nn.Module) -> int | None:
+    """What `model`'s inputs' length must be a multiple of for its fused attention backward here:
+    FUSED_ATTENTION_MULTIPLE on an NVIDIA GPU where cuDNN takes its attention, else None."""
+    if not on_cuda():
+        return None
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", 0) or 0
+    head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // heads if heads else 0)
+    if head_dim and (head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM):
+        return None
+    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    if floats and max(set(floats), key=floats.count) not in CUDNN_ATTENTION_DTYPES:
+        return None  # the activations take the dtype most weights have (a quantized model's scales)
+    return FUSED_ATTENTION_MULTIPLE
 
 
 def kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):

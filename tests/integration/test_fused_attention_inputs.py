@@ -1,26 +1,28 @@
-"""On an NVIDIA GPU a run's batches give the model a multiple of 128 inputs (runtime/cuda.py: MLX
-differentiates its fused attention only at such lengths), and the run learns exactly as it would
-without the padding columns."""
+"""On an NVIDIA GPU a run's training batches give the model a multiple of 128 inputs (runtime/cuda.py:
+MLX differentiates its fused attention only at such lengths), evaluation batches keep mlx-lm's widths,
+and the run learns exactly as it would without the padding columns."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 import meshtune.api as api
 from meshtune.config import Config
 from meshtune.runtime import cuda
+from support import tiny_llama
 
 BatchIterator = api.BatchIterator
 
 
 def _run(tmp_path, monkeypatch, multiple, name):
-    monkeypatch.setattr(api, "attention_inputs_multiple", lambda: multiple)
-    widths: list[int] = []
+    monkeypatch.setattr(api, "attention_inputs_multiple", lambda model: multiple)
+    widths: dict[bool, list[int]] = {True: [], False: []}  # training (loop) and evaluation batches
 
     class Recorded(BatchIterator):
         def __next__(self):
             batch = super().__next__()
-            widths.append(batch.tokens.shape[1])
+            widths[self.loop].append(batch.tokens.shape[1])
             return batch
 
     monkeypatch.setattr(api, "BatchIterator", Recorded)
@@ -32,17 +34,23 @@ def _run(tmp_path, monkeypatch, multiple, name):
     return result, widths
 
 
-def test_a_run_s_inputs_are_padded_to_the_multiple_and_its_losses_unchanged(tmp_path, monkeypatch):
+def test_a_run_s_training_inputs_are_padded_to_the_multiple_and_its_losses_unchanged(tmp_path, monkeypatch):
     plain, plain_widths = _run(tmp_path, monkeypatch, None, "plain")
     padded, padded_widths = _run(tmp_path, monkeypatch, 8, "padded")
-    assert len(padded_widths) == len(plain_widths) >= 4  # the validation split's batches and three training ones
-    assert set(plain_widths) == {24} and set(padded_widths) == {25}
+    assert len(padded_widths[True]) == len(plain_widths[True]) == 3
+    assert set(plain_widths[True]) == {24} and set(padded_widths[True]) == {25}
+    assert set(plain_widths[False]) == set(padded_widths[False]) == {24}  # evaluation: no backward to speed up
     assert padded.trained_tokens == plain.trained_tokens
     assert padded.train_loss == pytest.approx(plain.train_loss, rel=1e-5)
     assert padded.val_loss == pytest.approx(plain.val_loss, rel=1e-5)
 
 
-def test_only_cuda_asks_for_the_multiple(monkeypatch):
-    assert cuda.attention_inputs_multiple() is None  # the CPU this suite runs on
+def test_only_cuda_with_attention_cudnn_takes_asks_for_the_multiple(monkeypatch):
+    model = tiny_llama()  # head dim 8
+    assert cuda.attention_inputs_multiple(model) is None  # the CPU this suite runs on
     monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-    assert cuda.attention_inputs_multiple() == cuda.FUSED_ATTENTION_MULTIPLE == 128
+    assert cuda.attention_inputs_multiple(model) is None  # float32: cuDNN takes half precision only
+    model.set_dtype(mx.bfloat16)
+    assert cuda.attention_inputs_multiple(model) == cuda.FUSED_ATTENTION_MULTIPLE == 128
+    model.args.head_dim = 256  # as Gemma's: beyond cuDNN's 128
+    assert cuda.attention_inputs_multiple(model) is None

@@ -127,7 +127,7 @@ def test_quantized_weights_scales_biases_and_input_width(tmp_path: Path) -> None
     assert sum(t.params for t in trained(facts, _adapter(rank=8))) == 8 * (I + H) + 8 * (H + H)
     # Full fine-tuning cannot train packed words: refused as `meshtune train` refuses it.
     with pytest.raises(ValueError, match=r"adapter.fine_tune_type=full: layer model.layers.0.mlp.down_proj of "
-                                         r"--model .* is quantized.*--fine-tune-type lora"):
+                                         r"\S+/q is quantized.*--fine-tune-type lora"):
         trained(facts, _adapter(fine_tune_type="full"))
 
 

@@ -147,3 +147,24 @@ def test_a_stopped_multi_rank_run_says_the_launch_command(monkeypatch, capsys, t
     assert commands.cmd_train(args, ["--data", "d", "--adapter-path", str(run)]) == 3
     assert (f"to continue from step 7: meshtune launch -n 4 -- meshtune train --adapter-path {run} --resume"
             in capsys.readouterr().out.splitlines())
+
+
+def test_a_moved_folder_is_given_anew_and_a_present_one_must_match(tmp_path: Path, monkeypatch) -> None:
+    """Runs save absolute paths: a project moved since takes --model/--data given now, with a note;
+    a saved folder that still exists must be the one given."""
+    from meshtune.api import resume_mismatches
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "0000004").mkdir(parents=True)
+    gone, here = tmp_path / "old-place" / "data", tmp_path / "new-place" / "data"
+    here.mkdir(parents=True)
+    saved = load_config(None, ["--data", str(gone), "--iters", "4"]).to_dict()
+    (run / "checkpoints" / "0000004" / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    monkeypatch.chdir(tmp_path / "new-place")
+    cfg = _resume(run, "--data", "data")
+    assert cfg.data.path == "data" and cfg.notes == [f"data.path: the checkpoint's {gone} no longer exists; using data"]
+    assert resume_mismatches(cfg.with_absolute_paths().to_dict(), saved) == []
+    (gone).mkdir(parents=True)  # still there: another folder is a different run's data
+    with pytest.raises(ConfigError, match=r"--resume: data.path = 'data' differs from the checkpoint's"):
+        _resume(run, "--data", "data")
+    assert resume_mismatches(cfg.with_absolute_paths().to_dict(), saved) == ["data.path"]
