@@ -125,6 +125,9 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
             replacements.append((owner, name, _to_adapter(module, fine_tune_type, rank, scale, dropout)))
 
     count = _target_modules(model, num_layers, keys, visit)
+    if fine_tune_type == "full" and keys is None:  # as mlx_lm.lora: the chosen blocks whole, norms included
+        for block in chosen_blocks(model, num_layers):
+            block.unfreeze()
     for owner, name, new in replacements:
         owner.update_modules(tree_unflatten([(name, new)]))
     if count == 0:

@@ -124,6 +124,11 @@ def test_full_unfreezes_chosen_blocks(model_factory):
     apply_adapters(model, fine_tune_type="full", num_layers=1, keys=None, rank=4, scale=1.0, dropout=0.0)
     names = set(trainable_parameters(model))
     assert names and all(k.startswith("model.layers.2.") for k in names)
+    # What mlx_lm.lora trains with --fine-tune-type full: the last blocks whole, their norms included.
+    stock = model_factory(layers=3)
+    stock.freeze()
+    stock.model.layers[-1].unfreeze()
+    assert names == set(trainable_parameters(stock)) and "model.layers.2.input_layernorm.weight" in names
 
 
 class _A:
