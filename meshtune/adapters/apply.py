@@ -59,16 +59,22 @@ def chosen_blocks(model: nn.Module, num_layers: int) -> list[nn.Module]:
     return blocks if num_layers < 0 or num_layers >= len(blocks) else blocks[len(blocks) - num_layers:]
 
 
+def _module_names(model: nn.Module) -> tuple[set[str], set[str]]:
+    """What adapter.keys may name: a module's path inside a block, or in the model."""
+    return {n for block in _blocks(model) for n, _ in block.named_modules()}, {n for n, _ in model.named_modules()}
+
+
 def _check_keys(model: nn.Module, keys: list[str]) -> None:
-    """Every key must name a module in a block or in the model; suggest the nearest otherwise."""
-    block_names = {n for n, _ in _blocks(model)[0].named_modules()} if keys else set()
-    for block in _blocks(model)[1:] if keys else []:
-        block_names |= {n for n, _ in block.named_modules()}
-    model_names = {n for n, _ in model.named_modules()}
+    """Every key must name a module in a block or in the model; suggest the nearest otherwise
+    (a bare layer name, PEFT's habit, gets the block paths that end with it)."""
+    in_block, in_model = _module_names(model)
     for key in keys:
-        if key not in block_names and key not in model_names:
-            near = difflib.get_close_matches(key, sorted(block_names | model_names), n=1)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
+        if key not in in_block | in_model:
+            near = (sorted(n for n in in_block if n.endswith(f".{key}"))[:3]
+                    or difflib.get_close_matches(key, sorted(in_block | in_model), n=1))
+            hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            if key == "lm_head" and "model.embed_tokens" in in_model:
+                hint = "; this model ties its head to 'model.embed_tokens': name that"
             raise ValueError(f"adapter.keys: '{key}' names no module of the model{hint}")
 
 
@@ -182,8 +188,11 @@ def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
                          "meshtune train or mlx_lm.lora")
     config = json.loads(config_file.read_text())
     lora = config.get("lora_parameters") or {}
+    keys = lora.get("keys")
+    if keys:  # as stock mlx-lm loads: a key that names no module of this model adapted nothing
+        keys = [k for k in keys if k in set().union(*_module_names(model))] or keys
     apply_adapters(model, fine_tune_type=config.get("fine_tune_type", "lora"),
-                   num_layers=config["num_layers"], keys=lora.get("keys"),
+                   num_layers=config["num_layers"], keys=keys,
                    rank=lora.get("rank", 8), scale=lora.get("scale", 20.0),
                    dropout=lora.get("dropout", 0.0))
     built = {name: type(m).__name__ for name, m in model.named_modules()}

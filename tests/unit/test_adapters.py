@@ -104,6 +104,13 @@ def test_bad_key_names_nearest(model_factory):
     with pytest.raises(ValueError, match=r"did you mean 'self_attn.q_proj'"):
         apply_adapters(model_factory(), fine_tune_type="lora", num_layers=-1, keys=["self_attn.q_prj"],
                        rank=4, scale=1.0, dropout=0.0)
+    with pytest.raises(ValueError, match=r"'lm_head' names no module of the model; this model ties its head to "
+                                         r"'model.embed_tokens'"):
+        apply_adapters(model_factory(tied=True), fine_tune_type="lora", num_layers=-1, keys=["lm_head"],
+                       rank=4, scale=1.0, dropout=0.0)
+    with pytest.raises(ValueError, match=r"'q_proj' names no module of the model; did you mean 'self_attn.q_proj'"):
+        apply_adapters(model_factory(), fine_tune_type="lora", num_layers=-1, keys=["q_proj"],  # PEFT's spelling
+                       rank=4, scale=1.0, dropout=0.0)
 
 
 def test_more_layers_than_blocks_adapts_all(model_factory):
@@ -147,6 +154,24 @@ def _trained(model_factory, tmp_path, quantize=False):
     (tmp_path / "adapter_config.json").write_text(json.dumps(mlx_lm_adapter_config(_A(), model_path="x",
                                                                                     data_path="y")))
     return model
+
+
+def test_stock_adapters_whose_keys_name_modules_the_model_lacks_load_as_stock_loads_them(model_factory, tmp_path):
+    """mlx_lm.lora trains with such keys (they match nothing) and loads the result; so does meshtune."""
+    trained = model_factory(layers=2)
+    apply_adapters(trained, fine_tune_type="lora", num_layers=2, keys=["self_attn.q_proj"], rank=4, scale=10.0,
+                   dropout=0.0)
+    for module in trained.modules():
+        if isinstance(module, LoRALinear):
+            _randomize_b(module)
+    atomic_save_safetensors(tmp_path / "adapters.safetensors", trainable_parameters(trained))
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {
+        "rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "block_sparse_moe.switch_mlp.up_proj"]}}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    fresh = model_factory(layers=2)
+    load_adapters(fresh, tmp_path)
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    assert mx.array_equal(fresh(tokens), trained(tokens))
 
 
 @pytest.mark.parametrize("quantize", [False, True])
