@@ -48,6 +48,11 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
     elif not cfg.data.path and reads_data:
         say("note: no --data given: training on the embedded arithmetic data; pass --data with a folder "
             "or a hub dataset id for your own")
+    accumulate, iters = cfg.train.grad_accumulation_steps, cfg.train.iters
+    if accumulate > 1 and reads_data and saved is None:
+        say(f"note: train.iters counts optimizer updates, each of {accumulate} batches (grad_accumulation_steps): "
+            f"{iters} updates read {iters * accumulate} batches; mlx_lm.lora's --iters counts batches, so for "
+            f"its {iters} give --iters {max(iters // accumulate, 1)}")
     for line in cfg.mapped:
         say(f"mlx-lm key mapped: {line}")
     for line in cfg.notes:

@@ -227,3 +227,15 @@ def test_generate_uses_the_template_only_for_chat_or_completion_runs(tmp_path, r
     assert got == chat and why in reason
     no_adapters = argparse.Namespace(adapter_path=None, raw=False, chat=False)
     assert _chat_or_raw(no_adapters, has_template)[0] == has_template
+
+
+def test_accumulation_says_what_iters_counts_here_and_in_mlx_lm() -> None:
+    from meshtune.cli.commands import _train_config
+
+    said: list[str] = []
+    _train_config(_args(), ["--data", "d", "--iters", "30", "--grad-accumulation-steps", "2"], say=said.append)
+    assert said == ["note: train.iters counts optimizer updates, each of 2 batches (grad_accumulation_steps): 30 "
+                    "updates read 60 batches; mlx_lm.lora's --iters counts batches, so for its 30 give --iters 15"]
+    said.clear()
+    _train_config(_args(), ["--data", "d", "--iters", "30"], say=said.append)
+    assert said == []
