@@ -196,7 +196,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mx.random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
-    check_source(data_path)  # a folder or a hub id: fail before the (possibly long) model load
+    splits = {"train": cfg.data.train_split, "valid": cfg.data.valid_split, "test": cfg.data.test_split}
+    check_source(data_path, splits)  # a folder or a hub id: fail before the (possibly long) model load
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
     if cfg.adapter.fine_tune_type == "full":
         _check_full_is_dense(cfg, Path(model_path))
@@ -215,8 +216,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                          need_test=cfg.train.test,
                          max_length=None if cfg.data.truncate else cfg.data.max_seq_length,
                          max_seq_length=cfg.data.max_seq_length, skip_empty=cfg.data.skip_empty,
-                         warn=_warner(mesh), splits={"train": cfg.data.train_split, "valid": cfg.data.valid_split,
-                                                     "test": cfg.data.test_split})
+                         warn=_warner(mesh), splits=splits)
     # On CUDA, training batches widened for fused attention's backward (evaluation runs none); every
     # rank the same, or a pipeline's stages would disagree on activation shapes.
     multiple = attention_inputs_multiple(model)

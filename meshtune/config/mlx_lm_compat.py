@@ -11,6 +11,7 @@ which keys it mapped.
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -245,7 +246,10 @@ def _map_hf_dataset(value: Any, loc: Callable[[str], str], out: FlatResult) -> N
         out.problems.append(f"{loc('hf_dataset')}: hf_dataset must be a mapping with a path "
                             f"(and optional {', '.join(k for k in HF_DATASET_KEYS if k not in ('path', 'name'))})")
         return
-    for sub, v in {**HF_DATASET_SPLITS, **value}.items():
+    source = Path(str(value.get("path") or value.get("name"))).expanduser()
+    # mlx-lm's default slices are for a datasets-library source; a jsonl folder has its own splits.
+    defaults = {} if (source / "train.jsonl").is_file() else HF_DATASET_SPLITS
+    for sub, v in {**defaults, **value}.items():
         path = f"hf_dataset.{sub}"
         if sub == "config" and v:
             out.problems.append(f"{loc(path)}: {path} (load_dataset arguments) is not supported; save the "

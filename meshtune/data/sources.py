@@ -27,13 +27,23 @@ def is_hub_id(source: str) -> bool:
     return bool(_HUB_ID.match(source)) and not Path(source).expanduser().exists()
 
 
-def check_source(source: str) -> None:
-    """Raise a one-line error when `source` is neither a local folder nor a hub id (before the model loads)."""
+def check_source(source: str, splits: dict[str, str] | None = None) -> None:
+    """Raise a one-line error when `source` is neither a local folder nor a hub id, or is a jsonl
+    folder given split slices (data.*_split), before the model loads."""
     path = Path(source).expanduser()
+    if path.is_dir() and not (hf.is_saved_dataset(path) or hf.parquet_splits(path)):
+        _no_split_specs(path, {k: v for k, v in (splits or {}).items() if v})
     if path.is_dir() or is_hub_id(source):
         return
     what = "is a file, not a folder" if path.exists() else "no such folder"
     raise ValueError(f"data.path={source}: {what}; point --data at {FORMS}")
+
+
+def _no_split_specs(folder: Path, specs: dict[str, str]) -> None:
+    if specs:
+        role = next(iter(specs))
+        raise ValueError(f"data.{role}_split={specs[role]!r} applies to Hugging Face datasets and parquet files; "
+                         f"{folder} is read as jsonl ({role}.jsonl), so unset --data.{role}_split")
 
 
 def load_datasets(
@@ -68,10 +78,7 @@ def load_datasets(
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "folder not found"
         raise ValueError(f"{folder}: data {what}; point --data at {FORMS}")
-    if specs:
-        role = next(iter(specs))
-        raise ValueError(f"data.{role}_split={specs[role]!r} applies to Hugging Face datasets and parquet files; "
-                         f"{folder} is read as jsonl ({role}.jsonl), so unset --data.{role}_split")
+    _no_split_specs(folder, specs)
     return load_jsonl_folder(folder, tokenizer, needed, **options)
 
 

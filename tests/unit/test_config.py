@@ -503,6 +503,18 @@ def test_mlx_lm_hf_dataset_maps_to_data_keys_with_mlx_lm_default_splits() -> Non
         Config.from_dict({"hf_dataset": {"path": "org/x", "train_splt": "train"}})
 
 
+def test_hf_dataset_naming_a_jsonl_folder_takes_its_files_not_mlx_lm_s_slices(tmp_path) -> None:
+    from meshtune.data import check_source
+
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    cfg = Config.from_dict({"hf_dataset": {"path": str(tmp_path), "text_feature": "text"}})
+    assert (cfg.data.path, cfg.data.train_split, cfg.data.valid_split) == (str(tmp_path), "", "")
+    check_source(cfg.data.path, {"train": cfg.data.train_split})
+    # A slice given for a jsonl folder is refused before any model loads.
+    with pytest.raises(ValueError, match=r"data.train_split='train\[:50%\]' applies to Hugging Face datasets"):
+        check_source(str(tmp_path), {"train": "train[:50%]"})
+
+
 def test_round_trip() -> None:
     cfg = Config.from_dict({
         "adapter": {"keys": ["q_proj"], "dropout": 0.1},
