@@ -169,6 +169,12 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
         f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
+    only_ours = ad.stock_unloadable(model)
+    if only_ours:
+        first, kind = next(iter(only_ours.items()))
+        n = len(only_ours)
+        say(f"note: stock mlx-lm cannot load the adapters of {n} layer{'s' * (n != 1)} ({first}: {kind}, ...); "
+            "meshtune generate and fuse can, and the fused model loads anywhere")
     if cfg.train.grad_checkpoint:
         enable_grad_checkpoint(model.layers[0])
     return model, tokenizer

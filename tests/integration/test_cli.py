@@ -289,6 +289,14 @@ def test_dora_on_a_quantized_base_fuses_and_stock_loads(tmp_path, cli):
     assert cli("fuse", "--adapter-path", str(run), "--save-path", str(fused), "--dequantize").returncode == 0
     merged, _ = load(str(fused))
     assert mx.allclose(merged(tokens), ours(tokens), atol=1e-3)
+    assert "stock mlx-lm cannot load" not in proc.stdout
+    # DoRA on the quantized (tied) embedding: stock cannot rebuild it, and the run says so as it starts.
+    proc = cli("train", "--model", str(q), "--iters", "1", *QUICK, "--fine-tune-type", "dora",
+               "--adapter.keys", "[model.embed_tokens, self_attn.q_proj]", "--adapter-path", str(tmp_path / "emb"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("note: stock mlx-lm cannot load the adapters of 1 layer (model.embed_tokens: DoRAEmbedding, ...)"
+            in proc.stdout)
+    assert json.loads((tmp_path / "emb" / "adapter_config.json").read_text())["loadable_by_mlx_lm"] is False
 
 
 def test_overlapped_steps_train_exactly_as_steps_waited_for(tmp_path, cli):
