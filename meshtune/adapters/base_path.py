@@ -25,6 +25,8 @@ MODES = ("auto", "quantized", "dequantized")
 NEVER = sys.maxsize  # crossover when dequantizing never won the measurement
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
+RUN_FILE = "base_path.json"  # a run's crossovers (measured()), in its folder for --resume
+
 _mode = "auto"
 _crossovers: dict[tuple, int] = {}
 
@@ -81,6 +83,23 @@ def crossover_for(layer: nn.Module) -> int:
         _crossovers[key] = measure_crossover(out_dims, in_dims, bits=bits, group_size=group_size,
                                              mode=mode, num_experts=experts, dtype=dtype)
     return _crossovers[key]
+
+
+def measured() -> dict[str, int]:
+    """The crossovers this process measured or adopted, by layer shape: what a run keeps in its
+    folder, so that a resumed run multiplies as the run did (a measurement can fall either way
+    where the two paths are close, and their results differ in the last bits)."""
+    return {",".join(map(str, key[:-1])) + f",{str(key[-1]).rpartition('.')[2]}": value
+            for key, value in _crossovers.items()}
+
+
+def adopt(saved: dict[str, int]) -> int:
+    """Take crossovers a run kept (measured()'s), in place of measuring them; returns how many."""
+    for text, value in saved.items():
+        experts, out_dims, in_dims, bits, group_size, mode, dtype = text.split(",")
+        key = (int(experts), int(out_dims), int(in_dims), int(bits), int(group_size), mode, getattr(mx, dtype))
+        _crossovers[key] = int(value)
+    return len(saved)
 
 
 def warm(layer: nn.Module) -> None:

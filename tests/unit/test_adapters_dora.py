@@ -256,6 +256,22 @@ def test_auto_chooses_by_measured_token_count(monkeypatch):
     assert not base_path.use_dequantized(nn.Linear(4, 4), 10_000)  # dense bases have one path
 
 
+def test_a_run_s_kept_crossovers_are_taken_instead_of_measured(monkeypatch):
+    """What a run keeps in base_path.json (measured()) a resumed run adopts: the same paths, no measurement."""
+    import json
+
+    layer = _base("qlinear")
+    monkeypatch.setattr(base_path, "_crossovers", {})
+    monkeypatch.setattr(base_path, "measure_crossover", lambda *a, **k: 16)
+    base_path.crossover_for(layer)
+    kept = json.loads(json.dumps(base_path.measured()))
+    assert list(kept.values()) == [16]
+    monkeypatch.setattr(base_path, "_crossovers", {})
+    monkeypatch.setattr(base_path, "measure_crossover", lambda *a, **k: pytest.fail("measured again"))
+    assert base_path.adopt(kept) == 1
+    assert base_path.crossover_for(layer) == 16 and base_path.measured() == kept
+
+
 def test_measure_crossover_returns_a_measured_count():
     counts = (1, 8, 64, 512)
     for experts in (0, E):
