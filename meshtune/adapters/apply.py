@@ -200,7 +200,13 @@ def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
     if wrong:
         raise ValueError(f"{config_file} lists layers this model did not rebuild: {', '.join(wrong[:5])}; "
                          "load it on the model it was trained on")
-    load_trainable(model, folder / ADAPTER_FILE)
+    try:
+        load_trainable(model, folder / ADAPTER_FILE)
+    except ValueError as err:
+        if config.get("model"):  # name the base the adapters were trained on (adapter_config.json's)
+            raise ValueError(f"{err}; these adapters were trained on {config['model']}: give --model "
+                             f"{config['model']} or drop --model") from None
+        raise
     return model
 
 

@@ -202,7 +202,8 @@ def test_load_rejects_mismatched_file(model_factory, tmp_path):
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     cfg["lora_parameters"]["rank"] = 8
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="does not match the model"):
+    with pytest.raises(ValueError, match="does not match the model.*; these adapters were trained on x: give "
+                                         "--model x or drop --model"):  # _trained's adapter_config names model x
         load_adapters(model_factory(layers=2), tmp_path)
 
 
