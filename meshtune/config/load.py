@@ -267,6 +267,12 @@ def load_config(
         except OSError as e:
             raise ConfigError(f"{source}: cannot read the config file ({e.strerror or e}); check the path") from None
         raw, lines, problems = _read_yaml(text, source)
+        if isinstance(raw, dict) and isinstance(raw.get("meshtune"), dict) and "fine_tune_type" in raw:
+            # A run's adapter_config.json: its "meshtune" entry is the run's whole resolved config,
+            # less where and how that run was launched (a new run names its own --adapter-path).
+            raw, lines = {s: dict(v) for s, v in raw["meshtune"].items() if isinstance(v, dict)}, {}
+            for key in ("adapter_path", "resume", "overwrite"):
+                raw.get("output", {}).pop(key, None)
     if overrides is None:
         resolved: list[tuple[str, Any, str]] = []
     elif isinstance(overrides, dict):

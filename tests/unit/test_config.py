@@ -634,3 +634,20 @@ def test_resume_reads_a_checkpoint_s_relative_paths_from_here(tmp_path, monkeypa
     hub = Config.from_dict({"model": {"path": "org/model"}}).to_dict()  # a hub id stays as given
     assert Config.from_dict(hub).with_absolute_paths().model.path == "org/model"
     assert resume_mismatches(hub, hub) == []
+
+
+def test_a_run_s_adapter_config_json_reads_back_as_its_config_less_its_launch(tmp_path):
+    """-c runs/x/adapter_config.json starts a new run with x's settings (mlx-lm's -c reads its own too)."""
+    import json
+
+    from meshtune.config import load_config
+
+    ran = Config.from_dict({"train": {"iters": 7, "batch_size": 2}, "adapter": {"rank": 4},
+                            "output": {"adapter_path": "runs/x", "resume": True}})
+    saved = {"fine_tune_type": "lora", "num_layers": 16, "lora_parameters": {"rank": 4}, "model": "m", "data": "d",
+             "loadable_by_mlx_lm": True, "data_format": "completions", "meshtune": ran.to_dict()}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(saved))
+    cfg = load_config(tmp_path / "adapter_config.json")
+    expected = ran.to_dict()
+    expected["output"].update(adapter_path=Config().output.adapter_path, resume=False)
+    assert cfg.to_dict() == expected
