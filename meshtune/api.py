@@ -113,6 +113,12 @@ def _check_full_is_dense(cfg: Config, folder: Path) -> None:
     trained(facts, cfg.adapter)  # raises full_needs_dense's line for a targeted quantized layer
 
 
+def _init_file(init_from: str) -> Path:
+    """adapter.init_from's weights file: the path, or a run folder's adapters.safetensors."""
+    path = Path(init_from).expanduser()
+    return path / ad.ADAPTER_FILE if path.is_dir() else path
+
+
 def _features(cfg: Config) -> Features:
     d = cfg.data
     return Features(prompt_feature=d.prompt_feature, completion_feature=d.completion_feature,
@@ -170,6 +176,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
         f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
+    if a.init_from and not cfg.output.resume:  # a resumed run's checkpoint holds the weights since
+        ad.load_trainable(model, _init_file(a.init_from))
+        say(f"adapters start from {_init_file(a.init_from)} (adapter.init_from)")
     only_ours = ad.stock_unloadable(model)
     if only_ours:
         first, kind = next(iter(only_ours.items()))
@@ -208,6 +217,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
     if cfg.adapter.fine_tune_type == "full":
         _check_full_is_dense(cfg, Path(model_path))
+    if cfg.adapter.init_from and not _init_file(cfg.adapter.init_from).is_file():
+        what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(cfg.adapter.init_from).expanduser().is_dir()
+                else "no such file or folder")
+        raise ValueError(f"adapter.init_from={cfg.adapter.init_from}: {what}; give a trained run's folder "
+                         f"or its {ad.ADAPTER_FILE}")
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
         raise ValueError(_no_checkpoint(out, "no checkpoint"))

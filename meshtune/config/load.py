@@ -135,8 +135,6 @@ def _unknown_hint(key: str) -> str:
     flat_name = key.replace("-", "_")
     if flat_name == "train":
         return "; mlx_lm.lora's --train is not needed: meshtune train always trains, so drop it"
-    if flat_name in compat.REJECTED:
-        return f"; {compat.REJECTED[flat_name]}"
     if flat_name in compat.IGNORED:
         return f"; {compat.IGNORED[flat_name]}, so drop it"
     if flat_name in compat.NESTED_KEYS:  # mlx-lm's mapping keys: their entries are meshtune options

@@ -45,6 +45,7 @@ FLAT_KEYS: dict[str, str] = {
     "adapter_path": "output.adapter_path",
     "report_to": "output.report_to",
     "project_name": "output.project_name",
+    "resume_adapter_file": "adapter.init_from",
 }
 
 #: mlx-lm keys holding a mapping whose entries map one by one.
@@ -67,14 +68,6 @@ NESTED_KEYS: dict[str, dict[str, str]] = {
 IGNORED: dict[str, str] = {
     "clear_cache_threshold": "mlx-lm's allocator-cache threshold has no meshtune equivalent",
     "config": "it records which config file mlx-lm was started with",
-}
-
-#: mlx-lm keys meshtune refuses, with what to do instead.
-REJECTED: dict[str, str] = {
-    "resume_adapter_file": (
-        "meshtune resumes by folder: give the run's folder as --adapter-path (output.adapter_path) "
-        "and pass --resume"
-    ),
 }
 
 #: mlx-lm's ``hf_dataset: {path, ...}`` entry -> meshtune dotted key (``name`` is its older spelling of path).
@@ -121,6 +114,7 @@ MLX_LM_FLAGS: dict[str, str] = {
     "--trust-remote-code": "model.trust_remote_code",
     "--report-to": "output.report_to",
     "--project-name": "output.project_name",
+    "--resume-adapter-file": "adapter.init_from",
 }
 
 #: The flags of MLX_LM_FLAGS that take no value: present means true.
@@ -146,14 +140,13 @@ def is_flat(key: str) -> bool:
         key in FLAT_KEYS
         or key in NESTED_KEYS
         or key in IGNORED
-        or key in REJECTED
         or key in _SPECIAL
     )
 
 
 def flat_names() -> list[str]:
     """Every mlx-lm top-level key this module knows, for suggestions."""
-    return [*FLAT_KEYS, *NESTED_KEYS, *IGNORED, *REJECTED, *_SPECIAL]
+    return [*FLAT_KEYS, *NESTED_KEYS, *IGNORED, *_SPECIAL]
 
 
 def aliases_of(target: str) -> list[tuple[str, str | None]]:
@@ -206,8 +199,6 @@ def map_flat(key: str, value: Any, loc: Callable[[str], str]) -> FlatResult:
                 out.problems.append(f"{loc(path)}: unknown key '{path}'{hint}")
     elif key in IGNORED:
         out.notes.append(f"{key} ignored: {IGNORED[key]}")
-    elif key in REJECTED:
-        out.problems.append(f"{loc(key)}: {key} is not supported: {REJECTED[key]}")
     elif key == "train":
         if value is True:
             out.notes.append("train: true ignored: meshtune train always trains")

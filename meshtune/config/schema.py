@@ -105,6 +105,7 @@ class Config:
         cfg = copy.deepcopy(self)
         for section in (cfg.model, cfg.data):
             section.path = absolute_source(section.path)
+        cfg.adapter.init_from = absolute_source(cfg.adapter.init_from)
         return cfg
 
     def parallel_sizes(self, world_size: int = 1) -> tuple[int, int, int]:

@@ -109,6 +109,10 @@ class AdapterConfig:
     base_path: Literal["auto", "quantized", "dequantized"] = "auto"
     """How a quantized base multiplies: auto picks quantized_matmul for few tokens and
     dequantize + dense matmul for many, by a measurement at start-up; or force either."""
+    init_from: str = ""
+    """Trained adapters to start from: a run folder or its adapters.safetensors (stock mlx-lm's
+    too), of this kind and shape; the optimizer and the step start fresh (mlx-lm's
+    resume_adapter_file). --resume continues a run instead."""
 
 
 @dataclass(kw_only=True)

@@ -340,3 +340,20 @@ def test_dora_fold_setting_takes_auto_1_or_0(tmp_path, cli, monkeypatch):
     assert len(lines) == 1 and "MESHTUNE_DORA_FOLD='yes'" in lines[0]
     assert all(value in lines[0] for value in ("auto", "1 (always)", "0 (never)"))
     assert not (tmp_path / "r").exists()
+
+
+def test_adapters_start_from_a_trained_run_s(trained, tmp_path, cli):
+    """--resume-adapter-file (adapter.init_from): step 0's validation loss is the trained run's last, same batches."""
+    run, _ = trained
+    new = tmp_path / "from"
+    proc = cli("train", "--iters", "1", *QUICK, "--resume-adapter-file", str(run), "--adapter-path", str(new))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"adapters start from {run / 'adapters.safetensors'} (adapter.init_from)" in proc.stdout
+    last = [r for r in _records(run) if r["type"] == "val"][-1]
+    first = [r for r in _records(new) if r["type"] == "val"][0]
+    assert first["step"] == 0 and first["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    fresh = [r for r in _records(run) if r["type"] == "val"][0]
+    assert abs(fresh["val_loss"] - last["val_loss"]) > 1e-3  # the trained run moved: the test can tell
+    bad = cli("train", "--iters", "1", "--adapter.init_from", str(tmp_path / "nothing"),
+              "--adapter-path", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "adapter.init_from=" in bad.stderr and "no such file or folder" in bad.stderr

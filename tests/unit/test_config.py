@@ -470,14 +470,12 @@ def test_value_given_both_ways_rejected(tmp_path: Path) -> None:
     assert "adapter.rank is given twice" in e.value.problems[1]
 
 
-def test_resume_adapter_file_rejected_with_fix(tmp_path: Path) -> None:
-    path = write(tmp_path, "resume_adapter_file: adapters/adapters.safetensors\n")
-    with pytest.raises(ConfigError) as e:
-        load_config(path)
-    message = str(e.value)
-    assert message.startswith(f"{path}:1: resume_adapter_file is not supported")
-    assert "--resume" in message and "output.adapter_path" in message
-    load_config(write(tmp_path, "resume_adapter_file: null\n", "ok.yaml"))
+def test_resume_adapter_file_is_adapter_init_from(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "resume_adapter_file: adapters/adapters.safetensors\n"))
+    assert cfg.adapter.init_from == "adapters/adapters.safetensors"
+    assert "resume_adapter_file -> adapter.init_from" in cfg.mapped
+    assert load_config(write(tmp_path, "resume_adapter_file: null\n", "ok.yaml")).adapter.init_from == ""
+    assert load_config(None, ["--resume-adapter-file", "a.safetensors"]).adapter.init_from == "a.safetensors"
 
 
 def test_other_rejected_mlx_lm_keys() -> None:

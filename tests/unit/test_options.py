@@ -19,6 +19,7 @@ DIFFERENT_ON_PURPOSE = {
     "model": "meshtune's default is the tiny model it ships, not a hub download",
     "data": "meshtune's default is the arithmetic data it ships, not a hub dataset",
     "project_name": "mlx-lm's None and meshtune's '' both mean: no project named",
+    "resume_adapter_file": "mlx-lm's None and meshtune's '' both mean: the adapters start from their initialisation",
 }
 
 
