@@ -29,7 +29,7 @@ from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .config.resume import same_source
+from .config.resume import UNUSED_ON_RESUME, same_source
 from .config.schema import is_local_path
 from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
@@ -217,7 +217,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
     if cfg.adapter.fine_tune_type == "full":
         _check_full_is_dense(cfg, Path(model_path))
-    if cfg.adapter.init_from and not _init_file(cfg.adapter.init_from).is_file():
+    if cfg.adapter.init_from and not cfg.output.resume and not _init_file(cfg.adapter.init_from).is_file():
         what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(cfg.adapter.init_from).expanduser().is_dir()
                 else "no such file or folder")
         raise ValueError(f"adapter.init_from={cfg.adapter.init_from}: {what}; give a trained run's folder "
@@ -354,7 +354,7 @@ def resume_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[s
     for section in RESUME_MUST_MATCH:
         old = {**defaults[section], **saved.get(section, {})}
         changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
-                    if resolved[section].get(k) != old.get(k)
+                    if resolved[section].get(k) != old.get(k) and f"{section}.{k}" not in UNUSED_ON_RESUME
                     and not same_source(f"{section}.{k}", resolved[section].get(k), old.get(k))]
     return changed
 
@@ -411,7 +411,7 @@ def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
         raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write the fused model "
                          "over it, or choose another --save-path")
     model, tokenizer, config = load_model(model_path, return_config=True)
-    ad.load_adapters(model, adapter_path)
+    ad.load_adapters(model, adapter_path, model_path)
     n = ad.fuse_adapters(model, dequantize=dequantize)
     if dequantize:
         model = dequantize_model(model)
@@ -426,7 +426,7 @@ def load_for_inference(model_path: str, adapter_path: str | Path | None = None) 
     """Base model (and adapters, if given) ready for generation."""
     model, tokenizer = load_model(model_path)
     if adapter_path:
-        ad.load_adapters(model, adapter_path)
+        ad.load_adapters(model, adapter_path, model_path)
     model.eval()
     return model, tokenizer
 

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from ..config.resume import same_source
 from ..config.sections import full_needs_dense
 from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear
 from .frozen import route_frozen_quantized
@@ -133,6 +134,9 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
     count = _target_modules(model, num_layers, keys, visit)
     if fine_tune_type == "full" and keys is None:  # as mlx_lm.lora: the chosen blocks whole, norms included
         for block in chosen_blocks(model, num_layers):
+            for name, module in block.named_modules():
+                if "scales" in module:  # packed words of a type visit() does not meet (an MLA's MultiLinear)
+                    raise ValueError(full_needs_dense(f"layer {name} ({type(module).__name__})"))
             block.unfreeze()
     for owner, name, new in replacements:
         owner.update_modules(tree_unflatten([(name, new)]))
@@ -179,8 +183,9 @@ def mlx_lm_adapter_config(adapter: Any, *, model_path: str, data_path: str,
     return config
 
 
-def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
-    """Apply the adapters described by adapter_path/adapter_config.json and load their weights."""
+def load_adapters(model: nn.Module, adapter_path: str | Path, model_path: str | None = None) -> nn.Module:
+    """Apply the adapters described by adapter_path/adapter_config.json and load their weights; a mismatch
+    names the base they were trained on where that is not `model_path` (the base loaded)."""
     folder = Path(adapter_path)
     config_file = folder / CONFIG_FILE
     if not config_file.exists():
@@ -201,17 +206,21 @@ def load_adapters(model: nn.Module, adapter_path: str | Path) -> nn.Module:
         raise ValueError(f"{config_file} lists layers this model did not rebuild: {', '.join(wrong[:5])}; "
                          "load it on the model it was trained on")
     try:
-        load_trainable(model, folder / ADAPTER_FILE)
+        load_trainable(model, folder / ADAPTER_FILE, every=config.get("fine_tune_type") != "full")
     except ValueError as err:
-        if config.get("model"):  # name the base the adapters were trained on (adapter_config.json's)
-            raise ValueError(f"{err}; these adapters were trained on {config['model']}: give --model "
-                             f"{config['model']} or drop --model") from None
+        trained_on = config.get("model")
+        if trained_on and model_path is not None and not same_source("model.path", model_path, trained_on):
+            raise ValueError(f"{err}; these adapters were trained on {trained_on}: give --model "
+                             f"{trained_on} or drop --model") from None
         raise
     return model
 
 
-def load_trainable(model: nn.Module, weights_file: Path, weights: dict[str, mx.array] | None = None) -> None:
-    """Load saved trainable weights (from the file, or `weights` read from it), naming every tensor that does not fit."""
+def load_trainable(model: nn.Module, weights_file: Path, weights: dict[str, mx.array] | None = None,
+                   every: bool = True) -> None:
+    """Load saved trainable weights (from the file, or `weights` read from it), naming every tensor that does
+    not fit; with `every` false a trainable tensor the file lacks keeps the base's value (a full fine-tuning
+    file, as stock mlx-lm loads it: one that trained no norms)."""
     if weights is None and not weights_file.exists():
         raise ValueError(f"{weights_file} not found; train first or point at the right folder")
     weights = mx.load(str(weights_file)) if weights is None else weights
@@ -219,7 +228,7 @@ def load_trainable(model: nn.Module, weights_file: Path, weights: dict[str, mx.a
     problems = [f"{k}: not a trainable parameter of this model" for k in weights if k not in expected]
     problems += [f"{k}: shape {tuple(w.shape)} != {tuple(expected[k].shape)}"
                  for k, w in weights.items() if k in expected and w.shape != expected[k].shape]
-    problems += [f"{k}: missing from the file" for k in expected if k not in weights]
+    problems += [f"{k}: missing from the file" for k in expected if k not in weights and every]
     if problems:
         raise ValueError(f"{weights_file} does not match the model: " + "; ".join(problems[:5])
                          + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))

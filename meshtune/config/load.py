@@ -267,8 +267,9 @@ def load_config(
         raw, lines, problems = _read_yaml(text, source)
         if isinstance(raw, dict) and isinstance(raw.get("meshtune"), dict) and "fine_tune_type" in raw:
             # A run's adapter_config.json: its "meshtune" entry is the run's whole resolved config,
-            # less where and how that run was launched (a new run names its own --adapter-path).
-            raw, lines = {s: dict(v) for s, v in raw["meshtune"].items() if isinstance(v, dict)}, {}
+            # less where and how that run was launched (its folder, layout and runtime: this launch's).
+            raw, lines = {s: dict(v) for s, v in raw["meshtune"].items()
+                          if isinstance(v, dict) and s not in ("parallel", "runtime")}, {}
             for key in ("adapter_path", "resume", "overwrite"):
                 raw.get("output", {}).pop(key, None)
     if overrides is None:

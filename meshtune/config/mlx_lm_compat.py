@@ -239,7 +239,7 @@ def _map_hf_dataset(value: Any, loc: Callable[[str], str], out: FlatResult) -> N
         return
     source = Path(str(value.get("path") or value.get("name"))).expanduser()
     # mlx-lm's default slices are for a datasets-library source; a jsonl folder has its own splits.
-    defaults = {} if (source / "train.jsonl").is_file() else HF_DATASET_SPLITS
+    defaults = {} if source.is_dir() and any(source.glob("*.jsonl")) else HF_DATASET_SPLITS
     for sub, v in {**defaults, **value}.items():
         path = f"hf_dataset.{sub}"
         if sub == "config" and v:

@@ -32,6 +32,8 @@ RUN_SECTIONS = ("model", "data", "adapter", "optimizer", "schedule", "train")
 LAUNCH_KEYS = ("output.adapter_path", "output.resume", "output.overwrite")
 #: Run keys a resumed run may change: more steps extend it.
 EXTENDABLE = ("train.iters",)
+# Settings a resumed run does not use, so they may differ: the checkpoint holds the weights since.
+UNUSED_ON_RESUME = ("adapter.init_from",)
 
 
 def saved_run_config(adapter_path: str | Path) -> tuple[dict[str, Any], str] | None:
@@ -120,7 +122,7 @@ def resume_config(given: Config, saved: dict[str, Any], source: str,
     for dotted, where in given.origins.items():
         section, _, key = dotted.partition(".")
         new, old = ours[section][key], had[section][key]
-        if section not in RUN_SECTIONS or dotted in EXTENDABLE:
+        if section not in RUN_SECTIONS or dotted in EXTENDABLE + UNUSED_ON_RESUME:
             merged[section][key] = new
         elif _moved(dotted, new, old):
             merged[section][key] = new

@@ -126,6 +126,20 @@ def test_full_on_a_quantized_base_is_refused_naming_the_layer_and_the_fix(model_
         apply_adapters(model, fine_tune_type="full", num_layers=2, keys=None, rank=4, scale=1.0, dropout=0.0)
 
 
+def test_full_refuses_any_packed_module_of_a_chosen_block(model_factory):
+    """A block's quantized module of a type adapters do not take (an MLA's MultiLinear) would be unfrozen whole."""
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.scales = mx.zeros((4, 1), dtype=mx.uint32), mx.zeros((4, 1))
+
+    model = model_factory(layers=2)
+    model.model.layers[1].self_attn.embed_q = Packed()
+    with pytest.raises(ValueError, match=r"layer self_attn.embed_q \(Packed\) is quantized"):
+        apply_adapters(model, fine_tune_type="full", num_layers=1, keys=None, rank=4, scale=1.0, dropout=0.0)
+
+
 def test_full_unfreezes_chosen_blocks(model_factory):
     model = model_factory(layers=3)
     apply_adapters(model, fine_tune_type="full", num_layers=1, keys=None, rank=4, scale=1.0, dropout=0.0)
@@ -202,9 +216,29 @@ def test_load_rejects_mismatched_file(model_factory, tmp_path):
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     cfg["lora_parameters"]["rank"] = 8
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not match the model") as err:
+        load_adapters(model_factory(layers=2), tmp_path, model_path="x")  # the base they name: no hint
+    assert "trained on" not in str(err.value)
     with pytest.raises(ValueError, match="does not match the model.*; these adapters were trained on x: give "
                                          "--model x or drop --model"):  # _trained's adapter_config names model x
-        load_adapters(model_factory(layers=2), tmp_path)
+        load_adapters(model_factory(layers=2), tmp_path, model_path="/another/model")
+
+
+def test_a_full_fine_tuning_file_without_the_norms_loads_as_stock_loads_it(model_factory, tmp_path):
+    """A full run's file holding only the linear layers' weights (as one that trained no norms): the norms keep
+    the base's values; an adapter file still must hold every tensor."""
+    trained = model_factory(layers=2)
+    apply_adapters(trained, fine_tune_type="full", num_layers=2, keys=None, rank=4, scale=1.0, dropout=0.0)
+    weights = {k: v + 0.01 for k, v in trainable_parameters(trained).items() if "norm" not in k}
+    atomic_save_safetensors(tmp_path / "adapters.safetensors", weights)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "full", "num_layers": 2,
+                                                              "lora_parameters": None}))
+    fresh = model_factory(layers=2)
+    load_adapters(fresh, tmp_path)
+    got = trainable_parameters(fresh)
+    assert all(mx.array_equal(got[k], w).item() for k, w in weights.items())
+    assert any("norm" in k for k in got) and all(mx.array_equal(got[k], v).item() for k, v in
+                                                 trainable_parameters(trained).items() if "norm" in k)
 
 
 @pytest.mark.parametrize("variant", ["lora", "dora"])

@@ -168,3 +168,16 @@ def test_a_moved_folder_is_given_anew_and_a_present_one_must_match(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"--resume: data.path = 'data' differs from the checkpoint's"):
         _resume(run, "--data", "data")
     assert resume_mismatches(cfg.with_absolute_paths().to_dict(), saved) == ["data.path"]
+
+
+def test_init_from_is_not_compared_on_resume(tmp_path: Path) -> None:
+    """adapter.init_from seeds a fresh run only; a resumed run's weights come from its checkpoint."""
+    from meshtune.api import resume_mismatches
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "0000004").mkdir(parents=True)
+    saved = load_config(None, ["--data", "d", "--adapter.init_from", str(tmp_path / "gone")]).to_dict()
+    (run / "checkpoints" / "0000004" / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    cfg = _resume(run, "--adapter.init_from", "elsewhere")
+    assert cfg.adapter.init_from == "elsewhere"
+    assert resume_mismatches(cfg.to_dict(), saved) == []
