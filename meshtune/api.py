@@ -225,9 +225,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
         raise ValueError(_no_checkpoint(out, "no checkpoint"))
-    if cfg.output.resume and (out / base_path.RUN_FILE).exists():  # before apply_adapters measures any
-        adopted = base_path.adopt(json.loads((out / base_path.RUN_FILE).read_text()))
-        say(f"base path: {adopted} measured crossovers from {out / base_path.RUN_FILE}, as the run took them")
+    kept = out / base_path.run_file(mesh.rank)
+    if cfg.output.resume and kept.exists():  # before apply_adapters measures any
+        say(f"base path: {base_path.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
+            "as the run took them")
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
@@ -283,7 +284,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         if cfg.output.overwrite and not cfg.output.resume and out.exists():
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / METRICS_FILE).unlink(missing_ok=True)
-            (out / base_path.RUN_FILE).unlink(missing_ok=True)
+            for kept_file in out.glob(base_path.run_file("*")):
+                kept_file.unlink()
         out.mkdir(parents=True, exist_ok=True)
         # generate reads data_format to choose the chat template or a raw prompt (cli/commands.py).
         extra = {"meshtune": resolved, "data_format": data.train.format}
@@ -295,8 +297,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
         weights = strategy.gather_weights()
         strategy.save(out, state, config=resolved, keep=cfg.output.keep_last_n)
-        if mesh.is_writer and base_path.measured():  # what --resume multiplies by (adapters/base_path.py)
-            atomic_write_text(out / base_path.RUN_FILE, json.dumps(base_path.measured(), indent=1))
+        if base_path.measured():  # what --resume multiplies by on this rank (adapters/base_path.py)
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(base_path.measured(), indent=1))
         if mesh.is_writer:
             try:
                 atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)

@@ -25,7 +25,11 @@ MODES = ("auto", "quantized", "dequantized")
 NEVER = sys.maxsize  # crossover when dequantizing never won the measurement
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
-RUN_FILE = "base_path.json"  # a run's crossovers (measured()), in its folder for --resume
+def run_file(rank: int | str) -> str:
+    """Where a run keeps rank `rank`'s crossovers (measured()) in its folder, for --resume: each rank
+    measures its own ("*": every rank's, as a glob)."""
+    return f"base_path.rank{rank}.json"
+
 
 _mode = "auto"
 _crossovers: dict[tuple, int] = {}

@@ -202,12 +202,12 @@ def test_quantized_base_trains_and_fuse_requantizes(tmp_path, cli):
     assert cli("fuse", "--adapter-path", str(run), "--save-path", str(dense), "--dequantize").returncode == 0
     assert "quantization" not in json.loads((dense / "config.json").read_text())
     # The run kept its measured base paths, and --resume multiplies by them instead of measuring anew.
-    kept = json.loads((run / "base_path.json").read_text())
+    kept = json.loads((run / "base_path.rank0.json").read_text())
     assert kept and all(isinstance(v, int) for v in kept.values())
     proc = cli("train", "--adapter-path", str(run), "--resume", "--iters", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"base path: {len(kept)} measured crossovers from {run / 'base_path.json'}" in proc.stdout
-    assert json.loads((run / "base_path.json").read_text()) == kept
+    assert f"base path: {len(kept)} measured crossovers from {run / 'base_path.rank0.json'}" in proc.stdout
+    assert json.loads((run / "base_path.rank0.json").read_text()) == kept
 
 
 def test_blas_choice_is_logged_and_can_be_turned_off(tmp_path, cli):
