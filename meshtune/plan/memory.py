@@ -77,9 +77,24 @@ def trained(facts: ModelFacts, adapter: Any) -> list[Trained]:
             if adapter.fine_tune_type == "full" and layer.quantized:
                 raise ValueError(full_needs_dense(f"layer {layer.name} of {facts.path}"))
             out.append(_trained_of(layer, block, adapter))
+    if adapter.fine_tune_type == "full" and keys is None:
+        out += _rest_of_blocks(facts, blocks, {layer.name for layer in facts.layers})
     if not out:
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {adapter.num_layers} blocks; "
                          "name modules relative to a block, e.g. --adapter.keys '[self_attn.q_proj]'")
+    return out
+
+
+def _rest_of_blocks(facts: ModelFacts, blocks: set[int], layers: set[str]) -> list[Trained]:
+    """Full fine-tuning trains the chosen blocks whole: their tensors outside the linear layers too
+    (norms, a router's bias), as adapters/apply.py unfreezes them."""
+    from .model_facts import DTYPE_BYTES, FLOAT_DTYPES, block_of
+
+    out = []
+    for t in facts.tensors:
+        block = block_of(t.name)
+        if block in blocks and t.dtype in FLOAT_DTYPES and t.name.rsplit(".", 1)[0] not in layers:
+            out.append(Trained(t.name, _count(t.shape), DTYPE_BYTES[t.dtype], block, extra=False, shapes=(t.shape,)))
     return out
 
 

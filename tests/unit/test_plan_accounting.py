@@ -69,7 +69,8 @@ def test_lora_dora_full_trainable_counts(tmp_path: Path) -> None:
     dora = trained(facts, _adapter(fine_tune_type="dora"))
     assert sum(t.params for t in dora) == 2 * (per_block + H + H // 2 + H)  # plus one magnitude per output row
     full = trained(facts, _adapter(fine_tune_type="full", num_layers=1))
-    assert sum(t.params for t in full) == H * H + H // 2 * H + H * I and not any(t.extra for t in full)
+    # The block whole, as mlx_lm.lora trains it: its linear layers and its norm.
+    assert sum(t.params for t in full) == H * H + H // 2 * H + H * I + H and not any(t.extra for t in full)
     keyed = trained(facts, _adapter(keys=["self_attn.q_proj"]))
     assert [t.name for t in keyed] == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
     assert [t.name for t in trained(facts, _adapter(num_layers=3))] == [t.name for t in lora]  # more than all: all
@@ -240,3 +241,18 @@ def test_whole_plan_on_quantized_and_moe_models(tmp_path: Path, kind: str) -> No
     assert row["total"] > stage["weights"] + stage["adapters"] + stage["optimizer"]
     assert stage["activations"] > 0 and stage["activations_ckpt"] > 0  # one block: checkpointing saves nothing
     assert result["recommended"] == "1 process"
+
+
+@pytest.mark.parametrize("kind, num_layers", [("full", -1), ("full", 2), ("lora", -1), ("dora", 2)])
+def test_the_trained_parameters_are_the_ones_train_trains(kind: str, num_layers: int) -> None:
+    """The planner's count from the safetensors headers equals what apply_adapters makes trainable."""
+    from mlx_lm.utils import load
+
+    from meshtune.adapters import apply_adapters, trainable_parameters
+
+    adapter = _adapter(fine_tune_type=kind, num_layers=num_layers)
+    model, _ = load(str(TINY_MODEL))
+    apply_adapters(model, fine_tune_type=kind, num_layers=num_layers, keys=None, rank=adapter.rank,
+                   scale=adapter.scale, dropout=0.0)
+    assert sum(t.params for t in trained(read_model(TINY_MODEL), adapter)) == sum(
+        v.size for v in trainable_parameters(model).values())
