@@ -119,6 +119,26 @@ def _init_file(init_from: str) -> Path:
     return path / ad.ADAPTER_FILE if path.is_dir() else path
 
 
+def _check_init_from(a: Any) -> None:
+    """adapter.init_from names trained adapters of this run's kind and rank (its adapter_config.json)."""
+    file = _init_file(a.init_from)
+    if not file.is_file():
+        what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(a.init_from).expanduser().is_dir()
+                else "no such file or folder")
+        raise ValueError(f"adapter.init_from={a.init_from}: {what}; give a trained run's folder or its "
+                         f"{ad.ADAPTER_FILE}")
+    try:
+        theirs = json.loads((file.parent / ad.CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return  # a bare weights file: load_trainable names any tensor that does not fit
+    kind, rank = theirs.get("fine_tune_type", "lora"), (theirs.get("lora_parameters") or {}).get("rank")
+    if kind != a.fine_tune_type or (kind != "full" and rank is not None and rank != a.rank):
+        flags = f"--fine-tune-type {kind}" + (f" --adapter.rank {rank}" if kind != "full" and rank else "")
+        raise ValueError(f"adapter.init_from={a.init_from}: those are {kind} adapters"
+                         + (f" of rank {rank}" if kind != "full" and rank else "")
+                         + f" ({file.parent / ad.CONFIG_FILE}); give {flags} to start from them")
+
+
 def _features(cfg: Config) -> Features:
     d = cfg.data
     return Features(prompt_feature=d.prompt_feature, completion_feature=d.completion_feature,
@@ -217,11 +237,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
     if cfg.adapter.fine_tune_type == "full":
         _check_full_is_dense(cfg, Path(model_path))
-    if cfg.adapter.init_from and not cfg.output.resume and not _init_file(cfg.adapter.init_from).is_file():
-        what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(cfg.adapter.init_from).expanduser().is_dir()
-                else "no such file or folder")
-        raise ValueError(f"adapter.init_from={cfg.adapter.init_from}: {what}; give a trained run's folder "
-                         f"or its {ad.ADAPTER_FILE}")
+    if cfg.adapter.init_from and not cfg.output.resume:
+        _check_init_from(cfg.adapter)
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
         raise ValueError(_no_checkpoint(out, "no checkpoint"))

@@ -357,3 +357,12 @@ def test_adapters_start_from_a_trained_run_s(trained, tmp_path, cli):
     bad = cli("train", "--iters", "1", "--adapter.init_from", str(tmp_path / "nothing"),
               "--adapter-path", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "adapter.init_from=" in bad.stderr and "no such file or folder" in bad.stderr
+
+
+def test_adapters_of_another_kind_or_rank_to_start_from_are_one_line_naming_the_flags(trained, tmp_path, cli):
+    run, _ = trained  # LoRA, rank 8
+    for args, says in ((["--adapter.rank", "4"], "those are lora adapters of rank 8"),
+                       (["--fine-tune-type", "dora"], "those are lora adapters of rank 8")):
+        bad = cli("train", "--iters", "1", *args, "--adapter.init_from", str(run), "--adapter-path", str(tmp_path / "x"))
+        assert bad.returncode == 2 and says in bad.stderr and "give --fine-tune-type lora --adapter.rank 8" in bad.stderr
+        assert "loading model" not in bad.stdout  # before the load
