@@ -197,6 +197,8 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     from ..config.show import config_yaml
 
     cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr))
+    # What train would refuse, refused here too, on the fewest ranks the layout runs on.
+    cfg.validate(world_size=max(cfg.parallel.pp, 1) * max(cfg.parallel.dp, 1))
     print(config_yaml(cfg), end="")
     return 0
 

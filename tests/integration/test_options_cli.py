@@ -49,3 +49,10 @@ def test_bare_config_says_it_is_the_demo_and_data_alone_is_not(cli):
     own = cli("config", "--data", str(ARITH_DATA))
     assert own.returncode == 0 and "batch_size: 4" in own.stdout and "mask_prompt: false" in own.stdout
     assert "learning_rate: 1.0e-05" in own.stdout and "demo" not in own.stderr
+
+
+def test_config_refuses_what_train_refuses(cli):
+    proc = cli("config", "--schedule.name", "cosine_decay", "--schedule.arguments", "[3e-4, 100]",
+               "--learning-rate", "5e-5")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "the first argument (initial rate 0.0003) differs from optimizer.learning_rate (5e-05)" in proc.stderr
