@@ -197,8 +197,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
         f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
     if a.init_from and not cfg.output.resume:  # a resumed run's checkpoint holds the weights since
-        ad.load_trainable(model, _init_file(a.init_from))
-        say(f"adapters start from {_init_file(a.init_from)} (adapter.init_from)")
+        start = _init_file(a.init_from)
+        ad.load_trainable(model, start)
+        say(f"adapters start from {start} (adapter.init_from)")
     only_ours = ad.stock_unloadable(model)
     if only_ours:
         first, kind = next(iter(only_ours.items()))
@@ -314,9 +315,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
         weights = strategy.gather_weights()
         strategy.save(out, state, config=resolved, keep=cfg.output.keep_last_n)
-        if base_path.measured():  # what --resume multiplies by on this rank (adapters/base_path.py)
+        crossovers = base_path.measured()
+        if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(base_path.measured(), indent=1))
+            atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))
         if mesh.is_writer:
             try:
                 atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)

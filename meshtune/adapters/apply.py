@@ -195,7 +195,8 @@ def load_adapters(model: nn.Module, adapter_path: str | Path, model_path: str | 
     lora = config.get("lora_parameters") or {}
     keys = lora.get("keys")
     if keys:  # as stock mlx-lm loads: a key that names no module of this model adapted nothing
-        keys = [k for k in keys if k in set().union(*_module_names(model))] or keys
+        in_block, in_model = _module_names(model)
+        keys = [k for k in keys if k in in_block | in_model] or keys
     apply_adapters(model, fine_tune_type=config.get("fine_tune_type", "lora"),
                    num_layers=config["num_layers"], keys=keys,
                    rank=lora.get("rank", 8), scale=lora.get("scale", 20.0),

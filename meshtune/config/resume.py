@@ -63,19 +63,24 @@ def saved_run_config(adapter_path: str | Path) -> tuple[dict[str, Any], str] | N
     return (saved, str(folder / "adapter_config.json")) if isinstance(saved, dict) else None
 
 
-def same_source(dotted: str, new: Any, old: Any) -> bool:
-    """Whether model.path / data.path `new` stands for the checkpoint's `old`: one folder spelled two
-    ways ("./data", "data", absolute; a relative `old` is read from here, as the run that saved it
-    read it), or a saved absolute folder that no longer exists (the project moved) given anew."""
-    if dotted not in ("model.path", "data.path") or not (new and old):
-        return False
-    if Path(new).expanduser().resolve() == Path(old).expanduser().resolve():
-        return True
-    return Path(old).is_absolute() and not Path(old).exists()
+PATH_KEYS = ("model.path", "data.path")
+
+
+def _same_folder(new: Any, old: Any) -> bool:
+    return Path(new).expanduser().resolve() == Path(old).expanduser().resolve()
 
 
 def _moved(dotted: str, new: Any, old: Any) -> bool:
-    return same_source(dotted, new, old) and Path(new).expanduser().resolve() != Path(old).expanduser().resolve()
+    """A saved absolute folder that no longer exists (the project moved), given anew as `new`."""
+    return (dotted in PATH_KEYS and bool(new and old) and Path(old).is_absolute() and not Path(old).exists()
+            and not _same_folder(new, old))
+
+
+def same_source(dotted: str, new: Any, old: Any) -> bool:
+    """Whether model.path / data.path `new` stands for the checkpoint's `old`: one folder spelled two
+    ways ("./data", "data", absolute; a relative `old` is read from here, as the run that saved it
+    read it), or a moved one given anew (_moved)."""
+    return dotted in PATH_KEYS and bool(new and old) and (_same_folder(new, old) or _moved(dotted, new, old))
 
 
 def _shown(value: Any) -> str:

@@ -48,11 +48,6 @@ def _source_path(text: str) -> Path:
     return Path(os.path.abspath(Path(text).expanduser())) if is_local_path(text) else Path(text)
 
 
-def absolute_source(text: str) -> str:
-    """model.path / data.path `text` as a run saves it: a local path absolute, a hub id or "" as given."""
-    return str(_source_path(text)) if text else text
-
-
 @dataclass(kw_only=True)
 class Config:
     """A whole meshtune run."""
@@ -103,9 +98,9 @@ class Config:
         what a run saves (its checkpoints' config, adapter_config.json, report.md) names them from
         any working directory: generate, fuse and --resume elsewhere find them."""
         cfg = copy.deepcopy(self)
-        for section in (cfg.model, cfg.data):
-            section.path = absolute_source(section.path)
-        cfg.adapter.init_from = absolute_source(cfg.adapter.init_from)
+        for section, key in ((cfg.model, "path"), (cfg.data, "path"), (cfg.adapter, "init_from")):
+            if getattr(section, key):
+                setattr(section, key, str(_source_path(getattr(section, key))))
         return cfg
 
     def parallel_sizes(self, world_size: int = 1) -> tuple[int, int, int]:
