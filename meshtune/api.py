@@ -346,7 +346,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             raise NonFiniteStep(err.step, err.what, last_good=last) from None
         test_loss = None
         if test_batches is not None and not result.stopped_early:
-            test_loss, n = strategy.evaluate(test_batches)
+            test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
