@@ -41,6 +41,7 @@ from .training.report import summary_line, write_report
 from .training.trackers import check_trackers, open_trackers
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
+from .training.forced_fault import with_forced_fault
 from .training.loop import LoopSettings, NonFiniteStep, train
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
@@ -293,6 +294,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         say(f"resumed from step {start.step} ({out / 'checkpoints'})")
     else:
         optimizer.init(model.trainable_parameters())
+    strategy = with_forced_fault(strategy, done=start.step)  # a test hook, off unless its variable is set
     # What setup holds (weights, adapters, optimizer state): the rest of the peak is activations.
     mx.eval(model.parameters(), optimizer.state)
     setup_bytes = mx.get_active_memory()

@@ -12,3 +12,11 @@ def choice(name: str, value: str, choices: dict[str, T], uses: str) -> T:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: use {uses}")
     return choices[value]
+
+
+def integer(name: str, value: str, uses: str) -> int:
+    """`value`, given for the variable `name`, as a whole number; `uses` tells the user what it means."""
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: use {uses}") from None

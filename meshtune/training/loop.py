@@ -19,7 +19,6 @@ report, an eval or a save, so nothing is written between a bad step and its disc
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -34,9 +33,6 @@ from .strategy import Strategy
 from .update import StepVerdict
 
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
-# Test hook (docs/architecture.md, environment switches): that step's batches keep no targets, so
-# its global batch has no tokens and its gradient norm is 0/0 = nan, through the real step and gate.
-TEST_NONFINITE_STEP = int(os.environ.get("MESHTUNE_TEST_NONFINITE_STEP", "0"))
 
 
 class NonFiniteStep(Exception):
@@ -137,8 +133,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
         while step < settings.iters:
             tic = time.perf_counter()
             mx.random.seed(step_seed(seed, step))
-            feed = batches if step + 1 != TEST_NONFINITE_STEP else (b._replace(lengths=0 * b.lengths) for b in batches)
-            losses, verdict = strategy.step(feed)
+            losses, verdict = strategy.step(batches)
             window.end_step(time.perf_counter() - tic)
             step += 1
             pending.append((step, verdict, losses))

@@ -342,6 +342,15 @@ def test_dora_fold_setting_takes_auto_1_or_0(tmp_path, cli, monkeypatch):
     assert not (tmp_path / "r").exists()
 
 
+def test_the_nonfinite_test_hook_takes_a_step_number(tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("MESHTUNE_TEST_NONFINITE_STEP", "x")
+    proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MESHTUNE_TEST_NONFINITE_STEP='x'" in lines[0] and "step number" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
 def test_adapters_start_from_a_trained_run_s(trained, tmp_path, cli):
     """--resume-adapter-file (adapter.init_from): step 0's validation loss is the trained run's last, same batches."""
     run, _ = trained

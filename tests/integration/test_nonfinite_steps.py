@@ -1,6 +1,6 @@
 """A non-finite step stops the run on every rank at that step, leaving the last good checkpoint as it was.
 
-The step is forced through the test hook MESHTUNE_TEST_NONFINITE_STEP (training/loop.py,
+The step is forced through the test hook MESHTUNE_TEST_NONFINITE_STEP (training/forced_fault.py,
 docs/architecture.md): that step's batches keep no targets, so the real compiled step
 divides zero gradients by zero tokens and the global norm is nan; the gate
 (training/update.py) must keep the update from landing. Runs are the faults bench's
