@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    ensure_fast_blas(enabled=not args.no_system_blas and _config_allows_system_blas(args, rest),
-                     argv=["meshtune", *argv])
     try:
+        ensure_fast_blas(enabled=not args.no_system_blas and _config_allows_system_blas(args, rest),
+                         argv=["meshtune", *argv])
         return args.func(args, rest)
     except ValueError as err:
         print(f"meshtune: error: {one_line(err)}", file=sys.stderr)

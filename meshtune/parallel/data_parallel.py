@@ -19,8 +19,7 @@ bucket's all_sum runs (a GPU stream, or a CPU stream's own thread) while the bac
 of earlier layers still computes. Every collective of a step goes on that one stream:
 with the token count's all_sum left on the default stream, ranks took the two
 streams' all_sums in different orders and paired wrong buffers (seen as wrong sums on
-the ring backend, MLX 0.32.4). MESHTUNE_COMM_STREAM=0 keeps overlap on the default
-stream (reverse bucket order only).
+the ring backend, MLX 0.32.4).
 
 With `transport: sockets` the step has a host-side point between compute and sums,
 so reports measure the exposed communication (`TimedPump`: from the moment the last
@@ -34,7 +33,6 @@ sampled sums are not overlapped, so there it is an upper bound of the exposed wa
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import threading
@@ -94,8 +92,7 @@ def backward_order(names: list[str]) -> list[int]:
     Later blocks first; within a block the reverse of its forward (MLP before attention,
     a block's input norm last); what precedes the blocks in the tree (the embedding)
     comes last, what follows them (final norm, head) first. Reversing the tree order
-    alone put a block's input norm, whose gradient comes last, in its first bucket
-    (no step-time change measurable on the tiny model's 2-rank shaped-link table).
+    alone would put a block's input norm, whose gradient comes last, in its first bucket.
     """
     first = next((i for i, n in enumerate(names) if _LAYER.search(n)), len(names))
 
@@ -118,10 +115,9 @@ def comm_stream(mode: str, backend: str = "") -> Any:
 
     NCCL reduces on the GPU, so its stream is a GPU one; the ring, JACCL and MPI
     backends reduce on the CPU, so theirs is a CPU stream: on a Mac the backward
-    runs on the GPU while a CPU thread reduces the finished buckets (the research
-    paper's consumer thread).
+    runs on the GPU while a CPU thread reduces the finished buckets.
     """
-    if mode != "overlap" or os.environ.get("MESHTUNE_COMM_STREAM", "1") == "0":
+    if mode != "overlap":
         return None
     device = mx.gpu if backend == "nccl" and mx.default_device().type == mx.DeviceType.gpu else mx.cpu
     key = str(device)
@@ -166,17 +162,11 @@ def _pack(arrays: list[mx.array], dtype: mx.Dtype | None = None) -> mx.array:
     return mx.concatenate(flat) if len(flat) > 1 else flat[0]
 
 
-def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0,
-                  start: bool = False) -> Any:
+def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucket_mb: float = 25.0) -> Any:
     """The sum over ranks of a gradient tree, bucketed as `mode` says; identity on one rank.
 
-    `start` (outside any compiled graph, on gradients not yet computed): each bucket's
-    all_sum is started as soon as it is built (`mx.async_eval`), which enqueues the
-    backward work its gradients need and then the all_sum on the comm stream; the next
-    bucket's backward computes while that all_sum is on the wire. Inside one compiled
-    step MLX orders the evaluation itself, and its first output, the embedding's
-    gradient, needs the whole backward: no all_sum started early (measured 1.0x). The
-    order of all_sums is this loop's, the same on every rank.
+    The order of all_sums is this loop's, the same on every rank; inside the compiled step
+    MLX schedules each one as soon as its bucket's gradients exist.
     """
     if mesh.world_size == 1:
         return grads
@@ -186,8 +176,6 @@ def sum_gradients(grads: Any, mesh: Mesh, *, mode: str = "after_backward", bucke
     for members in _bucket_groups(flat, mode, bucket_mb):
         arrays = [flat[i][1] for i in members]
         parts = _unpack(mx.distributed.all_sum(_pack(arrays), group=mesh.group, stream=stream), arrays)
-        if start:
-            mx.async_eval(parts)
         summed.update(zip(members, parts))
     return tree_unflatten([(flat[i][0], summed[i]) for i in range(len(flat))])
 
@@ -256,7 +244,7 @@ class TimedPump:
 
 
 def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "after_backward",
-                   bucket_mb: float = 25.0, start: bool = False, pump: Any = None) -> tuple[Any, mx.array]:
+                   bucket_mb: float = 25.0, pump: Any = None) -> tuple[Any, mx.array]:
     """Gradients and the step's token count summed over ranks, in the same buckets.
 
     The count rides in the buckets as float32 (one all_sum fewer per step, which is
@@ -271,7 +259,7 @@ def sum_for_update(grads: Any, tokens: mx.array, mesh: Mesh, *, mode: str = "aft
     if pump is not None:
         summed = _sum_over_sockets(tree, pump, mode, bucket_mb)
     else:
-        summed = sum_gradients(tree, mesh, mode=mode, bucket_mb=bucket_mb, start=start)
+        summed = sum_gradients(tree, mesh, mode=mode, bucket_mb=bucket_mb)
     return summed["grads"], summed["tokens"]
 
 
@@ -322,7 +310,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
         if not update:
             return ce, n, grads, total
-        verdict = apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, start=sockets, pump=pump))
+        verdict = apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, pump=pump))
         return ce, n, None, verdict
 
     return step if sockets else compiled(step)

@@ -14,6 +14,8 @@ import platform
 import sys
 from pathlib import Path
 
+from .env import choice
+
 # Debian/Ubuntu package libopenblas0-pthread installs the BLAS here (x86_64, aarch64).
 SYSTEM_OPENBLAS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -56,7 +58,9 @@ def ensure_fast_blas(enabled: bool = True, argv: list[str] | None = None) -> Non
     BLAS is already preloaded, when MLX is already imported (too late to swap), or
     after one re-exec (never loops).
     """
-    if not enabled or os.environ.get(DISABLE_ENV, "1") == "0":
+    allowed = choice(DISABLE_ENV, os.environ.get(DISABLE_ENV, "1"), {"1": True, "0": False},
+                     "1 (the default: preload the system's OpenBLAS on Linux) or 0 (keep MLX's bundled BLAS)")
+    if not enabled or not allowed:
         return
     if platform.system() != "Linux" or os.environ.get(_REEXEC_MARK) or preloaded_blas():
         return

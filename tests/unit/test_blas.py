@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +58,13 @@ def test_reexec_preloads_and_marks(monkeypatch):
     (exe, argv, env), = calls
     assert argv[1:] == ["-m", "meshtune.cli", "train", "--iters", "3"]
     assert env["LD_PRELOAD"] == "/x/libblas.so.3" and env["MESHTUNE_BLAS_REEXEC"] == "1"
+
+
+def test_a_system_blas_switch_other_than_1_or_0_is_a_one_line_error(tmp_path):
+    environ = {k: v for k, v in os.environ.items() if k != "MESHTUNE_BLAS_REEXEC"} | {"MESHTUNE_SYSTEM_BLAS": "yes"}
+    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "train", "--iters", "1",
+                           "--adapter-path", str(tmp_path / "r")], capture_output=True, text=True, env=environ)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MESHTUNE_SYSTEM_BLAS='yes'" in lines[0] and "1 (the default" in lines[0]
+    assert not (tmp_path / "r").exists()
