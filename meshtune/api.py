@@ -29,7 +29,7 @@ from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .config.resume import UNUSED_ON_RESUME, same_source
+from .config.resume import run_mismatches
 from .config.schema import is_local_path
 from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
@@ -48,7 +48,6 @@ from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 
 # Sections that must match between a checkpoint and the run resuming it.
-RESUME_MUST_MATCH = ("model", "adapter", "data")
 
 
 @dataclass(kw_only=True)
@@ -368,21 +367,6 @@ def _no_checkpoint(out: Path, what: str) -> str:
             "or point --adapter-path at the run")
 
 
-def resume_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
-    """The RESUME_MUST_MATCH keys whose value differs between this run's config and the checkpoint's.
-
-    A key the checkpoint lacks was written by a meshtune without it: that run had its default. The
-    model and data paths compare as folders (config/resume.py same_source)."""
-    defaults = Config().to_dict()
-    changed = []
-    for section in RESUME_MUST_MATCH:
-        old = {**defaults[section], **saved.get(section, {})}
-        changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
-                    if resolved[section].get(k) != old.get(k) and f"{section}.{k}" not in UNUSED_ON_RESUME
-                    and not same_source(f"{section}.{k}", resolved[section].get(k), old.get(k))]
-    return changed
-
-
 def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: dict[str, Any],
              say: Callable[[str], None]) -> TrainingState:
     """Load the newest intact checkpoint into model, optimizer and data cursor.
@@ -396,7 +380,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
         found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
         raise ValueError(_no_checkpoint(out, what))
-    changed = resume_mismatches(resolved, ckpt.config)
+    changed = run_mismatches(resolved, ckpt.config)
     if changed:
         defaults = Config().to_dict()
         pairs = [(k, *k.split(".")) for k in changed]

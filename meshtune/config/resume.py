@@ -83,6 +83,23 @@ def same_source(dotted: str, new: Any, old: Any) -> bool:
     return dotted in PATH_KEYS and bool(new and old) and (_same_folder(new, old) or _moved(dotted, new, old))
 
 
+def run_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """The run keys (RUN_SECTIONS) whose value in `resolved` differs from the checkpoint's `saved`,
+    less those a resumed run may change (EXTENDABLE, UNUSED_ON_RESUME): the rule resume_config
+    applies to what a command gives, for a config built any other way (meshtune.api.finetune).
+
+    A key the checkpoint lacks was written by a meshtune without it: that run had its default. The
+    model and data paths compare as folders (same_source)."""
+    defaults = Config().to_dict()
+    changed = []
+    for section in RUN_SECTIONS:
+        old = {**defaults[section], **saved.get(section, {})}
+        changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
+                    if resolved[section].get(k) != old.get(k) and f"{section}.{k}" not in EXTENDABLE + UNUSED_ON_RESUME
+                    and not same_source(f"{section}.{k}", resolved[section].get(k), old.get(k))]
+    return changed
+
+
 def _shown(value: Any) -> str:
     """A value as a flag takes it: 1, 1f1b, [2, 2], null, true."""
     if value is None or isinstance(value, bool):

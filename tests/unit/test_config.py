@@ -598,16 +598,16 @@ def test_pipeline_stages_is_pp_under_its_long_name(tmp_path):
 def test_resume_compares_a_key_the_checkpoint_lacks_with_its_default():
     """A checkpoint written before a config key existed resumes when this run keeps the key's default,
     and names the key when it does not."""
-    from meshtune.api import resume_mismatches
+    from meshtune.config.resume import run_mismatches
     from meshtune.config import Config
 
     saved = Config().to_dict()
     del saved["data"]["skip_empty"]
-    assert resume_mismatches(Config().to_dict(), saved) == []
+    assert run_mismatches(Config().to_dict(), saved) == []
     changed = Config.from_dict({"data": {"skip_empty": True}}).to_dict()
-    assert resume_mismatches(changed, saved) == ["data.skip_empty"]
+    assert run_mismatches(changed, saved) == ["data.skip_empty"]
     saved["adapter"]["rank"] = 4
-    assert resume_mismatches(Config().to_dict(), saved) == ["adapter.rank"]
+    assert run_mismatches(Config().to_dict(), saved) == ["adapter.rank"]
 
 
 def test_negative_skip_nonfinite_steps_is_an_error():
@@ -618,7 +618,7 @@ def test_negative_skip_nonfinite_steps_is_an_error():
 
 def test_resume_reads_a_checkpoint_s_relative_paths_from_here(tmp_path, monkeypatch):
     """A run saved before paths were saved absolute resumes from the folder it was started in."""
-    from meshtune.api import resume_mismatches
+    from meshtune.config.resume import run_mismatches
     from meshtune.config import Config
 
     monkeypatch.chdir(tmp_path)
@@ -626,12 +626,12 @@ def test_resume_reads_a_checkpoint_s_relative_paths_from_here(tmp_path, monkeypa
     saved = Config.from_dict({"model": {"path": "models/tiny"}, "data": {"path": "./data"}}).to_dict()
     now = Config.from_dict(saved).with_absolute_paths().to_dict()
     assert now["model"]["path"] == str(tmp_path / "models" / "tiny") and now["data"]["path"] == str(tmp_path / "data")
-    assert resume_mismatches(now, saved) == []
+    assert run_mismatches(now, saved) == []
     moved = Config.from_dict({**saved, "model": {"path": "/elsewhere"}}).with_absolute_paths().to_dict()
-    assert resume_mismatches(moved, saved) == ["model.path"]
+    assert run_mismatches(moved, saved) == ["model.path"]
     hub = Config.from_dict({"model": {"path": "org/model"}}).to_dict()  # a hub id stays as given
     assert Config.from_dict(hub).with_absolute_paths().model.path == "org/model"
-    assert resume_mismatches(hub, hub) == []
+    assert run_mismatches(hub, hub) == []
 
 
 def test_a_run_s_adapter_config_json_reads_back_as_its_config_less_its_launch(tmp_path):

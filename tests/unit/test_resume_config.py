@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshtune.config import ConfigError, load_config, parse_override_args
+from meshtune.config import Config, ConfigError, load_config, parse_override_args
 from meshtune.config.load import flag_spellings
 from meshtune.config.resume import resume_config, saved_run_config
 
@@ -152,7 +152,7 @@ def test_a_stopped_multi_rank_run_says_the_launch_command(monkeypatch, capsys, t
 def test_a_moved_folder_is_given_anew_and_a_present_one_must_match(tmp_path: Path, monkeypatch) -> None:
     """Runs save absolute paths: a project moved since takes --model/--data given now, with a note;
     a saved folder that still exists must be the one given."""
-    from meshtune.api import resume_mismatches
+    from meshtune.config.resume import run_mismatches
 
     run = tmp_path / "run"
     (run / "checkpoints" / "0000004").mkdir(parents=True)
@@ -163,16 +163,16 @@ def test_a_moved_folder_is_given_anew_and_a_present_one_must_match(tmp_path: Pat
     monkeypatch.chdir(tmp_path / "new-place")
     cfg = _resume(run, "--data", "data")
     assert cfg.data.path == "data" and cfg.notes == [f"data.path: the checkpoint's {gone} no longer exists; using data"]
-    assert resume_mismatches(cfg.with_absolute_paths().to_dict(), saved) == []
+    assert run_mismatches(cfg.with_absolute_paths().to_dict(), saved) == []
     (gone).mkdir(parents=True)  # still there: another folder is a different run's data
     with pytest.raises(ConfigError, match=r"--resume: data.path = 'data' differs from the checkpoint's"):
         _resume(run, "--data", "data")
-    assert resume_mismatches(cfg.with_absolute_paths().to_dict(), saved) == ["data.path"]
+    assert run_mismatches(cfg.with_absolute_paths().to_dict(), saved) == ["data.path"]
 
 
 def test_init_from_is_not_compared_on_resume(tmp_path: Path) -> None:
     """adapter.init_from seeds a fresh run only; a resumed run's weights come from its checkpoint."""
-    from meshtune.api import resume_mismatches
+    from meshtune.config.resume import run_mismatches
 
     run = tmp_path / "run"
     (run / "checkpoints" / "0000004").mkdir(parents=True)
@@ -180,4 +180,18 @@ def test_init_from_is_not_compared_on_resume(tmp_path: Path) -> None:
     (run / "checkpoints" / "0000004" / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     cfg = _resume(run, "--adapter.init_from", "elsewhere")
     assert cfg.adapter.init_from == "elsewhere"
-    assert resume_mismatches(cfg.to_dict(), saved) == []
+    assert run_mismatches(cfg.to_dict(), saved) == []
+
+
+def test_a_config_built_in_code_resumes_only_with_the_run_s_settings():
+    """finetune(cfg) with output.resume, cfg built without the CLI: every run section compares with the
+    checkpoint as a command's flags do (resume_config), train.iters alone may grow."""
+    from meshtune.config.resume import run_mismatches
+
+    saved = Config().to_dict()
+    assert run_mismatches(Config.from_dict({"train": {"iters": saved["train"]["iters"] + 50}}).to_dict(), saved) == []
+    changed = Config.from_dict({"optimizer": {"learning_rate": 3e-4}, "schedule": {"warmup": 7},
+                                "train": {"batch_size": 2}}).to_dict()
+    assert run_mismatches(changed, saved) == ["optimizer.learning_rate", "schedule.warmup", "train.batch_size"]
+    other_layout = Config.from_dict({"parallel": {"pp": 2}, "runtime": {"watchdog_s": 9}}).to_dict()
+    assert run_mismatches(other_layout, saved) == []  # a launch's own sections
