@@ -63,7 +63,7 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     """0 finished, 3 stopped on request, 65 a non-finite step stopped it (docs/reliability.md, exit codes)."""
     from ..api import finetune
-    from ..training import NONFINITE_EXIT_CODE
+    from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
     from ..training.loop import NonFiniteStep
 
     cfg = _train_config(args, rest)
@@ -77,7 +77,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         return 0
     if os.environ.get("MLX_RANK", "0") == "0":  # one line for the run, from the writer (rank 0)
         print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
-    return 3
+    return STOPPED_EXIT_CODE
 
 
 def resume_command(adapter_path: Any, mesh: Any, environ: Any = os.environ) -> str:

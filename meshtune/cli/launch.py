@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from ..parallel.hostfile import read_hostfile
-from ..training import NONFINITE_EXIT_CODE
+from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
 
@@ -192,7 +192,8 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
                                  daemon=True)
             t.start()
             pumps.append(t)
-        code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted)
+        with _Interrupts() as interrupts:
+            code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted, interrupts.signals)
         for t in pumps:
             t.join(timeout=5)
         if not lost:
@@ -205,12 +206,37 @@ STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace
 # Exits every rank reaches on its own, each saying its own line: a non-finite step (every rank at the same
 # step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
 # the others to get there before stopping them.
-AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0}
+# A stop on request (code 3) is agreed too: the ranks save one checkpoint together and exit.
+AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0, STOPPED_EXIT_CODE: 60.0}
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM sent to the launcher (Ctrl-C, a scheduler), recorded for `_watch` to pass on."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Interrupts":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, lambda signum, _frame: self.signals.append(signum))
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
-           muted: threading.Event) -> tuple[int, bool]:
+           muted: threading.Event, interrupts: list[int] | None = None) -> tuple[int, bool]:
     """Wait for every rank; on the first lost or failed rank say one line and stop the rest.
+
+    A signal in `interrupts` (Ctrl-C or SIGTERM to the launcher) is passed on to every rank as
+    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a second one
+    stops them at once.
 
     Returns (exit code, whether a lost rank was named). Lost: killed by a signal
     (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
@@ -219,7 +245,20 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     rank is gone or stopped, the line names that rank.
     """
     start, stopped_since, agreed_since = time.monotonic(), {}, None
+    interrupts, passed_on = interrupts if interrupts is not None else [], 0
     while True:
+        if len(interrupts) > passed_on:
+            name = signal.Signals(interrupts[-1]).name
+            if passed_on:
+                print(f"meshtune launch: {name} again: stopping the ranks now", file=err, flush=True)
+                _stop(ranks, grace=0)
+                return 128 + interrupts[-1], False
+            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops ({name} again stops "
+                  "them now)", file=err, flush=True)
+            for r in ranks:
+                if r.proc.poll() is None:
+                    _signal_rank(r, signal.SIGTERM)
+            passed_on = len(interrupts)
         codes = [r.proc.poll() for r in ranks]
         # A rank killed by a signal is the cause; peers exiting 75 at once are the effect.
         failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] >= 0)
@@ -233,6 +272,9 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
             if time.monotonic() - agreed_since < AGREED_EXIT_S[agreed]:
                 time.sleep(0.05)
                 continue
+        if failed and passed_on:  # stopping on the user's request: each rank says how it ended
+            _stop(ranks, grace=10)
+            return (failed[0][1] if failed[0][1] > 0 else 128 + interrupts[0]), False
         if failed:
             i, code = failed[0]
             muted.set()

@@ -49,3 +49,32 @@ def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resumed from step {step}" in resumed.stdout
     assert _train_records(run)[-1]["step"] == step + 2
+
+
+def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path):
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM to `meshtune launch` reaches every rank: they save one
+    checkpoint together, each exits 3, the launcher exits 3 and prints the resume line; no rank outlives it."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", "meshtune", "train", "--iters", "100000",
+           *ARGS, "--adapter-path", str(run)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(_train_records(run)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    seen = _train_records(run)[-1]["step"]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 3, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "meshtune launch: SIGINT: every rank saves a checkpoint and stops" in out
+    stopped = [line for line in out.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("[rank 0]"), out[-3000:]  # the writer says it once
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert seen <= step <= seen + 10, (seen, step)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"{step:07d}"]
+    assert verify_checkpoint(run / "checkpoints" / f"{step:07d}") is None
+    assert f"to continue from step {step}: meshtune launch -n 2 -- meshtune train" in out
+    assert "exited with code" not in out  # an agreed stop, not a failed rank
+    assert subprocess.run(["pgrep", "-f", str(run)], capture_output=True).returncode == 1  # no rank left
