@@ -117,9 +117,20 @@ def _mesh(cfg: Any) -> Any:
         import mlx.core as mx
 
         group = mx.distributed.init()
+        expected = os.environ.get("MLX_WORLD_SIZE", "")
+        if expected.isdigit() and int(expected) != group.size():  # else each rank would train alone
+            raise ValueError(world_mismatch(int(expected), group.size(), mx.distributed.is_available("nccl")))
         cfg.validate(world_size=group.size())  # a layout this world cannot run: the error names the flag
         return Mesh.from_world(group, pp=cfg.parallel.pp)
     return Mesh.single()
+
+
+def world_mismatch(expected: int, formed: int, nccl_built: bool) -> str:
+    """The error of a rank whose backend formed a smaller world than its launcher started."""
+    why = ("" if nccl_built else "; this MLX has no NCCL (its CUDA build has): use --backend ring, or install "
+           "mlx[cuda] on an NVIDIA machine")
+    return (f"MLX_WORLD_SIZE={expected} ranks were started but the distributed backend formed a world of {formed}"
+            f"{why}")
 
 
 def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:

@@ -374,11 +374,20 @@ def main(argv: list[str]) -> int:
                              f"its interpreter (e.g. -- bash {command[0]})")
         raise ValueError(f"command {command[0]!r} not found (not a file, nor on PATH); e.g. "
                          "meshtune launch -n 2 -- meshtune train ...")
+    if a.backend == "nccl" and "meshtune.cli" in command and not _nccl_built():  # the ranks' own check, once
+        raise ValueError("--backend nccl: this MLX has no NCCL (MLX's CUDA build has it: pip install mlx[cuda]); "
+                         "use --backend ring")
     preflight(n, command)
     pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)
     if note:
         print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)
     return launch_local(n, command, pin=pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
+
+
+def _nccl_built() -> bool:
+    import mlx.core as mx
+
+    return mx.distributed.is_available("nccl")
 
 
 def pin_choice(n: int, requested: bool | None, *, remote: bool, backend: str = "ring",

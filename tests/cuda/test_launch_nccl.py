@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from meshtune.bench.faultkit import CLI, env
 
 SHOW = ("import os; print(' '.join(f'{k}={os.environ.get(k, \"-\")}' for k in "
@@ -60,3 +62,32 @@ def test_nccl_with_a_hostfile_is_a_one_line_error(tmp_path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--backend nccl" in lines[0] and "mlx.launch" in lines[0], proc.stderr
+
+
+def _nccl_built() -> bool:
+    import mlx.core as mx
+
+    return mx.distributed.is_available("nccl")
+
+
+def test_nccl_on_an_mlx_without_it_is_a_one_line_error_before_any_rank(tmp_path):
+    if _nccl_built():
+        pytest.skip("MLX's CUDA build: the ranks join NCCL")
+    proc = _launch("-n", "2", "--backend", "nccl", "--", "meshtune", "train", "--iters", "2",
+                   "--adapter-path", str(tmp_path / "r"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "this MLX has no NCCL" in lines[0] and "--backend ring" in lines[0], proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "r").exists()
+
+
+def test_a_rank_whose_backend_forms_a_smaller_world_stops_instead_of_training_alone(tmp_path):
+    """A rank told MLX_WORLD_SIZE=2 whose backend gives it a world of 1 (no peer to join: here no
+    hostfile) would train the whole batch alone, writing into the run folder beside its peers."""
+    environ = {k: v for k, v in env().items() if k != "MLX_HOSTFILE"} | {"MLX_RANK": "0", "MLX_WORLD_SIZE": "2"}
+    proc = subprocess.run([*CLI, "train", "--iters", "2", "--adapter-path", str(tmp_path / "r")], env=environ,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MLX_WORLD_SIZE=2" in lines[0] and "a world of 1" in lines[0], proc.stderr
+    assert not (tmp_path / "r").exists()
