@@ -207,7 +207,7 @@ STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace
 # step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
 # the others to get there before stopping them.
 # A stop on request (code 3) is agreed too: the ranks save one checkpoint together and exit.
-AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0, STOPPED_EXIT_CODE: 60.0}
+AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0, STOPPED_EXIT_CODE: 15.0}
 
 
 class _Interrupts:
@@ -368,6 +368,9 @@ def main(argv: list[str]) -> int:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
     if not command:
         raise ValueError("no command to run; give it after --, e.g. meshtune launch -n 2 -- meshtune train")
+    if ssh_hosts is not None and len(ssh_hosts) != n:
+        raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
+                         "or leave -n out")
     if ssh_hosts is None and shutil.which(command[0]) is None:
         if Path(command[0]).is_file():
             raise ValueError(f"command {command[0]!r} is not executable; chmod +x {command[0]}, or run it through "
@@ -382,6 +385,17 @@ def main(argv: list[str]) -> int:
     if note:
         print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)
     return launch_local(n, command, pin=pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
+
+
+def _runs_on(cfg: Any, n: int) -> bool:
+    """Whether `cfg`'s layout runs on n ranks."""
+    from ..config import ConfigError
+
+    try:
+        cfg.validate(world_size=n)
+    except ConfigError:
+        return False
+    return True
 
 
 def _nccl_built() -> bool:
@@ -419,18 +433,23 @@ def preflight(n: int, command: list[str]) -> None:
     """
     if "meshtune.cli" not in command or "train" not in command:
         return
-    from ..config import load_config, parse_override_args
+    from ..config import ConfigError
     from ..parallel.stages import declared_layers
-    from .commands import build_parser
+    from .commands import _train_config, build_parser
 
     args, rest = build_parser().parse_known_args(command[command.index("meshtune.cli") + 1:])
     if args.command != "train":
         return
-    overrides = parse_override_args(rest)
-    if args.resume:
-        overrides.append(("output.resume", "true"))
-    cfg = load_config(args.config, overrides)
-    cfg.validate(world_size=n)
+    cfg = _train_config(args, rest, say=lambda _line: None)  # as the ranks will read it: --resume, the demo
+    try:
+        cfg.validate(world_size=n)
+    except ConfigError as err:
+        if not cfg.output.resume:
+            raise
+        fits = [m for m in range(1, 4 * n + 1) if _runs_on(cfg, m)]
+        ranks = f"-n {fits[0]}" if len(fits) == 1 else f"-n N, N one of {fits}"
+        raise ValueError(f"{' | '.join(err.problems)}; a resumed run keeps its own settings, so give {ranks} "
+                         "instead") from None
     config = cfg.resolved_model_path() / "config.json"
     blocks = declared_layers(cfg.resolved_model_path()) if cfg.parallel.pp > 1 else None
     if blocks is not None and cfg.parallel.pp > blocks:

@@ -72,7 +72,9 @@ def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path):
     stopped = [line for line in out.splitlines() if "stopped at step" in line]
     assert len(stopped) == 1 and stopped[0].startswith("[rank 0]"), out[-3000:]  # the writer says it once
     step = int(stopped[0].split("stopped at step ")[1].split()[0])
-    assert seen <= step <= seen + 10, (seen, step)
+    # Soon after the request, not at --iters: the launcher passes it on within its 0.2 s poll, and the
+    # ranks agree on it at their next agreement (every 8 steps), tiny steps running meanwhile.
+    assert seen <= step <= seen + 50, (seen, step)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"{step:07d}"]
     assert verify_checkpoint(run / "checkpoints" / f"{step:07d}") is None
     assert f"to continue from step {step}: meshtune launch -n 2 -- meshtune train" in out
