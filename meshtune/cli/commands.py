@@ -80,18 +80,24 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return STOPPED_EXIT_CODE
 
 
+# Set by meshtune launch for its ranks: how to start them again ("meshtune launch --hostfile /abs/hosts.json").
+LAUNCH_ENV = "MESHTUNE_LAUNCH_COMMAND"
+
+
 def resume_command(adapter_path: Any, mesh: Any, environ: Any = os.environ) -> str:
     """The command that continues a stopped run on the ranks it ran on.
 
-    One process: `meshtune train --adapter-path X --resume`. Ranks started by a launcher
-    (MLX_RANK set): the same behind `meshtune launch -n <world size> --`, or behind
-    `meshtune launch --hostfile FILE --` when MLX_HOSTFILE is an mlx.launch hostfile (one
-    {"ssh", "ips"} entry per rank; the ring hostfile a launcher writes for its ranks is not).
+    One process: `meshtune train --adapter-path X --resume`. Ranks started by meshtune launch:
+    the same behind the launch it gave them (LAUNCH_ENV). Ranks of another launcher (MLX_RANK
+    set): behind `meshtune launch --hostfile FILE --` when MLX_HOSTFILE is an mlx.launch hostfile
+    (one {"ssh", "ips"} entry per rank), else `meshtune launch -n <world size> --`.
     """
     train = f"meshtune train --adapter-path {shlex.quote(str(adapter_path))} --resume"
     size = getattr(mesh, "world_size", 1) or 1
     if "MLX_RANK" not in environ or size < 2:
         return train
+    if environ.get(LAUNCH_ENV):
+        return f"{environ[LAUNCH_ENV]} -- {train}"
     hostfile = environ.get("MLX_HOSTFILE")
     if hostfile and _is_launch_hostfile(hostfile):
         return f"meshtune launch --hostfile {shlex.quote(hostfile)} -- {train}"

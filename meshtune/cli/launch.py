@@ -46,6 +46,7 @@ from typing import IO, Any, Callable
 
 from ..parallel.hostfile import read_hostfile
 from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
+from .commands import LAUNCH_ENV
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
 
@@ -71,7 +72,8 @@ def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) ->
 
 
 # Environment a remote rank gets from this machine (ssh forwards none of it).
-FORWARD_ENV = ("PYTHONPATH", "LD_PRELOAD", "MESHTUNE_SYSTEM_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+FORWARD_ENV = ("PYTHONPATH", "LD_PRELOAD", "MESHTUNE_SYSTEM_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+               LAUNCH_ENV)
 PID_MARK = "meshtune-remote-pid"
 
 
@@ -381,6 +383,9 @@ def main(argv: list[str]) -> int:
         raise ValueError("--backend nccl: this MLX has no NCCL (MLX's CUDA build has it: pip install mlx[cuda]); "
                          "use --backend ring")
     preflight(n, command)
+    # How the ranks' resume line says to start them again (commands.resume_command).
+    os.environ[LAUNCH_ENV] = (f"meshtune launch --hostfile {shlex.quote(str(Path(a.hostfile).resolve()))}" if a.hostfile
+                              else f"meshtune launch -n {n}") + (" --backend nccl" if a.backend == "nccl" else "")
     pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)
     if note:
         print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)

@@ -45,12 +45,15 @@ def test_ranks_start_over_ssh_and_all_sum(tmp_path):
     code = ("import os, mlx.core as mx; g = mx.distributed.init(); "
             "s = mx.distributed.all_sum(mx.array([g.rank() + 1.0]), group=g); "
             "print('sum', int(s[0].item()), 'rank', g.rank(), 'of', g.size(), 'cwd', os.getcwd(), "
-            "'pp', bool(os.environ.get('PYTHONPATH')), flush=True)")
+            "'pp', bool(os.environ.get('PYTHONPATH')), flush=True); "
+            "print('again:', os.environ['MESHTUNE_LAUNCH_COMMAND'], flush=True)")
     proc = subprocess.run([*CLI, "launch", "--hostfile", str(_hostfile(tmp_path, 3)), "--", sys.executable, "-c",
                            code], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for rank in range(3):  # every rank ran, in the launcher's folder, with the forwarded PYTHONPATH
         assert f"[rank {rank}] sum 6 rank {rank} of 3 cwd {tmp_path} pp True" in proc.stdout, proc.stdout
+        # what the run's resume line starts again (cli/commands.resume_command): this launch, not -n 3 here
+        assert f"[rank {rank}] again: meshtune launch --hostfile {tmp_path / 'hosts.json'}\n" in proc.stdout
     log = (tmp_path / "ssh.log").read_text().splitlines()
     assert sorted(line.split()[0] for line in log) == ["node0", "node1", "node2"]
     assert all("MLX_RANK=" in line and "MLX_HOSTFILE=" in line for line in log)

@@ -129,6 +129,9 @@ def test_resume_command_gives_the_launcher_of_a_multi_rank_run(tmp_path: Path) -
     hosts.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]))
     env = {"MLX_RANK": "1", "MLX_HOSTFILE": str(hosts)}
     assert resume_command(run, _Mesh(2), env) == f"meshtune launch --hostfile {hosts} -- {train}"
+    launched = {"MLX_RANK": "0", "MLX_HOSTFILE": str(ring), "MESHTUNE_LAUNCH_COMMAND":
+                "meshtune launch --hostfile /abs/hosts.json"}  # meshtune launch --hostfile: its ranks see a ring file
+    assert resume_command(run, _Mesh(2), launched) == f"meshtune launch --hostfile /abs/hosts.json -- {train}"
 
 
 def test_a_stopped_multi_rank_run_says_the_launch_command(monkeypatch, capsys, tmp_path: Path) -> None:
