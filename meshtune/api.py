@@ -29,7 +29,7 @@ from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .config.resume import run_mismatches
+from .config.resume import run_mismatches, settings_digests
 from .config.schema import is_local_path
 from .data import BatchIterator, Features, check_packable, check_source, load_datasets
 from .runtime.heap import keep_freed_memory
@@ -243,6 +243,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
         raise ValueError(_no_checkpoint(out, "no checkpoint"))
+    differing = mesh.disagreeing(settings_digests(cfg.to_dict()))
+    if differing:  # each rank's own config file or flags: it would hang at the first step, or train differently
+        raise ValueError(f"the ranks were given different settings for {', '.join(differing)}; give every rank "
+                         "the same config file and flags")
     kept = out / base_path.run_file(mesh.rank)
     if cfg.output.resume and kept.exists():  # before apply_adapters measures any
         say(f"base path: {base_path.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "

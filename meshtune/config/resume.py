@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,19 @@ def run_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]
                     if resolved[section].get(k) != old.get(k) and f"{section}.{k}" not in EXTENDABLE + UNUSED_ON_RESUME
                     and not same_source(f"{section}.{k}", resolved[section].get(k), old.get(k))]
     return changed
+
+
+# Compared across ranks at start (settings_digests): what every rank must run alike. The folders are left
+# out: hosts may keep the model and data in different places.
+SAME_ON_EVERY_RANK = RUN_SECTIONS + ("parallel",)
+HOST_KEYS = ("model.path", "data.path")
+
+
+def settings_digests(resolved: dict[str, Any]) -> dict[str, int]:
+    """A 31-bit digest of each setting every rank must share, by dotted key (parallel/mesh.Mesh.disagreeing)."""
+    return {f"{section}.{key}": zlib.crc32(json.dumps(value, sort_keys=True, default=str).encode()) & 0x7FFFFFFF
+            for section in SAME_ON_EVERY_RANK for key, value in resolved[section].items()
+            if f"{section}.{key}" not in HOST_KEYS}
 
 
 def _shown(value: Any) -> str:

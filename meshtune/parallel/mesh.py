@@ -93,6 +93,17 @@ class Mesh:
         stream = None if self.backend == "nccl" else mx.cpu  # as in agree
         return mx.distributed.all_sum(slots, group=self.group, stream=stream).tolist()
 
+    def disagreeing(self, values: dict[str, int]) -> list[str]:
+        """The names in `values` (the same names on every rank) whose value differs between ranks; one all_sum."""
+        if self.world_size == 1:
+            return []
+        names = sorted(values)
+        slots = mx.zeros((self.world_size, len(names)), mx.int32)
+        slots[self.rank] = mx.array([values[name] for name in names], mx.int32)
+        stream = None if self.backend == "nccl" else mx.cpu  # as in agree
+        rows = mx.distributed.all_sum(slots, group=self.group, stream=stream).tolist()
+        return [name for j, name in enumerate(names) if len({row[j] for row in rows}) > 1]
+
     def agree(self, flag: bool) -> bool:
         """True when any rank says True (ranks stop or save together)."""
         if self.world_size == 1:
