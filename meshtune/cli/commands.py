@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -122,13 +123,35 @@ def _mesh(cfg: Any) -> Any:
     if any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
         import mlx.core as mx
 
-        group = mx.distributed.init()
+        try:
+            group = mx.distributed.init()
+        except RuntimeError as err:  # the ring's sockets: MLX says "[ring] Couldn't bind socket (error: 99)"
+            raise ValueError(backend_error(str(err), os.environ.get("MLX_RANK", "?"),
+                                           os.environ.get("MLX_HOSTFILE", ""))) from None
         expected = os.environ.get("MLX_WORLD_SIZE", "")
         if expected.isdigit() and int(expected) != group.size():  # else each rank would train alone
             raise ValueError(world_mismatch(int(expected), group.size(), mx.distributed.is_available("nccl")))
         cfg.validate(world_size=group.size())  # a layout this world cannot run: the error names the flag
         return Mesh.from_world(group, pp=cfg.parallel.pp)
     return Mesh.single()
+
+
+SOCKET_ERRORS = {
+    98: "the address is already in use (another run, or a stale one, holds the port): pick other ports in the "
+        "hostfile, or stop that process",
+    99: "the address is not one of this host's: give this host's own IP in its hostfile entry (\"ips\")",
+    111: "the peer refused the connection (not started, or a firewall): start every rank, and check the ports",
+    113: "no route to the peer's address: check the hostfile's IPs and the link",
+}
+
+
+def backend_error(message: str, rank: str, hostfile: str) -> str:
+    """The one line for a distributed backend that could not start: the socket error in words."""
+    found = re.search(r"error:? (\d+)", message)
+    why = SOCKET_ERRORS.get(int(found.group(1))) if found else None
+    where = f" (hostfile {hostfile})" if hostfile else ""
+    return (f"rank {rank}: the distributed backend could not start{where}: {' '.join(message.split())}"
+            + (f"; {why}" if why else ""))
 
 
 def world_mismatch(expected: int, formed: int, nccl_built: bool) -> str:
