@@ -235,10 +235,12 @@ def _chat_or_raw(args: argparse.Namespace, has_template: bool) -> tuple[bool, st
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     """Print the config `meshtune train` would run with these arguments, as YAML that -c reads back."""
     from ..config.show import config_yaml
+    from ..training.trackers import tracker_names
 
     cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr))
     # What train would refuse, refused here too, on the fewest ranks the layout runs on.
     cfg.validate(world_size=max(cfg.parallel.pp, 1) * max(cfg.parallel.dp, 1))
+    tracker_names(cfg.output.report_to)  # the names; whether their libraries import is the run's machine's
     print(config_yaml(cfg), end="")
     return 0
 

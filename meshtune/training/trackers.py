@@ -13,8 +13,11 @@ W&B keeps its run folder in `<adapter_path>/wandb` (WANDB_MODE=offline works as 
 from __future__ import annotations
 
 import importlib
+import netrc
+import os
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 TRACKERS = {"tensorboard": "tensorboardX", "wandb": "wandb"}  # name -> the module it needs
 TENSORBOARD_DIR = "tensorboard"
@@ -43,7 +46,24 @@ def check_trackers(report_to: list[str] | str | None) -> list[str]:
             drop = f"--report-to {','.join(rest)}" if rest else "leave out --report-to"
             raise ValueError(f"output.report_to={name} needs {TRACKERS[name]}: pip install 'meshtune[{name}]', "
                              f"or {drop}") from None
+    if "wandb" in names and not wandb_can_log(os.environ):
+        rest = [n for n in names if n != "wandb"]
+        drop = f"--report-to {','.join(rest)}" if rest else "leave out --report-to"
+        raise ValueError("output.report_to=wandb: no W&B API key (WANDB_API_KEY, or a `wandb login` in ~/.netrc); "
+                         f"run `wandb login`, set WANDB_MODE=offline to keep the run on disk, or {drop}")
     return names
+
+
+def wandb_can_log(environ: Any) -> bool:
+    """Whether wandb.init will find what it needs without asking: a key, or a mode that needs none."""
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = Path(environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -56,3 +56,6 @@ def test_config_refuses_what_train_refuses(cli):
                "--learning-rate", "5e-5")
     assert proc.returncode == 2 and proc.stdout == ""
     assert "the first argument (initial rate 0.0003) differs from optimizer.learning_rate (5e-05)" in proc.stderr
+    trackers = cli("config", "--report-to", "swanlab")
+    assert trackers.returncode == 2 and trackers.stdout == ""
+    assert "output.report_to: 'swanlab' is not one of tensorboard, wandb" in trackers.stderr

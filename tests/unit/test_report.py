@@ -148,6 +148,27 @@ def test_report_to_names(monkeypatch) -> None:
     assert MLX_LM_FLAGS["--project-name"] == FLAT_KEYS["project_name"] == "output.project_name"
 
 
+def test_wandb_without_a_key_is_refused_before_the_run(tmp_path, monkeypatch) -> None:
+    """W&B with no key and no offline mode would fail inside wandb.init, after the model loaded."""
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # none: never logged in
+    with pytest.raises(ValueError) as err:
+        trackers.check_trackers("tensorboard,wandb")
+    assert str(err.value).startswith("output.report_to=wandb: no W&B API key")
+    assert "wandb login" in str(err.value) and "WANDB_MODE=offline" in str(err.value)
+    assert str(err.value).endswith("or --report-to tensorboard")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert trackers.check_trackers("wandb") == ["wandb"]  # `wandb login` writes this
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert trackers.check_trackers("wandb") == ["wandb"]
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    assert trackers.check_trackers("wandb") == ["wandb"]
+
+
 def test_tracker_scalars() -> None:
     train = {"type": "train", "step": 3, "loss": 1.0, "learning_rate": 0.1, "tokens_per_sec": 5.0,
              "peak_memory_gb": 0.5, "comm_share": 0.2, "tokens": 7}
