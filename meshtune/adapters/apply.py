@@ -189,6 +189,9 @@ def load_adapters(model: nn.Module, adapter_path: str | Path, model_path: str | 
     folder = Path(adapter_path)
     config_file = folder / CONFIG_FILE
     if not config_file.exists():
+        if any(folder.glob("state.stage*.json")):  # a pipeline's checkpoint: one shard per stage
+            raise ValueError(f"{folder} is a pipeline checkpoint (one weights file per stage), which resumes but "
+                             f"does not load as adapters; point --adapter-path at the run ({folder.parent.parent})")
         raise ValueError(f"{config_file} not found; point --adapter-path at a folder written by "
                          "meshtune train or mlx_lm.lora")
     config = json.loads(config_file.read_text())

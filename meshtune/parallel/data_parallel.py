@@ -47,7 +47,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..adapters import ADAPTER_FILE, load_trainable, step_context, trainable_parameters
+from ..adapters import ADAPTER_FILE, CONFIG_FILE, load_trainable, step_context, trainable_parameters
 from ..runtime.cuda import on_cuda
 from ..training.checkpoint import (LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint,
                                    save_checkpoint)
@@ -422,7 +422,8 @@ class DataParallel:
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         if self.mesh.is_writer:
             save_checkpoint(out, state=state, trainable=trainable_parameters(self.model),
-                            optimizer_state=self.optimizer.state, config=config, keep=keep)
+                            optimizer_state=self.optimizer.state, config=config, keep=keep,
+                            alongside=(out / CONFIG_FILE,))
 
     def latest_checkpoint(self, out: Path, say: Callable[[str], None]) -> LoadedCheckpoint | None:
         path = resumable_checkpoint(out, say)

@@ -142,10 +142,14 @@ def file_record(path: Path) -> dict[str, Any]:
 
 
 def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict[str, mx.array],
-                    optimizer_state: Any, config: dict[str, Any], keep: int = 0) -> Path:
+                    optimizer_state: Any, config: dict[str, Any], keep: int = 0,
+                    alongside: tuple[Path, ...] = ()) -> Path:
     """Write one complete, checksummed checkpoint atomically; then keep the newest `keep` (0: all).
 
-    Any OSError becomes a CheckpointWriteError; the temp folder goes, older checkpoints stay.
+    The files `alongside` that exist are copied in as they are (the run's adapter_config.json, so
+    the checkpoint's adapters.safetensors loads in meshtune generate and fuse, and in mlx-lm, as
+    mlx-lm users load its step files). Any OSError becomes a CheckpointWriteError; the temp folder
+    goes, older checkpoints stay.
     """
     final = checkpoint_dir(adapter_path, state.step)
     tmp = None
@@ -156,6 +160,9 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
         opt = dict(tree_flatten(optimizer_state))
         save_safetensors_checked(tmp / "optimizer.safetensors", opt)
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        for extra in alongside:
+            if extra.is_file():
+                shutil.copyfile(extra, tmp / extra.name)
         files = {f.name: file_record(f) for f in sorted(tmp.iterdir())}
         manifest = {"step": state.step, "data_cursor": state.data_cursor,
                     "trained_tokens": state.trained_tokens, "optimizer_keys": sorted(opt), "files": files}

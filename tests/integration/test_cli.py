@@ -163,6 +163,22 @@ def test_fuse_and_generate(trained, tmp_path, cli):
     assert proc.stdout == generate(base, tok, prompt=prompt, max_tokens=4) + "\n"
 
 
+def test_a_checkpoint_loads_as_adapters_in_stock_mlx_lm_and_meshtune(trained, cli):
+    """mlx-lm users pick a step's adapters; a checkpoint folder carries the run's adapter_config.json."""
+    from mlx_lm.utils import load
+
+    run, _ = trained
+    step = run / "checkpoints" / "0000006"  # the last step's: the run's own adapters
+    final, tok = load(str(TINY_MODEL), adapter_path=str(run))
+    at_step, _ = load(str(TINY_MODEL), adapter_path=str(step))
+    tokens = mx.array([tok.encode("What is 40 + 2?")])
+    assert mx.array_equal(final(tokens), at_step(tokens))
+    proc = cli("generate", "--adapter-path", str(step), "--prompt", "What is 40 + 2?", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == cli("generate", "--adapter-path", str(run), "--prompt", "What is 40 + 2?",
+                              "--max-tokens", "4").stdout
+
+
 def test_a_run_on_relative_paths_generates_and_resumes_from_anywhere(tmp_path, cli):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny").symlink_to(TINY_MODEL)

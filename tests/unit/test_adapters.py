@@ -289,3 +289,13 @@ def test_dora_base_row_norms_are_computed_when_the_base_is_set(monkeypatch):
     monkeypatch.setattr(mx, "eval", lambda *arrays: (evaluated.extend(arrays), real_eval(*arrays))[1])
     layer = DoRALinear.from_base(nn.Linear(32, 16), r=4)
     assert any(a is layer._w_sq for a in evaluated)
+
+
+def test_a_pipeline_checkpoint_given_as_adapters_points_at_its_run(tmp_path):
+    from support import tiny_llama
+
+    step = tmp_path / "run" / "checkpoints" / "0000004"
+    step.mkdir(parents=True)
+    (step / "state.stage0.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is a pipeline checkpoint .* point --adapter-path at the run \(.*/run\)"):
+        load_adapters(tiny_llama(), step)
