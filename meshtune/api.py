@@ -1,9 +1,9 @@
-"""The Python API: finetune(cfg) -> RunResult, fuse(...), generate(...).
+"""The Python API: finetune(cfg) -> RunResult; fuse, generate and evaluate_adapters (meshtune/inference.py).
 
 `finetune` is the whole run as the design lays it out: validate -> the mesh's
 strategy, checked -> load model -> freeze and apply adapters -> data iterator for
-this rank -> optimizer -> strategy -> restore a checkpoint when resuming -> loop ->
-final save. The strategy (training/strategy.py) is picked once, from the mesh;
+this rank -> optimizer -> strategy -> restore a checkpoint when resuming -> loop, which
+saves a checkpoint and the adapters on schedule and at the end. The strategy (training/strategy.py) is picked once, from the mesh;
 everything after goes through it. The CLI calls only these.
 """
 
@@ -30,12 +30,12 @@ from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_sa
                                   list_checkpoints, write_error)
 from .config import Config
 from .config.resume import run_mismatches, settings_digests
-from .config.schema import is_local_path
-from .data import BatchIterator, Features, check_packable, check_source, load_datasets
+from .data import BatchIterator, check_packable, check_source
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
+from .run_data import eval_batches, load_splits, split_names, warner
 from .training.metrics import METRICS_FILE, Reporter
 from .training.report import summary_line, write_report
 from .training.trackers import check_trackers, open_trackers
@@ -46,8 +46,10 @@ from .training.loop import LoopSettings, NonFiniteStep, train
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
+from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
 
-# Sections that must match between a checkpoint and the run resuming it.
+__all__ = ["RunResult", "finetune", "complete", "evaluate_adapters", "fuse", "generate", "load_for_inference",
+           "load_model"]
 
 
 @dataclass(kw_only=True)
@@ -61,40 +63,6 @@ class RunResult:
     test_loss: float | None
     trained_tokens: int
     stopped_early: bool
-
-
-def load_model(path: str, trust_remote_code: bool = False, return_config: bool = False) -> tuple[Any, ...]:
-    """Model and tokenizer (and with `return_config` its config.json) through mlx-lm's loader (local
-    folder or hub id); a folder that lacks something, or a load that fails, is one line naming model.path."""
-    from mlx_lm.utils import load
-
-    local = Path(path).expanduser()
-    if is_local_path(path):
-        _check_model_folder(path, local)
-        path = str(local)
-    try:
-        return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
-                    trust_remote_code=trust_remote_code, return_config=return_config)
-    except Exception as err:  # hub and loader errors come in many types; the user needs one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "
-                         "folder, or a hub id with network access or a filled hub cache") from None
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-
-
-def _check_model_folder(path: str, local: Path) -> None:
-    """Name what a local model folder lacks before mlx-lm fails on it less clearly."""
-    if not (local / "config.json").exists():
-        raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
-                         "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
-    if not any(local.glob("*.safetensors")):
-        raise ValueError(f"model.path={path}: no weights (*.safetensors) in the folder; convert the model "
-                         "with mlx_lm.convert or point at a complete mlx-lm model folder")
-    if not any((local / name).exists() for name in TOKENIZER_FILES):
-        raise ValueError(f"model.path={path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) in the folder; "
-                         "copy the tokenizer files of the base model there")
 
 
 def _check_full_is_dense(cfg: Config, folder: Path) -> None:
@@ -137,29 +105,6 @@ def _check_init_from(a: Any) -> None:
         raise ValueError(f"adapter.init_from={a.init_from}: those are {kind} adapters"
                          + (f" of rank {rank}" if kind != "full" and rank else "")
                          + f" ({file.parent / ad.CONFIG_FILE}); give {flags} to start from them")
-
-
-def _features(cfg: Config) -> Features:
-    d = cfg.data
-    return Features(prompt_feature=d.prompt_feature, completion_feature=d.completion_feature,
-                    text_feature=d.text_feature, chat_feature=d.chat_feature)
-
-
-def _eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> list[Any]:
-    """`limit` (-1: all) complete batches of a split for this rank, the same ones every eval.
-
-    Shuffled by the seed, so a capped eval sees short and long examples alike.
-    """
-    it = BatchIterator(dataset, batch_size=cfg.train.batch_size, max_seq_length=cfg.data.max_seq_length,
-                       pad_to=cfg.data.pad_to, seed=cfg.train.seed, rank=mesh.dp_rank,
-                       world_size=mesh.dp, loop=False, shuffle=True, warn=_warner(mesh))
-    batches = list(it)
-    return batches if limit < 0 else batches[:limit]
-
-
-def _warner(mesh: Mesh) -> Callable[[str], None]:
-    """Data warnings are printed once, by the writer rank."""
-    return (lambda m: print(f"warning: {m}")) if mesh.is_writer else (lambda m: None)
 
 
 def _check_output_folder(cfg: Config, out: Path) -> None:
@@ -233,8 +178,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mx.random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
-    splits = {"train": cfg.data.train_split, "valid": cfg.data.valid_split, "test": cfg.data.test_split}
-    check_source(data_path, splits)  # a folder or a hub id: fail before the (possibly long) model load
+    check_source(data_path, split_names(cfg))  # a folder or a hub id: fail before the (possibly long) model load
     layout.check(cfg, mesh, Path(model_path))  # before the load, too
     if cfg.adapter.fine_tune_type == "full":
         _check_full_is_dense(cfg, Path(model_path))
@@ -258,12 +202,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
     if cfg.data.pack:
         check_packable(model)
-    data = load_datasets(data_path, tokenizer, mask_prompt=cfg.data.mask_prompt,
-                         features=_features(cfg), need_valid=cfg.train.val_batches != 0,
-                         need_test=cfg.train.test,
-                         max_length=None if cfg.data.truncate else cfg.data.max_seq_length,
-                         max_seq_length=cfg.data.max_seq_length, skip_empty=cfg.data.skip_empty,
-                         warn=_warner(mesh), splits=splits)
+    data = load_splits(cfg, tokenizer, mesh, need_valid=cfg.train.val_batches != 0, need_test=cfg.train.test)
     # On CUDA, training batches widened for fused attention's backward (evaluation runs none); every
     # rank the same, or a pipeline's stages would disagree on activation shapes.
     multiple = attention_inputs_multiple(model)
@@ -272,11 +211,11 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
-                            warn=_warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
+                            warn=warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
     # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
-    val_batches = (_eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
+    val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
                    if data.valid is not None and cfg.train.val_batches != 0 else None)
-    test_batches = (_eval_batches(data.test, cfg, mesh, cfg.train.test_batches)
+    test_batches = (eval_batches(data.test, cfg, mesh, cfg.train.test_batches)
                     if cfg.train.test and data.test is not None else None)
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
@@ -407,56 +346,3 @@ def _drop_metrics_after(out: Path, step: int) -> None:
     if path.exists():
         keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
         atomic_write_text(path, "".join(l + "\n" for l in keep))
-
-
-def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
-         dequantize: bool = False, overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to).
-
-    A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then.
-    """
-    from mlx_lm.utils import dequantize_model, save
-
-    target = Path(save_path)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
-        what = "a file" if not target.is_dir() else "a folder that already holds files"
-        raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write the fused model "
-                         "over it, or choose another --save-path")
-    model, tokenizer, config = load_model(model_path, return_config=True)
-    ad.load_adapters(model, adapter_path, model_path)
-    n = ad.fuse_adapters(model, dequantize=dequantize)
-    if dequantize:
-        model = dequantize_model(model)
-        config.pop("quantization", None)
-        config.pop("quantization_config", None)
-    save(Path(save_path), model_path, model, tokenizer, config, donate_model=False)
-    log(f"fused {n} adapter layers into {save_path}")
-    return Path(save_path)
-
-
-def load_for_inference(model_path: str, adapter_path: str | Path | None = None) -> tuple[nn.Module, Any]:
-    """Base model (and adapters, if given) ready for generation."""
-    model, tokenizer = load_model(model_path)
-    if adapter_path:
-        ad.load_adapters(model, adapter_path, model_path)
-    model.eval()
-    return model, tokenizer
-
-
-def generate(model_path: str, prompt: str, *, adapter_path: str | Path | None = None,
-             max_tokens: int = 64, chat: bool = True) -> str:
-    """Greedy completion of `prompt` (through the chat template when the tokenizer has one)."""
-    model, tokenizer = load_for_inference(model_path, adapter_path)
-    return complete(model, tokenizer, prompt, max_tokens=max_tokens, chat=chat)
-
-
-def complete(model: nn.Module, tokenizer: Any, prompt: str, *, max_tokens: int = 64, chat: bool = True) -> str:
-    """Greedy completion with an already loaded model."""
-    from mlx_lm.generate import generate as mlx_generate
-
-    if chat and getattr(tokenizer, "chat_template", None):
-        tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, return_dict=False)
-    else:
-        tokens = tokenizer.encode(prompt)
-    return mlx_generate(model, tokenizer, prompt=tokens, max_tokens=max_tokens, verbose=False)

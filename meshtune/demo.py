@@ -20,7 +20,7 @@ DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 def exact_match(model: nn.Module, tokenizer: Any, rows: list[dict[str, str]], *, prompt_key: str = "prompt",
                 completion_key: str = "completion") -> int:
     """How many rows the model completes exactly (greedy, through the chat template)."""
-    from .api import complete
+    from .inference import complete
 
     hits = 0
     for row in rows:
@@ -33,7 +33,8 @@ def exact_match(model: nn.Module, tokenizer: Any, rows: list[dict[str, str]], *,
 
 def run_demo(adapter_path: str = "runs/demo", overrides: list[str] | None = None) -> int:
     """Train the demo config and print the before/after table; returns an exit code."""
-    from .api import finetune, load_for_inference
+    from .api import finetune
+    from .inference import load_for_inference
     from .config import load_config, parse_override_args
     from .training.metrics import read_metrics
 

@@ -102,7 +102,7 @@ def _measure(model: Any, data: Any, a: argparse.Namespace) -> list[dict]:
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     from ..adapters import apply_adapters
-    from ..api import load_model
+    from ..inference import load_model
     from ..config.sections import DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH
     from ..data import load_datasets
 

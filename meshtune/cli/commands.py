@@ -185,7 +185,7 @@ def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
-    from ..api import fuse
+    from ..inference import fuse
 
     model = args.model or _model_from_adapters(args.adapter_path)
     fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize, overwrite=args.overwrite)
@@ -194,7 +194,7 @@ def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
-    from ..api import complete, load_for_inference
+    from ..inference import complete, load_for_inference
 
     model_path = args.model or (_model_from_adapters(args.adapter_path) if args.adapter_path else _default_model())
     model, tokenizer = load_for_inference(model_path, args.adapter_path)

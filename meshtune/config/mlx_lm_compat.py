@@ -86,7 +86,7 @@ HF_DATASET_KEYS: dict[str, str] = {
 HF_DATASET_SPLITS = {"train_split": "train[:80%]", "valid_split": "train[-10%:]"}
 
 # Handled by hand below: their meaning depends on the value.
-_SPECIAL = ("train", "training_mode", "optimizer_config", "hf_dataset")
+_SPECIAL = ("train", "training_mode", "optimizer_config", "hf_dataset", "use_dora", "wandb")
 
 #: mlx_lm.lora command-line flag -> meshtune dotted key.
 MLX_LM_FLAGS: dict[str, str] = {
@@ -212,6 +212,22 @@ def map_flat(key: str, value: Any, loc: Callable[[str], str]) -> FlatResult:
                 f"{loc(key)}: train must be true (mlx-lm style) or a mapping of train.* "
                 f"keys, got {_kind(value)}"
             )
+    elif key == "use_dora":  # older mlx-lm's switch, before fine_tune_type
+        if value is True:
+            out.assignments.append(("adapter.fine_tune_type", "dora", key))
+            out.mapped.append("use_dora: true -> adapter.fine_tune_type dora")
+        elif value is False:
+            out.notes.append("use_dora: false ignored: LoRA is the default (adapter.fine_tune_type lora)")
+        else:
+            out.problems.append(f"{loc(key)}: use_dora must be true or false, got {_kind(value)}; "
+                                "or give fine_tune_type: dora")
+    elif key == "wandb":  # older mlx-lm's W&B project key, before report_to
+        if not isinstance(value, str) or not value:
+            out.problems.append(f"{loc(key)}: wandb names a W&B project, got {_kind(value)}; "
+                                "or give report_to: wandb and project_name: NAME")
+            return out
+        out.assignments += [("output.report_to", "wandb", key), ("output.project_name", value, key)]
+        out.mapped.append(f"wandb: {value} -> output.report_to wandb, output.project_name {value}")
     elif key == "hf_dataset":
         _map_hf_dataset(value, loc, out)
     elif key == "training_mode":

@@ -44,7 +44,7 @@ def test_train_writes_the_promised_files(trained):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000003", "0000006"]
     for ckpt in (run / "checkpoints").iterdir():
         assert {p.name for p in ckpt.iterdir()} == {"adapters.safetensors", "optimizer.safetensors",
-                                                    "config.yaml", "state.json"}
+                                                    "config.yaml", "state.json", "adapter_config.json"}
         state = json.loads((ckpt / "state.json").read_text())
         assert state["step"] == int(ckpt.name) and "epoch" in state["data_cursor"]
 

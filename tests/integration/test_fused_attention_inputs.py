@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 import meshtune.api as api
+import meshtune.run_data as run_data
 from meshtune.config import Config
 from meshtune.runtime import cuda
 from support import tiny_llama
@@ -25,7 +26,8 @@ def _run(tmp_path, monkeypatch, multiple, name):
             widths[self.loop].append(batch.tokens.shape[1])
             return batch
 
-    monkeypatch.setattr(api, "BatchIterator", Recorded)
+    monkeypatch.setattr(api, "BatchIterator", Recorded)  # training batches
+    monkeypatch.setattr(run_data, "BatchIterator", Recorded)  # evaluation batches
     # Rows cut to 24 tokens: every batch is 24 columns, 23 inputs, which 8 widens to 24.
     cfg = Config.from_dict({"train": {"iters": 3, "batch_size": 4, "val_batches": 1, "steps_per_report": 1,
                                       "steps_per_eval": 3}, "data": {"max_seq_length": 24},

@@ -1,0 +1,127 @@
+"""Using trained adapters: load a model for inference, generate, fuse, and evaluate adapters on a split.
+
+`load_model` is also the training run's loader (api.finetune): one line names what a model
+folder lacks or why the load failed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.nn as nn
+
+from . import adapters as ad
+from .config import Config
+from .config.schema import is_local_path
+from .data import check_source
+from .parallel.mesh import Mesh
+from .run_data import eval_batches, load_splits, split_names
+from .training.step import evaluate
+
+
+def load_model(path: str, trust_remote_code: bool = False, return_config: bool = False) -> tuple[Any, ...]:
+    """Model and tokenizer (and with `return_config` its config.json) through mlx-lm's loader (local
+    folder or hub id); a folder that lacks something, or a load that fails, is one line naming model.path."""
+    from mlx_lm.utils import load
+
+    local = Path(path).expanduser()
+    if is_local_path(path):
+        _check_model_folder(path, local)
+        path = str(local)
+    try:
+        return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
+                    trust_remote_code=trust_remote_code, return_config=return_config)
+    except Exception as err:  # hub and loader errors come in many types; the user needs one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "
+                         "folder, or a hub id with network access or a filled hub cache") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def _check_model_folder(path: str, local: Path) -> None:
+    """Name what a local model folder lacks before mlx-lm fails on it less clearly."""
+    if not (local / "config.json").exists():
+        raise ValueError(f"model.path={path}: no mlx-lm model folder there (config.json, *.safetensors, "
+                         "tokenizer files); give such a folder or a hub id like mlx-community/Qwen3-0.6B-4bit")
+    if not any(local.glob("*.safetensors")):
+        raise ValueError(f"model.path={path}: no weights (*.safetensors) in the folder; convert the model "
+                         "with mlx_lm.convert or point at a complete mlx-lm model folder")
+    if not any((local / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"model.path={path}: no tokenizer ({', '.join(TOKENIZER_FILES)}) in the folder; "
+                         "copy the tokenizer files of the base model there")
+
+
+def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
+         dequantize: bool = False, overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to).
+
+    A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then.
+    """
+    from mlx_lm.utils import dequantize_model, save
+
+    target = Path(save_path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        what = "a file" if not target.is_dir() else "a folder that already holds files"
+        raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write the fused model "
+                         "over it, or choose another --save-path")
+    model, tokenizer, config = load_model(model_path, return_config=True)
+    ad.load_adapters(model, adapter_path, model_path)
+    n = ad.fuse_adapters(model, dequantize=dequantize)
+    kind = json.loads((Path(adapter_path) / ad.CONFIG_FILE).read_text()).get("fine_tune_type", "lora")
+    if dequantize:
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    save(Path(save_path), model_path, model, tokenizer, config, donate_model=False)
+    log(f"fused {'the fully fine-tuned weights' if kind == 'full' else f'{n} adapter layers'} into {save_path}")
+    return Path(save_path)
+
+
+def load_for_inference(model_path: str, adapter_path: str | Path | None = None) -> tuple[nn.Module, Any]:
+    """Base model (and adapters, if given) ready for generation."""
+    model, tokenizer = load_model(model_path)
+    if adapter_path:
+        ad.load_adapters(model, adapter_path, model_path)
+    model.eval()
+    return model, tokenizer
+
+
+def generate(model_path: str, prompt: str, *, adapter_path: str | Path | None = None,
+             max_tokens: int = 64, chat: bool = True) -> str:
+    """Greedy completion of `prompt` (through the chat template when the tokenizer has one)."""
+    model, tokenizer = load_for_inference(model_path, adapter_path)
+    return complete(model, tokenizer, prompt, max_tokens=max_tokens, chat=chat)
+
+
+def complete(model: nn.Module, tokenizer: Any, prompt: str, *, max_tokens: int = 64, chat: bool = True) -> str:
+    """Greedy completion with an already loaded model."""
+    from mlx_lm.generate import generate as mlx_generate
+
+    if chat and getattr(tokenizer, "chat_template", None):
+        tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, return_dict=False)
+    else:
+        tokens = tokenizer.encode(prompt)
+    return mlx_generate(model, tokenizer, prompt=tokens, max_tokens=max_tokens, verbose=False)
+
+
+def evaluate_adapters(cfg: Config, adapter_path: str | Path, *, split: str = "test", batches: int = -1,
+                      log: Callable[[str], None] = print) -> tuple[float, int]:
+    """(token-weighted loss, target tokens) of the adapters in `adapter_path` on cfg's data split `split`
+    ("test" or "valid"), over `batches` batches (-1: all): mlx_lm.lora --test without --train."""
+    data_path = str(cfg.resolved_data_path())
+    check_source(data_path, split_names(cfg))  # before the model load
+    model_path = str(cfg.resolved_model_path())
+    model, tokenizer = load_for_inference(model_path, adapter_path)
+    data = load_splits(cfg, tokenizer, Mesh.single(), need_valid=split == "valid", need_test=split == "test")
+    dataset = data.test if split == "test" else data.valid
+    chosen = eval_batches(dataset, cfg, Mesh.single(), batches)
+    loss, tokens = evaluate(model, chosen, Mesh.single())
+    log(f"{split} loss {loss:.3f}, {split} ppl {math.exp(min(loss, 700.0)):.3f} ({tokens} tokens in "
+        f"{len(chosen)} batches of {cfg.train.batch_size}; {data_path})")
+    return loss, tokens

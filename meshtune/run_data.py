@@ -1,0 +1,46 @@
+"""A run's data as its config asks for it: the splits' source, the splits loaded, evaluation batches.
+
+Shared by training (api.finetune) and by evaluating trained adapters (inference.evaluate_adapters),
+so both read the same examples the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .config import Config
+from .data import BatchIterator, Features, load_datasets
+from .parallel.mesh import Mesh
+
+
+def split_names(cfg: Config) -> dict[str, str]:
+    """Each split's name in the source (data.train_split, ...)."""
+    return {"train": cfg.data.train_split, "valid": cfg.data.valid_split, "test": cfg.data.test_split}
+
+
+def load_splits(cfg: Config, tokenizer: Any, mesh: Mesh, *, need_valid: bool, need_test: bool) -> Any:
+    """The splits of cfg's data, tokenized and checked (data.load_datasets); warnings said once."""
+    d = cfg.data
+    return load_datasets(str(cfg.resolved_data_path()), tokenizer, mask_prompt=d.mask_prompt,
+                         features=Features(prompt_feature=d.prompt_feature, completion_feature=d.completion_feature,
+                                           text_feature=d.text_feature, chat_feature=d.chat_feature),
+                         need_valid=need_valid, need_test=need_test,
+                         max_length=None if d.truncate else d.max_seq_length, max_seq_length=d.max_seq_length,
+                         skip_empty=d.skip_empty, warn=warner(mesh), splits=split_names(cfg))
+
+
+def eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int) -> list[Any]:
+    """`limit` (-1: all) complete batches of a split for this rank, the same ones every eval.
+
+    Shuffled by the seed, so a capped eval sees short and long examples alike.
+    """
+    it = BatchIterator(dataset, batch_size=cfg.train.batch_size, max_seq_length=cfg.data.max_seq_length,
+                       pad_to=cfg.data.pad_to, seed=cfg.train.seed, rank=mesh.dp_rank,
+                       world_size=mesh.dp, loop=False, shuffle=True, warn=warner(mesh))
+    batches = list(it)
+    return batches if limit < 0 else batches[:limit]
+
+
+def warner(mesh: Mesh) -> Callable[[str], None]:
+    """Data warnings are printed once, by the writer rank."""
+    return (lambda m: print(f"warning: {m}")) if mesh.is_writer else (lambda m: None)
