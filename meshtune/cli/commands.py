@@ -1,4 +1,4 @@
-"""The `meshtune` subcommands (train, config, demo, fuse, generate, bench) and the parser that routes to them.
+"""The `meshtune` subcommands (train, config, plan, demo, fuse, generate, eval, bench) and the parser that routes to them.
 
 Each command is a thin call into the Python API (meshtune.api, meshtune.demo,
 meshtune.bench); `meshtune launch` has its own parser (meshtune.cli.launch), which
@@ -204,6 +204,26 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
+    """Score trained adapters on a split: the run's own settings, flags on top."""
+    from ..config import load_config, parse_override_args
+
+    config = Path(args.adapter_path) / "adapter_config.json"
+    if not config.is_file():
+        raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
+                         "meshtune train or mlx_lm.lora (or one of its checkpoints)")
+    if args.batches == 0 or args.batches < -1:
+        raise ValueError(f"--batches {args.batches}: give a count of at least 1, or -1 for every full batch")
+    cfg = load_config(str(config), parse_override_args(rest))
+    for line in cfg.notes:
+        print(f"note: {line}", file=sys.stderr)
+    cfg.validate()
+    from ..inference import evaluate_adapters
+
+    evaluate_adapters(cfg, args.adapter_path, split=args.split, batches=args.batches)
+    return 0
+
+
 def _chat_or_raw(args: argparse.Namespace, has_template: bool) -> tuple[bool, str]:
     """Whether the prompt goes through the chat template, and why, in a few words.
 
@@ -326,6 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.add_argument("--dequantize", action="store_true", help="Write a dense model instead of requantizing.")
     fuse.add_argument("--overwrite", action="store_true", help="Write into a --save-path that already holds files.")
     fuse.set_defaults(func=cmd_fuse)
+    ev = sub.add_parser("eval", help="Loss and perplexity of trained adapters on a data split (mlx_lm.lora --test "
+                                     "without --train).",
+                        description="Reads the run's settings from ADAPTER_PATH/adapter_config.json (meshtune's or "
+                                    "mlx-lm's); flags override them, e.g. --data, --batch-size, --max-seq-length, "
+                                    "--model.")
+    ev.add_argument("--adapter-path", default="adapters", help="A run folder, or one of its checkpoints.")
+    ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
+    ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
+    ev.set_defaults(func=cmd_eval)
     gen = sub.add_parser("generate", help="Greedy completion of a prompt.")
     gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
     gen.add_argument("--adapter-path", help="Adapters to apply.")

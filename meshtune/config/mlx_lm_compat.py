@@ -204,8 +204,8 @@ def map_flat(key: str, value: Any, loc: Callable[[str], str]) -> FlatResult:
             out.notes.append("train: true ignored: meshtune train always trains")
         elif value is False:
             out.problems.append(
-                f"{loc(key)}: train: false (mlx-lm's test-only mode) is not supported "
-                "by meshtune train, which always trains; remove the key"
+                f"{loc(key)}: train: false (mlx-lm's test-only mode): meshtune train always trains; "
+                "score trained adapters with meshtune eval --adapter-path RUN (--split test)"
             )
         else:
             out.problems.append(

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from support import ARITH_DATA, TINY_MODEL
@@ -177,6 +178,40 @@ def test_a_checkpoint_loads_as_adapters_in_stock_mlx_lm_and_meshtune(trained, cl
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == cli("generate", "--adapter-path", str(run), "--prompt", "What is 40 + 2?",
                               "--max-tokens", "4").stdout
+
+
+def test_eval_scores_a_run_s_adapters_on_its_test_split_as_mlx_lm_evaluates(trained, cli):
+    """meshtune eval (mlx_lm.lora --test without --train): the run's data and mask from its
+    adapter_config.json, every example of the split, the loss mlx-lm's evaluate gives once its
+    extra padding target is left out (training/losses.target_mask)."""
+    import types
+
+    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
+    from mlx_lm.tuner.trainer import evaluate
+
+    from meshtune.api import load_for_inference
+
+    run, _ = trained
+    proc = cli("eval", "--adapter-path", str(run), "--batch-size", "4")  # 100 test rows: 25 full batches
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    head, _, tail = proc.stdout.strip().partition(" (")
+    loss, ppl = float(head.split()[2].rstrip(",")), float(head.split()[5])
+    assert tail.startswith("352 tokens in 25 batches of 4") and ppl == pytest.approx(math.exp(loss), rel=1e-3)
+
+    def unpadded_loss(model, batch, lengths):  # mlx-lm's default_loss without the padding target
+        logits = model(batch[:, :-1])
+        steps = mx.arange(1, batch.shape[1])
+        mask = (steps >= lengths[:, 0:1]) & (steps < lengths[:, 1:])
+        ce = (nn.losses.cross_entropy(logits, batch[:, 1:]) * mask).astype(mx.float32).sum()
+        return ce / mask.sum(), mask.sum()
+
+    model, tok = load_for_inference(str(TINY_MODEL), run)
+    args = types.SimpleNamespace(data=str(ARITH_DATA), train=False, test=True, mask_prompt=True, hf_dataset=None)
+    test_set = load_dataset(args, tok)[2]
+    expected = evaluate(model, CacheDataset(test_set), 4, -1, 2048, loss=unpadded_loss)
+    assert loss == pytest.approx(expected, abs=1e-3)
+    wrong = cli("eval", "--adapter-path", str(run / "nothing"))
+    assert wrong.returncode == 2 and "no adapter_config.json there" in wrong.stderr
 
 
 def test_a_run_on_relative_paths_generates_and_resumes_from_anywhere(tmp_path, cli):

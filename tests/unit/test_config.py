@@ -484,7 +484,7 @@ def test_other_rejected_mlx_lm_keys() -> None:
                           "training_mode": "dpo", "lora_parameters": {"alpha": 16}})
     text = str(e.value)
     assert "hf_dataset lists 2 datasets; meshtune trains on one" in text
-    assert "train: false (mlx-lm's test-only mode) is not supported" in text
+    assert "train: false (mlx-lm's test-only mode): meshtune train always trains; score trained adapters with meshtune eval" in text
     assert "training_mode 'dpo' is not supported" in text
     assert "uses 'scale', not 'alpha'" in text
 
