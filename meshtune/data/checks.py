@@ -9,8 +9,9 @@ nothing to learn is an ``EmptyExample`` error naming ``file:line`` and the cause
 completion, text or last message, a prompt that is the whole example, a completion cut off by
 max_seq_length), unless ``data.skip_empty`` drops such rows with one warning per split.
 
-A message whose role is not one of :data:`ROLES` is a different matter: chat templates drop
-(or reject) roles they do not know, so the example silently loses that message. That is bad
+A message whose role is not one of :data:`ROLES`, and which the tokenizer's chat template does not
+render, is a different matter: templates drop (or reject) roles they do not know, so the example
+would silently lose that message. That is bad
 input, usually a whole file written with another tool's role names (ShareGPT's human/gpt),
 and it is an error even with ``data.skip_empty``: skipping would quietly train on what is left.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's names, a file converted for another tool: an error even where a template renders any role.
+FOREIGN_ROLES = ("human", "gpt")
 SKIP_FIX = "or set --data.skip_empty true to skip such rows"
 SHOWN = 3  # skipped rows named in the warning, for reference
 
@@ -36,12 +39,15 @@ class SkippedExamplesWarning(UserWarning):
     """``data.skip_empty`` dropped examples of a split that had nothing to learn."""
 
 
-def check_role(message: Dict[str, Any], k: int, key: str, where: str) -> None:
-    """Raise for a role outside :data:`ROLES`, which a chat template would drop."""
+def check_role(message: Dict[str, Any], k: int, key: str, where: str,
+               template_keeps: Callable[[str], bool] = lambda role: False) -> None:
+    """Raise for a role outside :data:`ROLES` that the tokenizer's chat template drops or rejects
+    (`template_keeps(role)` says whether it renders such a message: Llama 3.1's ipython, OpenAI's developer)."""
     role = message.get("role")
-    if role not in ROLES:
+    if role not in ROLES and (role in FOREIGN_ROLES or not (isinstance(role, str) and template_keeps(role))):
         raise ValueError(
-            f"{where}: message {k} of {key!r} has role {role!r}, which chat templates drop or reject; "
+            f"{where}: message {k} of {key!r} has role {role!r}, which this tokenizer's chat template drops "
+            "or rejects; "
             f"use one of {', '.join(ROLES)} (e.g. human -> user, gpt -> assistant); data.skip_empty "
             "does not skip this row: an unknown role is a data error, not an empty example"
         )

@@ -107,7 +107,28 @@ def _check_string(row: Dict[str, Any], key: str, where: str, *, nonempty: bool =
     return value
 
 
-def _check_messages(row: Dict[str, Any], key: str, where: str) -> List[Dict[str, Any]]:
+ROLE_PROBE = "meshtune-role-probe-7f3a"
+
+
+_ROLES_KEPT: Dict[Tuple[str, str], bool] = {}  # (chat template, role) -> whether it renders that role
+
+
+def template_keeps_role(tokenizer: Any, role: str) -> bool:
+    """Whether the tokenizer's chat template renders a message of `role` (its content in the text),
+    tried once per template and role."""
+    key = (str(getattr(tokenizer, "chat_template", "")), role)
+    _seen = _ROLES_KEPT
+    if key not in _seen:
+        try:
+            text = tokenizer.apply_chat_template([{"role": role, "content": ROLE_PROBE},
+                                                  {"role": "user", "content": "hi"}], tokenize=False)
+            _seen[key] = isinstance(text, str) and ROLE_PROBE in text
+        except Exception:  # a template that raises on the role rejects it
+            _seen[key] = False
+    return _seen[key]
+
+
+def _check_messages(row: Dict[str, Any], key: str, where: str, tokenizer: Any = None) -> List[Dict[str, Any]]:
     messages = row[key]
     if not isinstance(messages, list) or not messages:
         raise ValueError(
@@ -120,7 +141,7 @@ def _check_messages(row: Dict[str, Any], key: str, where: str) -> List[Dict[str,
                 f"{where}: message {k} of {key!r} must be an object with a 'role' "
                 f"key, got {json.dumps(msg)[:60]}"
             )
-        check_role(msg, k, key, where)
+        check_role(msg, k, key, where, lambda role: tokenizer is not None and template_keeps_role(tokenizer, role))
     last = messages[-1]
     content = last.get("content")
     # An assistant turn that only calls tools has no text content, and is fine.
@@ -193,7 +214,7 @@ def tokenize_row(
         ]
         add_generation_prompt = True
     elif fmt == CHAT:
-        messages = _check_messages(row, features.chat_feature, where)
+        messages = _check_messages(row, features.chat_feature, where, tokenizer)
         # mlx-lm only asks for the assistant header when an assistant turn follows.
         add_generation_prompt = messages[-1].get("role") == "assistant"
     else:

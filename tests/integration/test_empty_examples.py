@@ -59,8 +59,8 @@ def _train(n: int, data: Path, out: Path, *args: str) -> tuple[subprocess.Comple
 
 CASES = {
     "unknown_role": ({3: {"messages": [{"role": "wizard", "content": "hi"}]}}, True, [],
-                     "train.jsonl:3: message 0 of 'messages' has role 'wizard', which chat templates drop or "
-                     "reject; use one of system, user, assistant, tool"),
+                     "train.jsonl:3: message 0 of 'messages' has role 'wizard', which this tokenizer's chat "
+                     "template drops or rejects; use one of system, user, assistant, tool"),
     "unknown_role_with_skip_empty": ({3: {"messages": [{"role": "wizard", "content": "hi"}]}}, True,
                                      ["--data.skip_empty", "true"], "train.jsonl:3: message 0 of 'messages' has "
                                      "role 'wizard'"),

@@ -46,15 +46,39 @@ def test_trained_tokens_counts_what_the_loss_counts(length, offset, msl):
     assert trained_tokens(length, offset, msl) == int(mask.sum().item())
 
 
-@pytest.mark.parametrize("role", ["wizard", "human", "", 3, None])
-def test_unknown_role_names_role_and_line_even_with_skip_empty(tmp_path, tok, role):
+# Renders the four roles chat templates share and drops any other, as Qwen's and the tiny model's do.
+STRICT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant', 'tool'] %}"
+                   "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("role,template", [("wizard", STRICT_TEMPLATE), ("developer", STRICT_TEMPLATE),
+                                           ("", STRICT_TEMPLATE), (3, STRICT_TEMPLATE), (None, STRICT_TEMPLATE),
+                                           ("human", STRICT_TEMPLATE), ("human", None), ("gpt", None)])
+def test_a_role_the_template_drops_names_role_and_line_even_with_skip_empty(tmp_path, role, template):
+    """A role outside system/user/assistant/tool that the tokenizer's template drops, or ShareGPT's
+    human/gpt even where the template renders any role (None: test_data's, which does)."""
+    tok = make_tokenizer() if template is None else make_tokenizer(template)
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
             {"messages": [{"role": role, "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     path = write_jsonl(tmp_path, "train", rows)
     for skip in (False, True):
-        msg = _fails(path, tok, rf"train\.jsonl:2: message 0 of 'messages' has role {role!r}, which chat "
-                                r"templates drop or reject; use one of system, user, assistant, tool", skip_empty=skip)
+        msg = _fails(path, tok, rf"train\.jsonl:2: message 0 of 'messages' has role {role!r}, which this "
+                                r"tokenizer's chat template drops or rejects; use one of system, user, assistant, "
+                                r"tool", skip_empty=skip)
         assert "data.skip_empty does not skip this row" in msg
+
+
+@pytest.mark.parametrize("role", ["developer", "ipython"])
+def test_a_role_the_template_renders_trains_as_mlx_lm_trains_it(tmp_path, tok, role):
+    """OpenAI's developer, Llama 3.1's ipython: where the template renders them, the row tokenizes as
+    mlx-lm's would (the template applied to the messages as given)."""
+    messages = [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}]
+    path = write_jsonl(tmp_path, "train", [{"messages": messages}])
+    split = load_split(path, tok)
+    expected = tok.apply_chat_template(messages, return_dict=False)
+    assert split.tokens[split.starts[0]:split.starts[0] + split.lengths[0]].tolist() == expected
 
 
 @pytest.mark.parametrize("row,mask,why", [
@@ -139,12 +163,12 @@ def test_skip_empty_leaving_nothing_is_an_error(tmp_path, tok):
                       r"data\.skip_empty leaves none, so fix the data", skip_empty=True)
 
 
-def test_valid_split_is_checked_too(tmp_path, tok):
+def test_valid_split_is_checked_too(tmp_path):
     write_jsonl(tmp_path, "train", [GOOD])
     chat = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "v"}]}
     write_jsonl(tmp_path, "valid", [chat, {"messages": [{"role": "wizard", "content": "hi"}]}])
     with pytest.raises(ValueError, match=r"valid\.jsonl:2: message 0 of 'messages' has role 'wizard'"):
-        load_datasets(tmp_path, tok)
+        load_datasets(tmp_path, make_tokenizer(STRICT_TEMPLATE))  # a template that drops the role
 
 
 def test_cached_split_is_checked_and_warns_again(tmp_path, tok, monkeypatch):
