@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 from . import adapters as ad
 from .adapters import base_path
 from .adapters.apply import block_count
+from .parallel.stages import declared_layers
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
@@ -87,8 +88,9 @@ def _init_file(init_from: str) -> Path:
     return path / ad.ADAPTER_FILE if path.is_dir() else path
 
 
-def _check_init_from(a: Any) -> None:
-    """adapter.init_from names trained adapters of this run's kind and rank (its adapter_config.json)."""
+def _check_init_from(a: Any, model_path: str) -> None:
+    """adapter.init_from names trained adapters of this run's kind, rank, blocks and layers (its
+    adapter_config.json)."""
     file = _init_file(a.init_from)
     if not file.is_file():
         what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(a.init_from).expanduser().is_dir()
@@ -105,6 +107,18 @@ def _check_init_from(a: Any) -> None:
         raise ValueError(f"adapter.init_from={a.init_from}: those are {kind} adapters"
                          + (f" of rank {rank}" if kind != "full" and rank else "")
                          + f" ({file.parent / ad.CONFIG_FILE}); give {flags} to start from them")
+    blocks = declared_layers(model_path)
+    covered = lambda n: blocks if n is None or n < 0 or n > blocks else n  # noqa: E731
+    theirs_n = theirs.get("num_layers")
+    if blocks and isinstance(theirs_n, int) and covered(theirs_n) != covered(a.num_layers):
+        raise ValueError(f"adapter.init_from={a.init_from}: those adapters cover the last {covered(theirs_n)} of "
+                         f"{blocks} blocks, this run {covered(a.num_layers)} ({file.parent / ad.CONFIG_FILE} "
+                         f"num_layers {theirs_n}); give --num-layers {theirs_n} to start from them")
+    their_keys = (theirs.get("lora_parameters") or {}).get("keys")
+    if their_keys and a.keys and sorted(their_keys) != sorted(a.keys):
+        raise ValueError(f"adapter.init_from={a.init_from}: those adapters train {', '.join(their_keys)}, this run "
+                         f"{', '.join(a.keys)} ({file.parent / ad.CONFIG_FILE}); give --adapter.keys "
+                         f"'{json.dumps(their_keys)}' to start from them")
 
 
 def _check_output_folder(cfg: Config, out: Path) -> None:
@@ -183,7 +197,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if cfg.adapter.fine_tune_type == "full":
         _check_full_is_dense(cfg, Path(model_path))
     if cfg.adapter.init_from and not cfg.output.resume:
-        _check_init_from(cfg.adapter)
+        _check_init_from(cfg.adapter, model_path)
     trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
         raise ValueError(_no_checkpoint(out, "no checkpoint"))

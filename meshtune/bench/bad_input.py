@@ -119,7 +119,8 @@ CASES: list[Case] = [
     Case("wrong_field_type", (), "data/train.jsonl:2: 'completion' must be a string",
          {TRAIN: GOOD + '{"prompt": "What is 1 + 1?", "completion": 2}\n'}),
     Case("empty_file", (), "data/train.jsonl: file is empty", {TRAIN: ""}),
-    Case("blank_lines_only", (), "data/valid.jsonl: file is empty", {"data/valid.jsonl": "\n  \n"}),
+    Case("blank_lines_only", (), "data/valid.jsonl: file is empty; add one JSON object per line, or turn off "
+         "validation with --val-batches 0", {"data/valid.jsonl": "\n  \n"}),
     Case("non_utf8", (), "data/train.jsonl:2: not UTF-8 text",
          {TRAIN: GOOD.encode() + b'{"prompt": "caf\xe9", "completion": "1"}\n'}),
     Case("empty_completion", (), "data/train.jsonl:2: 'completion' is empty" + NOTHING + "fill it in or remove "

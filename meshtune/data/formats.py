@@ -266,6 +266,14 @@ def jsonl_source(path: Path) -> Source:
     return Source(str(path), "line", "file", lambda n: f"{path}:{n}")
 
 
+class EmptySplit(ValueError):
+    """A split without a single row; `fix` is the general fix, which a caller may replace with its own."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        self.what = what
+        super().__init__(f"{what}; {fix}")
+
+
 def load_split(
     path: Path,
     tokenizer: Any,
@@ -394,7 +402,7 @@ def tokenize_rows(
         offsets.append(offset)
     if fmt is None:
         fix = "add one JSON object per line or remove the file" if source.unit == "line" else "choose another split"
-        raise ValueError(f"{source.label}: {source.container} is empty; {fix}")
+        raise EmptySplit(f"{source.label}: {source.container} is empty", fix)
     if skipped and not arrays:
         line, why = skipped[0]
         raise ValueError(

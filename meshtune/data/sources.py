@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Optional
 
 from . import hf
 from .dataset import Datasets
-from .formats import Features, load_split
+from .formats import EmptySplit, Features, load_split
 
 FORMS = ("a folder holding train.jsonl and valid.jsonl (or train/valid .parquet files, or a dataset saved with "
          "save_to_disk), or a hub dataset id like org/name")
@@ -107,7 +107,14 @@ def load_jsonl_folder(folder: Path, tokenizer: Any, needed: Dict[str, bool], **o
     # Check every needed file before tokenizing anything, so a missing valid.jsonl
     # is reported before minutes are spent on train.jsonl.
     paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
-    loaded = {
-        n: load_split(p, tokenizer, **options) for n, p in paths.items()
-    }
+    empty_fix = {"valid": "add one JSON object per line, or turn off validation with --val-batches 0",
+                 "test": "add one JSON object per line, or leave out --test"}
+    loaded = {}
+    for n, p in paths.items():
+        try:
+            loaded[n] = load_split(p, tokenizer, **options)
+        except EmptySplit as err:
+            if n not in empty_fix:
+                raise
+            raise ValueError(f"{err.what}; {empty_fix[n]}") from None
     return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))

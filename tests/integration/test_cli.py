@@ -426,3 +426,15 @@ def test_adapters_of_another_kind_or_rank_to_start_from_are_one_line_naming_the_
         bad = cli("train", "--iters", "1", *args, "--adapter.init_from", str(run), "--adapter-path", str(tmp_path / "x"))
         assert bad.returncode == 2 and says in bad.stderr and "give --fine-tune-type lora --adapter.rank 8" in bad.stderr
         assert "loading model" not in bad.stdout  # before the load
+
+
+def test_adapters_on_other_blocks_or_layers_to_start_from_are_one_line_naming_the_flags(trained, tmp_path, cli):
+    run, _ = trained  # --num-layers -1: every block of the tiny model's 4
+    bad = cli("train", "--iters", "1", "--num-layers", "2", "--adapter.init_from", str(run),
+              "--adapter-path", str(tmp_path / "x"))
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "those adapters cover the last 4 of 4 blocks, this run 2" in bad.stderr
+    assert "give --num-layers -1 to start from them" in bad.stderr and "loading model" not in bad.stdout
+    same = cli("train", "--iters", "1", *QUICK[:2], "--num-layers", "4", "--adapter.init_from", str(run),
+               "--adapter-path", str(tmp_path / "y"))  # 4 of 4 blocks is every block: the same layers
+    assert same.returncode == 0, same.stderr[-2000:]
