@@ -132,8 +132,8 @@ CASES: list[Case] = [
          {TRAIN: '{"text": "1 + 2 = 3"}\n{"text": ""}\n'}),
     Case("empty_chat_answer", (), "data/train.jsonl:2: the last message of 'messages' (assistant) is empty" + NOTHING,
          {TRAIN: CHAT + CHAT.replace('"3"', '""')}),
-    Case("unknown_role", (), "data/train.jsonl:2: message 0 of 'messages' has role 'wizard', which chat "
-         "templates drop or reject; use one of system, user, assistant, tool",
+    Case("unknown_role", (), "data/train.jsonl:2: message 0 of 'messages' has role 'wizard', which this "
+         "tokenizer's chat template drops or rejects; use one of system, user, assistant, tool",
          {TRAIN: CHAT + '{"messages": [{"role": "wizard", "content": "hi"}]}\n'}, subprocess=True),
     Case("unknown_role_with_skip_empty", ("--data.skip_empty", "true"),
          "data/train.jsonl:3: message 1 of 'messages' has role 'gpt'",
