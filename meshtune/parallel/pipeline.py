@@ -39,7 +39,7 @@ from ..training.checkpoint import LoadedCheckpoint, TrainingState
 from ..training.losses import target_mask
 from ..training.step import evaluate
 from ..training.strategy import WaitClock
-from ..training.update import StepVerdict, apply_update
+from ..training.update import StepVerdict, apply_update, local_square_sum
 from .mesh import Mesh
 from .peers import sum_on_peers
 from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
@@ -166,7 +166,8 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     def square_sum(grads: Any) -> mx.array:
         counted = [g for k, g in tree_flatten(grads)
                    if mesh.dp_rank == 0 and (stage.first or k not in stage.tied_keys)]
-        return mesh.all_sum(sum((g.astype(mx.float32).square().sum() for g in counted), mx.array(0.0)))
+        # each gradient's squares summed as one process sums them; the stages' parts added in float32
+        return mesh.all_sum(mx.array(0.0) + local_square_sum(counted))
 
     grads = sum_shared(stage, grads)
     # Collectives pair up by the order each rank runs them. A replica other than the first
