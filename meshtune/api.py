@@ -231,9 +231,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                    if data.valid is not None and cfg.train.val_batches != 0 else None)
     test_batches = (eval_batches(data.test, cfg, mesh, cfg.train.test_batches)
                     if cfg.train.test and data.test is not None else None)
-    schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule.arguments,
+    schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule_arguments(),
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
-                              learning_rate=cfg.optimizer.learning_rate, iters=cfg.train.iters)
+                              learning_rate=cfg.optimizer.learning_rate)
     o, a = cfg.optimizer, cfg.adapter
     optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
                                 options=o.options)

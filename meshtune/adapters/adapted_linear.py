@@ -29,11 +29,9 @@ import mlx.core as mx
 
 from . import kernels
 
-# Where W A's r columns come from in MLX ops (on CUDA one kernel computes them, kernels.py).
-# True: r extra rows on the activations' product ([x; A^T] W^T), W read once; on the CPU
-# that wins (W's read is as long as the base product at small batches). False: their own r-row product.
-NORM_ROWS_ON_BASE_PRODUCT = True
-# The extended product's rows are zero-padded to a multiple of this: GEMM kernels tile rows, and
+# In MLX ops (on CUDA one kernel computes them, kernels.py), W A's r columns come as r extra rows on
+# the activations' product ([x; A^T] W^T), so W is read once: on the CPU W's read is as long as the base
+# product at small batches. The extended product's rows are zero-padded to a multiple of this: GEMM kernels tile rows, and
 # a few zero rows cost less than a ragged tile.
 ROW_MULTIPLE = 16
 
@@ -136,7 +134,7 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             # The norm given (a step's batched norms) or from one kernel, a pass over W (CUDA).
             norm = given_norm if given_norm is not None else kernels.row_norms_cuda([weight], [a], [b], [scale])[0]
             base, rs = x2 @ weight.T, (m / norm).astype(dt)
-        elif NORM_ROWS_ON_BASE_PRODUCT:
+        else:
             rows = [x2, ac.T]  # the tokens' rows, then W A's r columns as rows, then zeros
             pad = -(tokens + ac.shape[-1]) % ROW_MULTIPLE
             if pad:
@@ -144,9 +142,6 @@ def adapted_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scal
             both = mx.concatenate(rows) @ weight.T
             base = both[:tokens]
             norm, rs = dora_row_scale(both[tokens:tokens + ac.shape[-1]], a, b, w_sq, m, scale, dt)
-        else:
-            base = x2 @ weight.T
-            norm, rs = dora_row_scale(ac.T @ weight.T, a, b, w_sq, m, scale, dt)
         # rs * (base + s u) is one fused elementwise kernel where MLX compiles the step, in the
         # place of LoRA's base + s u (it beat a custom kernel for it). Kept for the backward: rs for
         # the MLX ops only (an output is an array of its own, a launch; the CUDA kernel forms

@@ -38,7 +38,6 @@ FAMILY = (((nn.Linear, nn.QuantizedLinear), LoRALinear, DoRALinear),
           ((nn.Embedding, nn.QuantizedEmbedding), LoRAEmbedding, DoRAEmbedding))
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
-ADAPTER_LEAVES = {"lora_a", "lora_b", "m"}
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

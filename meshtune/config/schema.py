@@ -112,9 +112,10 @@ class Config:
     def schedule_arguments(self) -> list[float | int]:
         """Positional arguments for the mlx schedule function ([] for constant).
 
-        Unset arguments are derived as meshtune.training.optimizers does: cosine_decay
-        decays from learning_rate to 0 and linear_schedule goes linearly to
-        0, both over the steps after warmup.  Step counts come back as ints.
+        Unset arguments are derived (the run's schedule is built from these,
+        training/optimizers.build_schedule): cosine_decay decays from learning_rate
+        to 0 and linear_schedule goes linearly to 0, both over the steps after
+        warmup.  Step counts come back as ints.
         """
         s = self.schedule
         _, _, step_at = _SCHEDULE_ARGS[s.name]

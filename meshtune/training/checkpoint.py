@@ -268,11 +268,6 @@ def list_checkpoints(adapter_path: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name))
 
 
-def latest_checkpoint(adapter_path: Path) -> Path | None:
-    found = list_checkpoints(adapter_path)
-    return found[-1] if found else None
-
-
 def _read_manifest(path: Path, name: str) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None), or (None, why it cannot be used)."""
     try:

@@ -21,24 +21,18 @@ if hasattr(optim, "Muon"):
     OPTIMIZERS["muon"] = optim.Muon
 
 
-def default_arguments(name: str, learning_rate: float, steps: int) -> list[float] | None:
-    """Arguments for a schedule when the config gives none (None: it needs them)."""
-    if name == "cosine_decay":
-        return [learning_rate, steps, 0.0]
-    if name == "linear_schedule":
-        return [learning_rate, 0.0, steps]
-    return None
-
-
 def build_schedule(*, name: str, arguments: list[float] | None, warmup: int, warmup_init: float,
-                   learning_rate: float, iters: int) -> float | Callable[[Any], Any]:
-    """A constant rate or an mlx schedule, with linear warmup joined as mlx-lm does."""
+                   learning_rate: float) -> float | Callable[[Any], Any]:
+    """A constant rate or an mlx schedule, with linear warmup joined as mlx-lm does.
+
+    `arguments` are the schedule function's, resolved (config.Config.schedule_arguments derives
+    cosine_decay's and linear_schedule's from the learning rate and the steps after warmup)."""
     if name == "constant":
         main: Any = (lambda _step: learning_rate) if warmup else learning_rate
         initial = learning_rate
     else:
-        args = arguments if arguments is not None else default_arguments(name, learning_rate, iters - warmup)
-        if args is None:
+        args = arguments
+        if not args:
             raise ValueError(f"schedule.name={name} needs schedule.arguments, e.g. "
                              f"[{learning_rate}, 0.9] for exponential_decay")
         main, initial = getattr(optim.schedulers, name)(*args), args[0]

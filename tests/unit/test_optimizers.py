@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from meshtune.config import Config
 from meshtune.training.optimizers import OPTIMIZERS, build_optimizer, build_schedule
 
 
@@ -33,8 +34,10 @@ def test_bad_optimizer_option_names_the_option():
 
 
 def test_warmup_then_cosine():
-    lr = build_schedule(name="cosine_decay", arguments=None, warmup=10, warmup_init=0.0,
-                        learning_rate=1e-3, iters=110)
+    cfg = Config.from_dict({"schedule": {"name": "cosine_decay", "warmup": 10}, "optimizer": {"learning_rate": 1e-3},
+                            "train": {"iters": 110}})
+    lr = build_schedule(name="cosine_decay", arguments=cfg.schedule_arguments(), warmup=10, warmup_init=0.0,
+                        learning_rate=1e-3)
     at = lambda s: float(lr(mx.array(s)))  # noqa: E731
     assert at(0) == pytest.approx(0.0)
     assert at(5) == pytest.approx(5e-4)
@@ -45,14 +48,12 @@ def test_warmup_then_cosine():
 
 
 def test_constant_with_and_without_warmup():
-    assert build_schedule(name="constant", arguments=None, warmup=0, warmup_init=0.0,
-                          learning_rate=2e-4, iters=10) == 2e-4
-    lr = build_schedule(name="constant", arguments=None, warmup=4, warmup_init=0.0, learning_rate=2e-4, iters=10)
+    assert build_schedule(name="constant", arguments=[], warmup=0, warmup_init=0.0, learning_rate=2e-4) == 2e-4
+    lr = build_schedule(name="constant", arguments=[], warmup=4, warmup_init=0.0, learning_rate=2e-4)
     assert float(lr(mx.array(2))) == pytest.approx(1e-4)
     assert float(lr(mx.array(8))) == pytest.approx(2e-4)
 
 
 def test_schedule_needing_arguments_says_so():
     with pytest.raises(ValueError, match="schedule.arguments"):
-        build_schedule(name="exponential_decay", arguments=None, warmup=0, warmup_init=0.0,
-                       learning_rate=1e-3, iters=10)
+        build_schedule(name="exponential_decay", arguments=None, warmup=0, warmup_init=0.0, learning_rate=1e-3)
