@@ -185,7 +185,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         check_writable(out)
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
-        print(f"rank {mesh.rank} of {mesh.world_size}: data-parallel rank {mesh.dp_rank} of {mesh.dp} "
+        stage = f", pipeline stage {mesh.pp_rank} of {mesh.pp}" if mesh.pp > 1 else ""
+        print(f"rank {mesh.rank} of {mesh.world_size}: data-parallel rank {mesh.dp_rank} of {mesh.dp}{stage} "
               f"(pid {os.getpid()})", flush=True)
 
     # Seeds first: adapter initialisation draws from mlx's RNG.

@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         return NONFINITE_EXIT_CODE
     if not result.stopped_early:
         return 0
-    if os.environ.get("MLX_RANK", "0") == "0":  # one line for the run, from the writer (rank 0)
+    if mesh.is_writer:  # one line for the run, from the writer (rank 0)
         print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
     return STOPPED_EXIT_CODE
 

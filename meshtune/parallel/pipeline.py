@@ -19,7 +19,7 @@ with a head `model.lm_head` or a tied embedding (a trained tied table lives on t
 first and the last stage, its two gradients summed each step).
 
 Reports give `bubble_share`, measured: the share of the step a stage spends in its
-schedule's sends and receives (waiting for a neighbour, the transfers included);
+schedule's sends and receives (waiting for a neighbour, the transfers included).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Plain Python (no model loaded, no MLX), so the entry points check a layout before any
 rank loads the model: `declared_layers` reads the block count a model folder's
 config.json declares, `check_stage_layers` says what does not fit. The pipeline
-(pipeline.py) cuts the loaded model with `split_stages`, by these same rules.
+cuts the loaded model with `stage.split_stages`, by these same rules.
 """
 
 from __future__ import annotations

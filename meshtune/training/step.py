@@ -1,8 +1,9 @@
 """What every parallel strategy's step and evaluation share: the loss, evaluation, one step in flight.
 
 `loss_terms` is the one loss (summed token cross entropy and its token count) that
-the data-parallel step differentiates and evaluation reports; a pipeline's last
-stage computes the same (training/losses.py). `OneInFlight` lets the host build the
+evaluation reports; `training_loss_terms`, which the data-parallel step differentiates,
+computes the same with the head a chunk of tokens at a time where the model allows
+(training/head_loss.py); a pipeline's last stage computes the same (training/losses.py). `OneInFlight` lets the host build the
 next step while the device runs this one (runtime.overlap_steps).
 """
 

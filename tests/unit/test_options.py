@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import argparse
 import json
 from pathlib import Path
@@ -199,13 +201,16 @@ def test_a_stopped_run_says_how_to_resume_once(monkeypatch, capsys, tmp_path, en
     result = RunResult(adapter_path=run, step=7, train_loss=None, val_loss=None, test_loss=None,
                        trained_tokens=0, stopped_early=True)
     monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None: result)
-    monkeypatch.setattr(commands, "_mesh", lambda cfg: None)
+    # the writer is the mesh's rank 0 (a launcher's MLX_RANK 0, or one process)
+    monkeypatch.setattr(commands, "_mesh", lambda cfg: SimpleNamespace(world_size=1 if env_rank is None else 2,
+                                                                       is_writer=env_rank in (None, "0")))
     if env_rank is None:
         monkeypatch.delenv("MLX_RANK", raising=False)
     else:
         monkeypatch.setenv("MLX_RANK", env_rank)
     assert commands.cmd_train(_args(), ["--data", "d", "--adapter-path", str(run)]) == 3
-    hint = f"to continue from step 7: meshtune train --adapter-path '{run}' --resume"
+    again = "meshtune train" if env_rank is None else "meshtune launch -n 2 -- meshtune train"
+    hint = f"to continue from step 7: {again} --adapter-path '{run}' --resume"
     assert (hint in capsys.readouterr().out.splitlines()) == printed
 
 

@@ -111,6 +111,7 @@ def test_train_config_says_the_layout_note(tmp_path: Path) -> None:
 class _Mesh:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.is_writer = True
 
 
 def test_resume_command_gives_the_launcher_of_a_multi_rank_run(tmp_path: Path) -> None:
