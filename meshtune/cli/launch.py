@@ -204,6 +204,7 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
     return code
 
 
+SSH_FAILED = 255  # ssh's exit code when it could not connect or log in
 STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace stop)
 # Exits every rank reaches on its own, each saying its own line: a non-finite step (every rank at the same
 # step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
@@ -287,7 +288,10 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
             lost = lost_peer(beats, len(ranks), i, stale_s=5.0) if code == EXIT_CODE else None
             if lost is not None:
                 return _fail(ranks, lost[0], f"{lost[2]}; rank {i} exited with code {code}", code, beats, err), True
-            return _fail(ranks, i, "", code, beats, err, verb=f"exited with code {code}"), False
+            host = ranks[i].host
+            ssh = (f" (ssh's own failure code: check that `ssh {host} true` works without a password prompt)"
+                   if host is not None and code == SSH_FAILED else "")
+            return _fail(ranks, i, "", code, beats, err, verb=f"exited with code {code}{ssh}"), False
         if all(c == 0 for c in codes):
             return 0, False
         now = time.monotonic()

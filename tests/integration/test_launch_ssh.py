@@ -93,3 +93,17 @@ def test_hostfile_errors_are_one_line(tmp_path):
     proc = subprocess.run([*CLI, "launch", "-n", "3", "--hostfile", str(good), "--", "true"], env=env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "-n 3 but the hostfile lists 2 hosts" in proc.stderr
+
+
+def test_an_ssh_that_cannot_connect_is_named(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text('#!/bin/sh\necho "ssh: connect to host $1 port 22: Connection refused" >&2\nexit 255\n')
+    ssh.chmod(0o755)
+    environ = dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(_hostfile(tmp_path, 2)), "--", sys.executable, "-c",
+                           "pass"], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 255, proc.stdout + proc.stderr
+    assert "exited with code 255 (ssh's own failure code: check that `ssh node" in proc.stderr
+    assert "true` works without a password prompt)" in proc.stderr
