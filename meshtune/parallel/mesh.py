@@ -84,14 +84,18 @@ class Mesh:
             return x
         return mx.distributed.all_sum(x, group=self.group)
 
+    def _host_stream(self) -> Any:
+        """Where a small host-read collective runs: NCCL reduces only on the GPU (its default
+        stream), ring and JACCL only on the CPU."""
+        return None if self.backend == "nccl" else mx.cpu
+
     def all_ints(self, value: int) -> list[int]:
         """Every rank's `value`, by rank: one world all_sum over a slot per rank (any backend)."""
         if self.world_size == 1:
             return [value]
         slots = mx.zeros((self.world_size,), mx.int32)
         slots[self.rank] = value
-        stream = None if self.backend == "nccl" else mx.cpu  # as in agree
-        return mx.distributed.all_sum(slots, group=self.group, stream=stream).tolist()
+        return mx.distributed.all_sum(slots, group=self.group, stream=self._host_stream()).tolist()
 
     def disagreeing(self, values: dict[str, int]) -> list[str]:
         """The names in `values` (the same names on every rank) whose value differs between ranks; one all_sum."""
@@ -100,15 +104,12 @@ class Mesh:
         names = sorted(values)
         slots = mx.zeros((self.world_size, len(names)), mx.int32)
         slots[self.rank] = mx.array([values[name] for name in names], mx.int32)
-        stream = None if self.backend == "nccl" else mx.cpu  # as in agree
-        rows = mx.distributed.all_sum(slots, group=self.group, stream=stream).tolist()
+        rows = mx.distributed.all_sum(slots, group=self.group, stream=self._host_stream()).tolist()
         return [name for j, name in enumerate(names) if len({row[j] for row in rows}) > 1]
 
     def agree(self, flag: bool) -> bool:
         """True when any rank says True (ranks stop or save together)."""
         if self.world_size == 1:
             return flag
-        # NCCL reduces only on the GPU; ring and JACCL only on the CPU.
-        stream = None if self.backend == "nccl" else mx.cpu
-        total = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=stream)
+        total = mx.distributed.all_sum(mx.array(int(flag)), group=self.group, stream=self._host_stream())
         return total.item() > 0
