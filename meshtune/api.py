@@ -24,22 +24,21 @@ from mlx.utils import tree_flatten
 from . import adapters as ad
 from .adapters import base_path
 from .adapters.apply import block_count
-from .parallel.stages import declared_layers
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
-from .config.resume import run_mismatches, settings_digests
-from .data import BatchIterator, check_packable, check_source
+from .config.resume import run_mismatches
+from .data import BatchIterator, check_packable
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
-from .run_data import eval_batches, load_splits, split_names, warner
+from .run_data import eval_batches, load_splits, warner
 from .training.metrics import METRICS_FILE, Reporter
 from .training.report import summary_line, write_report
-from .training.trackers import check_trackers, open_trackers
+from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
 from .training.forced_fault import with_forced_fault
@@ -48,6 +47,7 @@ from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
+from .preflight import check_before_load, check_output_folder, init_file, no_checkpoint
 
 __all__ = ["RunResult", "finetune", "complete", "evaluate_adapters", "fuse", "generate", "load_for_inference",
            "load_model"]
@@ -64,72 +64,6 @@ class RunResult:
     test_loss: float | None
     trained_tokens: int
     stopped_early: bool
-
-
-def _check_full_is_dense(cfg: Config, folder: Path) -> None:
-    """Refuse full fine-tuning of a targeted quantized layer before the load, from the local folder's
-    safetensors headers as `meshtune plan` reads them (a layer with scales); apply_adapters refuses it
-    after the load for a hub id, or a folder the headers do not describe."""
-    from .plan.memory import trained
-    from .plan.model_facts import read_model
-
-    if not (folder / "config.json").exists():
-        return
-    try:
-        facts = read_model(folder)
-    except ValueError:
-        return  # load_model names what the folder lacks
-    trained(facts, cfg.adapter)  # raises full_needs_dense's line for a targeted quantized layer
-
-
-def _init_file(init_from: str) -> Path:
-    """adapter.init_from's weights file: the path, or a run folder's adapters.safetensors."""
-    path = Path(init_from).expanduser()
-    return path / ad.ADAPTER_FILE if path.is_dir() else path
-
-
-def _check_init_from(a: Any, model_path: str) -> None:
-    """adapter.init_from names trained adapters of this run's kind, rank, blocks and layers (its
-    adapter_config.json)."""
-    file = _init_file(a.init_from)
-    if not file.is_file():
-        what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(a.init_from).expanduser().is_dir()
-                else "no such file or folder")
-        raise ValueError(f"adapter.init_from={a.init_from}: {what}; give a trained run's folder or its "
-                         f"{ad.ADAPTER_FILE}")
-    try:
-        theirs = json.loads((file.parent / ad.CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return  # a bare weights file: load_trainable names any tensor that does not fit
-    kind, rank = theirs.get("fine_tune_type", "lora"), (theirs.get("lora_parameters") or {}).get("rank")
-    if kind != a.fine_tune_type or (kind != "full" and rank is not None and rank != a.rank):
-        flags = f"--fine-tune-type {kind}" + (f" --adapter.rank {rank}" if kind != "full" and rank else "")
-        raise ValueError(f"adapter.init_from={a.init_from}: those are {kind} adapters"
-                         + (f" of rank {rank}" if kind != "full" and rank else "")
-                         + f" ({file.parent / ad.CONFIG_FILE}); give {flags} to start from them")
-    blocks = declared_layers(model_path)
-    covered = lambda n: blocks if n is None or n < 0 or n > blocks else n  # noqa: E731
-    theirs_n = theirs.get("num_layers")
-    if blocks and isinstance(theirs_n, int) and covered(theirs_n) != covered(a.num_layers):
-        raise ValueError(f"adapter.init_from={a.init_from}: those adapters cover the last {covered(theirs_n)} of "
-                         f"{blocks} blocks, this run {covered(a.num_layers)} ({file.parent / ad.CONFIG_FILE} "
-                         f"num_layers {theirs_n}); give --num-layers {theirs_n} to start from them")
-    their_keys = (theirs.get("lora_parameters") or {}).get("keys")
-    if their_keys and a.keys and sorted(their_keys) != sorted(a.keys):
-        raise ValueError(f"adapter.init_from={a.init_from}: those adapters train {', '.join(their_keys)}, this run "
-                         f"{', '.join(a.keys)} ({file.parent / ad.CONFIG_FILE}); give --adapter.keys "
-                         f"'{json.dumps(their_keys)}' to start from them")
-
-
-def _check_output_folder(cfg: Config, out: Path) -> None:
-    """Refuse to overwrite an earlier run unless resuming or told to."""
-    if cfg.output.resume or cfg.output.overwrite:
-        return
-    found = list_checkpoints(out)
-    if found or (out / ad.ADAPTER_FILE).exists():
-        what = f"checkpoints up to step {int(found[-1].name)}" if found else ad.ADAPTER_FILE
-        raise ValueError(f"output.adapter_path={out} already holds a run ({what}); pass --resume to "
-                         "continue it, --output.overwrite true to replace it, or choose another --adapter-path")
 
 
 def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> tuple[nn.Module, Any]:
@@ -156,7 +90,7 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
         f"of {total / 1e6:.3f}M ({100 * trainable / max(total, 1):.2f}%)")
     if a.init_from and not cfg.output.resume:  # a resumed run's checkpoint holds the weights since
-        start = _init_file(a.init_from)
+        start = init_file(a.init_from)
         ad.load_trainable(model, start)
         say(f"adapters start from {start} (adapter.init_from)")
     only_ours = ad.stock_unloadable(model)
@@ -181,7 +115,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
     if mesh.is_writer:
-        _check_output_folder(cfg, out)
+        check_output_folder(cfg, out)
         check_writable(out)
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
@@ -193,19 +127,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mx.random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
-    check_source(data_path, split_names(cfg))  # a folder or a hub id: fail before the (possibly long) model load
-    layout.check(cfg, mesh, Path(model_path))  # before the load, too
-    if cfg.adapter.fine_tune_type == "full":
-        _check_full_is_dense(cfg, Path(model_path))
-    if cfg.adapter.init_from and not cfg.output.resume:
-        _check_init_from(cfg.adapter, model_path)
-    trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []  # --report-to's libraries
-    if cfg.output.resume and not (out / "checkpoints").is_dir():  # before the load; _restore checks the rest
-        raise ValueError(_no_checkpoint(out, "no checkpoint"))
-    differing = mesh.disagreeing(settings_digests(cfg.to_dict()))
-    if differing:  # each rank's own config file or flags: it would hang at the first step, or train differently
-        raise ValueError(f"the ranks were given different settings for {', '.join(differing)}; give every rank "
-                         "the same config file and flags")
+    trackers = check_before_load(cfg, mesh, layout, out)  # the data, layout, adapters, trackers, ranks
     kept = out / base_path.run_file(mesh.rank)
     if cfg.output.resume and kept.exists():  # before apply_adapters measures any
         say(f"base path: {base_path.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
@@ -320,11 +242,6 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                      stopped_early=result.stopped_early)
 
 
-def _no_checkpoint(out: Path, what: str) -> str:
-    return (f"--resume: {what} in {out / 'checkpoints'}; run without --resume to start, "
-            "or point --adapter-path at the run")
-
-
 def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: dict[str, Any],
              say: Callable[[str], None]) -> TrainingState:
     """Load the newest intact checkpoint into model, optimizer and data cursor.
@@ -337,7 +254,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
     if ckpt is None:
         found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
-        raise ValueError(_no_checkpoint(out, what))
+        raise ValueError(no_checkpoint(out, what))
     changed = run_mismatches(resolved, ckpt.config)
     if changed:
         defaults = Config().to_dict()

@@ -1,0 +1,119 @@
+"""What a run checks before its model loads, so a bad input costs seconds and writes nothing.
+
+`check_before_load` is api.finetune's one call: the data source, the layout against the
+model's declared blocks, full fine-tuning on a dense base, the adapters to start from, the
+trackers' libraries, a --resume with checkpoints to resume, and every rank given the same
+settings. The output folder's own checks (an earlier run, writable) come first, on the writer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from . import adapters as ad
+from .config import Config
+from .config.resume import settings_digests
+from .data import check_source
+from .parallel.mesh import Mesh
+from .parallel.stages import declared_layers
+from .run_data import split_names
+from .training.checkpoint import list_checkpoints
+from .training.trackers import check_trackers
+
+
+def check_before_load(cfg: Config, mesh: Mesh, layout: Any, out: Path) -> list[str]:
+    """Every check that needs no model loaded; the trackers the writer will open (--report-to)."""
+    model_path = str(cfg.resolved_model_path())
+    check_source(str(cfg.resolved_data_path()), split_names(cfg))  # a folder or a hub id
+    layout.check(cfg, mesh, Path(model_path))
+    if cfg.adapter.fine_tune_type == "full":
+        check_full_is_dense(cfg, Path(model_path))
+    if cfg.adapter.init_from and not cfg.output.resume:
+        check_init_from(cfg.adapter, model_path)
+    trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []
+    if cfg.output.resume and not (out / "checkpoints").is_dir():  # the restore checks the rest
+        raise ValueError(no_checkpoint(out, "no checkpoint"))
+    check_ranks_agree(cfg, mesh)
+    return trackers
+
+
+def check_ranks_agree(cfg: Config, mesh: Mesh) -> None:
+    """Every rank given the same run settings (each host's own config file or flags): else one would
+    hang at the first step, or train apart."""
+    differing = mesh.disagreeing(settings_digests(cfg.to_dict()))
+    if differing:
+        raise ValueError(f"the ranks were given different settings for {', '.join(differing)}; give every rank "
+                         "the same config file and flags")
+
+
+def check_full_is_dense(cfg: Config, folder: Path) -> None:
+    """Refuse full fine-tuning of a targeted quantized layer before the load, from the local folder's
+    safetensors headers as `meshtune plan` reads them (a layer with scales); apply_adapters refuses it
+    after the load for a hub id, or a folder the headers do not describe."""
+    from .plan.memory import trained  # no MLX: the planner's readers
+    from .plan.model_facts import read_model
+
+    if not (folder / "config.json").exists():
+        return
+    try:
+        facts = read_model(folder)
+    except ValueError:
+        return  # load_model names what the folder lacks
+    trained(facts, cfg.adapter)  # raises full_needs_dense's line for a targeted quantized layer
+
+
+def init_file(init_from: str) -> Path:
+    """adapter.init_from's weights file: the path, or a run folder's adapters.safetensors."""
+    path = Path(init_from).expanduser()
+    return path / ad.ADAPTER_FILE if path.is_dir() else path
+
+
+def check_init_from(a: Any, model_path: str) -> None:
+    """adapter.init_from names trained adapters of this run's kind, rank, blocks and layers (its
+    adapter_config.json)."""
+    file = init_file(a.init_from)
+    if not file.is_file():
+        what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(a.init_from).expanduser().is_dir()
+                else "no such file or folder")
+        raise ValueError(f"adapter.init_from={a.init_from}: {what}; give a trained run's folder or its "
+                         f"{ad.ADAPTER_FILE}")
+    try:
+        theirs = json.loads((file.parent / ad.CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return  # a bare weights file: load_trainable names any tensor that does not fit
+    kind, rank = theirs.get("fine_tune_type", "lora"), (theirs.get("lora_parameters") or {}).get("rank")
+    if kind != a.fine_tune_type or (kind != "full" and rank is not None and rank != a.rank):
+        flags = f"--fine-tune-type {kind}" + (f" --adapter.rank {rank}" if kind != "full" and rank else "")
+        raise ValueError(f"adapter.init_from={a.init_from}: those are {kind} adapters"
+                         + (f" of rank {rank}" if kind != "full" and rank else "")
+                         + f" ({file.parent / ad.CONFIG_FILE}); give {flags} to start from them")
+    blocks = declared_layers(model_path)
+    covered = lambda n: blocks if n is None or n < 0 or n > blocks else n  # noqa: E731
+    theirs_n = theirs.get("num_layers")
+    if blocks and isinstance(theirs_n, int) and covered(theirs_n) != covered(a.num_layers):
+        raise ValueError(f"adapter.init_from={a.init_from}: those adapters cover the last {covered(theirs_n)} of "
+                         f"{blocks} blocks, this run {covered(a.num_layers)} ({file.parent / ad.CONFIG_FILE} "
+                         f"num_layers {theirs_n}); give --num-layers {theirs_n} to start from them")
+    their_keys = (theirs.get("lora_parameters") or {}).get("keys")
+    if their_keys and a.keys and sorted(their_keys) != sorted(a.keys):
+        raise ValueError(f"adapter.init_from={a.init_from}: those adapters train {', '.join(their_keys)}, this run "
+                         f"{', '.join(a.keys)} ({file.parent / ad.CONFIG_FILE}); give --adapter.keys "
+                         f"'{json.dumps(their_keys)}' to start from them")
+
+
+def check_output_folder(cfg: Config, out: Path) -> None:
+    """Refuse to overwrite an earlier run unless resuming or told to."""
+    if cfg.output.resume or cfg.output.overwrite:
+        return
+    found = list_checkpoints(out)
+    if found or (out / ad.ADAPTER_FILE).exists():
+        what = f"checkpoints up to step {int(found[-1].name)}" if found else ad.ADAPTER_FILE
+        raise ValueError(f"output.adapter_path={out} already holds a run ({what}); pass --resume to "
+                         "continue it, --output.overwrite true to replace it, or choose another --adapter-path")
+
+
+def no_checkpoint(out: Path, what: str) -> str:
+    return (f"--resume: {what} in {out / 'checkpoints'}; run without --resume to start, "
+            "or point --adapter-path at the run")
