@@ -443,7 +443,7 @@ def preflight(n: int, command: list[str]) -> None:
     if "meshtune.cli" not in command or "train" not in command:
         return
     from ..config import ConfigError
-    from ..parallel.stages import declared_layers
+    from ..parallel.stages import check_pipeline_layout
     from .commands import _train_config, build_parser
 
     args, rest = build_parser().parse_known_args(command[command.index("meshtune.cli") + 1:])
@@ -459,8 +459,5 @@ def preflight(n: int, command: list[str]) -> None:
         ranks = f"-n {fits[0]}" if len(fits) == 1 else f"-n N, N one of {fits}"
         raise ValueError(f"{' | '.join(err.problems)}; a resumed run keeps its own settings, so give {ranks} "
                          "instead") from None
-    config = cfg.resolved_model_path() / "config.json"
-    blocks = declared_layers(cfg.resolved_model_path()) if cfg.parallel.pp > 1 else None
-    if blocks is not None and cfg.parallel.pp > blocks:
-        raise ValueError(f"parallel.pp={cfg.parallel.pp} stages for a model of {blocks} blocks ({config}); "
-                         f"use between 1 and {blocks} stages")
+    if cfg.parallel.pp > 1:  # as each rank's Pipeline.check would, once
+        check_pipeline_layout(cfg, cfg.parallel.pp, n, cfg.resolved_model_path())

@@ -45,7 +45,7 @@ from .peers import sum_on_peers
 from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
 from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
-from .stages import check_stage_layers, declared_layers
+from .stages import check_pipeline_layout
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -203,14 +203,7 @@ class Pipeline:
     @staticmethod
     def check(cfg: "Config", mesh: Mesh, model_path: Path) -> None:
         """Raise what this layout cannot run as `cfg` asks, before the model loads."""
-        if cfg.train.grad_checkpoint:
-            raise ValueError(f"parallel.pp={mesh.pp}: train.grad_checkpoint with a pipeline is not needed: "
-                             "stages recompute their forward; drop --grad-checkpoint (--train.grad_checkpoint false)")
-        if cfg.parallel.transport == "sockets" and mesh.world_size > 1:
-            raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
-                             f"parallel.pp={mesh.pp} set parallel.transport: mlx (--parallel.transport mlx)")
-        if (declared := declared_layers(model_path)) is not None:
-            check_stage_layers(cfg.parallel.stage_layers, mesh.pp, declared)
+        check_pipeline_layout(cfg, mesh.pp, mesh.world_size, model_path)
 
     @classmethod
     def from_config(cls, cfg: "Config", mesh: Mesh, model: nn.Module, optimizer: optim.Optimizer, *,

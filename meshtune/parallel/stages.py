@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 # Where config.json files declare their block count: mlx-lm's models, GPT-2's, a
 # multimodal model's text tower.
@@ -79,6 +80,22 @@ def check_stage_layers(stage_layers: list[int] | None, stages: int, num_layers: 
     if sum(stage_layers) != num_layers:
         raise ValueError(f"parallel.stage_layers={stage_layers} sums to {sum(stage_layers)} but the model has "
                          f"{num_layers} blocks; make the counts add up to {num_layers} or unset it (--parallel.stage_layers null)")
+
+
+def check_pipeline_layout(cfg: Any, pp: int, world_size: int, model_path: Path) -> None:
+    """What a pipeline of `pp` stages over `world_size` ranks cannot run as `cfg` asks, from the config
+    and the model folder's declared block count (Pipeline.check; meshtune launch before any rank starts)."""
+    if cfg.train.grad_checkpoint:
+        raise ValueError(f"parallel.pp={pp}: train.grad_checkpoint with a pipeline is not needed: "
+                         "stages recompute their forward; drop --grad-checkpoint (--train.grad_checkpoint false)")
+    if cfg.parallel.transport == "sockets" and world_size > 1:
+        raise ValueError("parallel.transport=sockets carries data-parallel gradients only; with "
+                         f"parallel.pp={pp} set parallel.transport: mlx (--parallel.transport mlx)")
+    if (declared := declared_layers(model_path)) is not None:
+        try:
+            check_stage_layers(cfg.parallel.stage_layers, pp, declared)
+        except ValueError as err:
+            raise ValueError(f"{err} ({Path(model_path) / 'config.json'})") from None
 
 
 def stage_bounds(counts: list[int]) -> list[tuple[int, int]]:

@@ -32,3 +32,14 @@ def test_a_resumed_run_is_checked_on_its_own_settings_and_told_which_rank_counts
         preflight(4, resume)
     assert "train.batch_size = 6" in str(err.value)
     assert "a resumed run keeps its own settings, so give -n N, N one of [1, 2, 3, 6] instead" in str(err.value)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--parallel.pp", "2", "--parallel.stage_layers", "[3, 3]"],
+     r"parallel.stage_layers=\[3, 3\] sums to 6 but the model has 4 blocks.*config.json"),
+    (["--parallel.pp", "2", "--parallel.transport", "sockets"], "parallel.transport=sockets carries data-parallel"),
+    (["--parallel.pp", "8"], "parallel.pp=8 stages for a model of 4 blocks"),
+])
+def test_a_pipeline_layout_the_model_cannot_take_is_refused_once_before_any_rank(flags, says):
+    with pytest.raises(ValueError, match=says):
+        preflight(8 if "8" in flags else 2, [*TRAIN, "--iters", "2", "--batch-size", "8", *flags])
