@@ -347,9 +347,9 @@ class DataParallel:
     """The strategy of a mesh without pipeline stages: the whole model on every rank (or the one process).
 
     `sample_comm` (on from from_config, which the training loop's runs use): on the mlx
-    transport with more than one rank, the first step after each `waited()` (each report
+    transport with more than one rank, the first step after each `take_waits()` (each report
     window's first, and the run's first) runs split (build_sampled_step) and its sums'
-    seconds are added to the clock once for every step until the next `waited()`: the
+    seconds are added to the clock once for every step until the next `take_waits()`: the
     window's comm seconds are sampled comm x steps in the window. No other step syncs the host.
     """
 
@@ -409,7 +409,7 @@ class DataParallel:
             self.clock.add(self._comm)
         return losses, StepVerdict(*carried)
 
-    def waited(self) -> dict[str, float]:
+    def take_waits(self) -> dict[str, float]:
         self._comm = None  # the next window samples its own first step
         return {} if self.clock is None else {"comm": self.clock.take()}
 

@@ -233,7 +233,7 @@ class Pipeline:
             mx.eval(losses[-1])
         return losses, verdict
 
-    def waited(self) -> dict[str, float]:
+    def take_waits(self) -> dict[str, float]:
         return {"bubble": self.clock.take()}
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:

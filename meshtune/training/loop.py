@@ -6,7 +6,7 @@ token losses and divides them by the token count of the whole global batch (all
 micro-batches, all ranks), so the update equals the one a single process would make
 on the same global batch. Reported losses are weighted by tokens the same way: the
 ranks' loss sums and token counts are added at each report, with every rank's peak
-memory and the strategy's measured waits (Strategy.waited: comm or bubble seconds).
+memory and the strategy's measured waits (Strategy.take_waits: comm or bubble seconds).
 The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
 costs time and buys nothing at a steady shape mix).
 
@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ..parallel.mesh import Mesh
 from .checkpoint import TrainingState
-from .metrics import Reporter, Window, peak_memory_per_rank, wait_shares
+from .metrics import Reporter, Window, report_window
 from .strategy import Strategy
 from .update import StepVerdict
 
@@ -101,10 +101,10 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
-    step, skipped = start.step, 0
+    step, skipped, stopping = start.step, 0, False
     pending: list[tuple[int, StepVerdict, list[tuple[Any, Any]]]] = []  # dispatched, verdict not read
 
-    def settle(newest: bool) -> None:
+    def read_verdicts(newest: bool) -> None:
         """Read the verdicts of pending steps (all, or all but the newest, still in flight)."""
         nonlocal skipped
         ready = pending[:] if newest else pending[:-1]
@@ -147,16 +147,11 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
             stopping = mesh.agree(stop.requested) if agree_now else False
             save_now = step % settings.save_every == 0 or step == settings.iters or stopping
-            settle(newest=report_now or eval_now or save_now)
+            read_verdicts(newest=report_now or eval_now or save_now)
             if report_now and window.applied:  # a window of skipped steps only is reported with the next
-                loss_sum, tokens = mesh.all_sum(window.loss_sum), mesh.all_sum(window.tokens)
-                tokens_n = int(tokens.item())
-                train_loss = loss_sum.item() / max(tokens_n, 1)
-                trained_tokens += tokens_n
-                reporter.train(step, loss=train_loss, tokens=tokens_n, seconds=window.seconds,
-                               steps=window.steps, learning_rate=float(strategy.optimizer.learning_rate),
-                               trained_tokens=trained_tokens, peaks=peak_memory_per_rank(mesh),
-                               shares=wait_shares(mesh, strategy.waited(), window.seconds))
+                train_loss, trained_tokens = report_window(
+                    reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
+                    trained_tokens=trained_tokens, waited=strategy.take_waits())
                 window = Window()
             if eval_now:
                 val_loss = run_eval(step)
@@ -164,7 +159,6 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
                 save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
             if stopping:
                 reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
-                return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,
-                                  trained_tokens=trained_tokens, stopped_early=True)
+                break
     return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,
-                      trained_tokens=trained_tokens, stopped_early=False)
+                      trained_tokens=trained_tokens, stopped_early=stopping)

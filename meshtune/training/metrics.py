@@ -36,7 +36,7 @@ def peak_memory_per_rank(mesh: Any) -> list[float]:
 
 
 def wait_shares(mesh: Any, waited: dict[str, float], seconds: float) -> dict[str, float]:
-    """`{kind}_share` for each kind of Strategy.waited(): each rank's seconds waited over its window's
+    """`{kind}_share` for each kind of Strategy.take_waits(): each rank's seconds waited over its window's
     step seconds, the mean over ranks (a world all_sum where there is more than one rank; every rank calls it)."""
     if not waited:
         return {}
@@ -65,6 +65,20 @@ class Window:
         """Close one optimizer step that took `seconds`."""
         self.steps += 1
         self.seconds += seconds
+
+
+def report_window(reporter: "Reporter", window: Window, mesh: Any, step: int, *, learning_rate: float,
+                  trained_tokens: int, waited: dict[str, float]) -> tuple[float, int]:
+    """Report one window: its loss and tokens summed over the ranks, the ranks' peaks and waits.
+
+    Returns (the window's token-weighted loss, trained tokens so far including the window's)."""
+    tokens = int(mesh.all_sum(window.tokens).item())
+    loss = mesh.all_sum(window.loss_sum).item() / max(tokens, 1)
+    trained_tokens += tokens
+    reporter.train(step, loss=loss, tokens=tokens, seconds=window.seconds, steps=window.steps,
+                   learning_rate=learning_rate, trained_tokens=trained_tokens, peaks=peak_memory_per_rank(mesh),
+                   shares=wait_shares(mesh, waited, window.seconds))
+    return loss, trained_tokens
 
 
 @dataclass

@@ -24,7 +24,7 @@ from .update import StepVerdict
 
 
 class WaitClock:
-    """Seconds a strategy's steps spent waiting, added up until `take` (Strategy.waited)."""
+    """Seconds a strategy's steps spent waiting, added up until `take` (Strategy.take_waits)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -53,7 +53,7 @@ class Strategy(Protocol):
         state. Its arrays may still be in flight: reading them waits for the step.
         """
 
-    def waited(self) -> dict[str, float]:
+    def take_waits(self) -> dict[str, float]:
         """Seconds this rank's steps waited since the last call, by kind, then reset: "comm" (blocked
         on the data-parallel gradient sums after its own backward was done), "bubble" (a pipeline
         stage in its schedule's sends and receives); {} where nothing is measured. Reports turn

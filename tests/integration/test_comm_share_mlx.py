@@ -55,7 +55,7 @@ def _train(strategy: DataParallel, steps: int, report_every: int) -> list[dict]:
     for step in range(1, steps + 1):
         strategy.step(batches)
         if step % report_every == 0:
-            waits.append(strategy.waited())
+            waits.append(strategy.take_waits())
     return waits
 
 
