@@ -4,7 +4,7 @@ MLX's CUDA build compiles an `mx.fast.cuda_kernel` at its first call on the GPU,
 kernel text NVRTC rejects would first show on a GPU machine, in the middle of a step.
 Where `nvcc` is found (a CUDA toolkit without a GPU will do; skipped elsewhere), each
 kernel the wrappers build (its .cuh header, then the kernel function around its body) is wrapped as MLX's CUDA
-build wraps it (meshtune.runtime.cuda.compiled_source) and compiled to PTX for the H200's sm_90. What the kernels
+build wraps it (nvcc_sources.compiled_source) and compiled to PTX for the H200's sm_90. What the kernels
 compute is the test_sim_*.py files'.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from meshtune.runtime.cuda import RecordingKernel
+from nvcc_sources import RecordingKernel
 
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None)
 pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc (CUDA toolkit) to compile the kernels with")
