@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from . import mlx_lm_compat as compat
-from .fields import _coerce, _describe, _field_types, _suggest_key
+from .fields import coerce, describe_value, field_types, suggest_key
 from .sections import OPTIMIZER_OPTIONS, SECTIONS, ConfigError
 
 
@@ -90,10 +90,10 @@ def build(
         elif key in SECTIONS and isinstance(value, dict):
             for sub, v in value.items():
                 dotted = f"{key}.{sub}"
-                if isinstance(sub, str) and sub in _field_types(key):
+                if isinstance(sub, str) and sub in field_types(key):
                     put(dotted, v, dotted)
                 else:
-                    problems.append(f"{loc(dotted)}: unknown key '{dotted}'{_suggest_key(dotted)}")
+                    problems.append(f"{loc(dotted)}: unknown key '{dotted}'{suggest_key(dotted)}")
         elif key in SECTIONS and value is None:
             continue  # an empty section
         elif key == "optimizer_config":
@@ -107,7 +107,7 @@ def build(
             problems += result.problems
         elif key in SECTIONS:
             problems.append(f"{loc(key)}: section '{key}' must be a mapping of keys "
-                            f"({', '.join(_field_types(key))}), got {type(value).__name__}")
+                            f"({', '.join(field_types(key))}), got {type(value).__name__}")
         else:
             close = difflib.get_close_matches(key, [*SECTIONS, *compat.flat_names()], n=1)
             if close and close[0] in compat.FLAT_KEYS:
@@ -136,12 +136,12 @@ def build(
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for target, s in settings.items():
         section, _, key = target.partition(".")
-        ok, value, why = _coerce(s.value, _field_types(section)[key])
+        ok, value, why = coerce(s.value, field_types(section)[key])
         if ok:
             values[section][key] = value
         else:
             shown = s.spelled if s.spelled.lstrip("-") == target else f"{s.spelled} (-> {target})"
-            problems.append(f"{s.where}: {shown} = {_describe(s.value)}: {why}")
+            problems.append(f"{s.where}: {shown} = {describe_value(s.value)}: {why}")
     if problems:
         raise ConfigError(problems)
     # "<dict>"-style sources say nothing a message could use.

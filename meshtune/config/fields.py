@@ -1,7 +1,7 @@
 """Config field types: what each option accepts, its help text, and the nearest valid key.
 
 The sections' dataclass annotations become type checks and coercions (YAML and
-command-line text both pass through `_coerce`), field docstrings become help text,
+command-line text both pass through `coerce`), field docstrings become help text,
 and a misspelled key gets the closest real one.
 """
 
@@ -21,7 +21,7 @@ from .sections import SECTIONS, ConfigError
 
 
 @functools.lru_cache(maxsize=None)
-def _field_types(section: str) -> dict[str, Any]:
+def field_types(section: str) -> dict[str, Any]:
     return typing.get_type_hints(SECTIONS[section])
 
 
@@ -46,12 +46,12 @@ def _all_help() -> dict[tuple[str, str], str]:
 
 
 def _all_keys() -> list[str]:
-    return [f"{s}.{k}" for s in SECTIONS for k in _field_types(s)]
+    return [f"{s}.{k}" for s in SECTIONS for k in field_types(s)]
 
 
 def field_help(section: str, key: str) -> str:
     """The help text of ``section.key``, taken from its docstring."""
-    if section not in SECTIONS or key not in _field_types(section):
+    if section not in SECTIONS or key not in field_types(section):
         dotted = f"{section}.{key}"
         raise ConfigError(f"unknown option '{dotted}'{_did_you_mean(dotted, _all_keys())}")
     return _all_help().get((section, key), "")
@@ -62,7 +62,7 @@ def describe_options() -> list[tuple[str, str, Any, str]]:
     rows = []
     for section, cls in SECTIONS.items():
         default = cls()
-        for key, tp in _field_types(section).items():
+        for key, tp in field_types(section).items():
             rows.append((f"{section}.{key}", _type_name(tp), getattr(default, key), field_help(section, key)))
     return rows
 
@@ -72,17 +72,17 @@ def _did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
     return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
-def _suggest_key(dotted: str, prefix: str = "") -> str:
+def suggest_key(dotted: str, prefix: str = "") -> str:
     """'; did you mean ...?' for an unknown dotted key, or the valid keys."""
     section, _, key = dotted.partition(".")
     if section in SECTIONS:
-        same = difflib.get_close_matches(key, list(_field_types(section)), n=1, cutoff=0.6)
+        same = difflib.get_close_matches(key, list(field_types(section)), n=1, cutoff=0.6)
         if same:
             return f"; did you mean '{prefix}{section}.{same[0]}'?"
-        elsewhere = [s for s in SECTIONS if key in _field_types(s)]
+        elsewhere = [s for s in SECTIONS if key in field_types(s)]
         if elsewhere:
             return f"; did you mean '{prefix}{elsewhere[0]}.{key}'?"
-        return f"; valid keys in '{section}': {', '.join(_field_types(section))}"
+        return f"; valid keys in '{section}': {', '.join(field_types(section))}"
     return _did_you_mean(dotted, _all_keys(), prefix) or f"; sections are {', '.join(SECTIONS)}"
 
 
@@ -99,7 +99,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
+def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     """(ok, value as stored, why not).  Ints pass as floats; nothing else converts."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
@@ -114,7 +114,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return True, None, ""
-        results = [_coerce(value, a) for a in args if a is not type(None)]
+        results = [coerce(value, a) for a in args if a is not type(None)]
         good = [r for r in results if r[0]]
         if good:
             return good[0]
@@ -123,11 +123,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if origin is list:
         if not isinstance(value, list):
             return False, value, f"expected {_type_name(tp)}, e.g. [a, b]"
-        items = [_coerce(v, args[0]) for v in value]
+        items = [coerce(v, args[0]) for v in value]
         failed = [i for i, r in enumerate(items) if not r[0]]
         if failed:
             i = failed[0]
-            return False, value, f"expected {_type_name(tp)}; item {i} = {_describe(value[i])}: {items[i][2]}"
+            return False, value, f"expected {_type_name(tp)}; item {i} = {describe_value(value[i])}: {items[i][2]}"
         return True, [r[1] for r in items], ""
     if origin is dict or tp is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
@@ -155,11 +155,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     raise TypeError(f"unsupported config field type {tp!r}")
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _type_problems(cfg: Any) -> list[str]:
+def type_problems(cfg: Any) -> list[str]:
     """Every field of `cfg` (anything with one attribute per section, e.g. a Config) its type does not accept."""
     problems = []
     for section in SECTIONS:
@@ -167,8 +167,8 @@ def _type_problems(cfg: Any) -> list[str]:
         if not isinstance(obj, SECTIONS[section]):
             problems.append(f"{section}: expected a {SECTIONS[section].__name__}, got {type(obj).__name__}")
             continue
-        for key, tp in _field_types(section).items():
-            ok, _, why = _coerce(getattr(obj, key), tp)
+        for key, tp in field_types(section).items():
+            ok, _, why = coerce(getattr(obj, key), tp)
             if not ok:
-                problems.append(f"{section}.{key} = {_describe(getattr(obj, key))}: {why}")
+                problems.append(f"{section}.{key} = {describe_value(getattr(obj, key))}: {why}")
     return problems

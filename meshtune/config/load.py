@@ -18,7 +18,7 @@ import yaml
 
 from . import mlx_lm_compat as compat
 from .build import build
-from .fields import _all_keys, _coerce, _describe, _field_types, _suggest_key
+from .fields import _all_keys, coerce, describe_value, field_types, suggest_key
 from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
 from .schema import Config
 from .sections import SECTIONS, ConfigError
@@ -105,10 +105,10 @@ def _resolve_overrides(
         key = MLX_LM_FLAGS.get(str(raw_key), str(raw_key)).removeprefix("--")
         section, _, name = key.partition(".")
         dotted = f"{section}.{name.replace('-', '_')}"
-        if section not in SECTIONS or dotted.partition(".")[2] not in _field_types(section):
+        if section not in SECTIONS or dotted.partition(".")[2] not in field_types(section):
             problems.append(f"{source}: unknown option --{key}{_unknown_hint(key)}")
             continue
-        tp = _field_types(section)[dotted.partition(".")[2]]
+        tp = field_types(section)[dotted.partition(".")[2]]
         if parse and isinstance(value, str):
             try:
                 value = _parse_scalar(value, tp)
@@ -123,7 +123,7 @@ def _resolve_overrides(
 def _known_option(token: str) -> bool:
     key = MLX_LM_FLAGS.get(token, token).removeprefix("--")
     section, _, name = key.partition(".")
-    return section in SECTIONS and name.replace("-", "_") in _field_types(section)
+    return section in SECTIONS and name.replace("-", "_") in field_types(section)
 
 
 def _unknown_hint(key: str) -> str:
@@ -146,11 +146,11 @@ def _unknown_hint(key: str) -> str:
             return f"; did you mean {close[0]} (--{MLX_LM_FLAGS[close[0]]})?"
         dotted = difflib.get_close_matches(key.replace("-", "_"), [k.partition(".")[2] for k in _all_keys()], n=1)
         if dotted:
-            section = next(s for s in SECTIONS if dotted[0] in _field_types(s))
+            section = next(s for s in SECTIONS if dotted[0] in field_types(s))
             return f"; did you mean --{section}.{dotted[0]}?"
         return "; see meshtune train --help for every option"
     section, _, name = key.partition(".")
-    return _suggest_key(f"{section}.{name.replace('-', '_')}", "--").replace("'", "")
+    return suggest_key(f"{section}.{name.replace('-', '_')}", "--").replace("'", "")
 
 
 def parse_override_args(tokens: list[str]) -> list[tuple[str, str]]:
@@ -184,7 +184,7 @@ def _split_override_args(tokens: list[str]) -> tuple[list[tuple[str, str]], list
         else:
             section, _, name = token[2:].partition(".")
             is_switch = token in MLX_LM_SWITCHES or (
-                section in SECTIONS and _field_types(section).get(name.replace("-", "_")) is bool)
+                section in SECTIONS and field_types(section).get(name.replace("-", "_")) is bool)
             if is_switch:
                 items.append((token, "true"))
             elif _known_option(token):
@@ -205,7 +205,7 @@ def flag_spellings(items: list[tuple[str, str]]) -> dict[str, str]:
     for raw_key, _ in items:
         key = MLX_LM_FLAGS.get(str(raw_key), str(raw_key)).removeprefix("--")
         section, _, name = key.partition(".")
-        if str(raw_key).startswith("--") and section in SECTIONS and name.replace("-", "_") in _field_types(section):
+        if str(raw_key).startswith("--") and section in SECTIONS and name.replace("-", "_") in field_types(section):
             spelled[f"{section}.{name.replace('-', '_')}"] = str(raw_key)
     return spelled
 
@@ -225,9 +225,9 @@ def apply_overrides(
     out = copy.deepcopy(cfg_dict) if cfg_dict else {}
     for target, value, spelled in resolved:
         section, _, key = target.partition(".")
-        ok, value, why = _coerce(value, _field_types(section)[key])
+        ok, value, why = coerce(value, field_types(section)[key])
         if not ok:
-            problems.append(f"{source}: {spelled} = {_describe(value)}: {why}")
+            problems.append(f"{source}: {spelled} = {describe_value(value)}: {why}")
             continue
         for flat, sub in compat.aliases_of(target):
             if sub is None and flat in out and not isinstance(out[flat], dict):

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from .build import build
-from .fields import _field_types
+from .fields import field_types
 from .schema import Config
 from .sections import SECTIONS, ConfigError
 
@@ -149,7 +149,7 @@ def resume_config(given: Config, saved: dict[str, Any], source: str,
     had: dict[str, dict[str, Any]] = {}
     for section in SECTIONS:
         old = saved.get(section) if isinstance(saved.get(section), dict) else {}
-        had[section] = {k: old.get(k, defaults[section][k]) for k in _field_types(section)}
+        had[section] = {k: old.get(k, defaults[section][k]) for k in field_types(section)}
     merged = copy.deepcopy(had)
     for dotted in LAUNCH_KEYS:
         section, _, key = dotted.partition(".")
@@ -182,6 +182,6 @@ def resume_config(given: Config, saved: dict[str, Any], source: str,
     if changed:
         cfg.notes.append(f"resuming with {', '.join(changed)}")
     cfg.notes += moved
-    cfg.origins = {**{f"{s}.{k}": source for s in SECTIONS for k in _field_types(s)
+    cfg.origins = {**{f"{s}.{k}": source for s in SECTIONS for k in field_types(s)
                       if f"{s}.{k}" not in LAUNCH_KEYS}, **given.origins}
     return cfg

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .build import Built, build
-from .fields import _type_problems
+from .fields import type_problems
 from .sections import (
     DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH, OPTIMIZER_OPTIONS, SECTIONS, AdapterConfig, ConfigError, DataConfig,
     ModelConfig, OptimizerConfig, OutputConfig, ParallelConfig, RuntimeConfig, ScheduleConfig, TrainConfig,
@@ -133,9 +133,9 @@ class Config:
 
     def validate(self, world_size: int = 1) -> None:
         """Check every cross-field rule; raise one ConfigError listing all problems."""
-        type_problems = _type_problems(self)
-        if type_problems:
-            raise ConfigError(type_problems)
+        mistyped = type_problems(self)
+        if mistyped:
+            raise ConfigError(mistyped)
         problems: list[str] = []
 
         def bad(option: str, value: Any, message: str) -> None:

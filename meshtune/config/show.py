@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .fields import _field_types, describe_options
+from .fields import field_types, describe_options
 from .mlx_lm_compat import MLX_LM_FLAGS, MLX_LM_SWITCHES
 from .schema import Config
 from .sections import SECTIONS
@@ -58,7 +58,7 @@ def options_help() -> str:
              "or put it under its section in a -c YAML file; `meshtune config` prints the resolved config.", ""]
     for section, cls in SECTIONS.items():
         lines.append(f"{section}: {(cls.__doc__ or '').strip()}")
-        for key, tp in _field_types(section).items():
+        for key, tp in field_types(section).items():
             default, doc = rows[f"{section}.{key}"]
             lines.append(f"  --{section}.{key} {_type_word(tp)} (default {_value_text(default)})")
             lines += textwrap.wrap(_first_sentence(doc), width=100, initial_indent=" " * 6,
