@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # before any rank started (its checks): nothing to stop
+            return 130
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:

@@ -105,6 +105,7 @@ class Rank:
     proc: subprocess.Popen
     host: str | None = None  # ssh host of a remote rank
     remote_pid: int | None = None
+    pump: threading.Thread | None = None  # reads its output; done when every process holding the pipe ended
     held: list[str] = field(default_factory=list)  # backend error lines, shown unless a lost rank explains them
 
 
@@ -171,30 +172,33 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
         beats = Path(tmp) / "heartbeats"
         beats.mkdir()
         ranks, pumps, muted = [], [], threading.Event()
-        for i in range(n):
-            rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1", **per_rank[i])
-            rank_env[HEARTBEAT_ENV] = str(beats)
-            if hostfile is not None:
-                rank_env["MLX_HOSTFILE"] = str(hostfile)
-            preexec = None
-            if pin and cores and not ssh_hosts:
-                core = cores[i % len(cores)]
-                rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-                preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
-            if ssh_hosts:
-                text = hostfile.read_text() if hostfile is not None else None
-                argv = ssh_command(ssh_hosts[i]["ssh"], i, n, command, text, Path(tmp).name, os.getcwd(), base)
-            else:
-                argv = [*(wrap(i) if wrap else []), *command]
-            proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
-            rank = Rank(i, proc, host=ssh_hosts[i]["ssh"] if ssh_hosts else None)
-            ranks.append(rank)
-            t = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
-                                 daemon=True)
-            t.start()
-            pumps.append(t)
+        # Signals recorded from before the first rank starts: every started rank is then stopped with the rest.
         with _Interrupts() as interrupts:
+            for i in range(n):
+                rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1",
+                                **per_rank[i])
+                rank_env[HEARTBEAT_ENV] = str(beats)
+                if hostfile is not None:
+                    rank_env["MLX_HOSTFILE"] = str(hostfile)
+                preexec = None
+                if pin and cores and not ssh_hosts:
+                    core = cores[i % len(cores)]
+                    rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+                    preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
+                if ssh_hosts:
+                    text = hostfile.read_text() if hostfile is not None else None
+                    argv = ssh_command(ssh_hosts[i]["ssh"], i, n, command, text, Path(tmp).name, os.getcwd(),
+                                       base)
+                else:
+                    argv = [*(wrap(i) if wrap else []), *command]
+                proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
+                rank = Rank(i, proc, host=ssh_hosts[i]["ssh"] if ssh_hosts else None)
+                ranks.append(rank)
+                rank.pump = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
+                                             daemon=True)
+                rank.pump.start()
+                pumps.append(rank.pump)
             code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted, interrupts.signals)
         for t in pumps:
             t.join(timeout=5)
@@ -260,8 +264,15 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
                   "them now)", file=err, flush=True)
             for r in ranks:
                 if r.proc.poll() is None:
-                    _signal_rank(r, signal.SIGTERM)
+                    _signal_rank(r, signal.SIGTERM, rank_only=True)
             passed_on = len(interrupts)
+        if passed_on:  # the user's stop: each rank saves and exits on its own, however long that takes
+            if all(r.proc.poll() is not None and not (r.pump and r.pump.is_alive()) for r in ranks):
+                codes = [r.proc.returncode for r in ranks]
+                other = [c for c in codes if c not in (0, STOPPED_EXIT_CODE)]
+                return ((other[0] if other[0] > 0 else 128 + interrupts[0]) if other else max(codes)), False
+            time.sleep(0.2)
+            continue
         codes = [r.proc.poll() for r in ranks]
         # A rank killed by a signal is the cause; peers exiting 75 at once are the effect.
         failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] >= 0)
@@ -275,9 +286,6 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
             if time.monotonic() - agreed_since < AGREED_EXIT_S[agreed]:
                 time.sleep(0.05)
                 continue
-        if failed and passed_on:  # stopping on the user's request: each rank says how it ended
-            _stop(ranks, grace=10)
-            return (failed[0][1] if failed[0][1] > 0 else 128 + interrupts[0]), False
         if failed:
             i, code = failed[0]
             muted.set()
@@ -339,10 +347,14 @@ def _stop(ranks: list[Rank], grace: float) -> None:
             r.proc.wait()
 
 
-def _signal_rank(r: Rank, sig: int) -> None:
-    if r.host is not None and r.remote_pid is not None:  # the remote rank itself, then its ssh
+def _signal_rank(r: Rank, sig: int, rank_only: bool = False) -> None:
+    """`sig` to the rank (a remote one through ssh), then to its local process group (a remote rank's
+    ssh) unless `rank_only`: a stop request must reach each rank once, and leave its output's ssh open."""
+    if r.host is not None and r.remote_pid is not None:
         subprocess.run(["ssh", r.host, f"kill -{int(sig)} {r.remote_pid}"], capture_output=True, timeout=30,
                        stdin=subprocess.DEVNULL)
+        if rank_only:
+            return
     try:
         os.killpg(r.proc.pid, sig)
     except ProcessLookupError:
@@ -362,7 +374,8 @@ def main(argv: list[str]) -> int:
                         "are no more ranks than cores; --no-pin turns it off).")
     p.add_argument("--timeout", type=float, default=None, help="Stop all ranks after this many seconds.")
     p.add_argument("--backend", choices=["ring", "nccl"], default="ring",
-                   help="ring (CPU, Thunderbolt, Ethernet) or nccl (one rank per GPU of this machine, MLX's CUDA build).")
+                   help="ring (CPU, Thunderbolt, Ethernet) or nccl (one rank per GPU of this machine, MLX's CUDA "
+                        "build).")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs.")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -453,9 +466,9 @@ def preflight(n: int, command: list[str]) -> None:
     try:
         cfg.validate(world_size=n)
     except ConfigError as err:
-        if not cfg.output.resume:
-            raise
-        fits = [m for m in range(1, 4 * n + 1) if _runs_on(cfg, m)]
+        fits = [m for m in range(1, 4 * n + 1) if _runs_on(cfg, m)] if cfg.output.resume else []
+        if not fits or not all("train.batch_size" in problem for problem in err.problems):
+            raise  # the hint is for the checkpoint's own batch, which a resume keeps
         ranks = f"-n {fits[0]}" if len(fits) == 1 else f"-n N, N one of {fits}"
         raise ValueError(f"{' | '.join(err.problems)}; a resumed run keeps its own settings, so give {ranks} "
                          "instead") from None

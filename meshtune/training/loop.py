@@ -158,6 +158,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             if save_now:
                 save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
             if stopping:
+                mesh.agree(False)  # every rank waits for the writer's save: they exit together
                 reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
                 break
     return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,

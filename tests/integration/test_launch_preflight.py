@@ -32,6 +32,9 @@ def test_a_resumed_run_is_checked_on_its_own_settings_and_told_which_rank_counts
         preflight(4, resume)
     assert "train.batch_size = 6" in str(err.value)
     assert "a resumed run keeps its own settings, so give -n N, N one of [1, 2, 3, 6] instead" in str(err.value)
+    with pytest.raises(ValueError) as err:  # a layout flag of this launch: its own error, no -n hint
+        preflight(2, [*resume, "--parallel.pp", "2", "--parallel.micro_batches", "4"])
+    assert "parallel.micro_batches" in str(err.value) and "a resumed run keeps" not in str(err.value)
 
 
 @pytest.mark.parametrize("flags, says", [

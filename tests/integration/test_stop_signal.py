@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from support import ROOT
+from test_launch_ssh import _hostfile
 from meshtune.training.checkpoint import verify_checkpoint
 
 ARGS = ["--batch-size", "8", "--num-layers", "-1", "--learning-rate", "1e-3", "--train.steps_per_report", "1",
@@ -51,14 +54,38 @@ def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
     assert _train_records(run)[-1]["step"] == step + 2
 
 
-def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path):
-    """Ctrl-C (SIGINT) or a scheduler's SIGTERM to `meshtune launch` reaches every rank: they save one
-    checkpoint together, each exits 3, the launcher exits 3 and prints the resume line; no rank outlives it."""
+# As a real ssh: the local client and the remote rank are two processes (the rank in a session of its
+# own), and a signal to the client ends the client, not the rank.
+SEPARATE_SSH = """#!/bin/sh
+host="$1"; shift
+env -i PATH="$PATH" HOME="$HOME" setsid /bin/sh -c "$*" &
+wait $!
+"""
+
+
+def _separate_ssh(tmp_path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(SEPARATE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("ranks", ["local", "ssh"])
+def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path, ranks):
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM to `meshtune launch` reaches every rank once, local or
+    over ssh (a stand-in ssh: the remote rank gets it, its ssh client stays open): they save
+    one checkpoint together, each exits 3, the launcher exits 3 and prints the resume line; no rank
+    outlives it."""
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", "meshtune", "train", "--iters", "100000",
+    where = ["-n", "2"]
+    if ranks == "ssh":
+        env = _separate_ssh(tmp_path) | {"PYTHONPATH": str(ROOT)}
+        where = ["--hostfile", str(_hostfile(tmp_path, 2))]
+    cmd = [sys.executable, "-m", "meshtune.cli", "launch", *where, "--", "meshtune", "train", "--iters", "100000",
            *ARGS, "--adapter-path", str(run)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     deadline = time.monotonic() + 120
     while len(_train_records(run)) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
@@ -77,6 +104,6 @@ def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path):
     assert seen <= step <= seen + 50, (seen, step)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"{step:07d}"]
     assert verify_checkpoint(run / "checkpoints" / f"{step:07d}") is None
-    assert f"to continue from step {step}: meshtune launch -n 2 -- meshtune train" in out
+    assert f"to continue from step {step}: meshtune launch {' '.join(where)} -- meshtune train" in out
     assert "exited with code" not in out  # an agreed stop, not a failed rank
     assert subprocess.run(["pgrep", "-f", str(run)], capture_output=True).returncode == 1  # no rank left
