@@ -47,7 +47,7 @@ from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
-from .preflight import check_before_load, check_output_folder, init_file, no_checkpoint
+from .preflight import check_before_load, check_output_folder, init_file, no_checkpoint, on_writer
 
 __all__ = ["RunResult", "finetune", "complete", "evaluate_adapters", "fuse", "generate", "load_for_inference",
            "load_model"]
@@ -114,9 +114,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     layout = Pipeline if mesh.pp > 1 else DataParallel
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
-    if mesh.is_writer:
-        check_output_folder(cfg, out)
-        check_writable(out)
+    on_writer(mesh, lambda: (check_output_folder(cfg, out), check_writable(out)))
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
         stage = f", pipeline stage {mesh.pp_rank} of {mesh.pp}" if mesh.pp > 1 else ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from . import adapters as ad
 from .config import Config
@@ -22,6 +22,8 @@ from .run_data import split_names
 from .training.checkpoint import list_checkpoints
 from .training.trackers import check_trackers
 
+T = TypeVar("T")
+
 
 def check_before_load(cfg: Config, mesh: Mesh, layout: Any, out: Path) -> list[str]:
     """Every check that needs no model loaded; the trackers the writer will open (--report-to)."""
@@ -32,11 +34,25 @@ def check_before_load(cfg: Config, mesh: Mesh, layout: Any, out: Path) -> list[s
         check_full_is_dense(cfg, Path(model_path))
     if cfg.adapter.init_from and not cfg.output.resume:
         check_init_from(cfg.adapter, model_path)
-    trackers = check_trackers(cfg.output.report_to) if mesh.is_writer else []
+    trackers = on_writer(mesh, lambda: check_trackers(cfg.output.report_to)) or []
     if cfg.output.resume and not (out / "checkpoints").is_dir():  # the restore checks the rest
         raise ValueError(no_checkpoint(out, "no checkpoint"))
     check_ranks_agree(cfg, mesh)
     return trackers
+
+
+def on_writer(mesh: Mesh, check: Callable[[], T]) -> T | None:
+    """`check`'s result, run on the writer alone; when it refuses the run, every rank stops (one agree):
+    the others would otherwise wait in the next collective until the link was blamed."""
+    refused, result = None, None
+    if mesh.is_writer:
+        try:
+            result = check()
+        except ValueError as err:
+            refused = err
+    if mesh.agree(refused is not None):
+        raise refused or ValueError(f"rank {mesh.rank}: stopping with rank 0, which refused the run (its line)")
+    return result
 
 
 def check_ranks_agree(cfg: Config, mesh: Mesh) -> None:

@@ -209,9 +209,13 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     from ..config import load_config, parse_override_args
 
     config = Path(args.adapter_path) / "adapter_config.json"
+    if any(Path(args.adapter_path).glob("state.stage*.json")):
+        raise ValueError(f"--adapter-path {args.adapter_path} is a pipeline checkpoint (one weights file per stage), "
+                         f"which resumes but does not load as adapters; point it at the run "
+                         f"({Path(args.adapter_path).parent.parent})")
     if not config.is_file():
         raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
-                         "meshtune train or mlx_lm.lora (or one of its checkpoints)")
+                         "meshtune train or mlx_lm.lora (or a data-parallel run's checkpoint)")
     if args.batches == 0 or args.batches < -1:
         raise ValueError(f"--batches {args.batches}: give a count of at least 1, or -1 for every full batch")
     cfg = load_config(str(config), parse_override_args(rest))

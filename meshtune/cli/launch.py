@@ -137,6 +137,12 @@ def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
                  CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
 
 
+def _check_hosts(n: int, ssh_hosts: list[dict[str, Any]] | None) -> None:
+    if ssh_hosts is not None and len(ssh_hosts) != n:
+        raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
+                         "or leave -n out")
+
+
 def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
                  timeout: float | None = None, hosts: list[str] | None = None,
                  wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None,
@@ -153,9 +159,7 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
         raise ValueError(f"-n {n}: need at least one rank")
     if not command:
         raise ValueError("no command given; e.g. meshtune launch -n 2 -- meshtune train -c run.yaml")
-    if ssh_hosts is not None and len(ssh_hosts) != n:
-        raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
-                         "or leave -n out")
+    _check_hosts(n, ssh_hosts)
     if backend not in ("ring", "nccl"):
         raise ValueError(f"--backend {backend}: meshtune launch starts ring or nccl ranks")
     if backend == "nccl" and (ssh_hosts or hosts):
@@ -387,9 +391,7 @@ def main(argv: list[str]) -> int:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
     if not command:
         raise ValueError("no command to run; give it after --, e.g. meshtune launch -n 2 -- meshtune train")
-    if ssh_hosts is not None and len(ssh_hosts) != n:
-        raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
-                         "or leave -n out")
+    _check_hosts(n, ssh_hosts)
     if ssh_hosts is None and shutil.which(command[0]) is None:
         if Path(command[0]).is_file():
             raise ValueError(f"command {command[0]!r} is not executable; chmod +x {command[0]}, or run it through "

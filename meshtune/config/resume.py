@@ -102,9 +102,9 @@ def run_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]
 
 
 # Compared across ranks at start (settings_digests): what every rank must run alike. The folders are left
-# out: hosts may keep the model and data in different places.
+# out: hosts may keep the model, the data and adapters to start from in different places.
 SAME_ON_EVERY_RANK = RUN_SECTIONS + ("parallel",)
-HOST_KEYS = ("model.path", "data.path")
+HOST_KEYS = ("model.path", "data.path", "adapter.init_from")
 
 
 def settings_digests(resolved: dict[str, Any]) -> dict[str, int]:

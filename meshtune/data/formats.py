@@ -117,15 +117,14 @@ def template_keeps_role(tokenizer: Any, role: str) -> bool:
     """Whether the tokenizer's chat template renders a message of `role` (its content in the text),
     tried once per template and role."""
     key = (str(getattr(tokenizer, "chat_template", "")), role)
-    _seen = _ROLES_KEPT
-    if key not in _seen:
+    if key not in _ROLES_KEPT:
         try:
             text = tokenizer.apply_chat_template([{"role": role, "content": ROLE_PROBE},
                                                   {"role": "user", "content": "hi"}], tokenize=False)
-            _seen[key] = isinstance(text, str) and ROLE_PROBE in text
+            _ROLES_KEPT[key] = isinstance(text, str) and ROLE_PROBE in text
         except Exception:  # a template that raises on the role rejects it
-            _seen[key] = False
-    return _seen[key]
+            _ROLES_KEPT[key] = False
+    return _ROLES_KEPT[key]
 
 
 def _check_messages(row: Dict[str, Any], key: str, where: str, tokenizer: Any = None) -> List[Dict[str, Any]]:
@@ -267,7 +266,7 @@ def jsonl_source(path: Path) -> Source:
 
 
 class EmptySplit(ValueError):
-    """A split without a single row; `fix` is the general fix, which a caller may replace with its own."""
+    """A split without a single row; `what` says so without the fix, for a caller that gives its own."""
 
     def __init__(self, what: str, fix: str) -> None:
         self.what = what

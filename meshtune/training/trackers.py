@@ -12,6 +12,7 @@ W&B keeps its run folder in `<adapter_path>/wandb` (WANDB_MODE=offline works as 
 
 from __future__ import annotations
 
+import configparser
 import importlib
 import netrc
 import os
@@ -54,10 +55,24 @@ def check_trackers(report_to: list[str] | str | None) -> list[str]:
     return names
 
 
+KEYLESS_MODES = ("offline", "dryrun", "disabled")
+
+
 def wandb_can_log(environ: Any) -> bool:
-    """Whether wandb.init will find what it needs without asking: a key, or a mode that needs none."""
-    if environ.get("WANDB_API_KEY") or environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+    """Whether wandb.init will find what it needs without asking: a key, or a mode that needs none
+    (WANDB_MODE, or `wandb offline`'s settings file: the workspace's ./wandb/settings, the user's
+    WANDB_CONFIG_DIR or ~/.config/wandb/settings)."""
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_MODE", "").lower() in KEYLESS_MODES:
         return True
+    config_dir = Path(environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    for settings in (Path(environ.get("WANDB_DIR") or ".") / "wandb" / "settings", config_dir / "settings"):
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(settings)
+        except configparser.Error:
+            continue
+        if parser.get("default", "mode", fallback="").lower() in KEYLESS_MODES:
+            return True
     host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
     path = Path(environ.get("NETRC") or Path.home() / ".netrc")
     try:

@@ -30,3 +30,19 @@ def test_ranks_with_the_same_settings_train(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (run / "adapters.safetensors").exists()
+
+
+def test_a_run_the_writer_refuses_stops_every_rank_with_one_line_each(tmp_path):
+    """The writer alone checks the output folder; the others stop with it (no traceback, no lost link)."""
+    run = tmp_path / "run"
+    args = ["train", "--batch-size", "4", "--iters", "2", "--val-batches", "0", "--adapter-path", str(run)]
+    first = subprocess.run([*CLI, *args], env=env(), capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = subprocess.run([*CLI, "launch", "-n", "2", "--", "meshtune", *args], env=env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+    assert any(line.startswith("[rank 0]") and "already holds a run" in line for line in errors), proc.stdout
+    assert any(line.startswith("[rank 1]") and "stopping with rank 0, which refused the run" in line
+               for line in errors), proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr

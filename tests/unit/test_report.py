@@ -154,6 +154,8 @@ def test_wandb_without_a_key_is_refused_before_the_run(tmp_path, monkeypatch) ->
     for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # none: never logged in
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     with pytest.raises(ValueError) as err:
         trackers.check_trackers("tensorboard,wandb")
     assert str(err.value).startswith("output.report_to=wandb: no W&B API key")
@@ -165,6 +167,10 @@ def test_wandb_without_a_key_is_refused_before_the_run(tmp_path, monkeypatch) ->
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert trackers.check_trackers("wandb") == ["wandb"]
     monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+    assert trackers.check_trackers("wandb") == ["wandb"]
+    (tmp_path / "config" / "settings").unlink()
     monkeypatch.setenv("WANDB_API_KEY", "abc")
     assert trackers.check_trackers("wandb") == ["wandb"]
 

@@ -147,6 +147,7 @@ def test_a_stopped_multi_rank_run_says_the_launch_command(monkeypatch, capsys, t
     monkeypatch.setattr(commands, "_mesh", lambda cfg: _Mesh(4))
     monkeypatch.setenv("MLX_RANK", "0")
     monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    monkeypatch.delenv("MESHTUNE_LAUNCH_COMMAND", raising=False)  # as if started by another launcher
     args = argparse.Namespace(config=None, resume=False)
     assert commands.cmd_train(args, ["--data", "d", "--adapter-path", str(run)]) == 3
     assert (f"to continue from step 7: meshtune launch -n 4 -- meshtune train --adapter-path {run} --resume"
