@@ -212,6 +212,9 @@ def test_eval_scores_a_run_s_adapters_on_its_test_split_as_mlx_lm_evaluates(trai
     assert loss == pytest.approx(expected, abs=1e-3)
     wrong = cli("eval", "--adapter-path", str(run / "nothing"))
     assert wrong.returncode == 2 and "no adapter_config.json there" in wrong.stderr
+    big = cli("eval", "--adapter-path", str(run), "--batch-size", "500")  # more than the 100 test rows
+    assert big.returncode == 2 and "give --batch-size 100 (or less)" in big.stderr, big.stderr
+    assert "--test" not in big.stderr.split("batch_size=500", 1)[1]  # train's way out, not eval's
 
 
 def test_a_run_on_relative_paths_generates_and_resumes_from_anywhere(tmp_path, cli):
