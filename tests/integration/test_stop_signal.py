@@ -27,18 +27,24 @@ def _train_records(run: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "train"]
 
 
-def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
-    run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "meshtune.cli", "train", "--iters", "100000", *ARGS, "--adapter-path", str(run)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _signal_once_training(cmd, env, run: Path, sig: int, cwd=None) -> tuple[subprocess.Popen, int, str]:
+    """Start `cmd`, send `sig` once three reports are written: (the process, the last reported step, its output)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     deadline = time.monotonic() + 120
     while len(_train_records(run)) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     seen = _train_records(run)[-1]["step"]
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    return proc, seen, out
+
+
+def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "meshtune.cli", "train", "--iters", "100000", *ARGS, "--adapter-path", str(run)]
+    proc, seen, out = _signal_once_training(cmd, env, run, signal.SIGTERM)
     assert proc.returncode == 3, out[-2000:]  # meshtune/cli/commands.py: 3 = stopped on request, resumable
     stopped = [line for line in out.splitlines() if "stopped at step" in line]
     assert len(stopped) == 1, out[-2000:]
@@ -85,14 +91,7 @@ def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path, ran
         where = ["--hostfile", str(_hostfile(tmp_path, 2))]
     cmd = [sys.executable, "-m", "meshtune.cli", "launch", *where, "--", "meshtune", "train", "--iters", "100000",
            *ARGS, "--adapter-path", str(run)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    deadline = time.monotonic() + 120
-    while len(_train_records(run)) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
-    seen = _train_records(run)[-1]["step"]
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=90)
+    proc, seen, out = _signal_once_training(cmd, env, run, signal.SIGINT, cwd=tmp_path)
     assert proc.returncode == 3, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert "meshtune launch: SIGINT: every rank saves a checkpoint and stops" in out
