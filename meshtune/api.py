@@ -36,7 +36,7 @@ from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
 from .run_data import eval_batches, load_splits, warner
-from .training.metrics import METRICS_FILE, Reporter
+from .training.metrics import METRICS_FILE, Reporter, read_metrics
 from .training.report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
@@ -273,6 +273,6 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
 def _drop_metrics_after(out: Path, step: int) -> None:
     """Forget reports past the checkpoint: the resumed run reports those steps again."""
     path = out / METRICS_FILE
-    if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
-        atomic_write_text(path, "".join(l + "\n" for l in keep))
+    if path.exists():  # read_metrics leaves out a last record cut off mid-write
+        keep = [r for r in read_metrics(out) if r.get("step", 0) <= step]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))

@@ -11,6 +11,7 @@ below the lines, never in a file or pipe. Only the writer rank writes.
 from __future__ import annotations
 
 import json
+import warnings
 import sys
 import time
 from dataclasses import dataclass, field
@@ -162,6 +163,22 @@ class Reporter:
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl."""
+    """All records of a run's metrics.jsonl. A last line cut off mid-write (a crash, a full disk) is
+    left out with a warning; any other line that is not a JSON object is an error naming it."""
     path = Path(out_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                warnings.warn(f"{path}:{n}: an incomplete last record (cut off mid-write) is left out")
+                continue
+            raise ValueError(f"{path}:{n}: not a JSON record; remove the line (or the file, to report afresh)") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object; remove the line")
+        records.append(record)
+    return records

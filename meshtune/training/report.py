@@ -45,6 +45,16 @@ class RunSummary:
     val: list[tuple[int, float]] = field(default_factory=list)
     test_loss: float | None = None
     shares: dict[str, float] = field(default_factory=dict)  # mean comm_share / bubble_share over the reports
+    iters: int = 0  # the steps asked for (train.iters; 0: not known)
+    stopped: bool = False  # a stop on request was recorded
+    checkpoint: int | None = None  # the step of the newest checkpoint folder
+
+    @property
+    def status(self) -> str:
+        """done (every step asked for), stopped (on request) or incomplete (cut off: no end was recorded)."""
+        if not self.iters or self.steps >= self.iters:
+            return "done"
+        return "stopped" if self.stopped else "incomplete"
 
     @property
     def tokens_per_sec(self) -> float:
@@ -82,6 +92,10 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
         values = [r[key] for r in train if r.get(key) is not None]
         if values:
             s.shares[key] = sum(values) / len(values)
+    s.iters = int(cfg.get("train", {}).get("iters", 0) or 0)
+    s.stopped = any(r.get("type") == "stop" for r in records)
+    steps = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.is_dir() and p.name.isdigit()]
+    s.checkpoint = max(steps, default=None)
     return s
 
 
@@ -102,7 +116,8 @@ def markdown(s: RunSummary) -> str:
     rows = [
         ("model", s.model), ("data", s.data), ("layout", layout),
         ("adapter", f"{a.get('fine_tune_type')}, rank {a.get('rank')}, scale {a.get('scale')}, layers {layers}"),
-        ("steps", str(s.steps)), ("tokens trained", str(s.trained_tokens)),
+        ("steps", str(s.steps) if s.status == "done" else f"{s.steps} of {s.iters} ({s.status})"),
+        ("tokens trained", str(s.trained_tokens)),
         ("time in steps", f"{s.step_seconds:.1f} s"),
         ("tokens/s", f"{s.tokens_per_sec:.1f}"), ("peak memory", f"{s.peak_memory_gb:.3f} GB (the largest rank)"),
         ("train loss", _first_last(s.train)), ("validation loss", _first_last(s.val)),
@@ -154,11 +169,19 @@ def write_report(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
 
 
 def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
-    """The run's last line: steps, tokens, time, tokens/s, final losses, where things are."""
+    """The run's last line: how it ended, steps, tokens, time, tokens/s, final losses, where things are.
+
+    A run cut off (no end recorded) names the step its adapters and newest checkpoint hold, and the
+    command that resumes it."""
     last = lambda points: f"{points[-1][1]:.4f}" if points else "none"  # noqa: E731
-    return (f"done: {s.steps} steps, {s.trained_tokens} tokens in {s.step_seconds:.1f} s "
+    steps = f"{s.steps} steps" if s.status == "done" else f"step {s.steps} of {s.iters}"
+    held = "" if s.status == "done" or s.checkpoint is None else f" (step {s.checkpoint})"
+    written = f"adapters {adapters}{held}" if Path(adapters).exists() else "no adapters written yet"
+    resume = (f"; resume with meshtune train --adapter-path {out} --resume"
+              if s.status != "done" and s.checkpoint is not None else "")
+    return (f"{s.status}: {steps}, {s.trained_tokens} tokens in {s.step_seconds:.1f} s "
             f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {last(s.val)}; "
-            f"adapters {adapters}, report {Path(out) / REPORT_FILE}, plot {Path(out) / PLOT_FILE}")
+            f"{written}, report {Path(out) / REPORT_FILE}, plot {Path(out) / PLOT_FILE}{resume}")
 
 
 def main(argv: list[str]) -> int:
@@ -170,7 +193,11 @@ def main(argv: list[str]) -> int:
         what = "no metrics.jsonl in that folder" if Path(argv[0]).is_dir() else "no such folder"
         print(f"meshtune report: {argv[0]}: {what}; give the --adapter-path of a run", file=sys.stderr)
         return 2
-    s = write_report(Path(argv[0]))
+    try:
+        s = write_report(Path(argv[0]))
+    except ValueError as err:
+        print(f"meshtune report: {err}", file=sys.stderr)
+        return 2
     print(summary_line(s, Path(argv[0]), Path(argv[0]) / "adapters.safetensors"))
     return 0
 

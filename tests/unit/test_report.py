@@ -80,6 +80,41 @@ def test_report_numbers_come_from_the_metrics(tmp_path: Path) -> None:
     assert str(run / REPORT_FILE) in line and str(run / PLOT_FILE) in line
 
 
+def test_a_run_cut_off_is_reported_as_incomplete_with_its_checkpoint(tmp_path: Path) -> None:
+    """kill -9 at step 6 of 50: no end was recorded; the adapters hold the newest checkpoint's step."""
+    run = tmp_path / "run"
+    _fake_run(run)
+    config = json.loads((run / "adapter_config.json").read_text())
+    config["meshtune"]["train"] = {"iters": 50}
+    (run / "adapter_config.json").write_text(json.dumps(config))
+    (run / "checkpoints" / "0000004").mkdir(parents=True)
+    summary = write_report(run)
+    assert summary.status == "incomplete" and _row((run / REPORT_FILE).read_text(), "steps") == "6 of 50 (incomplete)"
+    line = summary_line(summary, run, run / "adapters.safetensors")
+    assert line.startswith("incomplete: step 6 of 50, 300 tokens") and "no adapters written yet" in line
+    (run / "adapters.safetensors").write_bytes(b"")
+    line = summary_line(summary, run, run / "adapters.safetensors")
+    assert f"adapters {run / 'adapters.safetensors'} (step 4)" in line
+    assert line.endswith(f"; resume with meshtune train --adapter-path {run} --resume")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"type": "stop", "step": 6, "message": "stopped"}) + "\n")
+    assert write_report(run).status == "stopped"
+
+
+def test_a_last_record_cut_off_mid_write_is_left_out_and_a_bad_line_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _fake_run(run)
+    whole = read_metrics(run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"type": "train", "step": 7, "lo')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:6: an incomplete last record"):
+        assert read_metrics(run) == whole
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], "not json", *lines[1:-1]]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_metrics(run)
+
+
 def test_a_pipeline_report_gives_the_schedule_and_its_analytic_idle_share(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _fake_run(run, pp=2, ranks=4)
