@@ -44,7 +44,7 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
         from ..demo import DEMO_CONFIG
 
         cfg = load_config(DEMO_CONFIG, overrides)
-        say(f"note: no --model/--data/-c given: training the embedded tiny model on the arithmetic data "
+        say(f"note: no --model/--data/-c given: the embedded tiny model on the arithmetic data, "
             f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
     elif not cfg.data.path and reads_data:
         say("note: no --data given: training on the embedded arithmetic data; pass --data with a folder "
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     every_option = options_help()  # the epilog of train, config and plan
     for name, func, doc in (
-        ("train", cmd_train, "Fine-tune (LoRA or full) from YAML and flags."),
+        ("train", cmd_train, "Fine-tune (LoRA, DoRA or full) from YAML and flags."),
         ("config", cmd_config, "Print the resolved config of a train command as YAML (-c reads it back)."),
     ):
         cmd = sub.add_parser(name, help=doc, epilog=every_option,

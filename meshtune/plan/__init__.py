@@ -25,9 +25,13 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
     if not memory_gb > 0:
         raise ValueError(f"--memory-gb {memory_gb}: give the memory of one rank in GB, e.g. --memory-gb 64")
     link_bytes_s = parse_link(link)
-    seq = seq_len or cfg.data.max_seq_length
+    longest = cfg.data.max_seq_length
+    seq = longest if seq_len is None else seq_len
     if seq < 1:
         raise ValueError(f"--seq-len {seq}: give the tokens per example, e.g. --seq-len 512")
+    if seq > longest:  # a run cuts every example to max_seq_length: no batch is wider
+        raise ValueError(f"--seq-len {seq} is longer than data.max_seq_length={longest}, to which a run cuts every "
+                         f"example; give --seq-len {longest} or less, or raise --max-seq-length")
     facts = read_model(cfg.resolved_model_path())
     items = trained(facts, cfg.adapter)
     costs, first, last = _split_costs(facts, items)
@@ -45,12 +49,12 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         else:
             row["fits"] = False
         rows.append(row)
-    choice, reason = recommend(rows, ranks, memory_gb)
+    choice, reason = recommend(rows, ranks, memory_gb, shorter="--max-seq-length" if seq_len is None else "--seq-len")
     return {
         "model": str(facts.path), "blocks": facts.num_blocks, "weights_by_kind": facts.weight_bytes(),
         "trainable_params": sum(i.params for i in items), "fine_tune_type": cfg.adapter.fine_tune_type,
         "optimizer": cfg.optimizer.name, "batch_size": cfg.train.batch_size, "seq_len": seq,
-        "seq_len_from": "--seq-len" if seq_len else "data.max_seq_length",
+        "seq_len_from": "--seq-len" if seq_len is not None else "data.max_seq_length",
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
         "ranks": ranks, "memory_gb": memory_gb, "link": link, "link_bytes_per_s": link_bytes_s,
         "layouts": rows, "recommended": choice, "reason": reason,
@@ -81,7 +85,8 @@ def _split_costs(facts: Any, items: list[Any]) -> tuple[list[float], float, floa
     return costs, embed, norm + (head if head else embed)
 
 
-def recommend(rows: list[dict[str, Any]], ranks: int, memory_gb: float) -> tuple[str | None, str]:
+def recommend(rows: list[dict[str, Any]], ranks: int, memory_gb: float,
+              shorter: str = "--max-seq-length") -> tuple[str | None, str]:
     """The fastest layout that fits, and why: most ranks used, then least bubble, then least traffic time."""
     fitting = [r for r in rows if r["fits"] and not r["problem"]]
     if not fitting:
@@ -89,10 +94,10 @@ def recommend(rows: list[dict[str, Any]], ranks: int, memory_gb: float) -> tuple
         need = (f"; the smallest, {smallest['layout']}, needs {smallest['total'] / 1e9:.2f} GB per rank"
                 if smallest else "")
         return None, (f"no layout fits in {memory_gb:g} GB per rank{need}: more ranks, a smaller --batch-size "
-                      "or --max-seq-length, fewer --num-layers, or a quantized model")
+                      f"or {shorter}, fewer --num-layers, or a quantized model")
     best = min(fitting, key=lambda r: (-r["ranks"], r["bubble"], r["comm_ms"], r["total"]))
     size = f"{best['total'] / 1e9:.2f} GB" if best["total"] >= 1e8 else f"{best['total'] / 1e6:.2f} MB"
-    why = [f"fits ({size} of {memory_gb:g} GB per rank)"]
+    why = [f"fits: {size} of {memory_gb:g} GB per rank"]
     if best["ranks"] < ranks:
         full = [r for r in rows if r["ranks"] == ranks]
         refused = [f"{r['layout']}: {r['problem']}" for r in full if r["problem"]]

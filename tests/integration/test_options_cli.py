@@ -45,7 +45,7 @@ def test_config_round_trips_and_train_accepts_it(tmp_path, cli, args):
 def test_bare_config_says_it_is_the_demo_and_data_alone_is_not(cli):
     bare = cli("config")
     assert bare.returncode == 0 and "batch_size: 16" in bare.stdout
-    assert "note: no --model/--data/-c given: training the embedded tiny model" in bare.stderr
+    assert "note: no --model/--data/-c given: the embedded tiny model" in bare.stderr
     own = cli("config", "--data", str(ARITH_DATA))
     assert own.returncode == 0 and "batch_size: 4" in own.stdout and "mask_prompt: false" in own.stdout
     assert "learning_rate: 1.0e-05" in own.stdout and "demo" not in own.stderr

@@ -133,7 +133,7 @@ def test_data_or_model_without_config_gets_meshtune_defaults_and_bare_gets_the_d
     said.clear()
     demo = _train_config(_args(), ["--iters", "5"], say=said.append)
     assert (demo.train.batch_size, demo.train.iters, demo.data.mask_prompt) == (16, 5, True)
-    assert said == ["note: no --model/--data/-c given: training the embedded tiny model on the arithmetic data "
+    assert said == ["note: no --model/--data/-c given: the embedded tiny model on the arithmetic data, "
                     "with the demo's settings (meshtune/configs/demo.yaml)"]
 
 

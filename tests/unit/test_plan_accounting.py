@@ -220,6 +220,19 @@ def test_candidates_and_their_split_match_the_pipeline(tmp_path: Path) -> None:
         assert layout["stage_layers"] == [e - s for s, e in bounds], pp
 
 
+def test_seq_len_is_at_least_1_and_at_most_what_a_run_keeps() -> None:
+    cfg = Config.from_dict({"data": {"max_seq_length": 512}})
+    assert plan(cfg, 1, 16.0, "10gbit")["seq_len"] == 512  # the worst case by default
+    assert plan(cfg, 1, 16.0, "10gbit", seq_len=128)["seq_len"] == 128
+    with pytest.raises(ValueError, match=r"--seq-len 0: give the tokens per example"):
+        plan(cfg, 1, 16.0, "10gbit", seq_len=0)
+    with pytest.raises(ValueError, match=r"--seq-len 4096 is longer than data.max_seq_length=512.*--seq-len 512 or"):
+        plan(cfg, 1, 16.0, "10gbit", seq_len=4096)
+    tight = plan(cfg, 1, 1e-6, "10gbit", seq_len=128)  # fits nowhere: the fix names the flag that was given
+    assert "a smaller --batch-size or --seq-len" in tight["reason"]
+    assert "a smaller --batch-size or --max-seq-length" in plan(cfg, 1, 1e-6, "10gbit")["reason"]
+
+
 def test_allreduce_bytes() -> None:
     assert ring_allreduce_bytes(100.0, 1) == 0
     assert ring_allreduce_bytes(100.0, 4) == pytest.approx(150.0)
