@@ -47,6 +47,7 @@ from typing import IO, Any, Callable
 from ..parallel.hostfile import read_hostfile
 from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
 from .commands import LAUNCH_ENV
+from ..runtime.stop_signals import StopSignals
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
 
@@ -175,9 +176,9 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
         hostfile = write_ring_hostfile(n, Path(tmp), ips) if n > 1 and backend == "ring" else None
         beats = Path(tmp) / "heartbeats"
         beats.mkdir()
-        ranks, pumps, muted = [], [], threading.Event()
+        ranks, muted = [], threading.Event()
         # Signals recorded from before the first rank starts: every started rank is then stopped with the rest.
-        with _Interrupts() as interrupts:
+        with StopSignals() as interrupts:
             for i in range(n):
                 rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1",
                                 **per_rank[i])
@@ -202,10 +203,9 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
                 rank.pump = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
                                              daemon=True)
                 rank.pump.start()
-                pumps.append(rank.pump)
             code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted, interrupts.signals)
-        for t in pumps:
-            t.join(timeout=5)
+        for r in ranks:
+            r.pump.join(timeout=5)
         if not lost:
             for r in ranks:
                 (out or sys.stdout).writelines(f"[rank {r.index}] {line}" for line in r.held)
@@ -219,26 +219,6 @@ STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace
 # the others to get there before stopping them.
 # A stop on request (code 3) is agreed too: the ranks save one checkpoint together and exit.
 AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0, STOPPED_EXIT_CODE: 15.0}
-
-
-class _Interrupts:
-    """SIGINT/SIGTERM sent to the launcher (Ctrl-C, a scheduler), recorded for `_watch` to pass on."""
-
-    def __init__(self) -> None:
-        self.signals: list[int] = []
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> "_Interrupts":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, lambda signum, _frame: self.signals.append(signum))
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
@@ -403,12 +383,13 @@ def main(argv: list[str]) -> int:
                          "use --backend ring")
     preflight(n, command)
     # How the ranks' resume line says to start them again (commands.resume_command).
-    os.environ[LAUNCH_ENV] = (f"meshtune launch --hostfile {shlex.quote(str(Path(a.hostfile).resolve()))}" if a.hostfile
-                              else f"meshtune launch -n {n}") + (" --backend nccl" if a.backend == "nccl" else "")
+    again = (f"meshtune launch --hostfile {shlex.quote(str(Path(a.hostfile).resolve()))}" if a.hostfile
+             else f"meshtune launch -n {n}") + (" --backend nccl" if a.backend == "nccl" else "")
     pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)
     if note:
         print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)
-    return launch_local(n, command, pin=pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend)
+    return launch_local(n, command, pin=pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend,
+                        env={**os.environ, LAUNCH_ENV: again})
 
 
 def _runs_on(cfg: Any, n: int) -> bool:

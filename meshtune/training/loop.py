@@ -19,7 +19,6 @@ report, an eval or a save, so nothing is written between a bad step and its disc
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -27,6 +26,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 
 from ..parallel.mesh import Mesh
+from ..runtime.stop_signals import StopSignals
 from .checkpoint import TrainingState
 from .metrics import Reporter, Window, report_window
 from .strategy import Strategy
@@ -62,31 +62,6 @@ class LoopResult:
     val_loss: float | None
     trained_tokens: int
     stopped_early: bool
-
-
-class _StopFlag:
-    """Turns SIGTERM/SIGINT into a request to save and stop at the next step."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopFlag":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:  # a second signal means "now"
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -129,7 +104,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
 
     if validate is not None and step == 0:
         val_loss = run_eval(0)
-    with _StopFlag() as stop:
+    with StopSignals(second_interrupts=True) as stop:
         while step < settings.iters:
             tic = time.perf_counter()
             mx.random.seed(step_seed(seed, step))
