@@ -89,22 +89,22 @@ class Mesh:
         stream), ring and JACCL only on the CPU."""
         return None if self.backend == "nccl" else mx.cpu
 
-    def all_ints(self, value: int) -> list[int]:
-        """Every rank's `value`, by rank: one world all_sum over a slot per rank (any backend)."""
+    def all_rows(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (as many on every rank), by rank: one world all_sum over a row per rank."""
         if self.world_size == 1:
-            return [value]
-        slots = mx.zeros((self.world_size,), mx.int32)
-        slots[self.rank] = value
+            return [list(values)]
+        slots = mx.zeros((self.world_size, len(values)), mx.int32)
+        slots[self.rank] = mx.array(values, mx.int32)
         return mx.distributed.all_sum(slots, group=self.group, stream=self._host_stream()).tolist()
 
+    def all_ints(self, value: int) -> list[int]:
+        """Every rank's `value`, by rank (any backend)."""
+        return [row[0] for row in self.all_rows([value])]
+
     def disagreeing(self, values: dict[str, int]) -> list[str]:
-        """The names in `values` (the same names on every rank) whose value differs between ranks; one all_sum."""
-        if self.world_size == 1:
-            return []
+        """The names in `values` (the same names on every rank) whose value differs between ranks."""
         names = sorted(values)
-        slots = mx.zeros((self.world_size, len(names)), mx.int32)
-        slots[self.rank] = mx.array([values[name] for name in names], mx.int32)
-        rows = mx.distributed.all_sum(slots, group=self.group, stream=self._host_stream()).tolist()
+        rows = self.all_rows([values[name] for name in names])
         return [name for j, name in enumerate(names) if len({row[j] for row in rows}) > 1]
 
     def agree(self, flag: bool) -> bool:

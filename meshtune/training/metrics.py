@@ -27,13 +27,13 @@ METRICS_FILE = "metrics.jsonl"
 def peak_memory_per_rank(mesh: Any) -> list[float]:
     """Every rank's peak memory in GB, in rank order: a collective over the whole world (every rank calls it).
 
-    Bytes travel as two int32 slots per rank (MiB and the rest, Mesh.all_ints), so the sums are exact.
+    Bytes travel as two int32 slots per rank (MiB and the rest, one Mesh.all_rows), so the sums are exact.
     """
     peak = mx.get_peak_memory()
     if mesh.world_size == 1:
         return [peak / 1e9]
     mib, rest = divmod(peak, 2**20)
-    return [(m * 2**20 + r) / 1e9 for m, r in zip(mesh.all_ints(mib), mesh.all_ints(rest))]
+    return [(m * 2**20 + r) / 1e9 for m, r in mesh.all_rows([mib, rest])]
 
 
 def wait_shares(mesh: Any, waited: dict[str, float], seconds: float) -> dict[str, float]:
