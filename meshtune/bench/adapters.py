@@ -198,7 +198,7 @@ def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool
     in_flight = OneInFlight(overlap)
 
     def run(tokens: mx.array, lengths: mx.array) -> mx.array:
-        ce, n, _, _ = step(tokens, lengths, None, None, True)
+        ce, n, _ = step.finish(tokens, lengths, None, None)
         loss = ce / n
         in_flight.run([state, loss], [loss])
         return loss

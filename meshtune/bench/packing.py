@@ -60,7 +60,7 @@ def _prepare(model: Any, data: Any, pack: bool, a: argparse.Namespace) -> tuple[
     step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=True)
 
     def one(batch: Any) -> int:
-        _, n, _, _ = step(batch.tokens, batch.lengths, None, None, True)
+        _, n, _ = step.finish(batch.tokens, batch.lengths, None, None)
         mx.eval(n, model.parameters(), opt.state)
         return int(n.item())
 

@@ -94,7 +94,7 @@ def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: m
                           bucket_mb=a.bucket_mb)
 
         def run() -> Any:
-            ce, n, _, _ = step(tokens, lengths, None, None, True)
+            ce, n, _ = step.finish(tokens, lengths, None, None)
             mx.eval(state, ce, n)
             return ce
 

@@ -37,6 +37,7 @@ import queue
 import re
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -284,42 +285,61 @@ def _step_parts(model: nn.Module, optimizer: optim.Optimizer, *, max_grad_norm: 
     return backward, apply, compiled
 
 
+@dataclass(frozen=True)
+class Step:
+    """A data-parallel step's two calls, each one micro-batch: zero or more `accumulate`, then `finish`.
+
+    accumulate(tokens, lengths, grads, ntoks) -> (loss_sum, ntoks_batch, grads, ntoks): the
+        micro-batch's gradients and target tokens added to `grads` and `ntoks` (None at a
+        step's first micro-batch).
+    finish(tokens, lengths, grads, ntoks) -> (loss_sum, ntoks_batch, verdict): the same, then
+        the sums over the ranks and the optimizer's update unless the step is bad
+        (training/update.py); `verdict` is its StepVerdict.
+    """
+
+    accumulate: Callable[..., tuple[mx.array, mx.array, Any, mx.array]]
+    finish: Callable[..., tuple[mx.array, mx.array, StepVerdict]]
+
+
+def _with_verdict(finish: Callable[..., tuple[mx.array, mx.array, Any]]
+                  ) -> Callable[..., tuple[mx.array, mx.array, StepVerdict]]:
+    def finish_step(*args: Any) -> tuple[mx.array, mx.array, StepVerdict]:
+        ce, n, verdict = finish(*args)
+        return ce, n, StepVerdict(*verdict)
+
+    return finish_step
+
+
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
                compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
-               transport: str = "mlx", clock: WaitClock | None = None
-               ) -> Callable[..., tuple[mx.array, mx.array, Any, Any]]:
-    """step(tokens, lengths, grads, ntoks, update) -> (loss_sum, ntoks_batch, grads, ntoks).
+               transport: str = "mlx", clock: WaitClock | None = None) -> Step:
+    """The step `meshtune train` runs (see Step), compiled with `compile`.
 
-    Each call is one micro-batch: its gradients and tokens are added to `grads` and
-    `ntoks` (None at a step's first); with `update` they are summed over the ranks and
-    the optimizer steps unless the step is bad (training/update.py), and
-    (loss_sum, ntoks_batch, None, (ok, norm, global tokens)) comes back. On the socket
-    transport `clock` gets each step's exposed communication (TimedPump).
+    On the socket transport the backward and the update are compiled apart and the
+    gradient buckets go to the socket ring's threads between them as they come due
+    (sum_for_update with a pump); `clock` gets each step's exposed communication (TimedPump).
     """
     backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile)
     sockets = transport == "sockets" and mesh.world_size > 1
     if sockets:
-        # Compiled backward and update; between them each bucket is handed to the socket
-        # ring's threads as its gradients come due (sum_for_update with a pump).
         backward, apply = compiled(backward), compiled(apply)
     pump = BucketPump(SocketRing(mesh.rank, hostfile_ips(), mesh.all_ints)) if sockets else None
     if pump is not None and clock is not None:
         pump = TimedPump(pump, clock)
 
-    def step(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any, update: bool):
+    def finish(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
         ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
-        if not update:
-            return ce, n, grads, total
-        verdict = apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, pump=pump))
-        return ce, n, None, verdict
+        return ce, n, apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, pump=pump))
 
-    return step if sockets else compiled(step)
+    if not sockets:
+        backward, finish = compiled(backward), compiled(finish)
+    return Step(accumulate=backward, finish=_with_verdict(finish))
 
 
 def build_sampled_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
                        compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0
-                       ) -> Callable[..., tuple[tuple[mx.array, mx.array, None, Any], float]]:
-    """sampled(tokens, lengths, grads, ntoks) -> (build_step's outputs with `update`, comm seconds).
+                       ) -> Callable[..., tuple[tuple[mx.array, mx.array, StepVerdict], float]]:
+    """sampled(tokens, lengths, grads, ntoks) -> (Step.finish's outputs, comm seconds).
 
     A step's last micro-batch run split, for the mlx transport's comm_share: the
     compiled backward is evaluated, then the gradient sums (sum_for_update, the same
@@ -338,7 +358,7 @@ def build_sampled_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh,
         tic = time.perf_counter()
         summed = sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb)
         mx.eval(summed)
-        return (ce, n, None, apply(*summed)), time.perf_counter() - tic
+        return (ce, n, StepVerdict(*apply(*summed))), time.perf_counter() - tic
 
     return sampled
 
@@ -366,7 +386,7 @@ class DataParallel:
                               sync=sync, bucket_mb=bucket_mb, transport=transport, clock=self.clock)
         self._build_sampled = partial(build_sampled_step, model, optimizer, mesh, max_grad_norm=max_grad_norm,
                                       compile=compile, sync=sync, bucket_mb=bucket_mb) if sampled else None
-        self._step: Callable[..., tuple[mx.array, mx.array, Any, Any]] | None = None
+        self._step: Step | None = None
         self._sampled: Callable[..., Any] | None = None
         self._comm: float | None = None  # the window's sampled comm seconds; None: sample the next step
         self._in_flight = OneInFlight(overlap)
@@ -390,24 +410,28 @@ class DataParallel:
         sample = self._build_sampled is not None and self._comm is None
         if sample:
             self._sampled = self._sampled or self._build_sampled()
-        grads = carried = None  # carried: the tokens so far; after the last micro-batch, the verdict's arrays
+        grads = tokens = None  # the step's sums so far
         losses = []
         for micro in range(self.accumulation):
             batch = next(batches)
-            last = micro == self.accumulation - 1
-            if last and sample:
-                (ce, n, grads, carried), self._comm = self._sampled(batch.tokens, batch.lengths, grads, carried)
+            if micro < self.accumulation - 1:
+                ce, n, grads, tokens = self._step.accumulate(batch.tokens, batch.lengths, grads, tokens)
+                carried = [grads, tokens]
+            elif sample:
+                (ce, n, verdict), self._comm = self._sampled(batch.tokens, batch.lengths, grads, tokens)
+                carried = verdict.arrays()
             else:
-                ce, n, grads, carried = self._step(batch.tokens, batch.lengths, grads, carried, last)
+                ce, n, verdict = self._step.finish(batch.tokens, batch.lengths, grads, tokens)
+                carried = verdict.arrays()
             losses.append((ce, n))
             # The wait is on a micro-batch's own loss arrays: the state's containers are updated
             # in place, so by then they hold the next micro-batch's arrays. The verdict is
             # evaluated with the last call.
-            self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, grads, carried],
+            self._in_flight.run([self.model.state, self.optimizer.state, mx.random.state, ce, n, *carried],
                                 [ce, n])
         if self._build_sampled is not None:
             self.clock.add(self._comm)
-        return losses, StepVerdict(*carried)
+        return losses, verdict
 
     def take_waits(self) -> dict[str, float]:
         self._comm = None  # the next window samples its own first step

@@ -232,7 +232,7 @@ def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simula
 
 @pytest.mark.parametrize("fold", [True, False])
 def test_training_step_takes_dora_norms_before_the_forward(simulated, model_factory, monkeypatch, fold):
-    """meshtune's step (train.build_step) on a model with DoRA: one norm launch per shape; folded
+    """meshtune's step (parallel.data_parallel.build_step) on a model with DoRA: one norm launch per shape; folded
     (the default) m's gradient by the sums-only kernel, else by the cotangent kernel."""
     import mlx.optimizers as optim
 
@@ -249,7 +249,7 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     step = build_step(model, optim.SGD(learning_rate=0.1), Mesh.single(), max_grad_norm=0.0, compile=False)
     tokens = mx.random.randint(0, 64, (2, 9), key=mx.random.key(1))
     lengths = mx.array([[0, 9], [0, 9]])
-    ce, n, _, _ = step(tokens, lengths, None, None, True)
+    ce, n, _ = step.finish(tokens, lengths, None, None)
     mx.eval(ce, n, model.parameters())
     # q (32 rows) in both blocks in one launch, v (16 rows: 2 kv heads) in both in another.
     assert {k: v.calls for k, v in simulated.items() if "row_norm" in k} == {_step_norm_kernel(fold, layers=2): 2}
@@ -258,7 +258,7 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
 
 
 def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
-    """Two steps of meshtune's step (train.build_step, uncompiled, SGD: the update is the gradient,
+    """Two steps of meshtune's step (parallel.data_parallel.build_step, uncompiled, SGD: the update is the gradient,
     which Adam's per-element normalisation would blow up at ~0) on a 2-block model, 4-bit where
     `quantized`, with DoRA on q_proj and down_proj and non-zero B (the row scale moves off 1):
     (the two losses, the trainable parameters after). `built(model)` runs before the steps."""
@@ -286,7 +286,7 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
     lengths = mx.array([[0, 9], [0, 9]])
     losses = []
     for _ in range(2):
-        ce, n, _, _ = step(tokens, lengths, None, None, True)
+        ce, n, _ = step.finish(tokens, lengths, None, None)
         mx.eval(ce, n, model.parameters())
         losses.append((ce / n).item())
     return losses, dict(tree_flatten(model.trainable_parameters()))

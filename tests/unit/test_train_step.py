@@ -67,9 +67,12 @@ def _run(model_factory, micro_batches, clip=0.0, compile=True):
     opt.init(model.trainable_parameters())
     step = build_step(model, opt, Mesh.single(), max_grad_norm=clip, compile=compile)
     grads = ntoks = None
-    for i, (rows, offs) in enumerate(micro_batches):
-        _, _, grads, ntoks = step(*_batch(rows, offs), grads, ntoks, i == len(micro_batches) - 1)
+    for rows, offs in micro_batches[:-1]:
+        _, _, grads, ntoks = step.accumulate(*_batch(rows, offs), grads, ntoks)
         mx.eval(model.state, opt.state, grads, ntoks)
+    for rows, offs in micro_batches[-1:]:
+        _, _, verdict = step.finish(*_batch(rows, offs), grads, ntoks)
+        mx.eval(model.state, opt.state, verdict.arrays())
     return trainable_parameters(model)
 
 
@@ -191,16 +194,18 @@ def test_a_zero_token_global_batch_is_not_applied(model_factory, compile, clip):
     model = _bad_step_setup(model_factory, opt)
     step = build_step(model, opt, Mesh.single(), max_grad_norm=clip, compile=compile)
     before = _snapshot(model, opt)
-    grads = ntoks = None
-    for i, offs in enumerate([[9, 9, 9, 9], [5, 8, 3, 7]]):  # offset >= length: no targets
-        _, n, grads, ntoks = step(*_batch(ROWS, offs), grads, ntoks, i == 1)
-        mx.eval(model.state, opt.state, grads, ntoks)
-        assert n.item() == 0
-    ok, norm, tokens = ntoks
+    # offset >= length: no targets in either micro-batch
+    _, n, grads, ntoks = step.accumulate(*_batch(ROWS, [9, 9, 9, 9]), None, None)
+    mx.eval(model.state, opt.state, grads, ntoks)
+    assert n.item() == 0
+    _, n, verdict = step.finish(*_batch(ROWS, [5, 8, 3, 7]), grads, ntoks)
+    ok, norm, tokens = verdict.arrays()
+    mx.eval(model.state, opt.state, ok, norm, tokens)
+    assert n.item() == 0
     assert not ok.item() and tokens.item() == 0 and not mx.isfinite(norm).item()
     _assert_unchanged(before, model, opt)
     # The next good step is applied as usual.
-    _, _, _, (ok, _, _) = step(*_batch(ROWS, OFFS), None, None, True)
+    ok = step.finish(*_batch(ROWS, OFFS), None, None)[2].ok
     mx.eval(model.state, opt.state, ok)
     assert ok.item()
     assert any(not mx.array_equal(v, before[0][k]).item() for k, v in trainable_parameters(model).items())
@@ -213,13 +218,14 @@ def test_a_non_finite_gradient_is_not_applied(model_factory, compile, poison):
     opt = optim.AdamW(learning_rate=0.1)
     model = _bad_step_setup(model_factory, opt)
     step = build_step(model, opt, Mesh.single(), max_grad_norm=0.0, compile=compile)
-    _, _, _, (ok, _, _) = step(*_batch(ROWS, OFFS), None, None, True)  # one good step: AdamW state non-zero
+    ok = step.finish(*_batch(ROWS, OFFS), None, None)[2].ok  # one good step: AdamW state non-zero
     mx.eval(model.state, opt.state, ok)
     assert ok.item()
     before = _snapshot(model, opt)
     norm_weight = model.model.norm.weight
     model.model.norm.weight = mx.full(norm_weight.shape, poison)
-    ce, _, _, (ok, norm, tokens) = step(*_batch(ROWS, OFFS), None, None, True)
+    ce, _, verdict = step.finish(*_batch(ROWS, OFFS), None, None)
+    ok, norm, tokens = verdict.arrays()
     mx.eval(model.state, opt.state, ok, norm, ce)
     assert not ok.item() and not mx.isfinite(norm).item() and tokens.item() > 0
     assert not mx.isfinite(ce).item()
