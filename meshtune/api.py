@@ -35,7 +35,7 @@ from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
-from .run_data import eval_batches, load_splits, warner
+from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
 from .training.metrics import METRICS_FILE, Reporter, read_metrics
 from .training.report import summary_line, write_report
 from .training.trackers import open_trackers
@@ -137,7 +137,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
 
     if cfg.data.pack:
         check_packable(model)
-    data = load_splits(cfg, tokenizer, mesh, need_valid=cfg.train.val_batches != 0, need_test=cfg.train.test)
+    data = load_splits(cfg, tokenizer, mesh, need_valid=cfg.train.val_batches != 0, need_test=cfg.train.test,
+                       ways_out=TRAINING_WAYS_OUT)
     # On CUDA, training batches widened for fused attention's backward (evaluation runs none); every
     # rank the same, or a pipeline's stages would disagree on activation shapes.
     multiple = attention_inputs_multiple(model)
@@ -148,9 +149,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
                             warn=warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
     # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
-    val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches)
+    val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches, TRAINING_WAYS_OUT)
                    if data.valid is not None and cfg.train.val_batches != 0 else None)
-    test_batches = (eval_batches(data.test, cfg, mesh, cfg.train.test_batches)
+    test_batches = (eval_batches(data.test, cfg, mesh, cfg.train.test_batches, TRAINING_WAYS_OUT)
                     if cfg.train.test and data.test is not None else None)
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule_arguments(),
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,

@@ -149,7 +149,7 @@ CASES: list[Case] = [
     Case("too_long_strict", ("--data.max_seq_length", "8", "--data.truncate", "false"),
          "data/train.jsonl:1: example is", {TRAIN: GOOD * 8}),
     Case("valid_smaller_than_a_batch", (), "valid ({tmp}/data/valid.jsonl): has 2 examples, fewer than "
-         "batch_size=4; add examples, give --batch-size 2 (or less), or skip validation with --val-batches 0",
+         "batch_size=4; add examples, give --batch-size 2 (or less), or turn off validation with --val-batches 0",
          {"data/valid.jsonl": GOOD * 2}),
     Case("missing_valid_split", (), "data/valid.jsonl: not found", setup=lambda t: (t / "data/valid.jsonl").unlink()),
     Case("no_data_dir", ("--data", "{tmp}/nowhere"), "data.path={tmp}/nowhere"),

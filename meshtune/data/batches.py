@@ -86,7 +86,8 @@ class BatchIterator:
     is made in sorted order (unless ``shuffle=True``); iterating again after the
     pass has finished starts a new pass.  ``state()``/``load_state()`` save and
     restore the cursor.  ``warn`` receives the one truncation message of the
-    split (default: ``warnings.warn`` with ``TruncationWarning``).
+    split (default: ``warnings.warn`` with ``TruncationWarning``).  ``way_out``: how the caller
+    does without this split ("leave out --test"), offered when it has too few examples.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class BatchIterator:
         warn: Optional[Callable[[str], None]] = None,
         pack: bool = False,
         inputs_multiple_of: Optional[int] = None,
+        way_out: str = "",
     ) -> None:
         name = dataset.name
         _check_options(name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
@@ -123,10 +125,9 @@ class BatchIterator:
             unit_lengths = dataset.lengths
             if len(dataset) < batch_size:
                 where = f"{name} ({dataset.path})" if dataset.path is not None else name
-                skip = {"valid": ", or skip validation with --val-batches 0", "test": ", or drop --test"}
                 raise ValueError(
                     f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
-                    f" add examples, give --batch-size {len(dataset)} (or less){skip.get(name, '')}"
+                    f" add examples, give --batch-size {len(dataset)} (or less){f', or {way_out}' if way_out else ''}"
                 )
         self.dataset = dataset
         self.batch_size = batch_size

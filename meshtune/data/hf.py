@@ -25,7 +25,6 @@ from .token_cache import cached_split
 INSTALL = "pip install 'meshtune[datasets]'"
 DEFAULTS = {"train": ("train",), "valid": ("valid", "validation"), "test": ("test",)}
 FLAGS = {"train": "--data.train_split", "valid": "--data.valid_split", "test": "--data.test_split"}
-OFF = {"train": "", "valid": " or turn off validation with --val-batches 0", "test": " or leave out --test"}
 
 
 def library(source: str) -> Any:
@@ -88,15 +87,16 @@ def open_source(source: str) -> Dict[str, Any]:
     return dict(loaded)
 
 
-def pick(source: str, splits: Dict[str, Any], role: str, spec: str) -> tuple[str, Any]:
-    """(spec, dataset) of the split playing `role`, sliced as data.<role>_split says."""
+def pick(source: str, splits: Dict[str, Any], role: str, spec: str, way_out: str = "") -> tuple[str, Any]:
+    """(spec, dataset) of the split playing `role`, sliced as data.<role>_split says; `way_out`:
+    how the caller does without the split, offered when there is none."""
     datasets = library(source)
     if not spec:
         spec = next((n for n in DEFAULTS[role] if n in splits), "")
         if not spec:
             raise ValueError(f"data.path={source}: no {' or '.join(DEFAULTS[role])} split (it has "
                              f"{', '.join(sorted(splits)) or 'none'}); choose one with {FLAGS[role]} NAME "
-                             f"(slices like train[-10%:] work){OFF[role]}")
+                             f"(slices like train[-10%:] work){f' or {way_out}' if way_out else ''}")
     try:
         parts = datasets.ReadInstruction.from_spec(spec).to_absolute({k: len(v) for k, v in splits.items()})
     except (ValueError, KeyError, AssertionError) as err:
@@ -145,9 +145,11 @@ def load_split(source: str, role: str, spec: str, ds: Any, tokenizer: Any, *, ma
     return data
 
 
-def load_roles(source: str, tokenizer: Any, needed: Dict[str, bool], specs: Dict[str, str], **options: Any
-               ) -> Dict[str, TokenizedDataset]:
-    """The needed roles' splits of `source`; every split is found before any is tokenized."""
+def load_roles(source: str, tokenizer: Any, needed: Dict[str, bool], specs: Dict[str, str],
+               ways_out: Dict[str, str], **options: Any) -> Dict[str, TokenizedDataset]:
+    """The needed roles' splits of `source`; every split is found before any is tokenized.
+    `ways_out`: how the caller does without a role's split (sources.load_datasets)."""
     splits = open_source(source)
-    chosen = {role: pick(source, splits, role, specs.get(role, "")) for role, need in needed.items() if need}
+    chosen = {role: pick(source, splits, role, specs.get(role, ""), ways_out.get(role, ""))
+              for role, need in needed.items() if need}
     return {role: load_split(source, role, spec, ds, tokenizer, **options) for role, (spec, ds) in chosen.items()}

@@ -60,10 +60,13 @@ def load_datasets(
     skip_empty: bool = False,
     warn: Optional[Callable[[str], None]] = None,
     splits: Optional[Dict[str, str]] = None,
+    ways_out: Optional[Dict[str, str]] = None,
 ) -> Datasets:
     """The splits of any accepted source; splits not needed are None.
 
     `splits` maps train/valid/test to a split spec (data.*_split) for datasets-library sources.
+    `ways_out` maps valid/test to how the caller does without that split (training:
+    "turn off validation with --val-batches 0"), offered in the errors about it.
     The other options are formats.load_split's, for every split.
     """
     options = dict(mask_prompt=mask_prompt, features=features, max_length=max_length,
@@ -73,13 +76,13 @@ def load_datasets(
     text = str(source)
     folder = Path(text).expanduser()
     if folder.is_dir() and (hf.is_saved_dataset(folder) or hf.parquet_splits(folder)) or is_hub_id(text):
-        loaded = hf.load_roles(text, tokenizer, needed, specs, **options)
+        loaded = hf.load_roles(text, tokenizer, needed, specs, ways_out or {}, **options)
         return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "folder not found"
         raise ValueError(f"{folder}: data {what}; point --data at {FORMS}")
     _no_split_specs(folder, specs)
-    return load_jsonl_folder(folder, tokenizer, needed, **options)
+    return load_jsonl_folder(folder, tokenizer, needed, ways_out or {}, **options)
 
 
 def _required(folder: Path, name: str, hint: str) -> Path:
@@ -92,29 +95,26 @@ def _required(folder: Path, name: str, hint: str) -> Path:
     return path
 
 
-def load_jsonl_folder(folder: Path, tokenizer: Any, needed: Dict[str, bool], **options: Any) -> Datasets:
+def load_jsonl_folder(folder: Path, tokenizer: Any, needed: Dict[str, bool], ways_out: Dict[str, str],
+                      **options: Any) -> Datasets:
     """Load ``train/valid/test.jsonl`` from a folder; splits not `needed` are left as None.
 
-    `options` are load_split's (mask_prompt, features, max_length, max_seq_length, skip_empty,
-    warn), for every split; the same shape as hf.load_roles.
+    `ways_out` and `options` (load_split's: mask_prompt, features, max_length, max_seq_length,
+    skip_empty, warn) are load_datasets'; the same shape as hf.load_roles.
     """
     folder = Path(folder)
-    hints = {
-        "train": " (or put train/valid .parquet files or a save_to_disk dataset there)",
-        "valid": " (or turn off validation with --val-batches 0)",
-        "test": " (or leave out --test)",
-    }
+    hints = {n: f" (or {way})" for n, way in ways_out.items()}
+    hints["train"] = " (or put train/valid .parquet files or a save_to_disk dataset there)"
     # Check every needed file before tokenizing anything, so a missing valid.jsonl
     # is reported before minutes are spent on train.jsonl.
-    paths = {n: _required(folder, n, hints[n]) for n, need in needed.items() if need}
-    empty_fix = {"valid": "add one JSON object per line, or turn off validation with --val-batches 0",
-                 "test": "add one JSON object per line, or leave out --test"}
+    paths = {n: _required(folder, n, hints.get(n, "")) for n, need in needed.items() if need}
     loaded = {}
     for n, p in paths.items():
         try:
             loaded[n] = load_split(p, tokenizer, **options)
         except EmptySplit as err:
-            if n not in empty_fix:
+            if n == "train":
                 raise
-            raise ValueError(f"{err.what}; {empty_fix[n]}") from None
+            way = f", or {ways_out[n]}" if n in ways_out else ""
+            raise ValueError(f"{err.what}; add one JSON object per line{way}") from None
     return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))

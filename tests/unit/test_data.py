@@ -234,8 +234,18 @@ def test_load_datasets(tmp_path, tok):
     with pytest.raises(ValueError, match=r"nope: data folder not found; point --data at a folder"):
         load_datasets(tmp_path / "nope", tok)
     write_jsonl(tmp_path, "train", completion_rows(4))
-    with pytest.raises(ValueError, match=r"valid\.jsonl: not found; create valid\.jsonl in"):
+    with pytest.raises(ValueError, match=r"valid\.jsonl: not found; create valid\.jsonl in .* per line$"):
         load_datasets(tmp_path, tok)
+    ways_out = {"valid": "turn off validation with --val-batches 0", "test": "leave out --test"}
+    with pytest.raises(ValueError, match=r"valid\.jsonl in .* per line \(or turn off validation with "
+                                         r"--val-batches 0\)$"):  # the caller's way out, offered
+        load_datasets(tmp_path, tok, ways_out=ways_out)
+    (tmp_path / "valid.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"valid\.jsonl: .*; add one JSON object per line$"):
+        load_datasets(tmp_path, tok)
+    with pytest.raises(ValueError, match=r"; add one JSON object per line, or turn off validation with "
+                                         r"--val-batches 0$"):
+        load_datasets(tmp_path, tok, ways_out=ways_out)
     write_jsonl(tmp_path, "valid", completion_rows(2, seed=1))
     ds = load_datasets(tmp_path, tok, mask_prompt=True)
     assert (len(ds.train), len(ds.valid), ds.test) == (4, 2, None)
@@ -435,8 +445,11 @@ def test_bad_cursor_and_options():
         it.load_state({"epoch": 0, "position": 1, "seed": 5})
     with pytest.raises(ValueError, match=r"position=5 is out of range"):
         it.load_state({"epoch": 0, "position": 5})
-    with pytest.raises(ValueError, match=r"valid: has 20 examples, fewer than batch_size=32"):
+    with pytest.raises(ValueError, match=r"valid: has 20 examples, fewer than batch_size=32; add examples, "
+                                         r"give --batch-size 20 \(or less\)$"):
         BatchIterator(ds, batch_size=32, max_seq_length=2048)
+    with pytest.raises(ValueError, match=r"give --batch-size 20 \(or less\), or leave out --test$"):  # the caller's
+        BatchIterator(ds, batch_size=32, max_seq_length=2048, way_out="leave out --test")
     with pytest.raises(ValueError, match=r"valid: batch_size=6 is not divisible by world_size=4"):
         BatchIterator(ds, batch_size=6, max_seq_length=2048, world_size=4)
     with pytest.raises(ValueError, match=r"rank=2 must be in 0..world_size-1"):

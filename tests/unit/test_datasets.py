@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from meshtune.data import check_source, formats, load_datasets
+from meshtune.run_data import TRAINING_WAYS_OUT
 
 pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
@@ -100,6 +101,8 @@ def test_single_dataset_is_train_and_splits_slice(tmp_path, tok, reference):
     datasets.Dataset.from_dict(_columns(TRAIN + VALID)).save_to_disk(str(tmp_path / "one"))
     with pytest.raises(ValueError, match=r"one: no valid or validation split \(it has train\); choose one "
                                          r"with --data.valid_split NAME .* turn off validation with --val-batches 0"):
+        load_datasets(tmp_path / "one", tok, mask_prompt=True, ways_out=TRAINING_WAYS_OUT)
+    with pytest.raises(ValueError, match=r"\(slices like train\[-10%:\] work\)$"):  # a caller with no way out
         load_datasets(tmp_path / "one", tok, mask_prompt=True)
     got = load_datasets(tmp_path / "one", tok, mask_prompt=True,
                         splits={"train": "train[:6]", "valid": "train[-3:]"})
@@ -159,8 +162,8 @@ def test_sources_and_their_errors(tmp_path, tok, monkeypatch):
     write_jsonl(tmp_path, "train", TRAIN)
     with pytest.raises(ValueError, match=r"data.train_split='train\[:2\]' applies to Hugging Face datasets"):
         load_datasets(tmp_path, tok, need_valid=False, splits={"train": "train[:2]"})
-    with pytest.raises(ValueError, match=r"valid.jsonl: not found; .*--val-batches 0"):
-        load_datasets(tmp_path, tok)
+    with pytest.raises(ValueError, match=r"valid.jsonl: not found; .*--val-batches 0"):  # as training asks
+        load_datasets(tmp_path, tok, ways_out=TRAINING_WAYS_OUT)
     # Without the optional library: one line naming the extra.
     pq.write_table(pa.table(_columns(TRAIN)), tmp_path / "train.parquet")
     (tmp_path / "train.jsonl").unlink()
