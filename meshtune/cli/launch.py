@@ -76,6 +76,7 @@ def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) ->
 FORWARD_ENV = ("PYTHONPATH", "LD_PRELOAD", "MESHTUNE_SYSTEM_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                LAUNCH_ENV)
 PID_MARK = "meshtune-remote-pid"
+HOSTFILE_POLL_S = 5  # how often a remote host's watcher checks whether its rank has ended
 
 
 def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text: str | None, run_id: str,
@@ -84,17 +85,21 @@ def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text:
 
     Same working directory and paths on every host, as mlx.launch assumes. The pid
     line lets the launcher kill the remote rank: killing the local ssh alone does not.
+    The hostfile is removed there once the rank's process ends, however it ends: a
+    watcher in the background polls the pid the rank is exec'd into (the script's `$$`);
+    its own command line names only that pid and the file.
     """
     remote_file = f"/tmp/meshtune-{run_id}-rank{rank}.json"
     assigns = {k: env[k] for k in FORWARD_ENV if env.get(k)}
     assigns.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
-    write = ""
+    write = remove = ""
     if hostfile_text is not None:  # one rank needs no ring
         assigns["MLX_HOSTFILE"] = remote_file
         write = f"printf '%s' {shlex.quote(hostfile_text)} > {remote_file} && "
-    script = (f"cd {shlex.quote(cwd)} && {write}"
-              f"echo {PID_MARK} $$ && exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} "
-              f"{shlex.join(command)}")
+        watcher = f'trap "" HUP; while kill -0 "$0" 2>/dev/null; do sleep {HOSTFILE_POLL_S}; done; rm -f "$1"'
+        remove = f"sh -c {shlex.quote(watcher)} $$ {remote_file} </dev/null >/dev/null 2>&1 & "
+    script = (f"cd {shlex.quote(cwd)} && {write}echo {PID_MARK} $$ || exit 1; {remove}"
+              f"exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} {shlex.join(command)}")
     return ["ssh", host, script]
 
 

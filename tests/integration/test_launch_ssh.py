@@ -15,13 +15,14 @@ import sys
 import time
 
 from meshtune.bench.faultkit import CLI, env
-from meshtune.cli.launch import read_hostfile
+from meshtune.cli.launch import HOSTFILE_POLL_S, read_hostfile
 
 FAKE_SSH = """#!/bin/sh
-# fake ssh: ssh HOST COMMAND -> run COMMAND here, as a login would, with a clean environment
+# fake ssh: ssh HOST COMMAND -> run COMMAND here, as a login would: a clean environment, and a
+# session of its own (on a real host no signal to the local ssh client reaches it)
 host="$1"; shift
 echo "$host $*" >> "{log}"
-exec env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$*"
+exec setsid -w env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$*"
 """
 
 
@@ -58,6 +59,23 @@ def test_ranks_start_over_ssh_and_all_sum(tmp_path):
     assert sorted(line.split()[0] for line in log) == ["node0", "node1", "node2"]
     assert all("MLX_RANK=" in line and "MLX_HOSTFILE=" in line for line in log)
     assert "meshtune-remote-pid" not in proc.stdout  # the launcher's own line is not shown
+    _assert_removed(_remote_hostfiles(log, 3))
+
+
+def _remote_hostfiles(ssh_log: list[str], n: int) -> list[str]:
+    """The ring hostfile each "remote" rank was given (MLX_HOSTFILE on its ssh command line)."""
+    files = sorted({word.split("=", 1)[1] for line in ssh_log for word in line.split()
+                    if word.startswith("MLX_HOSTFILE=")})
+    assert len(files) == n and all(f.startswith("/tmp/meshtune-") for f in files), files
+    return files
+
+
+def _assert_removed(files: list[str]) -> None:
+    """Each host removes its rank's hostfile once the rank has ended (its watcher polls every HOSTFILE_POLL_S)."""
+    deadline = time.monotonic() + 3 * HOSTFILE_POLL_S
+    while any(os.path.exists(f) for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f) for f in files), files
 
 
 def test_a_failing_remote_rank_stops_the_others_there_too(tmp_path):
@@ -73,9 +91,15 @@ def test_a_failing_remote_rank_stops_the_others_there_too(tmp_path):
     # "[rank R] up R PID", in whatever order the ranks printed: rank 0's pid by its rank, not by its line's place.
     pids = {int(f[3]): int(f[4]) for f in (line.split() for line in proc.stdout.splitlines()) if f[2:3] == ["up"]}
     assert sorted(pids) == [0, 1], proc.stdout
-    # rank 0's process (the "remote" one, not just its ssh) was killed through ssh.
+    # rank 0's process (the "remote" one, in a session the launcher's signals do not reach) was killed
+    # through ssh; it ends soon after (nothing there waits for it).
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pids[0]}") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pids[0]}")
-    assert any(line.startswith("node0 kill -15") for line in (tmp_path / "ssh.log").read_text().splitlines())
+    log = (tmp_path / "ssh.log").read_text().splitlines()
+    assert any(line.startswith("node0 kill -15") for line in log)
+    _assert_removed(_remote_hostfiles(log, 2))  # the killed rank's too
 
 
 def test_hostfile_errors_are_one_line(tmp_path):
