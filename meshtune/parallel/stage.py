@@ -149,11 +149,16 @@ class PipelineStage:
                 return self.loss(h, targets, lengths)
             return (h * mx.stop_gradient(dy[0])).sum()  # seeds the reverse pass with the received cotangent
 
+        params = model.trainable_parameters()
+        if self.first and not tree_flatten(params):
+            # Token ids have no gradient, and nothing here is trained (--num-layers leaves the first
+            # blocks frozen): no backward to run. The value is unused off the last stage.
+            return mx.array(0.0), params
         # Adapters' per-step work on the stage's blocks (DoRA's norms on CUDA).
         with step_context(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
             if self.first:  # token ids have no gradient
-                return mx.value_and_grad(fn)(model.trainable_parameters(), x)
-            value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(model.trainable_parameters(), x)
+                return mx.value_and_grad(fn)(params, x)
+            value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(params, x)
         return value, grads, dx
 
     def hidden_spec(self, tokens: mx.array) -> tuple[tuple[int, ...], mx.Dtype]:

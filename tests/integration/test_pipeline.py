@@ -163,12 +163,16 @@ def test_tied_embedding_copies_stay_equal_and_match_one_process(tmp_path, kind):
     ("gpipe", "lora", 2, 2, ()), ("1f1b", "lora", 2, 2, ()), ("1f1b", "dora", 2, 2, ()), ("naive", "full", 2, 2, ()),
     ("1f1b", "lora", 3, 3, ()),  # three stages
     ("1f1b", "lora", 2, 2, ("--parallel.stage_layers", "[3,1]")),  # an uneven split
+    ("gpipe", "lora", 2, 2, ("--num-layers", "1")),  # the first stage trains nothing
+    ("1f1b", "full", 3, 3, ("--num-layers", "2")),  # nor the first two of three, fully fine-tuned
 ])
 def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp, extra):
-    two = _train_both(tmp_path, ["--fine-tune-type", kind], ranks, pp,
-                      ["--parallel.schedule", schedule, "--parallel.micro_batches", "4", *extra])
+    common = ["--fine-tune-type", kind, *(extra if extra[:1] == ("--num-layers",) else ())]
+    pipeline_only = [] if extra[:1] == ("--num-layers",) else list(extra)
+    two = _train_both(tmp_path, common, ranks, pp,
+                      ["--parallel.schedule", schedule, "--parallel.micro_batches", "4", *pipeline_only])
     assert f"pipeline: {pp} stages, {schedule} schedule, 4 micro-batches" in two.stdout
-    if extra:
+    if pipeline_only:
         assert "pipeline blocks per stage: 3 [0, 3), 1 [3, 4)" in two.stdout
     for rank in range(ranks):
         assert f"[rank {rank}] rank {rank} finished at step 4" in two.stdout
