@@ -219,6 +219,7 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
 
 SSH_FAILED = 255  # ssh's exit code when it could not connect or log in
 STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace stop)
+CAUSE_WAIT_S = 3.0  # how long a rank's lost connection (75) waits for the rank that caused it to exit
 # Exits every rank reaches on its own, each saying its own line: a non-finite step (every rank at the same
 # step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
 # the others to get there before stopping them.
@@ -238,9 +239,10 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
     watchdog's resumable code). A rank exiting non-zero gives its code; if that is
     75 (its watchdog, or its connection closing) and a heartbeat shows which other
-    rank is gone or stopped, the line names that rank.
+    rank is gone or stopped, the line names that rank; with no heartbeat to go by, a
+    rank that exits with another code within CAUSE_WAIT_S is named instead.
     """
-    start, stopped_since, agreed_since = time.monotonic(), {}, None
+    start, stopped_since, agreed_since, effect_since = time.monotonic(), {}, None, None
     interrupts, passed_on = interrupts if interrupts is not None else [], 0
     while True:
         if len(interrupts) > passed_on:
@@ -263,8 +265,9 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
             time.sleep(0.2)
             continue
         codes = [r.proc.poll() for r in ranks]
-        # A rank killed by a signal is the cause; peers exiting 75 at once are the effect.
-        failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] >= 0)
+        # A rank killed by a signal is the cause; peers exiting 75 (a lost connection) are the effect.
+        failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)),
+                        key=lambda f: (f[1] >= 0, f[1] == EXIT_CODE))
         # An exit every rank reaches on its own: let the others get there (up to AGREED_EXIT_S),
         # then pass the code on with nothing to add.
         agreed = failed[0][1] if failed and failed[0][1] in AGREED_EXIT_S else None
@@ -275,14 +278,20 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
             if time.monotonic() - agreed_since < AGREED_EXIT_S[agreed]:
                 time.sleep(0.05)
                 continue
+        i, code = failed[0] if failed else (None, None)
+        lost = lost_peer(beats, len(ranks), i, stale_s=5.0) if code == EXIT_CODE else None
+        # A rank that lost its connection, with no peer to blame, is an effect: the rank that broke
+        # it may still be on its way out with its own code (an error's). Wait for that a little.
+        if code == EXIT_CODE and lost is None and None in codes:
+            effect_since = effect_since or time.monotonic()
+            if time.monotonic() - effect_since < CAUSE_WAIT_S:
+                failed = []
         if failed:
-            i, code = failed[0]
             muted.set()
             if code < 0:
                 sig = -code
                 why = f"killed by signal {sig} ({signal.Signals(sig).name})"
                 return _fail(ranks, i, why, 128 + sig, beats, err), True
-            lost = lost_peer(beats, len(ranks), i, stale_s=5.0) if code == EXIT_CODE else None
             if lost is not None:
                 return _fail(ranks, lost[0], f"{lost[2]}; rank {i} exited with code {code}", code, beats, err), True
             host = ranks[i].host

@@ -152,6 +152,19 @@ def test_launch_stops_everyone_and_fails_when_a_rank_fails():
     assert "meshtune launch: rank 1 exited with code 3; stopping rank 0" in proc.stderr
 
 
+def test_launch_names_the_failing_rank_not_the_peer_that_lost_it():
+    """Rank 0 fails (exit 1) a moment after rank 1 has lost its connection to it (exit 75, the
+    resumable code a retry script would loop on): the line and the exit code are rank 0's."""
+    code = ("import os, sys, time; r = int(os.environ['MLX_RANK']); time.sleep(1.0 if r == 0 else 0.1); "
+            "print('meshtune: error: rank', r, 'failed', flush=True) if r == 0 else None; sys.exit(1 if r == 0 else 75)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", sys.executable, "-c",
+                           code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[rank 0] meshtune: error: rank 0 failed" in proc.stdout
+    assert "meshtune launch: rank 0 exited with code 1; rank 1 already exited" in proc.stderr, proc.stderr
+
+
 def test_bench_scaling_prints_table_and_json():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "scaling", "--iters", "4",
