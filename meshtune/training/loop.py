@@ -7,6 +7,8 @@ micro-batches, all ranks), so the update equals the one a single process would m
 on the same global batch. Reported losses are weighted by tokens the same way: the
 ranks' loss sums and token counts are added at each report, with every rank's peak
 memory and the strategy's measured waits (Strategy.take_waits: comm or bubble seconds).
+A report closes its window every `steps_per_report` steps and at every save (a stop's
+included), so what a checkpoint counts is what has been reported.
 The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
 costs time and buys nothing at a steady shape mix).
 
@@ -123,7 +125,10 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             stopping = mesh.agree(stop.requested) if agree_now else False
             save_now = step % settings.save_every == 0 or step == settings.iters or stopping
             read_verdicts(newest=report_now or eval_now or save_now)
-            if report_now and window.applied:  # a window of skipped steps only is reported with the next
+            # A save closes the window too, so a checkpoint holds every token trained before it and a
+            # resumed run's reports are the uninterrupted run's. A window of skipped steps only is
+            # reported with the next.
+            if (report_now or save_now) and window.applied:
                 train_loss, trained_tokens = report_window(
                     reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
                     trained_tokens=trained_tokens, waited=strategy.take_waits())

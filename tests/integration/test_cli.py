@@ -55,7 +55,7 @@ def test_metrics_lines(trained):
     recs = _records(run)
     train = [r for r in recs if r["type"] == "train"]
     val = [r for r in recs if r["type"] == "val"]
-    assert [r["step"] for r in train] == [2, 4, 6]
+    assert [r["step"] for r in train] == [2, 3, 4, 6]  # every 2 steps and at each save (every 3)
     assert [r["step"] for r in val] == [0, 3, 6]
     for r in train:
         assert r["tokens"] > 0 and r["tokens_per_sec"] > 0 and r["peak_memory_gb"] > 0
@@ -97,6 +97,27 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, cli):
     strip = lambda rs: [{k: v for k, v in r.items() if k in ("type", "step", "loss", "val_loss")} for r in rs]  # noqa: E731
     assert strip(_records(part)) == strip(_records(whole))
     assert (part / "adapters.safetensors").read_bytes() == (whole / "adapters.safetensors").read_bytes()
+
+
+def test_a_checkpoint_between_reports_resumes_to_the_same_reports_and_tokens(tmp_path, cli):
+    """Reports every 2 steps, a checkpoint every 3: the save closes the report window, so the
+    checkpoint at step 3 counts every token before it, and a run resumed from it reports what
+    the uninterrupted run reported (losses, tokens, trained tokens), step for step."""
+    import shutil
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert cli("train", "--iters", "6", *QUICK, "--adapter-path", str(whole)).returncode == 0
+    train = [r for r in _records(whole) if r["type"] == "train"]
+    assert [r["step"] for r in train] == [2, 3, 4, 6]  # the save at 3 reported its window
+    shutil.copytree(whole, part)
+    shutil.rmtree(part / "checkpoints" / "0000006")
+    proc = cli("train", "--iters", "6", *QUICK, "--adapter-path", str(part), "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from step 3" in proc.stdout
+    keys = ("type", "step", "loss", "tokens", "trained_tokens", "val_loss")
+    strip = lambda rs: [{k: v for k, v in r.items() if k in keys} for r in rs]  # noqa: E731
+    assert strip(_records(part)) == strip(_records(whole))
+    assert f"{train[-1]['trained_tokens']} tokens" in proc.stdout  # the run's own total, not one window short
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, cli):
@@ -372,7 +393,7 @@ def test_overlapped_steps_train_exactly_as_steps_waited_for(tmp_path, cli):
         assert proc.returncode == 0, proc.stderr[-2000:]
     strip = lambda rs: [{k: v for k, v in r.items() if k in ("type", "step", "loss", "val_loss")} for r in rs]  # noqa: E731
     assert strip(_records(runs["true"])) == strip(_records(runs["false"]))
-    assert len([r for r in _records(runs["true"]) if r["type"] == "train"]) == 3
+    assert len([r for r in _records(runs["true"]) if r["type"] == "train"]) == 4  # steps 2, 3 (a save), 4, 6
     for name in ("adapters.safetensors", "checkpoints/0000003/optimizer.safetensors"):
         assert (runs["true"] / name).read_bytes() == (runs["false"] / name).read_bytes(), name
 
