@@ -41,6 +41,7 @@ from .training.report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
+from .runtime.relaunch import resume_command
 from .training.forced_fault import with_forced_fault
 from .training.loop import LoopSettings, NonFiniteStep, train
 from .training.step import enable_grad_checkpoint, overlaps_steps
@@ -217,6 +218,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             log=say, show_progress=show_progress,
                             trackers=open_trackers(trackers, out, config=resolved, project=cfg.output.project_name)
                             ) as reporter:
+        # How to start these ranks again, for the report of a run that is cut off (no line printed).
+        reporter.note("start", start.step, None, resume=resume_command(out, mesh))
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                            start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)

@@ -46,7 +46,7 @@ from typing import IO, Any, Callable
 
 from ..parallel.hostfile import read_hostfile
 from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
-from .commands import LAUNCH_ENV
+from ..runtime.relaunch import LAUNCH_ENV
 from ..runtime.stop_signals import StopSignals
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
@@ -396,7 +396,7 @@ def main(argv: list[str]) -> int:
         raise ValueError("--backend nccl: this MLX has no NCCL (MLX's CUDA build has it: pip install mlx[cuda]); "
                          "use --backend ring")
     preflight(n, command)
-    # How the ranks' resume line says to start them again (commands.resume_command).
+    # How the ranks' resume line says to start them again (runtime/relaunch.resume_command).
     again = (f"meshtune launch --hostfile {shlex.quote(str(Path(a.hostfile).resolve()))}" if a.hostfile
              else f"meshtune launch -n {n}") + (" --backend nccl" if a.backend == "nccl" else "")
     pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)

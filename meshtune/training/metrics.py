@@ -117,14 +117,16 @@ class Reporter:
         if self._bar is not None:
             self._bar.update(1)
 
-    def emit(self, record: dict[str, Any], line: str) -> None:
-        """Append one JSON record and print its human line (above the bar)."""
+    def emit(self, record: dict[str, Any], line: str | None) -> None:
+        """Append one JSON record and print its human line (above the bar; None: no line)."""
         if not self.writer:
             return
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
         for tracker in self.trackers:
             tracker.log(record)
+        if line is None:
+            return
         if self._bar is not None:
             self._bar.write(line, file=sys.stderr)
             if record.get("type") == "train":
@@ -158,7 +160,7 @@ class Reporter:
         self.emit(record, f"step {step}: {split} loss {loss:.4f} ({tokens} tokens, {seconds:.1f}s)")
         return record
 
-    def note(self, kind: str, step: int, line: str, **extra: Any) -> None:
+    def note(self, kind: str, step: int, line: str | None, **extra: Any) -> None:
         self.emit({"type": kind, "step": step, "time": time.time(), **extra}, line)
 
 

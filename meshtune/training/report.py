@@ -13,6 +13,7 @@ validation losses against the step (matplotlib, Agg backend: no display needed).
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class RunSummary:
     iters: int = 0  # the steps asked for (train.iters; 0: not known)
     stopped: bool = False  # a stop on request was recorded
     checkpoint: int | None = None  # the step of the newest checkpoint folder
+    resume: str = ""  # the command that resumes the run on its ranks (its last start record's)
 
     @property
     def status(self) -> str:
@@ -96,7 +98,15 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     s.stopped = any(r.get("type") == "stop" for r in records)
     steps = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.is_dir() and p.name.isdigit()]
     s.checkpoint = max(steps, default=None)
+    starts = [r for r in records if r.get("type") == "start" and r.get("resume")]
+    s.resume = starts[-1]["resume"] if starts else _resume_fallback(out, s.ranks)
     return s
+
+
+def _resume_fallback(out: Path, ranks: int) -> str:
+    """The resume command of a run whose metrics.jsonl has no start record: from its rank count."""
+    train = f"meshtune train --adapter-path {shlex.quote(str(out))} --resume"
+    return train if ranks < 2 else f"meshtune launch -n {ranks} -- {train}"
 
 
 def _first_last(points: list[tuple[int, float]]) -> str:
@@ -177,8 +187,7 @@ def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
     steps = f"{s.steps} steps" if s.status == "done" else f"step {s.steps} of {s.iters}"
     held = "" if s.status == "done" or s.checkpoint is None else f" (step {s.checkpoint})"
     written = f"adapters {adapters}{held}" if Path(adapters).exists() else "no adapters written yet"
-    resume = (f"; resume with meshtune train --adapter-path {out} --resume"
-              if s.status != "done" and s.checkpoint is not None else "")
+    resume = f"; resume with {s.resume}" if s.status != "done" and s.checkpoint is not None else ""
     return (f"{s.status}: {steps}, {s.trained_tokens} tokens in {s.step_seconds:.1f} s "
             f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {last(s.val)}; "
             f"{written}, report {Path(out) / REPORT_FILE}, plot {Path(out) / PLOT_FILE}{resume}")

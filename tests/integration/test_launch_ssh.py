@@ -53,7 +53,7 @@ def test_ranks_start_over_ssh_and_all_sum(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for rank in range(3):  # every rank ran, in the launcher's folder, with the forwarded PYTHONPATH
         assert f"[rank {rank}] sum 6 rank {rank} of 3 cwd {tmp_path} pp True" in proc.stdout, proc.stdout
-        # what the run's resume line starts again (cli/commands.resume_command): this launch, not -n 3 here
+        # what the run's resume line starts again (runtime/relaunch.resume_command): this launch, not -n 3 here
         assert f"[rank {rank}] again: meshtune launch --hostfile {tmp_path / 'hosts.json'}\n" in proc.stdout
     log = (tmp_path / "ssh.log").read_text().splitlines()
     assert sorted(line.split()[0] for line in log) == ["node0", "node1", "node2"]

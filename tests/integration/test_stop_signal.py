@@ -104,5 +104,11 @@ def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path, ran
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"{step:07d}"]
     assert verify_checkpoint(run / "checkpoints" / f"{step:07d}") is None
     assert f"to continue from step {step}: meshtune launch {' '.join(where)} -- meshtune train" in out
+    # The report's line says the same, and so does the report of the run read afterwards (the start record).
+    assert f"; resume with meshtune launch {' '.join(where)} -- meshtune train" in out, out[-3000:]
+    report = subprocess.run([sys.executable, "-m", "meshtune.training.report", str(run)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0 and f"; resume with meshtune launch {' '.join(where)} -- meshtune train" \
+        in report.stdout, report.stdout + report.stderr
     assert "exited with code" not in out  # an agreed stop, not a failed rank
     assert subprocess.run(["pgrep", "-f", str(run)], capture_output=True).returncode == 1  # no rank left

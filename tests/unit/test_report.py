@@ -95,7 +95,12 @@ def test_a_run_cut_off_is_reported_as_incomplete_with_its_checkpoint(tmp_path: P
     (run / "adapters.safetensors").write_bytes(b"")
     line = summary_line(summary, run, run / "adapters.safetensors")
     assert f"adapters {run / 'adapters.safetensors'} (step 4)" in line
-    assert line.endswith(f"; resume with meshtune train --adapter-path {run} --resume")
+    # A 2-rank run: resumed on 2 ranks (a run without a start record: from its reports' rank count) ...
+    assert line.endswith(f"; resume with meshtune launch -n 2 -- meshtune train --adapter-path {run} --resume")
+    hosts = "meshtune launch --hostfile /abs/hosts.json -- meshtune train --adapter-path r --resume"
+    with (run / "metrics.jsonl").open("a") as f:  # ... else as its start record says (api.finetune writes it)
+        f.write(json.dumps({"type": "start", "step": 0, "resume": hosts}) + "\n")
+    assert summary_line(write_report(run), run, run / "adapters.safetensors").endswith(f"; resume with {hosts}")
     with (run / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"type": "stop", "step": 6, "message": "stopped"}) + "\n")
     assert write_report(run).status == "stopped"

@@ -115,7 +115,7 @@ class _Mesh:
 
 
 def test_resume_command_gives_the_launcher_of_a_multi_rank_run(tmp_path: Path) -> None:
-    from meshtune.cli.commands import resume_command
+    from meshtune.runtime.relaunch import resume_command
 
     run = tmp_path / "my run"
     train = f"meshtune train --adapter-path '{run}' --resume"
