@@ -153,7 +153,7 @@ def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
     from ..inference import fuse
 
-    model = args.model or _model_from_adapters(args.adapter_path)
+    model = args.model or _model_from_adapters(args.adapter_path, "")
     fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize, overwrite=args.overwrite)
     return 0
 
@@ -162,7 +162,9 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
     from ..inference import complete, load_for_inference
 
-    model_path = args.model or (_model_from_adapters(args.adapter_path) if args.adapter_path else _default_model())
+    alone = " (generate also runs the base alone: --model without --adapter-path)"
+    model_path = args.model or (_model_from_adapters(args.adapter_path, alone) if args.adapter_path
+                                else _default_model())
     model, tokenizer = load_for_inference(model_path, args.adapter_path)
     chat, why = _chat_or_raw(args, bool(getattr(tokenizer, "chat_template", None)))
     print(f"generate: {'chat template' if chat else 'raw prompt'} ({why})", file=sys.stderr, flush=True)
@@ -175,10 +177,7 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     from ..config import load_config, parse_override_args
 
     config = Path(args.adapter_path) / "adapter_config.json"
-    if any(Path(args.adapter_path).glob("state.stage*.json")):
-        raise ValueError(f"--adapter-path {args.adapter_path} is a pipeline checkpoint (one weights file per stage), "
-                         f"which resumes but does not load as adapters; point it at the run "
-                         f"({Path(args.adapter_path).parent.parent})")
+    _check_adapter_folder(args.adapter_path)
     if not config.is_file():
         raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
                          "meshtune train or mlx_lm.lora (or a data-parallel run's checkpoint)")
@@ -247,15 +246,22 @@ def _default_model() -> str:
     return str(Config().resolved_model_path())
 
 
-def _model_from_adapters(adapter_path: str) -> str:
-    """The base model recorded in adapter_config.json (as mlx-lm records it)."""
-    import json
-    from pathlib import Path
+def _check_adapter_folder(adapter_path: str) -> None:
+    """A pipeline checkpoint given as adapters: one line pointing at its run."""
+    if any(Path(adapter_path).glob("state.stage*.json")):
+        raise ValueError(f"--adapter-path {adapter_path} is a pipeline checkpoint (one weights file per stage), "
+                         f"which resumes but does not load as adapters; point it at the run "
+                         f"({Path(adapter_path).parent.parent})")
 
+
+def _model_from_adapters(adapter_path: str, hint: str) -> str:
+    """The base model recorded in adapter_config.json (as mlx-lm records it); `hint`: the command's other way."""
+    import json
+
+    _check_adapter_folder(adapter_path)
     config = Path(adapter_path) / "adapter_config.json"
     if not config.exists():
-        raise ValueError(f"{config} not found; pass the --adapter-path of a trained run "
-                         "(generate also runs the base alone: --model without --adapter-path)")
+        raise ValueError(f"{config} not found; pass the --adapter-path of a trained run{hint}")
     model = json.loads(config.read_text()).get("model")
     if not model:
         raise ValueError(f"{config} records no base model; pass --model")

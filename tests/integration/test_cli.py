@@ -121,6 +121,19 @@ def test_a_checkpoint_between_reports_resumes_to_the_same_reports_and_tokens(tmp
     assert f"{train[-1]['trained_tokens']} tokens" in proc.stdout  # the run's own total, not one window short
 
 
+def test_a_pipeline_checkpoint_given_as_adapters_points_at_its_run(tmp_path, cli):
+    """generate, fuse and eval on a pipeline checkpoint (one shard per stage): one line naming the run."""
+    step = tmp_path / "run" / "checkpoints" / "0000004"
+    step.mkdir(parents=True)
+    (step / "state.stage0.json").write_text("{}")
+    for command in (["generate", "--prompt", "hi"], ["fuse", "--save-path", str(tmp_path / "fused")], ["eval"]):
+        proc = cli(*command, "--adapter-path", str(step))
+        assert proc.returncode == 2, (command, proc.stderr[-2000:])
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"meshtune: error: --adapter-path {step} is a pipeline checkpoint (one weights file per stage), which "
+            f"resumes but does not load as adapters; point it at the run ({tmp_path / 'run'})"), (command, proc.stderr)
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, cli):
     proc = cli("train", "--iters", "2", *QUICK, "--adapter-path", str(tmp_path / "none"), "--resume")
     assert proc.returncode == 2 and "no checkpoint" in proc.stderr
