@@ -55,6 +55,7 @@ from ..training.step import OneInFlight, overlaps_steps
 from .fit import Load, choose_preset, detect
 from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
+from .flags import BenchParser, COUNT, at_least
 
 IMPLS = ("stock", "meshtune")
 KINDS = ("lora", "dora")
@@ -66,7 +67,7 @@ StepRunner = Callable[[mx.array, mx.array], mx.array]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtune bench adapters", description=__doc__,
+    p = BenchParser(prog="meshtune bench adapters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="Shapes and run sizes (flags below override): tiny, small (CPU), 1b (GPU). Default: the "
@@ -74,15 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3", help="Model family of the shapes.")
     for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab", "batch-size", "seq-len",
                  "warmup", "steps", "gen-tokens"):
-        p.add_argument(f"--{flag}", type=int, default=None, help="Default: the preset's.")
+        p.add_argument(f"--{flag}", type=at_least(0) if flag == "warmup" else COUNT, default=None,
+                       help="Default: the preset's.")
     p.add_argument("--num-layers", type=int, default=-1, help="Blocks to adapt, counted from the last (-1: all).")
-    p.add_argument("--rank", type=int, default=8, help="Adapter rank.")
+    p.add_argument("--rank", type=COUNT, default=8, help="Adapter rank.")
     p.add_argument("--scale", type=float, default=20.0, help="Adapter scale.")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="Dense base dtype (auto: bfloat16 on a GPU, float32 on a CPU).")
     p.add_argument("--base-path", choices=["auto", "quantized", "dequantized"], default="auto",
                    help="meshtune's product for quantized bases (auto: measured crossover).")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=COUNT, default=3,
                    help="Timed steps are split into this many rounds over all configurations (interleaved).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model weights and the batch.")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,

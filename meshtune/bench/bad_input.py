@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .flags import BenchParser
+
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY = ASSETS / "tiny-llama"
 DATA = ASSETS / "data" / "arithmetic"
@@ -88,7 +90,8 @@ def _quantized_model(tmp: Path) -> None:
     """The tiny model quantized to 4 bits, as mlx_lm.convert -q writes it."""
     from mlx_lm import convert
 
-    convert(str(TINY), mlx_path=str(tmp / "q4"), quantize=True, q_group_size=32, q_bits=4)
+    with redirect_stdout(sys.stderr):  # convert's progress lines are not the bench's output
+        convert(str(TINY), mlx_path=str(tmp / "q4"), quantize=True, q_group_size=32, q_bits=4)
 
 
 def _adapters_of_another_model(tmp: Path) -> None:
@@ -329,23 +332,24 @@ def table(results: list[Result]) -> str:
 
 
 def main(args: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtune bench badinput", description=__doc__,
+    p = BenchParser(prog="meshtune bench badinput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", action="append", help="Run only this case (repeatable).")
     p.add_argument("--subprocess", action="store_true", help="Run every case as a real subprocess.")
-    p.add_argument("--json", action="store_true", help="Print the results as JSON instead.")
+    p.add_argument("--json", action="store_true", help="Print one JSON object last (every case's result).")
     a = p.parse_args(args)
     known = {c.name: c for c in CASES}
     unknown = [n for n in a.case or [] if n not in known]
     if unknown:
         raise ValueError(f"--case {unknown[0]}: no such case; cases are {', '.join(known)}")
     results = run_all([known[n] for n in a.case] if a.case else CASES, force_subprocess=a.subprocess)
-    if a.json:
-        print(json.dumps([r.__dict__ for r in results], indent=2))
-    else:
-        from .fit import Load, embedded_line
+    from .fit import Load, embedded_line
 
-        print(embedded_line(2, 32, Load()))
-        print(f"rule: {RULE}")
-        print(table(results))
+    print(embedded_line(2, 32, Load()))
+    print(f"rule: {RULE}")
+    print(table(results))
+    if a.json:
+        clean = sum(r.clean for r in results)
+        print(json.dumps({"cases": [r.__dict__ for r in results], "cases_tried": len(results), "clean_errors": clean,
+                          "ok": clean == len(results)}))
     return 0 if all(r.clean for r in results) else 1

@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from .faultkit import CLI, FaultRun, env, max_abs_diff, survivors, train_args
 from .fit import Load, embedded_line
+from .flags import BenchParser
 
 BATCH, SAVE_EVERY, FAULT_AFTER = 6, 4, 6
 ADAPTERS = "adapters.safetensors"
@@ -253,7 +254,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtune bench faults", description=__doc__,
+    p = BenchParser(prog="meshtune bench faults", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=12, help="Steps of every run (faults come after step 6).")
     p.add_argument("--watchdog", type=float, default=5.0, help="runtime.watchdog_s of the runs.")

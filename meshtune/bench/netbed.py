@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -56,6 +57,24 @@ def _rate_bits(rate: str) -> float:
         if rate.endswith(unit):
             return float(rate[: -len(unit)]) * factor
     raise ValueError(f"--link rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit")
+
+
+def link_spec(spec: str) -> tuple[str, str]:
+    """(rate, delay) of `--link RATE[:DELAY]`, checked before any run starts: a bad spelling or a
+    machine that cannot build the bed is one line, not a failure after the loopback table."""
+    rate, _, delay = spec.partition(":")
+    try:
+        _rate_bits(rate)
+    except ValueError:
+        raise ValueError(f"--link {spec!r}: rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit") \
+            from None
+    delay = delay or "20us"
+    if not re.fullmatch(r"\d+(\.\d+)?(us|ms|s)", delay):
+        raise ValueError(f"--link {spec!r}: delay {delay!r}: give it as tc does, e.g. 20us or 1ms")
+    why = available()
+    if why:
+        raise ValueError(f"--link {spec}: {why}; leave out --link for the loopback table alone")
+    return rate, delay
 
 
 def burst_bytes(rate: str) -> int:

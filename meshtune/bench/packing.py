@@ -27,16 +27,17 @@ import mlx.optimizers as optim
 import numpy as np
 
 from ..runtime.blas import describe_blas
+from .flags import BenchParser, COUNT, at_least
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtune bench packing", description=__doc__,
+    p = BenchParser(prog="meshtune bench packing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
     p.add_argument("--data", default="", help="Any --data form (default: the embedded arithmetic set).")
-    p.add_argument("--steps", type=int, default=20, help="Timed optimizer steps per run.")
-    p.add_argument("--batch-size", type=int, default=4, help="Examples (unpacked) or packed rows per step.")
-    p.add_argument("--max-seq-length", type=int, default=256, help="Row length of a packed batch; cap of both.")
+    p.add_argument("--steps", type=COUNT, default=20, help="Timed optimizer steps per run.")
+    p.add_argument("--batch-size", type=COUNT, default=4, help="Examples (unpacked) or packed rows per step.")
+    p.add_argument("--max-seq-length", type=at_least(2), default=256, help="Row length of a packed batch; cap of both.")
     p.add_argument("--mask-prompt", action="store_true", help="Leave prompts out of the loss (data.mask_prompt).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p

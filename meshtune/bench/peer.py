@@ -23,20 +23,21 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.blas import describe_blas
+from .flags import BenchParser, COUNT, at_least
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtune bench peer", description=__doc__)
+    p = BenchParser(prog="meshtune bench peer", description=__doc__)
     p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
     p.add_argument("--data", default="", help="Data folder (default: the embedded arithmetic set).")
-    p.add_argument("--iters", type=int, default=120, help="Optimizer steps per run.")
-    p.add_argument("--batch-size", type=int, default=16, help="Global batch size.")
-    p.add_argument("--max-seq-length", type=int, default=512, help="Maximum sequence length.")
+    p.add_argument("--iters", type=COUNT, default=120, help="Optimizer steps per run.")
+    p.add_argument("--batch-size", type=COUNT, default=16, help="Global batch size.")
+    p.add_argument("--max-seq-length", type=at_least(2), default=512, help="Maximum sequence length.")
     p.add_argument("--num-layers", type=int, default=-1, help="Blocks to adapt (-1: all).")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank.")
+    p.add_argument("--rank", type=COUNT, default=8, help="LoRA rank.")
     p.add_argument("--learning-rate", type=float, default=1e-4, help="Adam learning rate.")
-    p.add_argument("--report-every", type=int, default=20, help="Steps per report window.")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--report-every", type=COUNT, default=20, help="Steps per report window.")
+    p.add_argument("--repeats", type=COUNT, default=3,
                    help="Runs of each trainer, interleaved; the median is reported (this box is noisy).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p

@@ -42,6 +42,7 @@ from ..training.metrics import read_metrics
 from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
+from .flags import BenchParser, COUNT, at_least
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")  # at M > 1; the baseline is naive at M=1
 
@@ -122,26 +123,24 @@ def _size(a: argparse.Namespace) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtune bench pipeline", description=__doc__,
+    p = BenchParser(prog="meshtune bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, default=2, help="Pipeline stages.")
-    p.add_argument("--data-parallel", type=int, default=1,
+    p.add_argument("--stages", type=COUNT, default=2, help="Pipeline stages.")
+    p.add_argument("--data-parallel", type=COUNT, default=1,
                    help="Data-parallel replicas of the pipeline (ranks = stages x this), e.g. 2 for DP2 x PP2.")
     p.add_argument("--micro-batches", default="1,2,4,8",
                    help="Comma-separated micro-batch counts; 1 (the naive baseline) is always run.")
-    p.add_argument("--iters", type=int, default=30, help="Optimizer steps per run.")
-    p.add_argument("--batch-size", type=int, default=16, help="Global batch (divisible by every M).")
-    p.add_argument("--fine-tune-type", default="lora", help="lora, dora or full.")
+    p.add_argument("--iters", type=COUNT, default=30, help="Optimizer steps per run.")
+    p.add_argument("--batch-size", type=COUNT, default=16, help="Global batch (divisible by every M).")
+    p.add_argument("--fine-tune-type", choices=["lora", "dora", "full"], default="lora", help="What to train.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="A random Qwen3-shaped model of this size (bench adapters' presets); default: on GPUs "
                         "the largest that fits (bench/fit.py), on a CPU the embedded tiny model.")
-    p.add_argument("--seq-len", type=int, default=0,
+    p.add_argument("--seq-len", type=at_least(0), default=0,
                    help="Train on synthetic rows of about this many tokens (default: the embedded arithmetic "
                         "data, ~20 tokens a row); long rows make activations, and 1F1B's bound on them, show.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     a = p.parse_args(argv)
-    if a.data_parallel < 1 or a.stages < 1:
-        p.error("--stages and --data-parallel must be >= 1")
     a.model_folder = a.data_folder = None
     try:
         ms = sorted({1, *(int(m) for m in a.micro_batches.split(","))})
@@ -149,6 +148,15 @@ def main(argv: list[str]) -> int:
         p.error(f"--micro-batches {a.micro_batches!r}: give counts such as 1,4,8")
     if ms[0] < 1:
         p.error("--micro-batches: every count must be >= 1")
+    if a.batch_size % a.data_parallel:
+        p.error(f"--batch-size {a.batch_size} does not divide over --data-parallel {a.data_parallel}; give a "
+                f"multiple of {a.data_parallel}")
+    local = a.batch_size // a.data_parallel  # each pipeline's batch, cut into M micro-batches
+    if any(local % m for m in ms):
+        fits = ",".join(str(m) for m in range(1, local + 1) if local % m == 0)
+        p.error(f"--micro-batches {','.join(str(m) for m in ms if local % m)} does not divide each pipeline's "
+                f"batch of {local} (--batch-size {a.batch_size} / --data-parallel {a.data_parallel}); "
+                f"give counts from {fits}")
     print(_size(a), flush=True)
     rows, result = [], {}
     model_name = "embedded tiny model"

@@ -41,6 +41,7 @@ from ..training.metrics import read_metrics
 from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .pipeline import on_gpu, write_text_data
+from .flags import BenchParser
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MEMORY_GB = 1e4  # the plan's per-rank memory: only its `fits` column depends on it, and that is not shown
@@ -223,7 +224,7 @@ def _model(a: argparse.Namespace, batch: int, tmp: Path) -> tuple[list[str], str
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtune bench plan", description=__doc__,
+    p = BenchParser(prog="meshtune bench plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default="1,dp2,pp2", help="Comma-separated layouts: 1, dpN, ppN (default 1,dp2,pp2).")
     p.add_argument("--fine-tune-type", default="lora", choices=("lora", "dora", "full"), help="lora, dora or full.")

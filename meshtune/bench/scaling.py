@@ -8,7 +8,7 @@ the N-rank step time minus the 1-rank step time (the compute-only step of the sa
 local batch). Plain loopback, and with `--link RATE[:DELAY]` (root) also the
 shaped-link bed of meshtune/bench/netbed.py, both in the same invocation.
 
-    meshtune bench scaling [--ranks 2] [--iters 60] [--local-batch 8] [--link 1gbit:20us] [--json]
+    meshtune bench scaling [--ranks 2] [--iters 60] [--local-batch 16] [--link 1gbit:20us] [--json]
 
 On GPUs the ranks are started by a distributed launcher and measure in-process
 (bench/scaling_inproc.py):
@@ -31,15 +31,16 @@ from ..runtime.blas import describe_blas
 from ..cli.launch import launch_local
 from .fit import Load, embedded_line
 from .peer import metric_windows, steps_per_sec
+from .flags import BenchParser, COUNT, at_least, positive_float
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtune bench scaling", description=__doc__,
+    p = BenchParser(prog="meshtune bench scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2, help="Ranks of the multi-rank runs.")
-    p.add_argument("--iters", type=int, default=60, help="Optimizer steps per run.")
-    p.add_argument("--local-batch", type=int, default=16, help="Examples per rank per step.")
-    p.add_argument("--bucket-mb", type=float, default=None,
+    p.add_argument("--ranks", type=at_least(2), default=2, help="Ranks of the multi-rank runs (against 1 rank).")
+    p.add_argument("--iters", type=COUNT, default=60, help="Optimizer steps per run.")
+    p.add_argument("--local-batch", type=COUNT, default=16, help="Examples per rank per step.")
+    p.add_argument("--bucket-mb", type=positive_float, default=None,
                    help="Gradient bucket size. Default 0.25 on CPU ranks (the tiny model's first bucket "
                         "starts early); in-process, the training default (parallel.bucket_mb, 25): on GPUs "
                         "small buckets leave more of the step exposed than their overlap hides.")
@@ -51,9 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="Model shape (bench/models.py); default: the largest that fits (bench/fit.py).")
     g.add_argument("--backend", default="any", help="mx.distributed backend: nccl on GPUs, ring, mpi, any.")
     for flag in ("batch-size", "seq-len", "warmup"):
-        g.add_argument(f"--{flag}", type=int, default=None, help="Per rank; default: the preset's.")
-    g.add_argument("--steps", type=int, default=5, help="Timed steps per mode per round.")
-    g.add_argument("--rounds", type=int, default=3,
+        g.add_argument(f"--{flag}", type=at_least(0) if flag == "warmup" else COUNT, default=None,
+                       help="Per rank; default: the preset's.")
+    g.add_argument("--steps", type=COUNT, default=5, help="Timed steps per mode per round.")
+    g.add_argument("--rounds", type=COUNT, default=3,
                    help="Rounds, each timing 1 rank (no gradient sync) and then the N-rank modes; ratios per round.")
     g.add_argument("--seed", type=int, default=0, help="Seed of the weights (batches: seed + rank).")
     return p
@@ -136,6 +138,10 @@ def main(argv: list[str]) -> int:
 
         return in_process(a)
     n = a.ranks
+    if a.link:
+        from .netbed import link_spec
+
+        link = link_spec(a.link)  # before the loopback runs
     print(f"scaling benchmark: {n} ranks vs 1 (ring backend), embedded tiny model, local batch {a.local_batch}, "
           f"{a.iters} steps, buckets {a.bucket_mb} MB")
     print(embedded_line(a.local_batch, 32, Load(full=True, processes=n)))
@@ -146,8 +152,8 @@ def main(argv: list[str]) -> int:
         if a.link:
             from .netbed import shaped_link
 
-            rate, _, delay = a.link.partition(":")
-            with shaped_link(n, rate=rate, delay=delay or "20us") as bed:
+            rate, delay = link
+            with shaped_link(n, rate=rate, delay=delay) as bed:
                 rows, shaped = _table(a, Path(tmp), "shaped", bed)
                 _print(f"shaped link: {bed.shaping}", rows, shaped, n)
             result.update({f"shaped_{k}": v for k, v in shaped.items()})

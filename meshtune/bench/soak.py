@@ -28,6 +28,7 @@ from typing import Any
 from ..training.metrics import read_metrics
 from .faultkit import CLI, env
 from .fit import Load, embedded_line
+from .flags import BenchParser, COUNT
 
 LIMIT = 0.05
 REPEAT_TIMEOUT_S = 120
@@ -62,10 +63,10 @@ def memory_growth(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtune bench soak", description=__doc__,
+    p = BenchParser(prog="meshtune bench soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=2000, help="Steps of the long 2-rank run.")
-    p.add_argument("--repeats", type=int, default=20, help="Short 3-rank runs, each of which must not hang.")
+    p.add_argument("--steps", type=COUNT, default=2000, help="Steps of the long 2-rank run.")
+    p.add_argument("--repeats", type=COUNT, default=20, help="Short 3-rank runs, each of which must not hang.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     a = p.parse_args(argv)
     if a.steps < 40 or a.repeats < 1:

@@ -51,6 +51,7 @@ from . import fit
 from .fit import Load, Machine, detect
 from .models import PRESETS as MODEL_PRESETS
 from .models import Shape, write_model_folder
+from .flags import BenchParser, COUNT, at_least
 
 KINDS = ("full", "lora", "dora")
 DEFAULT_KINDS = ("full", "lora")
@@ -70,17 +71,17 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtune bench startup", description=__doc__,
+    p = BenchParser(prog="meshtune bench startup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="tiny, small (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: the largest that fits "
                         "this device's memory (bench/fit.py), said in the first line.")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(DEFAULT_KINDS),
                    help="Fine-tuning kinds (--fine-tune-type) to start.")
-    p.add_argument("--runs-per-cache", type=int, default=1,
+    p.add_argument("--runs-per-cache", type=COUNT, default=1,
                    help="Warm runs per kind after the cold one (each on the cache the cold run filled).")
-    p.add_argument("--batch-size", type=int, default=None, help="Default: the preset's.")
-    p.add_argument("--seq-len", type=int, default=None, help="--max-seq-length of the runs. Default: the preset's.")
+    p.add_argument("--batch-size", type=COUNT, default=None, help="Default: the preset's.")
+    p.add_argument("--seq-len", type=at_least(2), default=None, help="--max-seq-length of the runs. Default: the preset's.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 

@@ -51,6 +51,7 @@ from .adapters import _meshtune_runner, describe_device, time_step_rounds
 from . import fit
 from .fit import GB, Load, Machine, detect
 from .models import BITS, GROUP_SIZE, Shape, add_adapters, build_model
+from .flags import BenchParser, COUNT, at_least
 
 LIBRARIES = ("torch", "transformers", "peft")
 KINDS = ("lora", "dora", "qlora", "full")
@@ -74,16 +75,17 @@ def useful_flops(kind: str, params: int, tokens: int) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtune bench torch", description=__doc__,
+    p = BenchParser(prog="meshtune bench torch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="tiny (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: 1.7b where it fits this "
                         "device's memory (bench/fit.py), else tiny; said in the first line.")
     for flag in ("batch-size", "seq-len", "warmup", "steps", "rounds", "matmul-size"):
-        p.add_argument(f"--{flag}", type=int, default=None, help="Default: the preset's.")
+        p.add_argument(f"--{flag}", type=at_least(0) if flag == "warmup" else COUNT, default=None,
+                       help="Default: the preset's.")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                    help="Fine-tuning kinds to time (qlora: 4-bit LoRA, meshtune only).")
-    p.add_argument("--rank", type=int, default=8, help="Adapter rank.")
+    p.add_argument("--rank", type=COUNT, default=8, help="Adapter rank.")
     p.add_argument("--scale", type=float, default=20.0, help="meshtune's adapter scale (PEFT: alpha = scale x rank).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the weights and the batch.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")

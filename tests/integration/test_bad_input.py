@@ -3,6 +3,8 @@ option, no traceback, the earlier run in the output folder untouched."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from support import run_cli
@@ -57,3 +59,13 @@ def test_bench_command_prints_table_and_summary():
     assert "case" in lines[2] and "| exit | clean | seconds" in lines[2]
     assert any(l.startswith("non_utf8 ") and "|    2 |   yes |" in l for l in lines)
     assert lines[-1] == "cases tried 2, clean errors 2"
+
+
+def test_bench_json_is_one_object_last_on_stdout():
+    """--json: the table, then one JSON object; mlx_lm.convert's progress (the quantized case) stays off stdout."""
+    proc = run_cli("bench", "badinput", "--case", "full_on_quantized", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["cases_tried"] == result["clean_errors"] == 1 and result["ok"]
+    assert [c["name"] for c in result["cases"]] == ["full_on_quantized"]
+    assert "[INFO]" not in proc.stdout

@@ -70,3 +70,34 @@ def test_bench_adapters_without_a_preset_picks_a_cpu_size_and_says_so():
         proc.communicate(timeout=60)
     assert first.startswith(("preset: small (CPU", "preset: tiny (CPU")), first
     assert "RAM available" in first and "pass --preset 1b to force" in first, first
+
+
+# A flag no run can take is one line naming it (exit 2), before anything runs: these were a division
+# by zero, a floating point exception or a child's traceback minutes in, or argparse's usage block.
+NONSENSE = [
+    ("adapters", ["--rank", "0"], "--rank 0: must be at least 1"),
+    ("adapters", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    ("adapters", ["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    ("peer", ["--iters", "0"], "--iters 0: must be at least 1"),
+    ("peer", ["--repeats", "0"], "--repeats 0: must be at least 1"),
+    ("packing", ["--steps", "0"], "--steps 0: must be at least 1"),
+    ("pipeline", ["--iters", "0"], "--iters 0: must be at least 1"),
+    ("pipeline", ["--fine-tune-type", "bogus"], "--fine-tune-type: invalid choice: 'bogus'"),
+    ("pipeline", ["--micro-batches", "3"], "--micro-batches 3 does not divide each pipeline's batch of 16 "
+                                           "(--batch-size 16 / --data-parallel 1); give counts from 1,2,4,8,16"),
+    ("scaling", ["--ranks", "1"], "--ranks 1: must be at least 2"),
+    ("scaling", ["--local-batch", "0"], "--local-batch 0: must be at least 1"),
+    ("scaling", ["--bucket-mb", "-1"], "--bucket-mb -1: must be above 0"),
+    ("scaling", ["--link", "bogus"], "--link 'bogus': rate 'bogus': give it as tc does"),
+    ("startup", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    ("torch", ["--steps", "0"], "--steps 0: must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("suite, args, said", NONSENSE, ids=[f"{s}{''.join(a)}" for s, a, _ in NONSENSE])
+def test_a_number_no_run_can_take_is_one_error_naming_the_flag(suite, args, said):
+    proc = run_cli("bench", suite, *args, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+    assert proc.stderr.startswith("meshtune: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert said in proc.stderr, proc.stderr
+    assert proc.stdout == "", proc.stdout
