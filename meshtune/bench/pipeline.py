@@ -6,7 +6,8 @@ per rank, ring backend); where MLX has CUDA, by `mlx.launch --backend nccl` (one
 per rank, no pinning). The model is a random Qwen3-shaped model of the adapters bench's
 presets (`--preset`; 1b: ~1B parameters), by default on GPUs the largest one each GPU's
 memory fits (bench/fit.py); on a CPU by default the embedded tiny one.
-Steps/s comes from rank 0's report windows after the first. The baseline is the naive
+Steps/s comes from rank 0's report windows after the first; every configuration runs
+`--repeats` times in interleaved rounds and its row is its median run. The baseline is the naive
 schedule at M=1, the whole batch through the stages in turn, which is what runs without
 micro-batches; at M > 1 GPipe and 1F1B run, and every row's ratio is over that baseline (in
 the JSON `<schedule>_over_naive_m<M>`, and `best_over_m1` for the fastest), beside the
@@ -16,7 +17,7 @@ share. Per stage: the peak memory and the peak activation memory (the peak above
 weights, adapters and optimizer state hold after setup), where 1F1B's bound of P
 micro-batches in flight shows against GPipe's M.
 
-    meshtune bench pipeline [--stages 2] [--micro-batches 1,2,4,8] [--iters 30] [--batch-size 16] [--json]
+    meshtune bench pipeline [--stages 2] [--micro-batches 1,2,4,8] [--iters 30] [--batch-size 16] [--repeats 3] [--json]
     meshtune bench pipeline --preset 1b --micro-batches 8 --batch-size 16   # 2 GPUs, NCCL
 """
 
@@ -93,6 +94,13 @@ def _run(schedule: str, stages: int, micro: int, a: argparse.Namespace, out: Pat
     return steps_per_sec(metric_windows(out)), bubble, [f[1] for f in found], [f[2] for f in found]
 
 
+def _median(runs: list[tuple[float, float, list[float], list[float]]]
+            ) -> tuple[float, float, list[float], list[float]]:
+    """The run of median steps/s (the lower of the middle two for an even count), whole: its bubble
+    and memory belong to the same run."""
+    return sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
+
+
 def write_text_data(folder: Path, length: int, rows: int) -> Path:
     """train/valid.jsonl of `rows` random lowercase texts of `length` characters (one token each
     under the embedded character-level tokenizer)."""
@@ -139,6 +147,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=at_least(0), default=0,
                    help="Train on synthetic rows of about this many tokens (default: the embedded arithmetic "
                         "data, ~20 tokens a row); long rows make activations, and 1F1B's bound on them, show.")
+    p.add_argument("--repeats", type=COUNT, default=3,
+                   help="Runs of every configuration, in interleaved rounds; each row is its median run "
+                        "(steps/s), with the runs' range beside it.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     a = p.parse_args(argv)
     a.model_folder = a.data_folder = None
@@ -169,11 +180,18 @@ def main(argv: list[str]) -> int:
         if a.seq_len:
             a.data_folder = write_text_data(Path(tmp) / "data", a.seq_len, rows=max(4 * a.batch_size, 64))
             model_name += f", synthetic rows of {a.seq_len} tokens"
-        baseline = _run("naive", a.stages, 1, a, Path(tmp) / "naive-1")
-        for m, name in [(1, "naive")] + [(m, name) for m in ms[1:] for name in SCHEDULE_NAMES]:
-            rate, bubble, peaks, acts = baseline if m == 1 else _run(name, a.stages, m, a, Path(tmp) / f"{name}-{m}")
-            rows.append((m, name, rate, rate / baseline[0], bubble, peaks, acts))
+        configs = [(1, "naive")] + [(m, name) for m in ms[1:] for name in SCHEDULE_NAMES]
+        runs: dict[tuple[int, str], list] = {c: [] for c in configs}
+        for r in range(a.repeats):  # rounds over every configuration: the machine's drift hits them alike
+            for m, name in configs:
+                runs[(m, name)].append(_run(name, a.stages, m, a, Path(tmp) / f"{name}-{m}-{r}"))
+        baseline = _median(runs[(1, "naive")])
+        for m, name in configs:
+            rate, bubble, peaks, acts = _median(runs[(m, name)])
+            spread = sorted(run[0] for run in runs[(m, name)])
+            rows.append((m, name, rate, rate / baseline[0], bubble, peaks, acts, spread))
             result[f"{name}_steps_per_s_m{m}"] = rate
+            result[f"{name}_steps_per_s_m{m}_runs"] = spread
             result[f"bubble_{name}_m{m}"] = bubble
             result[f"peak_gb_{name}_m{m}"] = peaks
             result[f"act_gb_{name}_m{m}"] = acts
@@ -192,13 +210,15 @@ def main(argv: list[str]) -> int:
     layout = f"{a.stages} stages" + (f" x {a.data_parallel} data-parallel replicas" if a.data_parallel > 1 else "")
     print(f"pipeline benchmark: {layout}, {model_name}, {a.fine_tune_type}, global batch "
           f"{a.batch_size}, {a.iters} steps; {where}")
-    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'vs M=1':>10}{'ideal':>8}{'bubble':>8}{'ideal':>7}   "
+    print(f"each row: the median of {a.repeats} run{'s' if a.repeats > 1 else ''} (by steps/s), in interleaved rounds")
+    print(f"{'M':>3} {'schedule':<8}{'steps/s':>10}{'runs':>14}{'vs M=1':>9}{'ideal':>8}{'bubble':>8}{'ideal':>7}   "
           f"peak GB per rank    activation GB per rank")
-    for m, name, rate, speed, bubble, peaks, acts in rows:
+    for m, name, rate, speed, bubble, peaks, acts, spread in rows:
         # P stages in turn at M=1; the fill and drain at M. Bubble: the measured share of the step in
         # sends and receives (the mean over stages) beside the schedule's analytic idle share.
         ideal, idle = a.stages * m / (m + a.stages - 1), idle_fraction(build_schedule(name, a.stages, m))
-        print(f"{m:>3} {name:<8}{rate:>10.2f}{speed:>9.2f}x{ideal:>7.2f}x{bubble:>7.0%}{idle:>7.0%}   "
+        runs_range = f"{spread[0]:.2f}-{spread[-1]:.2f}"
+        print(f"{m:>3} {name:<8}{rate:>10.2f}{runs_range:>14}{speed:>8.2f}x{ideal:>7.2f}x{bubble:>7.0%}{idle:>7.0%}   "
               f"{', '.join(f'{x:.4f}' for x in peaks):<18}{', '.join(f'{x:.4f}' for x in acts)}")
     print(f"best: {result['best_schedule']} at {result['best_over_m1']:.2f}x naive M=1")
     if a.json:

@@ -301,8 +301,8 @@ def _assert_same_run(a_dir, b_dir, exact=False, atol=1e-5):
 
 
 def test_bench_pipeline_prints_table_and_json():
-    proc = run_cli("bench", "pipeline", "--micro-batches", "2", "--iters", "3", "--batch-size", "4", "--json",
-                   timeout=300)
+    proc = run_cli("bench", "pipeline", "--micro-batches", "2", "--iters", "3", "--batch-size", "4", "--repeats", "1",
+                   "--json", timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "gpipe" in proc.stdout and "1f1b" in proc.stdout and "peak GB per rank" in proc.stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -317,7 +317,8 @@ def test_bench_pipeline_data_parallel_runs_every_rank():
     # DP2 x PP2: four ranks, each reporting its own peak; the table names the layout.
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "meshtune.cli", "bench", "pipeline", "--micro-batches", "2",
-                           "--data-parallel", "2", "--iters", "3", "--batch-size", "8", "--json"], env=env,
+                           "--data-parallel", "2", "--iters", "3", "--batch-size", "8", "--repeats", "1", "--json"],
+                          env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "2 stages x 2 data-parallel replicas" in proc.stdout
