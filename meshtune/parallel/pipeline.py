@@ -134,6 +134,10 @@ def sum_shared(stage: PipelineStage, grads: Any) -> Any:
     parts = [own[k].reshape(-1).astype(mx.float32) if k in own else mx.zeros((int(np.prod(shape)),), mx.float32)
              for k, shape in slots]
     total = stage.mesh.all_sum(mx.concatenate(parts))
+    if not any(k in own for k, _ in slots):
+        # Nothing of this rank's is in the sum (a stage that trains nothing), so nothing returned
+        # depends on it; every rank must still take part in it, or the others wait for ever.
+        mx.eval(total)
     out, start = dict(own), 0
     for k, shape in slots:
         size = int(np.prod(shape))

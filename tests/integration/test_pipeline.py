@@ -165,6 +165,7 @@ def test_tied_embedding_copies_stay_equal_and_match_one_process(tmp_path, kind):
     ("1f1b", "lora", 2, 2, ("--parallel.stage_layers", "[3,1]")),  # an uneven split
     ("gpipe", "lora", 2, 2, ("--num-layers", "1")),  # the first stage trains nothing
     ("1f1b", "full", 3, 3, ("--num-layers", "2")),  # nor the first two of three, fully fine-tuned
+    ("1f1b", "lora", 4, 2, ("--num-layers", "1")),  # DP2 x PP2 on ring: its empty stages still join the world sum
 ])
 def test_meshtune_train_pipelines_match_one_process(tmp_path, schedule, kind, ranks, pp, extra):
     common = ["--fine-tune-type", kind, *(extra if extra[:1] == ("--num-layers",) else ())]
