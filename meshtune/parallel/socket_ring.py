@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..runtime.watchdog import PeerLost
+
 CONNECT_SECONDS = 60.0
 
 
@@ -42,9 +44,12 @@ def hostfile_ips() -> list[str]:
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except OSError as err:  # reset by the peer, or its host gone
+            raise PeerLost(f"receiving gradients from the other rank failed: {err}") from None
         if n == 0:
-            raise ConnectionError("a peer closed its gradient socket (its rank has stopped)")
+            raise PeerLost("a peer closed its gradient socket (its rank has stopped)")
         got += n
 
 
@@ -97,7 +102,7 @@ class SocketRing:
         _recv_into(self.recv_sock, memoryview(recv).cast("B"))
         err = self._sent.get()
         if err is not None:
-            raise ConnectionError(f"sending gradients to the next rank failed: {err}")
+            raise PeerLost(f"sending gradients to the next rank failed: {err}")
 
     def all_sum(self, buf: np.ndarray) -> np.ndarray:
         """The element-wise sum of every rank's `buf` (float32, 1-D), in place."""
@@ -171,7 +176,7 @@ class BucketPump:
                 if failed is None:
                     self.ring.send_sock.sendall(memoryview(buf).cast("B"))
             except Exception as err:  # raised on the training thread by collect()
-                failed = err if not isinstance(err, OSError) else ConnectionError(
+                failed = err if not isinstance(err, OSError) else PeerLost(
                     f"sending gradients to the other rank failed: {err}")
             self._sent.put((key, buf, failed))
 

@@ -43,6 +43,11 @@ HEARTBEAT_ENV = "MESHTUNE_HEARTBEAT_DIR"
 BACKEND_ERROR = re.compile(r"\[(ring|jaccl|mpi|nccl)\]")
 
 
+class PeerLost(ConnectionError):
+    """A peer's connection went away under a transport meshtune runs itself (the socket ring): the
+    watchdog makes it the one line and exit 75, as it does a backend's failed collective."""
+
+
 # A peer with no heartbeat yet is still loading (model, data), not lost: before this rank's first
 # beat, the watchdog waits for such a peer up to this many timeouts (ranks start unevenly on a busy host).
 STARTUP_GRACE = 6
@@ -146,7 +151,8 @@ class Watchdog:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._thread is not None and isinstance(exc, RuntimeError) and BACKEND_ERROR.match(str(exc)):
+        lost = isinstance(exc, PeerLost) or isinstance(exc, RuntimeError) and BACKEND_ERROR.match(str(exc))
+        if self._thread is not None and lost:
             self.peer_lost(str(exc))
         self._stop.set()
         if self._thread is not None:

@@ -1,11 +1,15 @@
 """meshtune's socket ring all-reduce, as threads on localhost: every rank gets the same sum."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 from meshtune.parallel.socket_ring import BucketPump, SocketRing
+from meshtune.runtime.watchdog import EXIT_CODE, HEARTBEAT_ENV, PeerLost
 
 
 def _rings(n):
@@ -49,5 +53,18 @@ def test_a_stopped_peer_is_an_error_not_a_hang():
     rings[1].close()
     pump = BucketPump(rings[0])
     pump.submit("b", np.ones(1 << 16, np.float32))
-    with pytest.raises(ConnectionError, match="stopped|failed"):
+    with pytest.raises(PeerLost, match="stopped|failed"):
         list(pump.collect(1))
+
+
+def test_a_lost_socket_peer_is_the_watchdog_s_one_line_and_exit_75(tmp_path):
+    """As a backend's failed collective: the rank says one line naming the cause and exits 75 (resumable),
+    not 1 with a traceback, so the launcher and a retry script read it as a lost peer."""
+    code = ("from meshtune.runtime.watchdog import PeerLost, Watchdog\n"
+            "with Watchdog(30.0, 0, 2, None):\n"
+            "    raise PeerLost('a peer closed its gradient socket (its rank has stopped)')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != HEARTBEAT_ENV})
+    assert proc.returncode == EXIT_CODE == 75, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a peer closed its gradient socket" in lines[0] and "exiting with 75" in lines[0], lines
