@@ -83,7 +83,8 @@ def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text:
                 cwd: str, env: dict[str, str]) -> list[str]:
     """`ssh host '<script>'` that writes the ring hostfile there, says its pid and execs the rank.
 
-    Same working directory and paths on every host, as mlx.launch assumes. The pid
+    The script runs under `sh -c`, whatever the host's login shell. Same working directory
+    and paths on every host, as mlx.launch assumes. The pid
     line lets the launcher kill the remote rank: killing the local ssh alone does not.
     The hostfile is removed there once the rank's process ends, however it ends: a
     watcher in the background polls the pid the rank is exec'd into (the script's `$$`);
@@ -100,7 +101,7 @@ def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text:
         remove = f"sh -c {shlex.quote(watcher)} $$ {remote_file} </dev/null >/dev/null 2>&1 & "
     script = (f"cd {shlex.quote(cwd)} && {write}echo {PID_MARK} $$ || exit 1; {remove}"
               f"exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} {shlex.join(command)}")
-    return ["ssh", host, script]
+    return ["ssh", host, f"sh -c {shlex.quote(script)}"]  # POSIX sh whatever the login shell (csh, fish)
 
 
 @dataclass
