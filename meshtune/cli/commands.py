@@ -153,6 +153,7 @@ def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
     from ..inference import fuse
 
+    _check_adapter_folder(args.adapter_path)
     model = args.model or _model_from_adapters(args.adapter_path, "")
     fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize, overwrite=args.overwrite)
     return 0
@@ -162,6 +163,8 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     _no_extra(rest)
     from ..inference import complete, load_for_inference
 
+    if args.adapter_path:
+        _check_adapter_folder(args.adapter_path)
     alone = " (generate also runs the base alone: --model without --adapter-path)"
     model_path = args.model or (_model_from_adapters(args.adapter_path, alone) if args.adapter_path
                                 else _default_model())

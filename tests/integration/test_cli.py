@@ -126,7 +126,9 @@ def test_a_pipeline_checkpoint_given_as_adapters_points_at_its_run(tmp_path, cli
     step = tmp_path / "run" / "checkpoints" / "0000004"
     step.mkdir(parents=True)
     (step / "state.stage0.json").write_text("{}")
-    for command in (["generate", "--prompt", "hi"], ["fuse", "--save-path", str(tmp_path / "fused")], ["eval"]):
+    for command in (["generate", "--prompt", "hi"], ["fuse", "--save-path", str(tmp_path / "fused")], ["eval"],
+                    ["generate", "--prompt", "hi", "--model", str(TINY_MODEL)],  # with the base named too
+                    ["fuse", "--save-path", str(tmp_path / "fused"), "--model", str(TINY_MODEL)]):
         proc = cli(*command, "--adapter-path", str(step))
         assert proc.returncode == 2, (command, proc.stderr[-2000:])
         assert proc.stderr.strip().splitlines()[-1] == (
