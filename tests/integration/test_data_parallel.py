@@ -177,6 +177,12 @@ def test_bench_scaling_prints_table_and_json():
                 "overlap_speedup_lora_mlx"):
         assert 0 < result[key] < 10, (key, result[key])  # a ratio of two measured rates
     assert 0 <= result["exposed_comm_fraction_overlap"] <= 1
+    for kind in ("lora", "full"):  # the step times the docs quote, as the table prints them
+        for tr in ("mlx", "sockets"):
+            ms = result[f"step_ms_after_{kind}_{tr}"], result[f"step_ms_overlap_{kind}_{tr}"]
+            assert re.search(rf"^{kind}\s+{tr}\s.*{result[f'step_ms_1_{kind}']:.1f} /\s+{ms[0]:.1f} /\s+{ms[1]:.1f}",
+                             proc.stdout, re.M), (kind, tr, ms, proc.stdout)
+            assert result[f"overlap_speedup_{kind}_{tr}"] == pytest.approx(ms[0] / ms[1])
     # the headline figures are the table's own numbers: best N-rank steps/s over the 1-rank steps/s of each kind
     for kind in ("lora", "full"):
         rows = re.findall(rf"^{kind}\s+\w+\s+([\d.]+) st/s\s+([\d.]+) st/s\s+([\d.]+) st/s", proc.stdout, re.M)
