@@ -258,10 +258,10 @@ def _check_adapter_folder(adapter_path: str) -> None:
 
 
 def _model_from_adapters(adapter_path: str, hint: str) -> str:
-    """The base model recorded in adapter_config.json (as mlx-lm records it); `hint`: the command's other way."""
+    """The base model recorded in adapter_config.json (as mlx-lm records it); `hint`: the command's other way.
+    The caller has ruled out a pipeline checkpoint (_check_adapter_folder)."""
     import json
 
-    _check_adapter_folder(adapter_path)
     config = Path(adapter_path) / "adapter_config.json"
     if not config.exists():
         raise ValueError(f"{config} not found; pass the --adapter-path of a trained run{hint}")

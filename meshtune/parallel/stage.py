@@ -95,6 +95,8 @@ class PipelineStage:
                 self.model.lm_head.freeze()
         # Sub-groups for sum_shared where the backend can split (None on ring and JACCL).
         self.peers = peer_groups(self.mesh, bool(self.tied_keys)) if self.mesh.dp > 1 or self.tied_keys else None
+        # --num-layers short of the blocks can leave the first stages nothing to train.
+        self.trains = bool(tree_flatten(self.model.trainable_parameters()))
         # The compiled functions read the model's current weights and the random state at each call.
         state = [self.model.state, mx.random.state]
         wrap = partial(mx.compile, inputs=state, outputs=state) if self.compile else (lambda f: f)
@@ -150,7 +152,7 @@ class PipelineStage:
             return (h * mx.stop_gradient(dy[0])).sum()  # seeds the reverse pass with the received cotangent
 
         params = model.trainable_parameters()
-        if self.first and not tree_flatten(params):
+        if self.first and not self.trains:
             # Token ids have no gradient, and nothing here is trained (--num-layers leaves the first
             # blocks frozen): no backward to run. The value is unused off the last stage.
             return mx.array(0.0), params

@@ -25,7 +25,7 @@ def resume_command(adapter_path: Any, mesh: Any, environ: Any = os.environ) -> s
     set): behind `meshtune launch --hostfile FILE --` when MLX_HOSTFILE is an mlx.launch hostfile
     (one {"ssh", "ips"} entry per rank), else `meshtune launch -n <world size> --`.
     """
-    train = f"meshtune train --adapter-path {shlex.quote(str(adapter_path))} --resume"
+    train = resume_on_ranks(adapter_path, 1)
     size = getattr(mesh, "world_size", 1) or 1
     if "MLX_RANK" not in environ or size < 2:
         return train
@@ -34,7 +34,13 @@ def resume_command(adapter_path: Any, mesh: Any, environ: Any = os.environ) -> s
     hostfile = environ.get("MLX_HOSTFILE")
     if hostfile and _is_launch_hostfile(hostfile):
         return f"meshtune launch --hostfile {shlex.quote(hostfile)} -- {train}"
-    return f"meshtune launch -n {size} -- {train}"
+    return resume_on_ranks(adapter_path, size)
+
+
+def resume_on_ranks(adapter_path: Any, ranks: int) -> str:
+    """`meshtune train --adapter-path X --resume`, behind `meshtune launch -n <ranks> --` for more than one."""
+    train = f"meshtune train --adapter-path {shlex.quote(str(adapter_path))} --resume"
+    return train if ranks < 2 else f"meshtune launch -n {ranks} -- {train}"
 
 
 def _is_launch_hostfile(path: str) -> bool:

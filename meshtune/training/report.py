@@ -13,12 +13,12 @@ validation losses against the step (matplotlib, Agg backend: no display needed).
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..runtime.relaunch import resume_on_ranks
 from .metrics import read_metrics
 
 REPORT_FILE = "report.md"
@@ -99,14 +99,9 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     steps = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.is_dir() and p.name.isdigit()]
     s.checkpoint = max(steps, default=None)
     starts = [r for r in records if r.get("type") == "start" and r.get("resume")]
-    s.resume = starts[-1]["resume"] if starts else _resume_fallback(out, s.ranks)
+    # A run whose metrics.jsonl has no start record: resumed on as many ranks as its reports show.
+    s.resume = starts[-1]["resume"] if starts else resume_on_ranks(out, s.ranks)
     return s
-
-
-def _resume_fallback(out: Path, ranks: int) -> str:
-    """The resume command of a run whose metrics.jsonl has no start record: from its rank count."""
-    train = f"meshtune train --adapter-path {shlex.quote(str(out))} --resume"
-    return train if ranks < 2 else f"meshtune launch -n {ranks} -- {train}"
 
 
 def _first_last(points: list[tuple[int, float]]) -> str:
