@@ -13,9 +13,9 @@ batch has no target tokens, leaves the parameters and the optimizer state as the
 values are already the same on every rank, so every rank gates the same way with no
 extra collective. A non-finite loss makes a non-finite gradient (its logits are inf or
 nan), so the norm covers it. For a finite step `where` returns the new arrays bit for bit.
-Adam and AdamW take the selects inside their own update (`_gated_adam`), so that MLX's
-compiler makes one kernel of each parameter's whole update; without clipping the norm is
-taken from the summed gradients and divided once, so the division joins that kernel too.
+Adam and AdamW take the selects inside their own update (`_gated_adam`), and a large
+parameter's update runs in place: see there. Without clipping the norm is taken from the
+summed gradients and divided once, so each gradient's division joins the update's kernels.
 """
 
 from __future__ import annotations
@@ -78,24 +78,28 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     parameters: every rank calls it every step). A bad step (see above) changes nothing.
     """
     if max_grad_norm > 0:  # mlx's clip_grad_norm, bit for bit: the norm of the divided gradients
-        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
-        norm = mx.sqrt(square_sum(grads))
+        norm = mx.sqrt(square_sum(tree_map(lambda g: g / tokens.astype(g.dtype), grads)))
         scale = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
-        # Cast after scaling, as mlx does, so a small scale does not underflow in float16.
-        grads = tree_map(lambda g: (g * scale).astype(g.dtype), grads)
-    else:  # the norm only gates: taken before the division, which then fuses into the optimizer's kernel
+
+        def prepare(g: mx.array, tokens: mx.array) -> mx.array:
+            # Cast after scaling, as mlx does, so a small scale does not underflow in float16.
+            return ((g / tokens.astype(g.dtype)) * scale).astype(g.dtype)
+    else:  # the norm only gates: taken before the division, which then fuses into the optimizer's kernels
         norm = mx.sqrt(square_sum(grads)) / tokens.astype(mx.float32)
-        grads = tree_map(lambda g: g / tokens.astype(g.dtype), grads)
+
+        def prepare(g: mx.array, tokens: mx.array) -> mx.array:
+            return g / tokens.astype(g.dtype)
     ok = mx.isfinite(norm) & (tokens > 0)
     if type(optimizer) in (optim.Adam, optim.AdamW):
         counters = {k: optimizer.state[k] for k in ("step", "learning_rate") if k in optimizer.state}
-        optimizer.apply_single = _gated_adam(optimizer, ok)  # this update's only: removed below
+        optimizer.apply_single = _gated_adam(optimizer, ok, prepare, tokens)  # this update's only: removed below
         try:
             optimizer.update(model, grads)
         finally:
             del optimizer.apply_single
         _keep_old(ok, optimizer.state, counters)
         return StepVerdict(ok=ok, norm=norm, tokens=tokens)
+    grads = tree_map(lambda g: prepare(g, tokens), grads)
     old_params = tree_map(lambda p: p, model.trainable_parameters())
     old_state = tree_map(lambda s: s, optimizer.state)
     optimizer.update(model, grads)
@@ -104,20 +108,42 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     return StepVerdict(ok=ok, norm=norm, tokens=tokens)
 
 
-def _gated_adam(optimizer: optim.Adam, ok: mx.array) -> Callable[[mx.array, mx.array, dict], mx.array]:
-    """mlx's Adam (and AdamW) `apply_single` with the gate inside: m and v are selected as they are
-    made and the parameter's update reads the selected ones, so MLX fuses each parameter's whole
-    update (division by the tokens, moments, parameter, selects) into one kernel. Selecting after
-    the optimizer, as for the other optimizers, leaves each new moment two readers and costs each
-    parameter five more kernels. A step with `ok` gives mlx's arithmetic bit for bit (a test compares)."""
+IN_PLACE_FROM = 1 << 20
+"""Elements from which a parameter's Adam update runs in place (`_gated_adam`); smaller ones take
+one kernel, where launching two more costs more than the copy saves."""
+
+
+def _gated_adam(optimizer: optim.Adam, ok: mx.array, prepare: Callable[[mx.array, mx.array], mx.array],
+                tokens: mx.array) -> Callable[[mx.array, mx.array, dict], mx.array]:
+    """mlx's Adam (and AdamW) `apply_single` with the gate inside, taking the summed gradient and
+    `prepare(summed, tokens)` to make the one it applies. m and v are selected as they are made and
+    the parameter's update reads the selected ones; a step with `ok` gives mlx's arithmetic bit for
+    bit (a test compares). Selecting after the optimizer instead leaves each new moment two readers
+    and costs each parameter five more kernels.
+
+    A parameter of at least IN_PLACE_FROM elements is updated in place: m, v and the parameter are
+    each made by a kernel of its own, so each takes the buffer of the array it replaces (MLX hands
+    an input's buffer to a kernel's output only where the kernel has one output). Fused into one
+    kernel with three outputs, the update holds a second copy of the weights and both moments until
+    it ends, three times the weights' bytes at the step's peak for full fine-tuning. The barrier
+    between the kernels is `mx.contiguous`, which copies nothing here; v's gradient is divided by
+    an equal token count from a node of its own, since MLX's compiler merges equal expressions and
+    the merged division would be one more array that both kernels read. A smaller parameter's
+    division, moments, parameter and selects are one kernel."""
     decoupled = isinstance(optimizer, optim.AdamW)
 
-    def apply_single(gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+    def apply_single(summed: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        in_place = parameter.size >= IN_PLACE_FROM
+        gradient = prepare(summed, tokens)
         lr = optimizer.learning_rate.astype(gradient.dtype)
         start = parameter * (1 - lr * optimizer.weight_decay) if decoupled else parameter
         b1, b2 = optimizer.betas
         m = state["m"] = mx.where(ok, b1 * state["m"] + (1 - b1) * gradient, state["m"])
+        if in_place:
+            gradient = prepare(summed, tokens + 0)  # equal, but a node of its own: not merged with m's
         v = state["v"] = mx.where(ok, b2 * state["v"] + (1 - b2) * mx.square(gradient), state["v"])
+        if in_place:
+            m, v = mx.contiguous(m), mx.contiguous(v)
         if optimizer.bias_correction:
             c1 = (lr / (1 - b1 ** optimizer.step)).astype(gradient.dtype)
             c2 = mx.rsqrt(1 - b2 ** optimizer.step).astype(gradient.dtype)

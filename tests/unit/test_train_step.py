@@ -245,6 +245,7 @@ def test_a_finite_step_is_bit_identical_to_the_plain_update(model_factory):
         assert mx.array_equal(v, got[k]).item(), k
 
 
+@pytest.mark.parametrize("in_place_from", [1 << 20, 1], ids=["fused", "in-place"])
 @pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("make", [
     lambda: optim.Adam(learning_rate=0.01),
@@ -252,11 +253,15 @@ def test_a_finite_step_is_bit_identical_to_the_plain_update(model_factory):
     lambda: optim.AdamW(learning_rate=0.01, weight_decay=0.1),
     lambda: optim.AdamW(learning_rate=optim.cosine_decay(0.01, 10), bias_correction=True),
 ], ids=["adam", "adam-bias-correction", "adamw", "adamw-schedule-bias-correction"])
-def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile):
+def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile, in_place_from, monkeypatch):
     """Adam and AdamW take the gate inside their update (training/update._gated_adam): on good steps the
     parameters and every optimizer state array equal mlx's own optimizer's, bit for bit, in float32 and
-    bfloat16; then a bad step (no tokens) changes nothing, its step counter and learning rate included."""
+    bfloat16, whether a parameter's update is one kernel or runs in place (here every parameter's, by
+    IN_PLACE_FROM); then a bad step (no tokens) changes nothing, its step counter and learning rate included."""
+    from meshtune.training import update as update_module
     from meshtune.training.update import apply_update
+
+    monkeypatch.setattr(update_module, "IN_PLACE_FROM", in_place_from)
 
     class Holder(nn.Module):
         def __init__(self):
@@ -294,9 +299,55 @@ def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile):
         assert mx.array_equal(a, b).item(), k
 
 
-def test_each_parameter_s_gated_adam_update_is_one_kernel(tmp_path):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_large_parameter_s_adam_update_runs_in_place(dtype):
+    """A parameter of IN_PLACE_FROM elements or more is updated in place: the compiled gated AdamW
+    update of three such parameters allocates nothing beyond the arrays it replaces (new weights and
+    moments take the old ones' buffers), where the update fused into one kernel per parameter
+    allocates a second copy of the weights and both moments (3 x their bytes, checked as the contrast)."""
+    from meshtune.training import update as update_module
+    from meshtune.training.update import IN_PLACE_FROM, apply_update
+
+    def new_bytes(in_place_from: int) -> float:
+        update_module.IN_PLACE_FROM = in_place_from
+        try:
+            class Holder(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.a = mx.ones((IN_PLACE_FROM // 512, 512), dtype=dtype)
+                    self.b = mx.ones((IN_PLACE_FROM // 256, 512), dtype=dtype)
+                    self.c = mx.ones((IN_PLACE_FROM,), dtype=dtype)
+
+            model, opt = Holder(), optim.AdamW(learning_rate=1e-3)
+            opt.init(model.trainable_parameters())
+            state = [model.state, opt.state]
+            weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+            update = mx.compile(lambda g, t: apply_update(model, opt, g, t, max_grad_norm=0.0).arrays(),
+                                inputs=state, outputs=state)
+            grown = []
+            for i in range(3):
+                grads = tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(i)).astype(dtype),
+                                 model.trainable_parameters())
+                mx.eval(grads, state)
+                before = mx.get_active_memory()
+                mx.reset_peak_memory()
+                outputs = update(grads, mx.array(3))
+                del grads
+                mx.eval(outputs, state)
+                assert outputs[0].item()
+                grown.append(max(0, mx.get_peak_memory() - before) / weights)
+            return max(grown[1:])  # the first update makes the moments' first values
+        finally:
+            update_module.IN_PLACE_FROM = IN_PLACE_FROM
+
+    # The gradients' squares for the norm and a few scalars are the update's only new arrays.
+    assert new_bytes(IN_PLACE_FROM) <= 1.05
+    assert new_bytes(1 << 40) >= 3.0
+
+
+def test_each_small_parameter_s_gated_adam_update_is_one_kernel(tmp_path):
     """MLX's compiler fuses each parameter's whole gated AdamW update (division, moments, parameter,
-    selects) into one kernel: in the compiled update's graph every array-wide select sits inside the
+    selects) into one kernel where the parameter is under IN_PLACE_FROM elements: in the compiled update's graph every array-wide select sits inside the
     kernel that takes the square root, one such kernel a parameter (the others: the norm's reductions
     and the step counter's scalars)."""
     import re
