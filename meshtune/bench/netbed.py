@@ -51,12 +51,16 @@ class Bed:
 
 
 def _rate_bits(rate: str) -> float:
-    """tc's rate string ("10gbit", "500mbit", "100kbit", "1000000bit") in bits per second."""
+    """tc's rate string ("10gbit", "500mbit", "100kbit", "1000000bit") in bits per second; otherwise a
+    ValueError saying how to write it."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
     for unit, factor in units.items():
         if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * factor
-    raise ValueError(f"--link rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit")
+            try:
+                return float(rate[: -len(unit)]) * factor
+            except ValueError:
+                break
+    raise ValueError(f"rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit")
 
 
 def link_spec(spec: str) -> tuple[str, str]:
@@ -65,9 +69,8 @@ def link_spec(spec: str) -> tuple[str, str]:
     rate, _, delay = spec.partition(":")
     try:
         _rate_bits(rate)
-    except ValueError:
-        raise ValueError(f"--link {spec!r}: rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit") \
-            from None
+    except ValueError as err:
+        raise ValueError(f"--link {spec!r}: {err}") from None
     delay = delay or "20us"
     if not re.fullmatch(r"\d+(\.\d+)?(us|ms|s)", delay):
         raise ValueError(f"--link {spec!r}: delay {delay!r}: give it as tc does, e.g. 20us or 1ms")
