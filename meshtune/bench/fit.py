@@ -146,9 +146,9 @@ def choose_preset(requested: str | None, load: Load, machine: Machine, *, batch:
     if requested is not None:
         line = f"preset: {requested} (--preset; {machine.describe()}, {requested} needs {gb[requested]})"
         if not fits(needs[requested], machine):
-            print(f"meshtune bench: warning: --preset {requested} needs {gb[requested]} and this "
-                  f"{machine.kind} has {machine.memory / GB:.1f} GB: it may run out of memory; leave --preset "
-                  "out to pick a size that fits", file=sys.stderr, flush=True)
+            print(f"meshtune bench: warning: --preset {requested} needs {gb[requested]}, more than "
+                  f"{HEADROOM:.0%} of this {machine.kind}'s {machine.memory / GB:.1f} GB: it may run out of memory; "
+                  "leave --preset out to pick a size that fits", file=sys.stderr, flush=True)
         return requested, line
     allowed = [n for n in candidates if machine.kind == "GPU" or n in CPU_PRESETS]
     fitting = [n for n in allowed if fits(needs[n], machine)]
