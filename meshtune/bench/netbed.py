@@ -14,6 +14,7 @@ to the namespaces.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -57,9 +58,12 @@ def _rate_bits(rate: str) -> float:
     for unit, factor in units.items():
         if rate.endswith(unit):
             try:
-                return float(rate[: -len(unit)]) * factor
+                bits = float(rate[: -len(unit)]) * factor
             except ValueError:
                 break
+            if math.isfinite(bits) and bits > 0:
+                return bits
+            break
     raise ValueError(f"rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit")
 
 

@@ -89,6 +89,7 @@ NONSENSE = [
     ("scaling", ["--local-batch", "0"], "--local-batch 0: must be at least 1"),
     ("scaling", ["--bucket-mb", "-1"], "--bucket-mb -1: must be above 0"),
     ("scaling", ["--link", "bogus"], "--link 'bogus': rate 'bogus': give it as tc does"),
+    ("scaling", ["--link", "infbit"], "--link 'infbit': rate 'infbit': give it as tc does"),
     ("startup", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     ("torch", ["--steps", "0"], "--steps 0: must be at least 1"),
 ]
