@@ -1,6 +1,8 @@
 """`meshtune bench peer`: tokens/s of stock mlx_lm.lora and meshtune on the same job.
 
-Both run as separate processes with the same environment (so the same BLAS), the
+Both run as separate processes with the same environment (so the same BLAS; less the
+MLX_MAX_OPS_PER_BUFFER that meshtune's command line sets on some GPUs, runtime/gpu_batches.py,
+so that stock runs with MLX's own CUDA graph size), the
 same model, data folder, global batch, max sequence length, LoRA rank/scale, layer
 count, optimizer, learning rate, seed and iteration count. Speed is optimizer steps
 over compute seconds of every report window after the first (the first holds
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.blas import describe_blas
+from ..runtime.gpu_batches import environment_without_ours
 from .flags import BenchParser, COUNT, at_least
 
 
@@ -131,7 +134,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
             stock_opts = {**opts, "adapter_path": str(Path(tmp) / f"stock{i}")}
-            stocks.append(tokens_per_step * steps_per_sec(run_stock(stock_opts, env)))
+            stocks.append(tokens_per_step * steps_per_sec(run_stock(stock_opts, environment_without_ours(env))))
             ourses.append(tokens_per_step * steps_per_sec(run_meshtune(opts, env, Path(tmp) / f"meshtune{i}")))
     stock, ours = statistics.median(stocks), statistics.median(ourses)
     ratio = ours / stock if stock else float("nan")

@@ -19,8 +19,8 @@
     meshtune launch --hostfile hosts.json -- meshtune train ...   # one rank per host, over ssh
 
 On Linux the command re-executes itself once with a system OpenBLAS preloaded when
-one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off), and on an
-NVIDIA GPU of compute capability 9.0 or above it has MLX batch 50 operations a CUDA graph
+one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off), and where MLX
+batches 100 operations a CUDA graph (H100, H200, B200) it has MLX batch 50
 (runtime/gpu_batches.py). This package must not import MLX at the top: both choices happen
 before MLX loads.
 The subcommands and their parser are in commands.py, `meshtune launch` in launch.py;
@@ -37,6 +37,8 @@ from ..runtime.gpu_batches import use_smaller_gpu_batches
 from .commands import build_parser
 
 __all__ = ["build_parser", "main", "one_line"]
+
+GPU_FREE_COMMANDS = ("config", "plan")  # they never compute on a GPU: no CUDA driver query for them
 
 
 def _config_allows_system_blas(args: argparse.Namespace, rest: list[str]) -> bool:
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ensure_fast_blas(enabled=not args.no_system_blas and _config_allows_system_blas(args, rest),
                          argv=["meshtune", *argv])
-        use_smaller_gpu_batches()
+        if args.command not in GPU_FREE_COMMANDS:
+            use_smaller_gpu_batches()
         return args.func(args, rest)
     except ValueError as err:
         print(f"meshtune: error: {one_line(err)}", file=sys.stderr)

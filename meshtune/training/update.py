@@ -78,7 +78,9 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     parameters: every rank calls it every step). A bad step (see above) changes nothing.
     """
     if max_grad_norm > 0:  # mlx's clip_grad_norm, bit for bit: the norm of the divided gradients
-        norm = mx.sqrt(square_sum(tree_map(lambda g: g / tokens.astype(g.dtype), grads)))
+        # `tokens * 1`: an equal count from a node of its own, so that MLX's compiler does not merge these
+        # divisions with the update's (`_gated_adam`), which would store each divided gradient for both.
+        norm = mx.sqrt(square_sum(tree_map(lambda g: g / (tokens * 1).astype(g.dtype), grads)))
         scale = mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
 
         def prepare(g: mx.array, tokens: mx.array) -> mx.array:
@@ -125,9 +127,9 @@ def _gated_adam(optimizer: optim.Adam, ok: mx.array, prepare: Callable[[mx.array
     each made by a kernel of its own, so each takes the buffer of the array it replaces (MLX hands
     an input's buffer to a kernel's output only where the kernel has one output). Fused into one
     kernel with three outputs, the update holds a second copy of the weights and both moments until
-    it ends, three times the weights' bytes at the step's peak for full fine-tuning. The barrier
-    between the kernels is `mx.contiguous`, which copies nothing here; v's gradient is divided by
-    an equal token count from a node of its own, since MLX's compiler merges equal expressions and
+    it ends: three times the trained weights' bytes more at the update. The barrier between the
+    kernels is `mx.contiguous`, which copies nothing here; v's gradient is divided by an equal token
+    count from a node of its own (`tokens + 0`), since MLX's compiler merges equal expressions and
     the merged division would be one more array that both kernels read. A smaller parameter's
     division, moments, parameter and selects are one kernel."""
     decoupled = isinstance(optimizer, optim.AdamW)

@@ -299,12 +299,14 @@ def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile, in_place_from, mo
         assert mx.array_equal(a, b).item(), k
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.5], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_a_large_parameter_s_adam_update_runs_in_place(dtype):
+def test_a_large_parameter_s_adam_update_runs_in_place(dtype, clip):
     """A parameter of IN_PLACE_FROM elements or more is updated in place: the compiled gated AdamW
     update of three such parameters allocates nothing beyond the arrays it replaces (new weights and
-    moments take the old ones' buffers), where the update fused into one kernel per parameter
-    allocates a second copy of the weights and both moments (3 x their bytes, checked as the contrast)."""
+    moments take the old ones' buffers), with or without clipping, where the update fused into one
+    kernel per parameter allocates a second copy of the weights and both moments (3 x their bytes,
+    checked as the contrast)."""
     from meshtune.training import update as update_module
     from meshtune.training.update import IN_PLACE_FROM, apply_update
 
@@ -322,7 +324,7 @@ def test_a_large_parameter_s_adam_update_runs_in_place(dtype):
             opt.init(model.trainable_parameters())
             state = [model.state, opt.state]
             weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-            update = mx.compile(lambda g, t: apply_update(model, opt, g, t, max_grad_norm=0.0).arrays(),
+            update = mx.compile(lambda g, t: apply_update(model, opt, g, t, max_grad_norm=clip).arrays(),
                                 inputs=state, outputs=state)
             grown = []
             for i in range(3):
