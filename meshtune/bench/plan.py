@@ -132,15 +132,16 @@ def measure(layouts: list[Layout], flags: list[str], iters: int, tmp: Path, jobs
 
 
 PARTS = (("weights", "weights"), ("adapters", "adapters"), ("optim", "optimizer"), ("comm", "comm_buffers"),
-         ("grads", "grads"), ("activ.", "activations"), ("overlap", "overlap"))
+         ("grads", "grads"), ("activ.", "activations"), ("overlap", "overlap"), ("update", "update"))
 
 
 def parts(stage: dict[str, Any]) -> dict[str, float]:
-    """A stage's estimate by part; overlap is what the total holds beyond the larger of gradients and activations
-    (one block's activations and gradients alive at once), so the total is the sum with max(grads, activ.)."""
+    """A stage's estimate by part: the static ones, then the two moments whose larger is the peak. The
+    backward holds max(grads, activ.) + overlap (one block's activations and gradients alive at once); the
+    update holds `update` (the gradients, and their squares or the new copies of what does not update in
+    place: plan/estimate.py). The total is the static parts plus the larger moment."""
     kept = {key: stage[key] for _, key in PARTS if key != "overlap"}
-    static = sum(v for k, v in kept.items() if k not in ("grads", "activations"))
-    return {**kept, "overlap": stage["total"] - static - max(stage["grads"], stage["activations"])}
+    return {**kept, "overlap": stage["backward"] - max(stage["grads"], stage["activations"])}
 
 
 def compare(layouts: list[Layout], flags: list[str], seq: int, iters: int, tmp: Path, jobs: int
@@ -259,8 +260,8 @@ def main(argv: list[str]) -> int:
     extra = f" {' '.join(a.train_flags)}," if a.train_flags else ""
     print(f"plan benchmark: {what}; {a.fine_tune_type},{extra} optimizer {plan['optimizer']}, schedule "
           f"{plan['schedule']}, global batch {a.batch_size}, {a.iters} steps; {where}")
-    print("estimate: meshtune plan's total for the rank's stage, weights + adapters + optim + comm + "
-          "max(grads, activ.) + overlap;")
+    print("estimate: meshtune plan's total for the rank's stage, weights + adapters + optim + comm + the larger "
+          "of the backward's max(grads, activ.) + overlap and the update's hold (update);")
     print("measured: the rank's peak_memory_gb_per_rank (mx.get_peak_memory) in the run's last train record; "
           "error = (estimate - measured) / measured")
     print("\n".join(table(rows)))

@@ -3,17 +3,22 @@
 Every rank of a pipeline keeps the whole model object (parallel/pipeline.py: each trains
 only its stage's blocks), so weights and adapters are whole-model on every rank, while
 gradients, optimizer state and activations are the stage's. The peak adds the static
-part (weights, adapters, optimizer state, gradient-sum buffers) to the backward's:
-the backward frees a block's activations as that block's gradients appear, so it holds
-the larger of all activations and all gradients, plus one block's overlap of the two.
+part (weights, adapters, optimizer state, gradient-sum buffers) to the larger of two
+moments. The backward frees a block's activations as that block's gradients appear, so it
+holds the larger of all activations and all gradients, plus one block's overlap of the two.
+The update holds the gradients and, beside them, the larger of their squares for the norm
+and the new copies of what does not update in place (training/update.py: Adam's update of
+a tensor under IN_PLACE_FROM elements, and any other optimizer's, makes new weights and
+state before the old ones go); for full fine-tuning with short batches that is the peak.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..training import IN_PLACE_FROM
 from .layouts import Layout, bubble, micro_in_flight, ring_allreduce_bytes
-from .memory import FP32, Trained, activations, optimizer_bytes
+from .memory import FP32, Trained, activations, elements_of, optimizer_bytes
 from .model_facts import ModelFacts
 
 
@@ -25,6 +30,28 @@ def _stage_of(t: Trained, bounds: tuple[int, int], stage: int, stages: int, tied
     if head:
         return stage == stages - 1
     return stage == 0 or (tied and stage == stages - 1)
+
+
+def _not_in_place(items: list[Trained], optimizer: str) -> list[Trained]:
+    """The trained tensors whose update makes new copies of them and their state (training/update.py)."""
+    if optimizer not in ("adam", "adamw"):
+        return items
+    out = []
+    for t in items:
+        small = [shape for shape in t.shapes if elements_of(shape) < IN_PLACE_FROM] if t.shapes else \
+            ([(t.params,)] if t.params < IN_PLACE_FROM else [])
+        if small:
+            out.append(Trained(t.name, sum(elements_of(shape) for shape in small), t.bytes_per_param, t.block, t.extra,
+                               tuple(small)))
+    return out
+
+
+def update_extra(items: list[Trained], optimizer: str, options: dict[str, Any]) -> float:
+    """Bytes the update holds beside the gradients: the larger of the gradients' squares (the norm's) and
+    the new weights and optimizer state of the tensors not updated in place."""
+    copied = _not_in_place(items, optimizer)
+    copies = sum(t.params * t.bytes_per_param for t in copied) + optimizer_bytes(optimizer, copied, options)
+    return max(sum(t.params * t.bytes_per_param for t in items), copies)
 
 
 def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trained], *, seq: int,
@@ -47,6 +74,8 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
         mine = [i for i in items if _stage_of(i, bounds, s, layout.pp, facts.tied)]
         grads = sum(i.params * i.bytes_per_param for i in mine) * (2 if t.grad_accumulation_steps > 1 else 1)
         optimizer = optimizer_bytes(cfg.optimizer.name, mine, cfg.optimizer.options)
+        update = sum(i.params * i.bytes_per_param for i in mine) + update_extra(mine, cfg.optimizer.name,
+                                                                                cfg.optimizer.options)
         blocks = range(*bounds)
         last = s == layout.pp - 1
         examples = micro if layout.pp > 1 else local
@@ -68,9 +97,11 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
         # graph and runs the recomputations early, so checkpointing saved about a quarter, not what `ckpt`
         # (the design's floor) says (docs/plan.md, measured).
         block_grads = grads / max(len(blocks), 1)
-        total = weights + adapters + optimizer + comm_buffer + max(act, grads) + min(per_block, block_grads)
+        backward = max(act, grads) + min(per_block, block_grads)
+        total = weights + adapters + optimizer + comm_buffer + max(backward, update)
         stages.append({"stage": s, "blocks": [bounds[0], bounds[1]], "weights": weights, "adapters": adapters,
                        "grads": grads, "optimizer": optimizer, "activations": act, "activations_ckpt": ckpt,
+                       "backward": backward, "update": update,
                        "comm_buffers": comm_buffer, "in_flight": flight[s] if layout.pp > 1 else 1, "total": total})
     sent = _sent_per_rank(layout, items, boundary, t.grad_accumulation_steps, facts.tied)
     return {"stages": stages, "total": max(st["total"] for st in stages),

@@ -94,7 +94,7 @@ def _rest_of_blocks(facts: ModelFacts, blocks: set[int], layers: set[str]) -> li
     for t in facts.tensors:
         block = block_of(t.name)
         if block in blocks and t.dtype in FLOAT_DTYPES and t.name.rsplit(".", 1)[0] not in layers:
-            out.append(Trained(t.name, _count(t.shape), DTYPE_BYTES[t.dtype], block, extra=False, shapes=(t.shape,)))
+            out.append(Trained(t.name, elements_of(t.shape), DTYPE_BYTES[t.dtype], block, extra=False, shapes=(t.shape,)))
     return out
 
 
@@ -108,7 +108,7 @@ def _trained_of(layer: Linear, block: int | None, adapter: Any) -> Trained:
     shapes = [(e, r, layer.in_dims), (e, layer.out_dims, r)]
     if adapter.fine_tune_type == "dora":  # the magnitude m: one per output row (per token for an embedding)
         shapes.append((e, layer.in_dims if layer.embedding else layer.out_dims))
-    params = sum(_count(s) for s in shapes)
+    params = sum(elements_of(s) for s in shapes)
     return Trained(layer.name, params, FP32, block, extra=True, shapes=tuple(shapes))
 
 
@@ -117,7 +117,7 @@ def _itemsize(layer: Linear) -> int:
     return max(1, min(FP32, round(layer.nbytes / max(count, 1)))) if not layer.quantized else 2
 
 
-def _count(shape: tuple[int, ...]) -> int:
+def elements_of(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -134,10 +134,10 @@ def optimizer_bytes(name: str, items: list[Trained], options: dict[str, Any]) ->
         for shape in t.shapes or ((t.params,),):
             dims = [d for d in shape if d != 1] or [1]
             # Factored second moment for a matrix: one value per row plus one per column.
-            total += (_count(tuple(dims[:-1])) + _count(tuple(dims[:-2] + dims[-1:]))) if len(dims) >= 2 \
-                else _count(tuple(dims))
+            total += (elements_of(tuple(dims[:-1])) + elements_of(tuple(dims[:-2] + dims[-1:]))) if len(dims) >= 2 \
+                else elements_of(tuple(dims))
             if options.get("beta_1") is not None:
-                total += _count(shape)
+                total += elements_of(shape)
     return total * (items[0].bytes_per_param if items else FP32)
 
 

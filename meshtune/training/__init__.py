@@ -13,3 +13,8 @@ HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe",
                               "gemma", "gemma3_text", "olmo2", "starcoder2", "glm4", "smollm3", "deepseek_v3"})
 """mlx-lm model types whose Model.__call__ is `head(self.model(inputs, cache))` and nothing else
 (no logit scaling or soft-capping), the head being `lm_head` or the tied embedding's `as_linear`."""
+
+# Which Adam updates run in place (update.py); here, without MLX, for the planner (plan/estimate.py).
+IN_PLACE_FROM = 1 << 20
+"""Elements from which a parameter's Adam update runs in place (update._gated_adam); smaller ones take
+one kernel, where launching two more costs more than the copy saves."""

@@ -28,6 +28,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map, tree_reduce
 
+from . import IN_PLACE_FROM as IN_PLACE_FROM_ELEMENTS
+
 
 def local_square_sum(grads: Any) -> mx.array:
     """Sum of every gradient's squares, as optim.clip_grad_norm takes it (float16 summed in float32)."""
@@ -110,9 +112,7 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     return StepVerdict(ok=ok, norm=norm, tokens=tokens)
 
 
-IN_PLACE_FROM = 1 << 20
-"""Elements from which a parameter's Adam update runs in place (`_gated_adam`); smaller ones take
-one kernel, where launching two more costs more than the copy saves."""
+IN_PLACE_FROM = IN_PLACE_FROM_ELEMENTS  # read at each update, so a test can change it
 
 
 def _gated_adam(optimizer: optim.Adam, ok: mx.array, prepare: Callable[[mx.array, mx.array], mx.array],

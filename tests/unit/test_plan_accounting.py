@@ -169,6 +169,23 @@ def test_optimizer_state_by_optimizer() -> None:
     assert optimizer_bytes("adafactor", items, {"beta_1": 0.9}) == (6 + 10 + 60) * 4
 
 
+def test_the_update_holds_the_squares_or_the_copies_of_what_is_not_updated_in_place() -> None:
+    """plan/estimate.update_extra, beside the gradients: Adam updates a tensor of IN_PLACE_FROM elements or
+    more in place (only the norm's squares, the gradients' size, are new), a smaller one with new weights
+    and both moments (3x); other optimizers make new weights and state for every tensor."""
+    from meshtune.plan.estimate import update_extra
+    from meshtune.plan.memory import Trained
+    from meshtune.training import IN_PLACE_FROM
+
+    big = Trained("w", IN_PLACE_FROM, 2, 0, False, shapes=((IN_PLACE_FROM // 4, 4),))
+    small = Trained("b", 4 * 100, 2, 0, False, shapes=((4, 100),))
+    mixed = Trained("g", IN_PLACE_FROM + 400, 2, 0, False, shapes=((IN_PLACE_FROM // 4, 4), (4, 100)))
+    assert update_extra([big], "adamw", {}) == IN_PLACE_FROM * 2  # the squares
+    assert update_extra([small], "adam", {}) == 3 * 400 * 2  # new weights, m and v
+    assert update_extra([mixed], "adam", {}) == (IN_PLACE_FROM + 400) * 2  # squares of all > copies of the small
+    assert update_extra([big], "sgd", {}) == 2 * IN_PLACE_FROM * 2  # new weights and v: no in-place path
+
+
 @pytest.mark.parametrize("stages,micro", [(2, 2), (2, 4), (3, 6), (4, 8)])
 def test_bubble_and_in_flight_follow_the_schedules(stages: int, micro: int) -> None:
     for name in ("gpipe", "1f1b"):
