@@ -333,7 +333,7 @@ def table(results: list[Result]) -> str:
 
 def main(args: list[str]) -> int:
     p = BenchParser(prog="meshtune bench badinput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", action="append", help="Run only this case (repeatable).")
     p.add_argument("--subprocess", action="store_true", help="Run every case as a real subprocess.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last (every case's result).")

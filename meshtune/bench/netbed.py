@@ -55,15 +55,13 @@ def _rate_bits(rate: str) -> float:
     """tc's rate string ("10gbit", "500mbit", "100kbit", "1000000bit") in bits per second; otherwise a
     ValueError saying how to write it."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
-    for unit, factor in units.items():
-        if rate.endswith(unit):
-            try:
-                bits = float(rate[: -len(unit)]) * factor
-            except ValueError:
-                break
-            if math.isfinite(bits) and bits > 0:
-                return bits
-            break
+    unit = next((u for u in units if rate.endswith(u)), None)
+    try:
+        bits = float(rate[: -len(unit)]) * units[unit] if unit else math.nan
+    except ValueError:
+        bits = math.nan
+    if math.isfinite(bits) and bits > 0:
+        return bits
     raise ValueError(f"rate {rate!r}: give it as tc does, e.g. 1gbit, 10gbit or 500mbit")
 
 

@@ -32,7 +32,7 @@ from .flags import BenchParser, COUNT, at_least
 
 def _parser() -> argparse.ArgumentParser:
     p = BenchParser(prog="meshtune bench packing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
     p.add_argument("--data", default="", help="Any --data form (default: the embedded arithmetic set).")
     p.add_argument("--steps", type=COUNT, default=20, help="Timed optimizer steps per run.")

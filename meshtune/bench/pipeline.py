@@ -132,7 +132,7 @@ def _size(a: argparse.Namespace) -> str:
 
 def main(argv: list[str]) -> int:
     p = BenchParser(prog="meshtune bench pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=COUNT, default=2, help="Pipeline stages.")
     p.add_argument("--data-parallel", type=COUNT, default=1,
                    help="Data-parallel replicas of the pipeline (ranks = stages x this), e.g. 2 for DP2 x PP2.")

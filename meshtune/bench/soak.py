@@ -64,7 +64,7 @@ def memory_growth(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     p = BenchParser(prog="meshtune bench soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=COUNT, default=2000, help="Steps of the long 2-rank run.")
     p.add_argument("--repeats", type=COUNT, default=20, help="Short 3-rank runs, each of which must not hang.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")

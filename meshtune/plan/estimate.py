@@ -38,11 +38,9 @@ def _not_in_place(items: list[Trained], optimizer: str) -> list[Trained]:
         return items
     out = []
     for t in items:
-        small = [shape for shape in t.shapes if elements_of(shape) < IN_PLACE_FROM] if t.shapes else \
-            ([(t.params,)] if t.params < IN_PLACE_FROM else [])
+        small = tuple(shape for shape in t.shapes or ((t.params,),) if elements_of(shape) < IN_PLACE_FROM)
         if small:
-            out.append(Trained(t.name, sum(elements_of(shape) for shape in small), t.bytes_per_param, t.block, t.extra,
-                               tuple(small)))
+            out.append(Trained(t.name, sum(map(elements_of, small)), t.bytes_per_param, t.block, t.extra, small))
     return out
 
 
@@ -72,10 +70,10 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
     for s in range(layout.pp):
         bounds = (starts[s], starts[s + 1])
         mine = [i for i in items if _stage_of(i, bounds, s, layout.pp, facts.tied)]
-        grads = sum(i.params * i.bytes_per_param for i in mine) * (2 if t.grad_accumulation_steps > 1 else 1)
+        trained = sum(i.params * i.bytes_per_param for i in mine)
+        grads = trained * (2 if t.grad_accumulation_steps > 1 else 1)
         optimizer = optimizer_bytes(cfg.optimizer.name, mine, cfg.optimizer.options)
-        update = sum(i.params * i.bytes_per_param for i in mine) + update_extra(mine, cfg.optimizer.name,
-                                                                                cfg.optimizer.options)
+        update = trained + update_extra(mine, cfg.optimizer.name, cfg.optimizer.options)
         blocks = range(*bounds)
         last = s == layout.pp - 1
         examples = micro if layout.pp > 1 else local

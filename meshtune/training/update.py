@@ -28,7 +28,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map, tree_reduce
 
-from . import IN_PLACE_FROM as IN_PLACE_FROM_ELEMENTS
+from . import IN_PLACE_FROM  # a module global here, read at each update, so a test can change it
 
 
 def local_square_sum(grads: Any) -> mx.array:
@@ -111,8 +111,6 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     _keep_old(ok, optimizer.state, old_state)
     return StepVerdict(ok=ok, norm=norm, tokens=tokens)
 
-
-IN_PLACE_FROM = IN_PLACE_FROM_ELEMENTS  # read at each update, so a test can change it
 
 
 def _gated_adam(optimizer: optim.Adam, ok: mx.array, prepare: Callable[[mx.array, mx.array], mx.array],
