@@ -33,6 +33,9 @@ memory a real run of the same layout reports.
 `meshtune bench torch`: meshtune beside PyTorch + transformers + PEFT on the same model,
 batch and adapters: tokens/s, peak memory and useful TFLOP/s against each one's matmul peak.
 
+`meshtune bench long-rows`: `meshtune train` with gradient checkpointing on rows of thousands of
+tokens at batch 1 beside PyTorch + PEFT: tokens/s and peak memory per row length.
+
 `meshtune bench startup`: seconds from process start to the first optimizer step of
 `meshtune train`, per phase, with a cold and a warm MLX CUDA kernel cache (MLX_PTX_CACHE_DIR).
 """
@@ -47,7 +50,7 @@ from pathlib import Path
 # Suite name -> module of this package whose main(argv) runs it.
 SUITES = {"peer": "peer", "adapters": "adapters", "scaling": "scaling", "pipeline": "pipeline",
           "badinput": "bad_input", "faults": "faults", "soak": "soak", "packing": "packing",
-          "plan": "plan", "torch": "torch_peer", "startup": "startup"}
+          "plan": "plan", "torch": "torch_peer", "startup": "startup", "long-rows": "long_rows"}
 
 
 def run_bench(suite: str | None, args: list[str]) -> int:

@@ -327,13 +327,30 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
     if pump is not None and clock is not None:
         pump = TimedPump(pump, clock)
 
-    def finish(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
-        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
-        return ce, n, apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, pump=pump))
+    if sockets:
+        def finish(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
+            ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
+            return ce, n, apply(*sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb, pump=pump))
 
-    if not sockets:
-        backward, finish = compiled(backward), compiled(finish)
-    return Step(accumulate=backward, finish=_with_verdict(finish))
+        return Step(accumulate=backward, finish=_with_verdict(finish))
+
+    def backward_and_sums(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
+        ce, n, grads, total = backward(tokens, lengths, acc_grads, acc_tokens)
+        return ce, n, *sum_for_update(grads, total, mesh, mode=sync, bucket_mb=bucket_mb)
+
+    backward, backward_and_sums, apply = compiled(backward), compiled(backward_and_sums), compiled(apply)
+
+    def finish_in_two_graphs(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):
+        # The backward (and its sums) is dispatched before the update is built on it. In one graph
+        # MLX's scheduler puts off the weight gradients, which the update reads only through the
+        # gate's global norm, and every one put off keeps its block's activations alive: with
+        # train.grad_checkpoint every block's recomputed activations at once (rows x hidden x 5-10
+        # per block, docs/performance.md's long rows). No host wait: async_eval only dispatches.
+        ce, n, grads, total = backward_and_sums(tokens, lengths, acc_grads, acc_tokens)
+        mx.async_eval(ce, n, grads, total)
+        return ce, n, apply(grads, total)
+
+    return Step(accumulate=backward, finish=_with_verdict(finish_in_two_graphs))
 
 
 def build_sampled_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,

@@ -1,0 +1,223 @@
+"""`meshtune bench long-rows`: rows of thousands of tokens at batch 1, `meshtune train` beside PyTorch + PEFT.
+
+Long-context fine-tuning trains one long row a step with gradient checkpointing. This suite
+writes one random model of the preset's shape (Qwen3, tied embedding; bfloat16 on a GPU,
+float32 on the CPU; the tokenizer is the embedded tiny model's) and, per row length, a text
+data set whose rows fill it. Then, per length, each side runs in a child process of its own,
+so each has the whole device and an out-of-memory ends only its own cell:
+
+- meshtune: `meshtune train --grad-checkpoint --batch-size 1 --max-seq-length L` itself, the
+  command users run (its data pipeline, loop and reports), --warmup + --steps steps reported
+  one by one; tokens/s is the median of the reports after the warm-up, peak memory the
+  run's largest report (MLX's allocator). LoRA, and where asked DoRA and 4-bit LoRA (the same
+  weights through mlx_lm.convert, group 64);
+- torch: transformers' Qwen3ForCausalLM + PEFT LoRA (torch_side.py: eager, SDPA attention,
+  fused AdamW on CUDA), gradient checkpointing on (`use_reentrant: False`, what transformers
+  recommends), on a random batch of the same length, the same warm-up and steps; tokens/s is
+  the median step, peak memory torch's allocator peak.
+
+Both sides: rank 8 on the 7 linear layers of every block (meshtune scale 20 = PEFT lora_alpha
+160), AdamW lr 1e-5. An out-of-memory is reported as such in its cell.
+
+    meshtune bench long-rows                           # 1.7b at 8k-64k on a GPU; small at 1k-4k on a CPU
+    meshtune bench long-rows --seq-lens 8192 16384 --kinds lora dora qlora --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from . import torch_peer
+from .adapters import describe_device
+from .flags import BenchParser, COUNT, at_least
+from .models import BITS, GROUP_SIZE
+from .models import PRESETS as MODEL_PRESETS
+from .startup import SHAPE_KEYS, TIED, write_data, write_model
+
+KINDS = ("lora", "dora", "qlora")
+LABELS = {"lora": "LoRA", "dora": "DoRA", "qlora": "4-bit LoRA"}
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": {**{k: MODEL_PRESETS["small"][k] for k in SHAPE_KEYS}, "seq_lens": [1024, 2048, 4096],
+              "warmup": 1, "steps": 3},
+    "1.7b": {**{k: torch_peer.PRESETS["1.7b"][k] for k in SHAPE_KEYS}, "seq_lens": [8192, 16384, 32768, 65536],
+             "warmup": 2, "steps": 4},
+}
+RANK, SCALE, LR = 8, 20.0, 1e-5
+OOM = "out of memory"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = BenchParser(prog="meshtune bench long-rows", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="small (seconds a step on a CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: 1.7b on a GPU, "
+                        "else small.")
+    p.add_argument("--seq-lens", type=at_least(64), nargs="+", default=None, help="Row lengths. Default: the preset's.")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=["lora"],
+                   help="meshtune's kinds (torch runs LoRA beside them; dora and qlora are meshtune's rows).")
+    p.add_argument("--warmup", type=at_least(1), default=None, help="Steps left out of tokens/s. Default: the preset's.")
+    p.add_argument("--steps", type=COUNT, default=None, help="Steps timed after the warm-up. Default: the preset's.")
+    p.add_argument("--no-torch", action="store_true", help="meshtune's rows only (no PyTorch here).")
+    p.add_argument("--json", action="store_true", help="Print one JSON object last.")
+    return p
+
+
+def _settings(argv: list[str]) -> argparse.Namespace:
+    a = _parser().parse_args(argv)
+    a.on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    a.preset = a.preset or ("1.7b" if a.on_gpu else "small")
+    for name in ("seq_lens", "warmup", "steps"):
+        if getattr(a, name) is None:
+            setattr(a, name, PRESETS[a.preset][name])
+    a.dtype = "bfloat16" if a.on_gpu else "float32"
+    if not a.no_torch:
+        missing = torch_peer.missing_libraries()
+        if missing:
+            raise ValueError(f"meshtune bench long-rows runs PyTorch + PEFT beside meshtune; not importable here: "
+                             f"{', '.join(missing)}; pip install torch transformers peft, or pass --no-torch")
+    return a
+
+
+def _quantized(dense: Path, folder: Path) -> Path:
+    """The dense model folder converted to 4 bits by mlx-lm's own converter (group 64)."""
+    from mlx_lm import convert
+
+    convert(str(dense), mlx_path=str(folder), quantize=True, q_group_size=GROUP_SIZE, q_bits=BITS)
+    return folder
+
+
+def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_len: int, out: Path) -> dict[str, Any]:
+    """`meshtune train` at batch 1 x seq_len with gradient checkpointing: median tok/s after the warm-up, peak GB."""
+    cmd = [sys.executable, "-m", "meshtune.cli", "train", "--model", str(model), "--data", str(data),
+           "--fine-tune-type", "dora" if kind == "dora" else "lora", "--grad-checkpoint",
+           "--batch-size", "1", "--max-seq-length", str(seq_len), "--iters", str(a.warmup + a.steps),
+           "--steps-per-report", "1", "--val-batches", "0", "--save-every", str(10 ** 6),
+           "--optimizer", "adamw", "--learning-rate", str(LR), "--adapter.rank", str(RANK),
+           "--adapter.scale", str(SCALE), "--adapter-path", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTUNE_CACHE_DIR": "off"}
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        if "out of memory" in done.stdout.lower():
+            return {"error": OOM}
+        raise RuntimeError(f"meshtune train at {seq_len} tokens failed with exit code {done.returncode}:\n"
+                           f"{done.stdout[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("kind", "train") == "train" and "tokens_per_sec" in r]
+    timed = train[a.warmup:] or train[-1:]
+    return {"tok_s": statistics.median(r["tokens_per_sec"] for r in timed),
+            "peak_gb": max(r["peak_memory_gb"] for r in train), "steps": len(timed)}
+
+
+def torch_row(a: argparse.Namespace, seq_len: int) -> dict[str, Any]:
+    """PyTorch + PEFT LoRA at batch 1 x seq_len with gradient checkpointing, in a child process."""
+    spec = {"shape": {k: PRESETS[a.preset][k] for k in SHAPE_KEYS}, "dtype": a.dtype, "seq_len": seq_len,
+            "warmup": a.warmup, "steps": a.steps, "cuda": a.on_gpu}
+    done = subprocess.run([sys.executable, "-m", "meshtune.bench.long_rows", json.dumps(spec)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the torch side at {seq_len} tokens failed with exit code {done.returncode}:\n"
+                           f"{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _torch_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The torch side's measurement (run as `python -m meshtune.bench.long_rows SPEC`)."""
+    import torch
+
+    from . import torch_side as ts
+
+    ts.use_device(spec["cuda"])
+    try:
+        model = ts.build_model(spec["shape"], spec["dtype"], seed=0)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = ts.adapt(model, "lora", RANK, SCALE * RANK)
+        run = ts.step_runner(model, LR, spec["shape"]["vocab"], 1, spec["seq_len"], seed=0)
+        for _ in range(spec["warmup"]):
+            run()
+        run.finish()
+        ts.reset_peak()
+        times = []
+        for _ in range(spec["steps"]):
+            tic = time.perf_counter()
+            run()
+            run.finish()
+            times.append(time.perf_counter() - tic)
+    except torch.OutOfMemoryError:
+        return {"error": OOM}
+    peak = ts.peak_bytes()
+    return {"tok_s": spec["seq_len"] / statistics.median(times), "peak_gb": None if peak is None else peak / 1e9,
+            "steps": len(times), "versions": ts.versions()}
+
+
+def _cell(run: dict[str, Any] | None) -> str:
+    if run is None:
+        return f"{'':>20}"
+    if "error" in run:
+        return f"{run['error']:>20}"
+    peak = "n/a" if run.get("peak_gb") is None else f"{run['peak_gb']:.1f}"
+    return f"{run['tok_s']:>12.0f}{peak:>8}"
+
+
+def print_table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    s = PRESETS[a.preset]
+    print(f"long-rows benchmark: Qwen3-shaped random model ({a.preset}), {s['layers']} layers x {s['hidden']} hidden, "
+          f"intermediate {s['intermediate']}, {s['heads']} heads / {s['kv_heads']} kv heads, vocab {s['vocab']} "
+          f"({'tied embedding' if a.preset in TIED else 'meshtune untied, torch tied'}), {a.dtype}; device {describe_device()}")
+    print(f"batch 1, gradient checkpointing on both sides; rank {RANK} on the 7 linear layers of every block "
+          f"(PEFT lora_alpha {SCALE * RANK:g}); AdamW lr {LR:g}; {a.warmup} warm-up + {a.steps} timed steps, median")
+    print(f"meshtune: `meshtune train --grad-checkpoint` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
+          f"SDPA, gradient checkpointing (non-reentrant)")
+    print(f"\n  {'row':>7}  {'':<11}{'meshtune train':^20}  {'torch + PEFT':^20}{'meshtune/':>11}{'memory':>9}")
+    print(f"  {'tokens':>7}  {'':<11}{'tok/s':>12}{'peak GB':>8}  {'tok/s':>12}{'peak GB':>8}{'torch':>11}{'ratio':>9}")
+    for r in rows:
+        mine, theirs = r["meshtune"], r.get("torch")
+        ratio = mem = ""
+        if theirs is not None and "error" not in mine and "error" not in theirs:
+            ratio = f"{mine['tok_s'] / theirs['tok_s']:.2f}x"
+            if theirs.get("peak_gb"):
+                mem = f"{mine['peak_gb'] / theirs['peak_gb']:.2f}x"
+        print(f"  {r['seq_len']:>7}  {LABELS[r['kind']]:<11}{_cell(mine)}  {_cell(theirs)}{ratio:>11}{mem:>9}")
+
+
+def main(argv: list[str]) -> int:
+    a = _settings(argv)
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[bench long-rows +{time.perf_counter() - start:.0f}s] {message}", file=sys.stderr, flush=True)
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="meshtune-long-rows-") as tmp:
+        work = Path(tmp)
+        dense = write_model(a.preset, getattr(mx, a.dtype), work / "model")
+        models = {"lora": dense, "dora": dense}
+        if "qlora" in a.kinds:
+            models["qlora"] = _quantized(dense, work / "model-4bit")
+        for seq_len in a.seq_lens:
+            data = write_data(work / f"data-{seq_len}", dense, seq_len, rows=2)
+            for kind in a.kinds:
+                mine = meshtune_row(a, models[kind], data, kind, seq_len, work / f"run-{kind}-{seq_len}")
+                theirs = torch_row(a, seq_len) if kind == "lora" and not a.no_torch else None
+                rows.append({"seq_len": seq_len, "kind": kind, "meshtune": mine, "torch": theirs})
+                progress(f"{seq_len} {kind}: meshtune {_cell(mine).strip()}, torch {_cell(theirs).strip() or '-'}")
+    print_table(a, rows)
+    if a.json:
+        print(json.dumps({"rows": rows, "preset": a.preset, "shape": {k: PRESETS[a.preset][k] for k in SHAPE_KEYS},
+                          "dtype": a.dtype, "device": describe_device(), "mlx": mx.__version__,
+                          "warmup": a.warmup, "steps": a.steps, "rank": RANK, "scale": SCALE, "lr": LR}))
+    return 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(_torch_child(json.loads(sys.argv[1]))))
