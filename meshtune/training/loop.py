@@ -111,7 +111,6 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             tic = time.perf_counter()
             mx.random.seed(step_seed(seed, step))
             losses, verdict = strategy.step(batches)
-            window.end_step(time.perf_counter() - tic)
             step += 1
             pending.append((step, verdict, losses))
             beat(step)
@@ -125,6 +124,9 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             stopping = mesh.agree(stop.requested) if agree_now else False
             save_now = step % settings.save_every == 0 or step == settings.iters or stopping
             read_verdicts(newest=report_now or eval_now or save_now)
+            # The step's seconds end here: before a report, an eval or a save the newest step is waited
+            # for, so a window's seconds hold all of its steps' device time, not their dispatch alone.
+            window.end_step(time.perf_counter() - tic)
             # A save closes the window too, so a checkpoint holds every token trained before it and a
             # resumed run's reports are the uninterrupted run's. A window of skipped steps only is
             # reported with the next.
