@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="meshtune's kinds (torch runs LoRA beside them; dora and qlora are meshtune's rows).")
     p.add_argument("--warmup", type=at_least(1), default=None, help="Steps left out of tokens/s. Default: the preset's.")
     p.add_argument("--steps", type=COUNT, default=None, help="Steps timed after the warm-up. Default: the preset's.")
+    p.add_argument("--batch-size", type=COUNT, default=1, help="Rows a step (both sides).")
+    p.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="Gradient checkpointing on both sides (--no-grad-checkpoint: off on both).")
+    p.add_argument("--spread", action="store_true",
+                   help="meshtune's rows of lengths spread evenly over (L/2, L], a new length each step, as "
+                        "real data comes (torch keeps L); tokens/s then counts the tokens each step had.")
     p.add_argument("--no-torch", action="store_true", help="meshtune's rows only (no PyTorch here).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
@@ -100,8 +106,8 @@ def _quantized(dense: Path, folder: Path) -> Path:
 def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_len: int, out: Path) -> dict[str, Any]:
     """`meshtune train` at batch 1 x seq_len with gradient checkpointing: median tok/s after the warm-up, peak GB."""
     cmd = [sys.executable, "-m", "meshtune.cli", "train", "--model", str(model), "--data", str(data),
-           "--fine-tune-type", "dora" if kind == "dora" else "lora", "--grad-checkpoint",
-           "--batch-size", "1", "--max-seq-length", str(seq_len), "--iters", str(a.warmup + a.steps),
+           "--fine-tune-type", "dora" if kind == "dora" else "lora", "--train.grad_checkpoint", str(a.grad_checkpoint),
+           "--batch-size", str(a.batch_size), "--max-seq-length", str(seq_len), "--iters", str(a.warmup + a.steps),
            "--steps-per-report", "1", "--val-batches", "0", "--save-every", str(10 ** 6),
            "--optimizer", "adamw", "--learning-rate", str(LR), "--adapter.rank", str(RANK),
            "--adapter.scale", str(SCALE), "--adapter-path", str(out)]
@@ -122,7 +128,8 @@ def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_
 def torch_row(a: argparse.Namespace, seq_len: int) -> dict[str, Any]:
     """PyTorch + PEFT LoRA at batch 1 x seq_len with gradient checkpointing, in a child process."""
     spec = {"shape": {k: PRESETS[a.preset][k] for k in SHAPE_KEYS}, "dtype": a.dtype, "seq_len": seq_len,
-            "warmup": a.warmup, "steps": a.steps, "cuda": a.on_gpu}
+            "batch_size": a.batch_size, "grad_checkpoint": a.grad_checkpoint, "warmup": a.warmup, "steps": a.steps,
+            "cuda": a.on_gpu}
     done = subprocess.run([sys.executable, "-m", "meshtune.bench.long_rows", json.dumps(spec)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -140,9 +147,10 @@ def _torch_child(spec: dict[str, Any]) -> dict[str, Any]:
     ts.use_device(spec["cuda"])
     try:
         model = ts.build_model(spec["shape"], spec["dtype"], seed=0)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if spec["grad_checkpoint"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = ts.adapt(model, "lora", RANK, SCALE * RANK)
-        run = ts.step_runner(model, LR, spec["shape"]["vocab"], 1, spec["seq_len"], seed=0)
+        run = ts.step_runner(model, LR, spec["shape"]["vocab"], spec["batch_size"], spec["seq_len"], seed=0)
         for _ in range(spec["warmup"]):
             run()
         run.finish()
@@ -156,7 +164,7 @@ def _torch_child(spec: dict[str, Any]) -> dict[str, Any]:
     except torch.OutOfMemoryError:
         return {"error": OOM}
     peak = ts.peak_bytes()
-    return {"tok_s": spec["seq_len"] / statistics.median(times), "peak_gb": None if peak is None else peak / 1e9,
+    return {"tok_s": spec["batch_size"] * spec["seq_len"] / statistics.median(times), "peak_gb": None if peak is None else peak / 1e9,
             "steps": len(times), "versions": ts.versions()}
 
 
@@ -174,10 +182,11 @@ def print_table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"long-rows benchmark: Qwen3-shaped random model ({a.preset}), {s['layers']} layers x {s['hidden']} hidden, "
           f"intermediate {s['intermediate']}, {s['heads']} heads / {s['kv_heads']} kv heads, vocab {s['vocab']} "
           f"({'tied embedding' if a.preset in TIED else 'meshtune untied, torch tied'}), {a.dtype}; device {describe_device()}")
-    print(f"batch 1, gradient checkpointing on both sides; rank {RANK} on the 7 linear layers of every block "
+    print(f"batch {a.batch_size}, gradient checkpointing {'on' if a.grad_checkpoint else 'off'} on both sides"
+          f"{'; meshtune rows spread over (L/2, L], a new length each step' if a.spread else ''}; rank {RANK} on the 7 linear layers of every block "
           f"(PEFT lora_alpha {SCALE * RANK:g}); AdamW lr {LR:g}; {a.warmup} warm-up + {a.steps} timed steps, median")
-    print(f"meshtune: `meshtune train --grad-checkpoint` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
-          f"SDPA, gradient checkpointing (non-reentrant)")
+    print(f"meshtune: `meshtune train` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
+          f"SDPA" + (", gradient checkpointing (non-reentrant)" if a.grad_checkpoint else ""))
     print(f"\n  {'row':>7}  {'':<11}{'meshtune train':^20}  {'torch + PEFT':^20}{'meshtune/':>11}{'memory':>9}")
     print(f"  {'tokens':>7}  {'':<11}{'tok/s':>12}{'peak GB':>8}  {'tok/s':>12}{'peak GB':>8}{'torch':>11}{'ratio':>9}")
     for r in rows:
@@ -205,7 +214,9 @@ def main(argv: list[str]) -> int:
         if "qlora" in a.kinds:
             models["qlora"] = _quantized(dense, work / "model-4bit")
         for seq_len in a.seq_lens:
-            data = write_data(work / f"data-{seq_len}", dense, seq_len, rows=2)
+            spread = [seq_len // 2 + (i + 1) * (seq_len - seq_len // 2) // (a.warmup + a.steps)
+                      for i in range(a.warmup + a.steps)] if a.spread else None
+            data = write_data(work / f"data-{seq_len}", dense, seq_len, rows=2 * a.batch_size, lengths=spread)
             for kind in a.kinds:
                 mine = meshtune_row(a, models[kind], data, kind, seq_len, work / f"run-{kind}-{seq_len}")
                 theirs = torch_row(a, seq_len) if kind == "lora" and not a.no_torch else None
@@ -215,7 +226,8 @@ def main(argv: list[str]) -> int:
     if a.json:
         print(json.dumps({"rows": rows, "preset": a.preset, "shape": {k: PRESETS[a.preset][k] for k in SHAPE_KEYS},
                           "dtype": a.dtype, "device": describe_device(), "mlx": mx.__version__,
-                          "warmup": a.warmup, "steps": a.steps, "rank": RANK, "scale": SCALE, "lr": LR}))
+                          "warmup": a.warmup, "steps": a.steps, "batch_size": a.batch_size,
+                          "grad_checkpoint": a.grad_checkpoint, "spread": a.spread, "rank": RANK, "scale": SCALE, "lr": LR}))
     return 0
 
 

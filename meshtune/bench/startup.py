@@ -112,16 +112,17 @@ def write_model(name: str, dtype: mx.Dtype, folder: Path) -> Path:
     return folder
 
 
-def write_data(folder: Path, model: Path, seq_len: int, rows: int) -> Path:
-    """train/valid.jsonl of `rows` text rows, each as many words as fit seq_len tokens (EOS included)."""
+def write_data(folder: Path, model: Path, seq_len: int, rows: int, lengths: list[int] | None = None) -> Path:
+    """train/valid.jsonl of `rows` text rows, each as many words as fit seq_len tokens (EOS included);
+    with `lengths`, the train rows fit those lengths instead, one row each."""
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     rng = random.Random(0)
     folder.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", rows), ("valid", 2)):
+    for split, fits in (("train", lengths or [seq_len] * rows), ("valid", [seq_len] * 2)):
         lines = []
-        for _ in range(count):
+        for seq_len in fits:
             words = [rng.choice(WORDS) for _ in range(2 * seq_len)]  # a word is at least one token
             lo, hi = 1, len(words)
             while lo < hi:  # the most words whose tokens plus EOS fit seq_len
