@@ -109,7 +109,7 @@ def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_
            "--fine-tune-type", "dora" if kind == "dora" else "lora", "--train.grad_checkpoint", str(a.grad_checkpoint),
            "--batch-size", str(a.batch_size), "--max-seq-length", str(seq_len), "--iters", str(a.warmup + a.steps),
            "--steps-per-report", "1", "--val-batches", "0", "--save-every", str(10 ** 6),
-           "--optimizer", "adamw", "--learning-rate", str(LR), "--adapter.rank", str(RANK),
+           "--optimizer", "adamw", "--learning-rate", str(LR), "--num-layers", "-1", "--adapter.rank", str(RANK),
            "--adapter.scale", str(SCALE), "--adapter-path", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTUNE_CACHE_DIR": "off"}
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
