@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spread", action="store_true",
                    help="meshtune's rows of lengths spread evenly over (L/2, L], a new length each step, as "
                         "real data comes (torch keeps L); tokens/s then counts the tokens each step had.")
+    p.add_argument("--train-args", default="", metavar="'FLAGS'",
+                   help="More flags for meshtune train, in one quoted string (e.g. '--train.compile false').")
     p.add_argument("--no-torch", action="store_true", help="meshtune's rows only (no PyTorch here).")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
@@ -110,7 +113,7 @@ def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_
            "--batch-size", str(a.batch_size), "--max-seq-length", str(seq_len), "--iters", str(a.warmup + a.steps),
            "--steps-per-report", "1", "--val-batches", "0", "--save-every", str(10 ** 6),
            "--optimizer", "adamw", "--learning-rate", str(LR), "--num-layers", "-1", "--adapter.rank", str(RANK),
-           "--adapter.scale", str(SCALE), "--adapter-path", str(out)]
+           "--adapter.scale", str(SCALE), "--adapter-path", str(out), *shlex.split(a.train_args)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHTUNE_CACHE_DIR": "off"}
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
