@@ -43,7 +43,7 @@ from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
 from .runtime.relaunch import resume_command
 from .training.forced_fault import with_forced_fault
-from .training.loop import LoopSettings, NonFiniteStep, train
+from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
@@ -103,6 +103,18 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     if cfg.train.grad_checkpoint:
         enable_grad_checkpoint(model.layers[0])
     return model, tokenizer
+
+
+def fitting_advice(cfg: Config) -> str:
+    """The flags that make a run that ran out of memory smaller, each with its value now."""
+    t, d, a = cfg.train, cfg.data, cfg.adapter
+    ways = [] if t.grad_checkpoint or cfg.parallel.pp > 1 else ["--grad-checkpoint"]
+    ways += [f"a shorter --max-seq-length (now {d.max_seq_length})"]
+    if t.batch_size > 1:
+        ways.append(f"a smaller --batch-size with --grad-accumulation-steps (now {t.batch_size})")
+    ways.append(f"fewer adapted blocks --num-layers (now {a.num_layers})")
+    ways.append(f"pipeline stages on more machines --parallel.pp (now {cfg.parallel.pp})")
+    return "to fit: " + ", ".join(ways) + "; meshtune plan estimates each"
 
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
@@ -223,10 +235,12 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                            start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
-        except NonFiniteStep as err:
+        except (NonFiniteStep, OutOfMemory) as err:
             found = list_checkpoints(out)  # the loop saved nothing after the bad step
             last = f"{found[-1]} (resume with --resume)" if found else "none yet (start again)"
-            raise NonFiniteStep(err.step, err.what, last_good=last) from None
+            if isinstance(err, NonFiniteStep):
+                raise NonFiniteStep(err.step, err.what, last_good=last) from None
+            raise OutOfMemory(err.step, err.what, advice=fitting_advice(cfg), last_good=last) from None
         test_loss = None
         if test_batches is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)

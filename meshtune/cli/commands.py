@@ -63,10 +63,10 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    """0 finished, 3 stopped on request, 65 a non-finite step stopped it (docs/reliability.md, exit codes)."""
+    """0 finished, 3 stopped on request, 65 a non-finite step stopped it, 71 out of memory (docs/reliability.md, exit codes)."""
     from ..api import finetune
-    from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
-    from ..training.loop import NonFiniteStep
+    from ..training import NONFINITE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, STOPPED_EXIT_CODE
+    from ..training.loop import NonFiniteStep, OutOfMemory
 
     cfg = _train_config(args, rest)
     mesh = _mesh(cfg)
@@ -75,6 +75,9 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except NonFiniteStep as err:  # every rank stops at the same step and says it
         print(f"meshtune: {err}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE
+    except OutOfMemory as err:
+        print(f"meshtune: {err}", file=sys.stderr, flush=True)
+        return OUT_OF_MEMORY_EXIT_CODE
     if not result.stopped_early:
         return 0
     if mesh.is_writer:  # one line for the run, from the writer (rank 0)

@@ -3,6 +3,7 @@ evaluation, optimizers, checkpoints, metrics)."""
 
 # Exit code of a run stopped by a non-finite step (loop.NonFiniteStep); here, without MLX, for the launcher.
 NONFINITE_EXIT_CODE = 65  # EX_DATAERR: a step went non-finite; --resume from the last good checkpoint
+OUT_OF_MEMORY_EXIT_CODE = 71  # EX_OSERR: an allocation failed; the advice line says what makes the run fit
 STOPPED_EXIT_CODE = 3  # stopped on request (SIGTERM/SIGINT): a checkpoint saved, --resume continues
 
 # The chunked head loss's shape (head_loss.py); here, without MLX, for the planner (plan/memory.py).

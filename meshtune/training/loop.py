@@ -46,6 +46,24 @@ class NonFiniteStep(Exception):
         self.step, self.what = step, what
 
 
+# How MLX's allocators word running out of memory: CUDA, Metal (a buffer, a command buffer), the CPU.
+OUT_OF_MEMORY_WORDS = ("out of memory", "insufficient memory", "unable to allocate", "outofmemory")
+
+
+class OutOfMemory(Exception):
+    """An allocation failed during a step: the run stops with one line (exit training.OUT_OF_MEMORY_EXIT_CODE)."""
+
+    def __init__(self, step: int, what: str, *, advice: str = "", last_good: str = "") -> None:
+        tail = (f"; {advice}" if advice else "") + (f"; last checkpoint: {last_good}" if last_good else "")
+        super().__init__(f"step {step}: out of memory ({what}){tail}")
+        self.step, self.what = step, what
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is an allocator's out-of-memory error (MLX raises RuntimeError)."""
+    return isinstance(err, (RuntimeError, MemoryError)) and any(w in str(err).lower() for w in OUT_OF_MEMORY_WORDS)
+
+
 @dataclass(kw_only=True)
 class LoopSettings:
     """The loop's schedule, taken from the train config."""
@@ -78,7 +96,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
-    step, skipped, stopping = start.step, 0, False
+    step, skipped, stopping, running = start.step, 0, False, start.step + 1
     pending: list[tuple[int, StepVerdict, list[tuple[Any, Any]]]] = []  # dispatched, verdict not read
 
     def read_verdicts(newest: bool) -> None:
@@ -107,41 +125,48 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
     if validate is not None and step == 0:
         val_loss = run_eval(0)
     with StopSignals(second_interrupts=True) as stop:
-        while step < settings.iters:
-            tic = time.perf_counter()
-            mx.random.seed(step_seed(seed, step))
-            losses, verdict = strategy.step(batches)
-            step += 1
-            pending.append((step, verdict, losses))
-            beat(step)
-            reporter.advance()
+        try:
+            while step < settings.iters:
+                running = step + 1  # the step an allocation failure is reported at
+                tic = time.perf_counter()
+                mx.random.seed(step_seed(seed, step))
+                losses, verdict = strategy.step(batches)
+                step += 1
+                pending.append((step, verdict, losses))
+                beat(step)
+                reporter.advance()
 
-            report_now = step % settings.steps_per_report == 0 or step == settings.iters
-            eval_now = validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters)
-            # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
-            # every step: each agreement is one more round trip on the link.
-            agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
-            stopping = mesh.agree(stop.requested) if agree_now else False
-            save_now = step % settings.save_every == 0 or step == settings.iters or stopping
-            read_verdicts(newest=report_now or eval_now or save_now)
-            # The step's seconds end here: before a report, an eval or a save the newest step is waited
-            # for, so a window's seconds hold all of its steps' device time, not their dispatch alone.
-            window.end_step(time.perf_counter() - tic)
-            # A save closes the window too, so a checkpoint holds every token trained before it and a
-            # resumed run's reports are the uninterrupted run's. A window of skipped steps only is
-            # reported with the next.
-            if (report_now or save_now) and window.applied:
-                train_loss, trained_tokens = report_window(
-                    reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
-                    trained_tokens=trained_tokens, waited=strategy.take_waits())
-                window = Window()
-            if eval_now:
-                val_loss = run_eval(step)
-            if save_now:
-                save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
-            if stopping:
-                mesh.agree(False)  # every rank waits for the writer's save: they exit together
-                reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
-                break
+                report_now = step % settings.steps_per_report == 0 or step == settings.iters
+                eval_now = validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters)
+                # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
+                # every step: each agreement is one more round trip on the link.
+                agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
+                stopping = mesh.agree(stop.requested) if agree_now else False
+                save_now = step % settings.save_every == 0 or step == settings.iters or stopping
+                read_verdicts(newest=report_now or eval_now or save_now)
+                # The step's seconds end here: before a report, an eval or a save the newest step is waited
+                # for, so a window's seconds hold all of its steps' device time, not their dispatch alone.
+                window.end_step(time.perf_counter() - tic)
+                # A save closes the window too, so a checkpoint holds every token trained before it and a
+                # resumed run's reports are the uninterrupted run's. A window of skipped steps only is
+                # reported with the next.
+                if (report_now or save_now) and window.applied:
+                    train_loss, trained_tokens = report_window(
+                        reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
+                        trained_tokens=trained_tokens, waited=strategy.take_waits())
+                    window = Window()
+                if eval_now:
+                    val_loss = run_eval(step)
+                if save_now:
+                    save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
+                if stopping:
+                    mesh.agree(False)  # every rank waits for the writer's save: they exit together
+                    reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
+                    break
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            # Nothing is saved after it: the last checkpoint stands.
+            raise OutOfMemory(running, str(err).strip().splitlines()[0]) from None
     return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,
                       trained_tokens=trained_tokens, stopped_early=stopping)
