@@ -20,6 +20,7 @@ Both sides: rank 8 on the 7 linear layers of every block (meshtune scale 20 = PE
 160), AdamW lr 1e-5. An out-of-memory is reported as such in its cell.
 
     meshtune bench long-rows                           # 1.7b at 8k-64k on a GPU; small at 1k-4k on a CPU
+    meshtune bench long-rows --preset tiny --no-torch  # seconds on a CPU; what the test runs
     meshtune bench long-rows --seq-lens 8192 16384 --kinds lora dora qlora --json
 """
 
@@ -49,6 +50,7 @@ from .startup import SHAPE_KEYS, TIED, write_data, write_model
 KINDS = ("lora", "dora", "qlora")
 LABELS = {"lora": "LoRA", "dora": "DoRA", "qlora": "4-bit LoRA"}
 PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {**{k: MODEL_PRESETS["tiny"][k] for k in SHAPE_KEYS}, "seq_lens": [64, 128], "warmup": 1, "steps": 2},
     "small": {**{k: MODEL_PRESETS["small"][k] for k in SHAPE_KEYS}, "seq_lens": [1024, 2048, 4096],
               "warmup": 1, "steps": 3},
     "1.7b": {**{k: torch_peer.PRESETS["1.7b"][k] for k in SHAPE_KEYS}, "seq_lens": [8192, 16384, 32768, 65536],
@@ -62,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p = BenchParser(prog="meshtune bench long-rows", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="small (seconds a step on a CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: 1.7b on a GPU, "
-                        "else small.")
+                   help="tiny (the test's), small (seconds a step on a CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). "
+                        "Default: 1.7b on a GPU, else small.")
     p.add_argument("--seq-lens", type=at_least(64), nargs="+", default=None, help="Row lengths. Default: the preset's.")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["lora"],
                    help="meshtune's kinds (torch runs LoRA beside them; dora and qlora are meshtune's rows).")

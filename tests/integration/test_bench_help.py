@@ -28,6 +28,7 @@ OWN_FLAGS = {
     "plan": ["--layouts", "--quantize"],
     "torch": ["--kinds", "--matmul-size"],
     "startup": ["--runs-per-cache", "--kinds"],
+    "long-rows": ["--seq-lens", "--spread", "--train-args"],
 }
 
 
@@ -92,6 +93,8 @@ NONSENSE = [
     ("scaling", ["--link", "infbit"], "--link 'infbit': rate 'infbit': give it as tc does"),
     ("startup", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     ("torch", ["--steps", "0"], "--steps 0: must be at least 1"),
+    ("long-rows", ["--seq-lens", "10"], "--seq-lens 10: must be at least 64"),
+    ("long-rows", ["--steps", "0"], "--steps 0: must be at least 1"),
 ]
 
 

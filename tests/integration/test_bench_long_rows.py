@@ -1,0 +1,30 @@
+"""`meshtune bench long-rows`: `meshtune train` on rows of each length, every kind asked, table and JSON alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from support import run_bench_json
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return run_bench_json("long-rows", "--preset", "tiny", "--no-torch", "--kinds", "lora", "dora", "qlora",
+                          "--seq-lens", "64", "256", timeout=600)
+
+
+def test_each_length_has_a_row_per_kind_from_meshtune_train(bench):
+    out, result = bench
+    assert [(r["seq_len"], r["kind"]) for r in result["rows"]] == [
+        (n, k) for n in (64, 256) for k in ("lora", "dora", "qlora")]
+    for r in result["rows"]:
+        mine = r["meshtune"]
+        assert r["torch"] is None and mine["tok_s"] > 0 and mine["peak_gb"] > 0 and mine["steps"] == 2, r
+        assert any(f"{mine['tok_s']:.0f}" in line for line in out), r  # the table prints what the JSON holds
+    assert result["batch_size"] == 1 and result["grad_checkpoint"] is True and result["preset"] == "tiny"
+
+
+def test_a_longer_row_holds_more_memory(bench):
+    _, result = bench
+    peak = {(r["seq_len"], r["kind"]): r["meshtune"]["peak_gb"] for r in result["rows"]}
+    assert all(peak[(256, k)] > peak[(64, k)] for k in ("lora", "dora", "qlora")), peak
