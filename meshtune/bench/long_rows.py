@@ -102,9 +102,12 @@ def _settings(argv: list[str]) -> argparse.Namespace:
 
 def _quantized(dense: Path, folder: Path) -> Path:
     """The dense model folder converted to 4 bits by mlx-lm's own converter (group 64)."""
+    from contextlib import redirect_stdout
+
     from mlx_lm import convert
 
-    convert(str(dense), mlx_path=str(folder), quantize=True, q_group_size=GROUP_SIZE, q_bits=BITS)
+    with redirect_stdout(sys.stderr):  # its progress lines are not the table's
+        convert(str(dense), mlx_path=str(folder), quantize=True, q_group_size=GROUP_SIZE, q_bits=BITS)
     return folder
 
 
@@ -187,7 +190,7 @@ def print_table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"long-rows benchmark: Qwen3-shaped random model ({a.preset}), {s['layers']} layers x {s['hidden']} hidden, "
           f"intermediate {s['intermediate']}, {s['heads']} heads / {s['kv_heads']} kv heads, vocab {s['vocab']} "
           f"({'tied embedding' if a.preset in TIED else 'meshtune untied, torch tied'}), {a.dtype}; device {describe_device()}")
-    print(f"batch {a.batch_size}, gradient checkpointing {'on' if a.grad_checkpoint else 'off'} on both sides"
+    print(f"batch {a.batch_size}, gradient checkpointing {'on' if a.grad_checkpoint else 'off'} (both sides)"
           f"{'; meshtune rows spread over (L/2, L], a new length each step' if a.spread else ''}; rank {RANK} on the 7 linear layers of every block "
           f"(PEFT lora_alpha {SCALE * RANK:g}); AdamW lr {LR:g}; {a.warmup} warm-up + {a.steps} timed steps, median")
     print(f"meshtune: `meshtune train` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
