@@ -44,6 +44,7 @@ from .runtime.outdir import check_free_space, check_writable
 from .runtime.relaunch import resume_command
 from .training.forced_fault import with_forced_fault
 from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
+from .training.attention import CHUNK, CHUNKED_FROM, install_chunked_attention, needs_chunked_attention
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
@@ -78,6 +79,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
 
         if install_fast_swiglu():
             say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
+    if needs_chunked_attention() and install_chunked_attention() and cfg.data.max_seq_length >= CHUNKED_FROM:
+        say(f"attention on rows of {CHUNKED_FROM}+ tokens runs {CHUNK} queries at a time (MLX has no fused "
+            "attention backward on this device; memory linear in the row)")
     a = cfg.adapter
     blocks = block_count(model)
     if a.num_layers > blocks:  # as --num-layers -1; mlx-lm refuses, but the intent is plain

@@ -243,8 +243,10 @@ def _in_process(argv: list[str]) -> tuple[int | None, str]:
             code = 1
         finally:
             from ..runtime.fastmath import uninstall_fast_swiglu
+            from ..training.attention import uninstall_chunked_attention
 
             uninstall_fast_swiglu()  # a run patches mlx-lm's modules; leave this process as found
+            uninstall_chunked_attention()
     return code, err.getvalue()
 
 

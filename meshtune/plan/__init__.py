@@ -12,14 +12,17 @@ from typing import Any
 
 from .estimate import layout_figures
 from .layouts import candidates, parse_link
-from .memory import trained
+from .memory import attention_kind, trained
 from .model_facts import DTYPE_BYTES, block_of, read_model
 
 __all__ = ["parse_link", "plan"]
 
 
-def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None = None) -> dict[str, Any]:
-    """Every candidate layout of `cfg` on `ranks` ranks with `memory_gb` each, and the recommended one."""
+def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None = None,
+         nvidia: bool = False) -> dict[str, Any]:
+    """Every candidate layout of `cfg` on `ranks` ranks with `memory_gb` each, and the recommended one.
+
+    `nvidia`: the ranks are NVIDIA GPUs, whose attention has a fused backward in bfloat16 and float16."""
     if ranks < 1:
         raise ValueError(f"--ranks {ranks}: give at least 1 rank")
     if not memory_gb > 0:
@@ -44,7 +47,8 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         row = {"layout": layout.name, "dp": layout.dp, "pp": layout.pp, "ranks": layout.ranks,
                "stage_layers": layout.stage_layers, "micro_batches": layout.micro_batches, "problem": layout.problem}
         if not layout.problem or "grad_checkpoint" in layout.problem:
-            row.update(layout_figures(layout, facts, cfg, items, seq=seq, link_bytes_s=link_bytes_s))
+            row.update(layout_figures(layout, facts, cfg, items, seq=seq, link_bytes_s=link_bytes_s,
+                                      fused_backward=nvidia and facts.activation_dtype_bytes == 2))
             row["fits"] = row["total"] <= memory_gb * 1e9
         else:
             row["fits"] = False
@@ -56,6 +60,7 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         "optimizer": cfg.optimizer.name, "batch_size": cfg.train.batch_size, "seq_len": seq,
         "seq_len_from": "--seq-len" if seq_len is not None else "data.max_seq_length",
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
+        "attention": attention_kind(seq, nvidia and facts.activation_dtype_bytes == 2),
         "ranks": ranks, "memory_gb": memory_gb, "link": link, "link_bytes_per_s": link_bytes_s,
         "layouts": rows, "recommended": choice, "reason": reason,
     }

@@ -53,7 +53,7 @@ def update_extra(items: list[Trained], optimizer: str, options: dict[str, Any]) 
 
 
 def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trained], *, seq: int,
-                   link_bytes_s: float) -> dict[str, Any]:
+                   link_bytes_s: float, fused_backward: bool = False) -> dict[str, Any]:
     """Memory per rank (one entry per stage), bubble, bytes sent per rank per step and their time."""
     p, t = cfg.parallel, cfg.train
     weights = sum(facts.weight_bytes().values())
@@ -78,9 +78,9 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
         last = s == layout.pp - 1
         examples = micro if layout.pp > 1 else local
         act, per_block = activations(facts, adapter=cfg.adapter, examples=examples, seq=seq, blocks=blocks,
-                                     last=last, checkpoint=False)
+                                     last=last, checkpoint=False, fused_backward=fused_backward)
         ckpt = activations(facts, adapter=cfg.adapter, examples=examples, seq=seq, blocks=blocks,
-                           last=last, checkpoint=True)[0] if layout.pp == 1 else None
+                           last=last, checkpoint=True, fused_backward=fused_backward)[0] if layout.pp == 1 else None
         if layout.pp > 1:
             # Inputs kept between each in-flight micro-batch's forward and backward (token ids on
             # stage 0), and the cotangent received for the one in its backward.
@@ -91,11 +91,11 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
             comm_buffer = min(grads, p.bucket_mb * 2**20)
         elif layout.pp > 1 and layout.dp > 1:  # the world buffer with a slot per trained parameter, and its sum
             comm_buffer = 2 * sum(i.params for i in items) * FP32
-        # The total keeps every activation even with train.grad_checkpoint: MLX evaluates the step as one
-        # graph and runs the recomputations early, so checkpointing saved about a quarter, not what `ckpt`
-        # (the design's floor) says (docs/plan.md, measured).
+        # With train.grad_checkpoint the step keeps each block's input and recomputes one block at a time
+        # (training/step.py), its update built apart from its backward (data_parallel.build_step).
+        kept = ckpt if ckpt is not None and t.grad_checkpoint else act
         block_grads = grads / max(len(blocks), 1)
-        backward = max(act, grads) + min(per_block, block_grads)
+        backward = max(kept, grads) + min(per_block, block_grads)
         total = weights + adapters + optimizer + comm_buffer + max(backward, update)
         stages.append({"stage": s, "blocks": [bounds[0], bounds[1]], "weights": weights, "adapters": adapters,
                        "grads": grads, "optimizer": optimizer, "activations": act, "activations_ckpt": ckpt,

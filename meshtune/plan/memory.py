@@ -25,12 +25,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.sections import full_needs_dense
-from ..training import HEAD_CHUNK_TOKENS, HEAD_THEN_LOGITS
+from ..training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM, HEAD_CHUNK_TOKENS, HEAD_THEN_LOGITS
 from .model_facts import Linear, ModelFacts
 
 FP32 = 4
 # mlx.optimizers' state per parameter: arrays shaped like it (adafactor: see optimizer_bytes).
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1, "muon": 1}
+CHUNK_SCORES = 7
+"""Arrays of one chunk's scores (heads x ATTENTION_CHUNK x L, float32) alive at once in chunked attention's
+backward: scores, probabilities, their cotangents and casts (tests/unit/test_attention.py measures 6.7)."""
+
+
+def attention_kind(seq: int, fused_backward: bool) -> str:
+    """How a step's attention holds its scores: "fused" (MLX's fused backward: NVIDIA GPUs in bfloat16 or
+    float16), "chunked" (training/attention.py, rows of ATTENTION_CHUNKED_FROM and more elsewhere) or "whole"."""
+    if fused_backward:
+        return "fused"
+    return "chunked" if seq - 1 >= ATTENTION_CHUNKED_FROM else "whole"
 
 
 @dataclass(frozen=True)
@@ -141,10 +152,12 @@ def optimizer_bytes(name: str, items: list[Trained], options: dict[str, Any]) ->
     return total * (items[0].bytes_per_param if items else FP32)
 
 
-def block_activation_elems(facts: ModelFacts, seq: int, adapted: list[Linear], variant: str, rank: int) -> float:
+def block_activation_elems(facts: ModelFacts, seq: int, adapted: list[Linear], variant: str, rank: int,
+                           attention: str = "whole") -> float:
     """Activation elements one token keeps in one block until its backward (see the module docstring)."""
     h, q, kv = facts.hidden, facts.heads * facts.head_dim, facts.kv_heads * facts.head_dim
-    attention = 6 * h + 4 * q + 3 * kv + facts.heads * seq
+    # The probabilities over L keys, or (fused, chunked) each row's log-sum-exp only.
+    attention_elems = 6 * h + 4 * q + 3 * kv + facts.heads * (seq if attention == "whole" else 1)
     if facts.experts:
         k = facts.experts_per_token
         # router logits and probabilities; each routed copy: gathered input, 5 I_moe, expert output
@@ -158,14 +171,14 @@ def block_activation_elems(facts: ModelFacts, seq: int, adapted: list[Linear], v
             routed = facts.experts_per_token if layer.experts > 1 else 1
             inner = layer.out_dims if layer.embedding else rank  # an embedding's LoRA gathers rows of A
             extra += routed * (inner + (layer.out_dims if variant == "dora" else 0))
-    return attention + mlp + extra
+    return attention_elems + mlp + extra
 
 
-def backward_transient_elems(facts: ModelFacts, seq: int) -> int:
-    """Per token, the cotangents a block's backward holds beside its activations: its MLP's, and the
-    attention's for the probabilities and the scores."""
+def backward_transient_elems(facts: ModelFacts, seq: int, attention: str = "whole") -> int:
+    """Per token, the cotangents a block's backward holds beside its activations: its MLP's, and (whole)
+    the attention's for the probabilities and the scores."""
     width = facts.experts_per_token * facts.moe_intermediate if facts.experts else facts.intermediate
-    return 3 * width + 2 * facts.hidden + 2 * facts.heads * seq
+    return 3 * width + 2 * facts.hidden + (2 * facts.heads * seq if attention == "whole" else 0)
 
 
 def head_elems(facts: ModelFacts) -> tuple[int, int]:
@@ -185,8 +198,11 @@ def chunked_loss(facts: ModelFacts, adapter: Any) -> bool:
 
 
 def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blocks: range,
-                last: bool, checkpoint: bool) -> tuple[float, float]:
-    """(bytes the forward keeps for `blocks` on `examples` x `seq` tokens, per-block part of it)."""
+                last: bool, checkpoint: bool, fused_backward: bool = False) -> tuple[float, float]:
+    """(bytes the forward keeps for `blocks` on `examples` x `seq` tokens, per-block part of it).
+
+    `fused_backward`: the device's attention has a fused backward (attention_kind)."""
+    kind = attention_kind(seq, fused_backward)
     tokens = examples * seq
     act = facts.activation_dtype_bytes
     adapted_by_block: dict[int, list[Linear]] = {}
@@ -199,14 +215,16 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
             if b in chosen and (adapter.keys is None or _relative(layer.name)[1] in adapter.keys):
                 adapted_by_block.setdefault(b, []).append(layer)
     per_block = [block_activation_elems(facts, seq, adapted_by_block.get(b, []), adapter.fine_tune_type,
-                                        adapter.rank)
+                                        adapter.rank, kind)
                  * tokens * act for b in blocks]
     head = 0.0
     if last:
         norm, loss = head_elems(facts)
         loss_tokens = min(tokens, HEAD_CHUNK_TOKENS) if chunked_loss(facts, adapter) else tokens
         head = tokens * norm * act + loss_tokens * loss * FP32
-    transient = backward_transient_elems(facts, seq) * tokens * act
+    transient = backward_transient_elems(facts, seq, kind) * tokens * act
+    if kind == "chunked":
+        transient += CHUNK_SCORES * facts.heads * ATTENTION_CHUNK * seq * examples * FP32
     if adapter.base_path != "quantized":
         # The dequantized base path (adapters/base_path.py; "auto" takes it for many tokens) multiplies by
         # each quantized layer's dense weight, and the backward needs that weight again for dx: one per layer.

@@ -15,6 +15,15 @@ HEAD_THEN_LOGITS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe",
 """mlx-lm model types whose Model.__call__ is `head(self.model(inputs, cache))` and nothing else
 (no logit scaling or soft-capping), the head being `lm_head` or the tied embedding's `as_linear`."""
 
+# Chunked attention's shape (attention.py); here, without MLX, for the planner (plan/memory.py).
+ATTENTION_CHUNK = 512
+"""Query rows a chunk: 16 heads x 512 x 32,768 float32 scores are 1 GB."""
+ATTENTION_CHUNKED_FROM = 4000
+"""Model inputs from which attention.attention chunks (a 4,096-token row's 4,095 included). On the
+2-core CPU (8 heads, head dim 64, float32) a causal forward and backward took 10.0 s chunked against
+16.1 s whole at 4,096 tokens, with 0.45 GB against 1.75 GB above what was live; at 2,048, 2.5 s
+against 1.5 s (a probe's figures)."""
+
 # Which Adam updates run in place (update.py); here, without MLX, for the planner (plan/estimate.py).
 IN_PLACE_FROM = 1 << 20
 """Elements from which a parameter's Adam update runs in place (update._gated_adam); smaller ones take

@@ -1,0 +1,121 @@
+"""Causal attention a chunk of queries at a time, with a hand-written backward: memory linear in the row.
+
+MLX's fused attention has no fused backward on the CPU or on Apple GPUs
+(`ScaledDotProductAttentionVJP::use_fallback`), so training there forms every head's L x L
+scores and probabilities, and the backward several more arrays of that size: at 32,768 tokens
+16 heads' probabilities are 34 GB in bfloat16, for one block. Here the queries go CHUNK rows
+at a time against the keys up to the chunk's end. The forward keeps the output and each row's
+log-sum-exp; the backward recomputes a chunk's probabilities from them (FlashAttention's
+backward, in MLX ops). Each chunk runs after the one before (`mx.depends`), so one chunk's
+scores, heads x CHUNK x L, are alive at a time.
+
+`install_chunked_attention` points the attention of every loaded mlx-lm model module at
+`attention`, which takes this path for causal self-attention of at least CHUNKED_FROM tokens
+(training and evaluation rows) and hands everything else (masks of packed rows, caches,
+attention sinks, short rows) to mlx-lm's own. A run installs it where MLX has no fused
+backward (`needs_chunked_attention`); on NVIDIA GPUs MLX's cuDNN attention does this already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+
+from . import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
+
+CHUNK, CHUNKED_FROM = ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM  # read at each call, so a test can change them
+
+
+def needs_chunked_attention() -> bool:
+    """Whether this device's fused attention lacks a backward: the CPU, and Apple GPUs (Metal)."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return True
+    return mx.metal.is_available()
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk: int | None = None) -> mx.array:
+    """softmax(scale q k^T, causal) v for q (B, H, L, D) and k, v (B, KV, L, D), H a multiple of KV."""
+    chunk = chunk or CHUNK
+    batch, heads, length, dim = q.shape
+    groups = k.shape[1]
+    shape = (batch, groups, heads // groups, length, dim)  # query head h attends kv head h // (H / KV)
+    bounds = [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
+
+    def scores(qc: mx.array, k: mx.array, a: int, b: int) -> mx.array:
+        """A chunk's masked scores in float32: rows a..b against keys 0..b."""
+        s = ((qc * scale) @ k[..., :b, :].swapaxes(-1, -2)).astype(mx.float32)
+        allowed = mx.arange(a, b)[:, None] >= mx.arange(b)[None]
+        return mx.where(allowed, s, -mx.inf)
+
+    @mx.custom_function
+    def attend(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        outs, sums = [], []
+        for a, b in bounds:
+            qc = q[..., a:b, :] if not outs else mx.depends(q[..., a:b, :], [outs[-1]])
+            s = scores(qc, k, a, b)
+            lse = mx.logsumexp(s, axis=-1, keepdims=True)
+            outs.append(mx.exp(s - lse).astype(v.dtype) @ v[..., :b, :])
+            sums.append(lse)
+        return mx.concatenate(outs, axis=-2), mx.concatenate(sums, axis=-2)
+
+    @attend.vjp
+    def attend_backward(primals: Any, cotangents: Any, outputs: Any) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = primals
+        do, (o, lse) = cotangents[0], outputs
+        delta = (do.astype(mx.float32) * o.astype(mx.float32)).sum(axis=-1, keepdims=True)
+        dq = []
+        dk = mx.zeros(k.shape, dtype=mx.float32)
+        dv = mx.zeros(v.shape, dtype=mx.float32)
+        for a, b in bounds:
+            qc = q[..., a:b, :] if not dq else mx.depends(q[..., a:b, :], [dq[-1], dk, dv])
+            doc = do[..., a:b, :]
+            p = mx.exp(scores(qc, k, a, b) - lse[..., a:b, :])
+            dp = (doc @ v[..., :b, :].swapaxes(-1, -2)).astype(mx.float32)
+            ds = (p * (dp - delta[..., a:b, :])).astype(q.dtype)
+            dq.append((ds @ k[..., :b, :]) * scale)
+            pad = [(0, 0)] * 3 + [(0, length - b), (0, 0)]
+            dv = dv + mx.pad((p.astype(do.dtype).swapaxes(-1, -2) @ doc).sum(axis=2, keepdims=True), pad)
+            dk = dk + mx.pad((ds.swapaxes(-1, -2) @ (qc * scale)).sum(axis=2, keepdims=True), pad)
+        return mx.concatenate(dq, axis=-2), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    out = attend(q.reshape(shape), k[:, :, None], v[:, :, None])[0]
+    return out.reshape(batch, heads, length, dim)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+              sinks: Any = None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention`, with causal self-attention of long rows chunked."""
+    length = queries.shape[2]
+    if (isinstance(mask, str) and mask == "causal" and sinks is None and not hasattr(cache, "bits")
+            and keys.shape[2] == length and length >= CHUNKED_FROM):
+        return causal_attention(queries, keys, values, scale)
+    from mlx_lm.models import base
+
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                             sinks=sinks)
+
+
+def install_chunked_attention() -> int:
+    """Point every loaded mlx-lm model module's attention at `attention`; returns how many.
+
+    Called after the model is loaded, so its module is imported."""
+    from mlx_lm.models import base
+
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if (name.startswith("mlx_lm.models.") and module is not base
+                and getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention):
+            module.scaled_dot_product_attention = attention
+            count += 1
+    return count
+
+
+def uninstall_chunked_attention() -> None:
+    """Undo `install_chunked_attention` (mlx-lm's attention everywhere again)."""
+    from mlx_lm.models import base
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is attention:
+            module.scaled_dot_product_attention = base.scaled_dot_product_attention

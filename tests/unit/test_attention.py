@@ -1,0 +1,68 @@
+"""Chunked causal attention (training/attention.py): mlx's attention's values and gradients, memory linear in the row."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from meshtune.training import attention as chunked
+from meshtune.training.attention import causal_attention
+
+
+def _qkv(heads, kv_heads, length, dim, dtype):
+    keys = mx.random.split(mx.random.key(0), 4)
+    q = mx.random.normal((2, heads, length, dim), key=keys[0]).astype(dtype)
+    k = mx.random.normal((2, kv_heads, length, dim), key=keys[1]).astype(dtype)
+    v = mx.random.normal((2, kv_heads, length, dim), key=keys[2]).astype(dtype)
+    w = mx.random.normal((2, heads, length, dim), key=keys[3]).astype(dtype)
+    return q, k, v, w
+
+
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_values_and_gradients_are_mlx_attentions(dtype, tol, heads, kv_heads):
+    q, k, v, w = _qkv(heads, kv_heads, 300, 16, dtype)  # 300 rows: a ragged last chunk of 64
+    scale = 16 ** -0.5
+
+    def ref(q, k, v):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
+    def mine(q, k, v):
+        return causal_attention(q, k, v, scale, chunk=64)
+
+    assert mx.abs(ref(q, k, v) - mine(q, k, v)).max().item() < tol * 10
+    loss = lambda f: lambda q, k, v: (f(q, k, v).astype(mx.float32) * w).sum()  # noqa: E731
+    for a, b in zip(mx.grad(loss(ref), argnums=(0, 1, 2))(q, k, v), mx.grad(loss(mine), argnums=(0, 1, 2))(q, k, v)):
+        assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < tol
+
+
+def test_only_long_causal_self_attention_is_chunked(monkeypatch):
+    taken = []
+    monkeypatch.setattr(chunked, "causal_attention", lambda *a: taken.append(a[0].shape[2]) or a[0])
+    monkeypatch.setattr(chunked, "CHUNKED_FROM", 128)
+    q, k, v, _ = _qkv(2, 2, 128, 8, mx.float32)
+    chunked.attention(q, k, v, None, 1.0, "causal")
+    assert taken == [128]
+    mask = mx.ones((128, 128), dtype=mx.bool_)  # packed rows' block-diagonal masks go to mlx
+    short = _qkv(2, 2, 64, 8, mx.float32)
+    for args in ((q, k, v, None, 1.0, mask), (*short[:3], None, 1.0, "causal"), (q[:, :, :1], k, v, None, 1.0, None)):
+        chunked.attention(*args)
+    assert taken == [128]
+
+
+def _peak_of_backward(length: int, **kw) -> int:
+    q, k, v, _ = _qkv(4, 2, length, 32, mx.float32)
+    grad = mx.grad(lambda q, k, v: causal_attention(q, k, v, 32 ** -0.5, **kw).sum(), argnums=(0, 1, 2))
+    mx.eval(q, k, v)
+    mx.reset_peak_memory()
+    live = mx.get_active_memory()
+    mx.eval(grad(q, k, v))
+    return mx.get_peak_memory() - live
+
+
+def test_memory_grows_linearly_with_the_row():
+    """Twice the row, at most about twice the memory (the whole scores would be four times)."""
+    small, large = _peak_of_backward(2048, chunk=256), _peak_of_backward(4096, chunk=256)
+    assert large < 2.5 * small, (small, large)
+    whole = 2 * 4 * 4096 * 4096 * 4  # one float32 copy of the scores, batch 2 x 4 heads
+    assert large < whole / 2, (large, whole)
