@@ -98,7 +98,7 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
         backward = max(kept, grads) + min(per_block, block_grads)
         total = weights + adapters + optimizer + comm_buffer + max(backward, update)
         stages.append({"stage": s, "blocks": [bounds[0], bounds[1]], "weights": weights, "adapters": adapters,
-                       "grads": grads, "optimizer": optimizer, "activations": act, "activations_ckpt": ckpt,
+                       "grads": grads, "optimizer": optimizer, "activations": kept, "activations_ckpt": ckpt,
                        "backward": backward, "update": update,
                        "comm_buffers": comm_buffer, "in_flight": flight[s] if layout.pp > 1 else 1, "total": total})
     sent = _sent_per_rank(layout, items, boundary, t.grad_accumulation_steps, facts.tied)

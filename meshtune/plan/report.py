@@ -37,8 +37,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     if result["grad_checkpoint"]:
-        lines.append("note: ckpt is what train.grad_checkpoint keeps by design; total/rank keeps every activation, "
-                     "as MLX's one-graph step measured (docs/plan.md)")
+        lines.append("note: with train.grad_checkpoint activ. is ckpt: each block's input and one block recomputed "
+                     "(docs/plan.md)")
     for r in rows:
         if r["problem"]:
             lines.append(f"{r['layout']}: {r['problem']}")
