@@ -26,6 +26,7 @@ from .adapters import base_path
 from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
+from .runtime.device_memory import detect
 from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
@@ -49,7 +50,8 @@ from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
-from .preflight import check_before_load, check_output_folder, init_file, no_checkpoint, on_writer
+from .preflight import (check_before_load, check_output_folder, check_plan_fits, fitting_advice, init_file,
+                        no_checkpoint, on_writer)
 
 __all__ = ["RunResult", "finetune", "complete", "evaluate_adapters", "fuse", "generate", "load_for_inference",
            "load_model"]
@@ -109,18 +111,6 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     return model, tokenizer
 
 
-def fitting_advice(cfg: Config) -> str:
-    """The flags that make a run that ran out of memory smaller, each with its value now."""
-    t, d, a = cfg.train, cfg.data, cfg.adapter
-    ways = [] if t.grad_checkpoint or cfg.parallel.pp > 1 else ["--grad-checkpoint"]
-    ways += [f"a shorter --max-seq-length (now {d.max_seq_length})"]
-    if t.batch_size > 1:
-        ways.append(f"a smaller --batch-size with --grad-accumulation-steps (now {t.batch_size})")
-    ways.append(f"fewer adapted blocks --num-layers (now {a.num_layers})")
-    ways.append(f"pipeline stages on more machines --parallel.pp (now {cfg.parallel.pp})")
-    return "to fit: " + ", ".join(ways) + "; meshtune plan estimates each"
-
-
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
              show_progress: bool = True) -> RunResult:
     """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
@@ -147,6 +137,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     if cfg.output.resume and kept.exists():  # before apply_adapters measures any
         say(f"base path: {base_path.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
             "as the run took them")
+    machine = detect()  # the memory a rank may use, taken before the model takes its share
     model, tokenizer = _prepare_model(cfg, model_path, say)
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
@@ -165,6 +156,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
                             warn=warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
+    check_plan_fits(cfg, mesh, int(data.train.lengths.max(initial=0)), machine)
     # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
     val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches, TRAINING_WAYS_OUT)
                    if data.valid is not None and cfg.train.val_batches != 0 else None)

@@ -4,6 +4,8 @@
 model's declared blocks, full fine-tuning on a dense base, the adapters to start from, the
 trackers' libraries, a --resume with checkpoints to resume, and every rank given the same
 settings. The output folder's own checks (an earlier run, writable) come first, on the writer.
+`check_plan_fits` runs once the data is read, still before anything is written: the run's plan
+against the memory a rank may use.
 """
 
 from __future__ import annotations
@@ -133,3 +135,51 @@ def check_output_folder(cfg: Config, out: Path) -> None:
 def no_checkpoint(out: Path, what: str) -> str:
     return (f"--resume: {what} in {out / 'checkpoints'}; run without --resume to start, "
             "or point --adapter-path at the run")
+
+
+OVER_PLAN = 1.2
+"""How far the plan may exceed the memory before a run is stopped: the planner's estimates run up to
+21% over a measured peak (docs/plan.md), and a run that might fit is let run."""
+
+
+def fitting_advice(cfg: Config) -> str:
+    """The flags that make a run smaller, each with its value now."""
+    t, d, a = cfg.train, cfg.data, cfg.adapter
+    ways = [] if t.grad_checkpoint or cfg.parallel.pp > 1 else ["--grad-checkpoint"]
+    ways += [f"a shorter --max-seq-length (now {d.max_seq_length})"]
+    if t.batch_size > 1:
+        ways.append(f"a smaller --batch-size with --grad-accumulation-steps (now {t.batch_size})")
+    ways.append(f"fewer adapted blocks --num-layers (now {a.num_layers})")
+    ways.append(f"pipeline stages on more machines --parallel.pp (now {cfg.parallel.pp})")
+    return "to fit: " + ", ".join(ways) + "; meshtune plan estimates each"
+
+
+def check_plan_fits(cfg: Config, mesh: Mesh, longest: int, machine: Any) -> None:
+    """Stop (ValueError, every rank) where this run's plan needs more than OVER_PLAN x the memory a rank
+    may use (runtime.memory_limit_gb; `machine` is runtime.device_memory.detect() from before the load).
+
+    `longest` is the training split's longest example in tokens."""
+    limit = cfg.runtime.memory_limit_gb
+    memory = limit * 1e9 if limit > 0 else machine.memory
+    need = _planned_need(cfg, mesh, longest) if limit >= 0 and memory > 0 else None
+    over = need is not None and need > OVER_PLAN * memory
+    if not mesh.agree(over):
+        return
+    where = "--runtime.memory_limit_gb" if limit > 0 else machine.describe()
+    mine = (f"this run's plan needs ~{need / 1e9:.3g} GB a rank and {where} gives {memory / 1e9:.3g} GB"
+            if over else "another rank's plan does not fit its memory")
+    raise ValueError(f"{mine}; {fitting_advice(cfg)} (--runtime.memory_limit_gb -1 runs it anyway)")
+
+
+def _planned_need(cfg: Config, mesh: Mesh, longest: int) -> float | None:
+    """meshtune plan's total for this run's layout on rows of `longest` tokens; None where it has none."""
+    from .plan import plan
+    from .runtime.gpu_batches import compute_capability
+
+    seq = cfg.data.max_seq_length if cfg.data.pack else max(1, min(longest, cfg.data.max_seq_length))
+    try:
+        result = plan(cfg, mesh.world_size, 1.0, "10gbit", seq_len=seq, nvidia=compute_capability() is not None)
+    except (ValueError, KeyError, OSError):  # the planner cannot read this model: no check, not a stop
+        return None
+    row = next((r for r in result["layouts"] if r["dp"] == mesh.dp and r["pp"] == mesh.pp and "total" in r), None)
+    return None if row is None else row["total"]

@@ -19,32 +19,16 @@ warning when it will not fit.
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any
 
+from ..runtime.device_memory import Machine, available_ram, detect  # noqa: F401 (the suites take them from here)
 from .models import BITS, GROUP_SIZE, PRESETS, Shape
 
 GB = 1e9
 HEADROOM = 0.8
 ORDER = ("tiny", "small", "1b")  # smallest first
 CPU_PRESETS = ("tiny", "small")
-
-
-@dataclass(frozen=True)
-class Machine:
-    """The device a bench runs on and the memory it may use, in bytes."""
-
-    kind: str  # "CPU" or "GPU"
-    name: str
-    memory: int  # CPU: RAM available now; GPU: free memory (CUDA) or the recommended working set (Metal)
-
-    def describe(self) -> str:
-        return f"{self.kind}{' ' + self.name if self.name else ''}, {self.memory / GB:.1f} GB " + \
-            ("RAM available" if self.kind == "CPU" else "memory")
 
 
 @dataclass(frozen=True)
@@ -82,48 +66,6 @@ def preset_need(name: str, load: Load, batch: int | None = None, seq: int | None
     """A preset's need under `load`, at its own batch and sequence length unless given."""
     p = (presets or PRESETS)[name]
     return model_need(preset_shape(name, presets=presets), batch or p["batch_size"], seq or p["seq_len"], load)
-
-
-def detect() -> Machine:
-    """MLX's default device and the memory it may use."""
-    import mlx.core as mx
-
-    info = _device_info(mx)
-    if mx.default_device().type == mx.DeviceType.gpu:
-        memory = next((int(info[k]) for k in ("free_memory", "max_recommended_working_set_size", "total_memory",
-                                              "memory_size") if info.get(k)), 0)
-        return Machine("GPU", str(info.get("device_name", "")), memory or available_ram())
-    return Machine("CPU", str(info.get("device_name", "")), available_ram())
-
-
-def _device_info(mx: Any) -> dict[str, Any]:
-    for get in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
-        try:
-            return dict(get()) if get else {}
-        except (RuntimeError, AttributeError):
-            continue
-    return {}
-
-
-def available_ram() -> int:
-    """RAM a new allocation can get now: MemAvailable on Linux, the installed RAM on macOS."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if platform.system() == "Darwin":
-        try:
-            return int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True,
-                                      timeout=10).stdout)
-        except (OSError, ValueError, subprocess.SubprocessError):
-            pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return 0
 
 
 def fits(need: int, machine: Machine) -> bool:

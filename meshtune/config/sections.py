@@ -247,6 +247,10 @@ class RuntimeConfig:
     fast_cpu_activations: bool = True
     """On the CPU, compute SwiGLU's SiLU with a vectorised exp (float32, ~1e-7 relative)
     instead of MLX's element-by-element one; false keeps mlx-lm's activation."""
+    memory_limit_gb: float = 0.0
+    """GB one rank may use. Before its first step, a run whose plan (meshtune plan's estimate for its
+    layout and its longest row) needs more than 1.2x that stops with one line naming the flags that
+    make it fit; 0 takes this device's (a GPU's memory, else the RAM available), -1 skips the check."""
     keep_freed_memory: bool = True
     """On Linux (glibc), keep freed memory in the process so each step's large arrays
     reuse the previous step's pages instead of page-faulting fresh ones (meshtune/runtime/heap.py);

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from support import ARITH_DATA, TINY_MODEL
+from support import ARITH_DATA, TINY_MODEL, run_cli
 
 QUICK = ["--batch-size", "8", "--num-layers", "-1", "--learning-rate", "1e-3", "--mask-prompt",
          "--train.steps_per_report", "2", "--steps-per-eval", "3", "--save-every", "3",
@@ -478,3 +478,17 @@ def test_adapters_on_other_blocks_or_layers_to_start_from_are_one_line_naming_th
     same = cli("train", "--iters", "1", *QUICK[:2], "--num-layers", "4", "--adapter.init_from", str(run),
                "--adapter-path", str(tmp_path / "y"))  # 4 of 4 blocks is every block: the same layers
     assert same.returncode == 0, same.stderr[-2000:]
+
+
+def test_a_run_whose_plan_does_not_fit_stops_before_loading_its_first_step(tmp_path):
+    """runtime.memory_limit_gb below the plan: one line with the flags that make it fit, nothing written."""
+    out = tmp_path / "run"
+    proc = run_cli("train", "--iters", "1", "--adapter-path", str(out), "--runtime.memory_limit_gb", "0.001")
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-1000:]
+    assert proc.stderr.startswith("meshtune: error: this run's plan needs ~") and proc.stderr.count("\n") == 1, proc.stderr
+    for flag in ("--runtime.memory_limit_gb gives 0.001 GB", "--grad-checkpoint", "--max-seq-length", "--num-layers",
+                 "--parallel.pp", "--runtime.memory_limit_gb -1"):
+        assert flag in proc.stderr, (flag, proc.stderr)
+    assert not out.exists()
+    ok = run_cli("train", "--iters", "1", "--adapter-path", str(out), "--runtime.memory_limit_gb", "4")
+    assert ok.returncode == 0, ok.stderr[-2000:]

@@ -92,7 +92,7 @@ def test_other_errors_are_not_called_out_of_memory(tmp_path):
 
 
 def test_the_advice_names_the_flags_that_make_a_run_smaller():
-    from meshtune.api import fitting_advice
+    from meshtune.preflight import fitting_advice
     from meshtune.config import Config
 
     cfg = Config()
