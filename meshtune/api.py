@@ -45,7 +45,8 @@ from .runtime.outdir import check_free_space, check_writable
 from .runtime.relaunch import resume_command
 from .training.forced_fault import with_forced_fault
 from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
-from .training.attention import CHUNK, CHUNKED_FROM, install_chunked_attention, needs_chunked_attention
+from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
+from .training.attention import install_chunked_attention, needs_chunked_attention
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
@@ -81,9 +82,10 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
 
         if install_fast_swiglu():
             say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
-    if needs_chunked_attention() and install_chunked_attention() and cfg.data.max_seq_length >= CHUNKED_FROM:
-        say(f"attention on rows of {CHUNKED_FROM}+ tokens runs {CHUNK} queries at a time (MLX has no fused "
-            "attention backward on this device; memory linear in the row)")
+    long_rows = cfg.data.max_seq_length > ATTENTION_CHUNKED_FROM  # the model's inputs: one token fewer
+    if needs_chunked_attention() and install_chunked_attention() and long_rows:
+        say(f"attention on rows of {ATTENTION_CHUNKED_FROM}+ tokens runs {ATTENTION_CHUNK} queries at a time "
+            "(MLX has no fused attention backward on this device; memory linear in the row)")
     a = cfg.adapter
     blocks = block_count(model)
     if a.num_layers > blocks:  # as --num-layers -1; mlx-lm refuses, but the intent is plain
@@ -234,9 +236,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         except (NonFiniteStep, OutOfMemory) as err:
             found = list_checkpoints(out)  # the loop saved nothing after the bad step
             last = f"{found[-1]} (resume with --resume)" if found else "none yet (start again)"
-            if isinstance(err, NonFiniteStep):
-                raise NonFiniteStep(err.step, err.what, last_good=last) from None
-            raise OutOfMemory(err.step, err.what, advice=fitting_advice(cfg), last_good=last) from None
+            advice = {} if isinstance(err, NonFiniteStep) else {"advice": fitting_advice(cfg)}
+            raise type(err)(err.step, err.what, last_good=last, **advice) from None
         test_loss = None
         if test_batches is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)

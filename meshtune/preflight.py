@@ -174,11 +174,10 @@ def check_plan_fits(cfg: Config, mesh: Mesh, longest: int, machine: Any) -> None
 def _planned_need(cfg: Config, mesh: Mesh, longest: int) -> float | None:
     """meshtune plan's total for this run's layout on rows of `longest` tokens; None where it has none."""
     from .plan import plan
-    from .runtime.gpu_batches import compute_capability
 
     seq = cfg.data.max_seq_length if cfg.data.pack else max(1, min(longest, cfg.data.max_seq_length))
     try:
-        result = plan(cfg, mesh.world_size, 1.0, "10gbit", seq_len=seq, nvidia=compute_capability() is not None)
+        result = plan(cfg, mesh.world_size, 1.0, "10gbit", seq_len=seq)
     except (ValueError, KeyError, OSError):  # the planner cannot read this model: no check, not a stop
         return None
     row = next((r for r in result["layouts"] if r["dp"] == mesh.dp and r["pp"] == mesh.pp and "total" in r), None)

@@ -52,7 +52,8 @@ from mlx.utils import tree_map
 from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
 from ..training.step import OneInFlight, overlaps_steps
-from .fit import Load, choose_preset, detect
+from ..runtime.device_memory import detect
+from .fit import Load, choose_preset
 from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 from .flags import BenchParser, COUNT, at_least

@@ -22,10 +22,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..runtime.device_memory import Machine, available_ram, detect  # noqa: F401 (the suites take them from here)
+from ..runtime.device_memory import GB, Machine, detect
 from .models import BITS, GROUP_SIZE, PRESETS, Shape
 
-GB = 1e9
 HEADROOM = 0.8
 ORDER = ("tiny", "small", "1b")  # smallest first
 CPU_PRESETS = ("tiny", "small")

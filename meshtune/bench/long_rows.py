@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=at_least(64), nargs="+", default=None, help="Row lengths. Default: the preset's.")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["lora"],
                    help="meshtune's kinds (torch runs LoRA beside them; dora and qlora are meshtune's rows).")
-    p.add_argument("--warmup", type=at_least(1), default=None, help="Steps left out of tokens/s. Default: the preset's.")
+    p.add_argument("--warmup", type=at_least(1), default=None,
+                   help="Steps left out of tokens/s. Default: the preset's.")
     p.add_argument("--steps", type=COUNT, default=None, help="Steps timed after the warm-up. Default: the preset's.")
     p.add_argument("--batch-size", type=COUNT, default=1, help="Rows a step (both sides).")
     p.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=True,
@@ -127,7 +128,7 @@ def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_
         raise RuntimeError(f"meshtune train at {seq_len} tokens failed with exit code {done.returncode}:\n"
                            f"{done.stdout[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in records if r.get("kind", "train") == "train" and "tokens_per_sec" in r]
+    train = [r for r in records if r.get("type") == "train"]
     timed = train[a.warmup:] or train[-1:]
     return {"tok_s": statistics.median(r["tokens_per_sec"] for r in timed),
             "peak_gb": max(r["peak_memory_gb"] for r in train), "steps": len(timed)}
@@ -172,7 +173,8 @@ def _torch_child(spec: dict[str, Any]) -> dict[str, Any]:
     except torch.OutOfMemoryError:
         return {"error": OOM}
     peak = ts.peak_bytes()
-    return {"tok_s": spec["batch_size"] * spec["seq_len"] / statistics.median(times), "peak_gb": None if peak is None else peak / 1e9,
+    return {"tok_s": spec["batch_size"] * spec["seq_len"] / statistics.median(times),
+            "peak_gb": None if peak is None else peak / 1e9,
             "steps": len(times), "versions": ts.versions()}
 
 
@@ -189,9 +191,11 @@ def print_table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     s = PRESETS[a.preset]
     print(f"long-rows benchmark: Qwen3-shaped random model ({a.preset}), {s['layers']} layers x {s['hidden']} hidden, "
           f"intermediate {s['intermediate']}, {s['heads']} heads / {s['kv_heads']} kv heads, vocab {s['vocab']} "
-          f"({'tied embedding' if a.preset in TIED else 'meshtune untied, torch tied'}), {a.dtype}; device {describe_device()}")
+          f"({'tied embedding' if a.preset in TIED else 'meshtune untied, torch tied'}), {a.dtype}; "
+          f"device {describe_device()}")
     print(f"batch {a.batch_size}, gradient checkpointing {'on' if a.grad_checkpoint else 'off'} (both sides)"
-          f"{'; meshtune rows spread over (L/2, L], a new length each step' if a.spread else ''}; rank {RANK} on the 7 linear layers of every block "
+          f"{'; meshtune rows spread over (L/2, L], a new length each step' if a.spread else ''}; "
+          f"rank {RANK} on the 7 linear layers of every block "
           f"(PEFT lora_alpha {SCALE * RANK:g}); AdamW lr {LR:g}; {a.warmup} warm-up + {a.steps} timed steps, median")
     print(f"meshtune: `meshtune train` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
           f"SDPA" + (", gradient checkpointing (non-reentrant)" if a.grad_checkpoint else ""))
@@ -235,7 +239,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"rows": rows, "preset": a.preset, "shape": {k: PRESETS[a.preset][k] for k in SHAPE_KEYS},
                           "dtype": a.dtype, "device": describe_device(), "mlx": mx.__version__,
                           "warmup": a.warmup, "steps": a.steps, "batch_size": a.batch_size,
-                          "grad_checkpoint": a.grad_checkpoint, "spread": a.spread, "rank": RANK, "scale": SCALE, "lr": LR}))
+                          "grad_checkpoint": a.grad_checkpoint, "spread": a.spread, "rank": RANK, "scale": SCALE,
+                          "lr": LR}))
     return 0
 
 

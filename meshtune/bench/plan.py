@@ -38,7 +38,8 @@ import mlx.core as mx
 from ..plan import layouts
 from ..runtime.blas import describe_blas
 from ..training.metrics import read_metrics
-from .fit import Load, choose_preset, detect, embedded_line
+from ..runtime.device_memory import detect
+from .fit import Load, choose_preset, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .pipeline import on_gpu, write_text_data
 from .flags import BenchParser

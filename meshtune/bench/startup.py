@@ -48,7 +48,8 @@ import mlx.core as mx
 from . import torch_peer
 from .adapters import describe_device
 from . import fit
-from .fit import Load, Machine, detect
+from ..runtime.device_memory import Machine, detect
+from .fit import Load
 from .models import PRESETS as MODEL_PRESETS
 from .models import Shape, write_model_folder
 from .flags import BenchParser, COUNT, at_least

@@ -49,7 +49,8 @@ from ..runtime.heap import keep_freed_memory
 from ..training.step import overlaps_steps
 from .adapters import _meshtune_runner, describe_device, time_step_rounds
 from . import fit
-from .fit import GB, Load, Machine, detect
+from ..runtime.device_memory import Machine, detect
+from .fit import GB, Load
 from .models import BITS, GROUP_SIZE, Shape, add_adapters, build_model
 from .flags import BenchParser, COUNT, at_least
 

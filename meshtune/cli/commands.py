@@ -141,10 +141,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
                         reads_data=False)
     ranks = ranks_in_hostfile(args.hostfile) if args.hostfile else args.ranks
-    from ..runtime.gpu_batches import compute_capability
-
-    # This machine's kind: an NVIDIA GPU's attention has a fused backward (plan/memory.attention_kind).
-    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len, nvidia=compute_capability() is not None)
+    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len)
     print(as_json(result) if args.json else table(result))
     return 0
 

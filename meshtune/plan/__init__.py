@@ -19,10 +19,11 @@ __all__ = ["parse_link", "plan"]
 
 
 def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None = None,
-         nvidia: bool = False) -> dict[str, Any]:
+         nvidia: bool | None = None) -> dict[str, Any]:
     """Every candidate layout of `cfg` on `ranks` ranks with `memory_gb` each, and the recommended one.
 
-    `nvidia`: the ranks are NVIDIA GPUs, whose attention has a fused backward in bfloat16 and float16."""
+    `nvidia`: the ranks are NVIDIA GPUs, whose attention has a fused backward in bfloat16 and float16;
+    None: as this machine is (its CUDA driver asked, no MLX)."""
     if ranks < 1:
         raise ValueError(f"--ranks {ranks}: give at least 1 rank")
     if not memory_gb > 0:
@@ -36,6 +37,11 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         raise ValueError(f"--seq-len {seq} is longer than data.max_seq_length={longest}, to which a run cuts every "
                          f"example; give --seq-len {longest} or less, or raise --max-seq-length")
     facts = read_model(cfg.resolved_model_path())
+    if nvidia is None:
+        from ..runtime.gpu_batches import compute_capability
+
+        nvidia = compute_capability() is not None
+    fused = nvidia and facts.activation_dtype_bytes == 2  # MLX's cuDNN attention: bfloat16 and float16
     items = trained(facts, cfg.adapter)
     costs, first, last = _split_costs(facts, items)
     layouts = candidates(ranks, batch_size=cfg.train.batch_size, blocks=facts.num_blocks,
@@ -48,7 +54,7 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
                "stage_layers": layout.stage_layers, "micro_batches": layout.micro_batches, "problem": layout.problem}
         if not layout.problem or "grad_checkpoint" in layout.problem:
             row.update(layout_figures(layout, facts, cfg, items, seq=seq, link_bytes_s=link_bytes_s,
-                                      fused_backward=nvidia and facts.activation_dtype_bytes == 2))
+                                      fused_backward=fused))
             row["fits"] = row["total"] <= memory_gb * 1e9
         else:
             row["fits"] = False
@@ -60,7 +66,7 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         "optimizer": cfg.optimizer.name, "batch_size": cfg.train.batch_size, "seq_len": seq,
         "seq_len_from": "--seq-len" if seq_len is not None else "data.max_seq_length",
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
-        "attention": attention_kind(seq, nvidia and facts.activation_dtype_bytes == 2),
+        "attention": attention_kind(seq, fused),
         "ranks": ranks, "memory_gb": memory_gb, "link": link, "link_bytes_per_s": link_bytes_s,
         "layouts": rows, "recommended": choice, "reason": reason,
     }

@@ -11,11 +11,12 @@ bit trick. Only float32 takes the fast path; other dtypes keep `nn.silu`.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .model_modules import replace_in_models
 
 _LOG2E = 1.4426950408889634
 # Taylor coefficients of 2^f = exp(f ln 2): (ln 2)^k / k!, highest degree last.
@@ -66,19 +67,11 @@ def install_fast_swiglu() -> int:
     """
     from mlx_lm.models import activations
 
-    count = 0
-    for name, module in list(sys.modules.items()):
-        if (name.startswith("mlx_lm.models.") and module is not activations
-                and getattr(module, "swiglu", None) is activations.swiglu):
-            module.swiglu = swiglu
-            count += 1
-    return count
+    return replace_in_models("swiglu", swiglu, lambda f: f is activations.swiglu)
 
 
 def uninstall_fast_swiglu() -> None:
     """Undo `install_fast_swiglu` (stock activation everywhere again)."""
     from mlx_lm.models import activations
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) is swiglu:
-            module.swiglu = activations.swiglu
+    replace_in_models("swiglu", activations.swiglu, lambda f: f is swiglu)

@@ -3,29 +3,29 @@
 MLX's fused attention has no fused backward on the CPU or on Apple GPUs
 (`ScaledDotProductAttentionVJP::use_fallback`), so training there forms every head's L x L
 scores and probabilities, and the backward several more arrays of that size: at 32,768 tokens
-16 heads' probabilities are 34 GB in bfloat16, for one block. Here the queries go CHUNK rows
+16 heads' probabilities are 34 GB in bfloat16, for one block. Here the queries go a chunk of rows
 at a time against the keys up to the chunk's end. The forward keeps the output and each row's
 log-sum-exp; the backward recomputes a chunk's probabilities from them (FlashAttention's
 backward, in MLX ops). Each chunk runs after the one before (`mx.depends`), so one chunk's
-scores, heads x CHUNK x L, are alive at a time.
+scores, heads x chunk x L, are alive at a time.
 
-`install_chunked_attention` points the attention of every loaded mlx-lm model module at
-`attention`, which takes this path for causal self-attention of at least CHUNKED_FROM tokens
-(training and evaluation rows) and hands everything else (masks of packed rows, caches,
-attention sinks, short rows) to mlx-lm's own. A run installs it where MLX has no fused
-backward (`needs_chunked_attention`); on NVIDIA GPUs MLX's cuDNN attention does this already.
+`install_chunked_attention` points the attention of every loaded mlx-lm model module at a
+`ChunkedAttention`, which takes this path for causal self-attention of at least
+ATTENTION_CHUNKED_FROM tokens (training and evaluation rows) and hands everything else (masks of
+packed rows, caches, attention sinks, short rows) to mlx-lm's own. A run installs it where MLX
+has no fused backward (`needs_chunked_attention`); on NVIDIA GPUs MLX's cuDNN attention does
+this already.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..runtime.model_modules import replace_in_models
 from . import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
-
-CHUNK, CHUNKED_FROM = ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM  # read at each call, so a test can change them
 
 
 def needs_chunked_attention() -> bool:
@@ -35,9 +35,8 @@ def needs_chunked_attention() -> bool:
     return mx.metal.is_available()
 
 
-def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk: int | None = None) -> mx.array:
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk: int = ATTENTION_CHUNK) -> mx.array:
     """softmax(scale q k^T, causal) v for q (B, H, L, D) and k, v (B, KV, L, D), H a multiple of KV."""
-    chunk = chunk or CHUNK
     batch, heads, length, dim = q.shape
     groups = k.shape[1]
     shape = (batch, groups, heads // groups, length, dim)  # query head h attends kv head h // (H / KV)
@@ -84,38 +83,41 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk:
     return out.reshape(batch, heads, length, dim)
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
-              sinks: Any = None) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, with causal self-attention of long rows chunked."""
-    length = queries.shape[2]
-    if (isinstance(mask, str) and mask == "causal" and sinks is None and not hasattr(cache, "bits")
-            and keys.shape[2] == length and length >= CHUNKED_FROM):
-        return causal_attention(queries, keys, values, scale)
-    from mlx_lm.models import base
+@dataclass(frozen=True)
+class ChunkedAttention:
+    """mlx-lm's `scaled_dot_product_attention` (`fallback`), with causal self-attention of long rows chunked."""
 
-    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                                             sinks=sinks)
+    fallback: Callable[..., mx.array]
+    chunk: int = ATTENTION_CHUNK
+    from_tokens: int = ATTENTION_CHUNKED_FROM
+
+    def chunks(self, queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
+        """Whether a call takes the chunked path: causal self-attention of from_tokens or more, no sinks,
+        no quantized cache."""
+        length = queries.shape[2]
+        return (isinstance(mask, str) and mask == "causal" and sinks is None and not hasattr(cache, "bits")
+                and keys.shape[2] == length and length >= self.from_tokens)
+
+    def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+                 sinks: Any = None) -> mx.array:
+        if self.chunks(queries, keys, cache, mask, sinks):
+            return causal_attention(queries, keys, values, scale, self.chunk)
+        return self.fallback(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def install_chunked_attention() -> int:
-    """Point every loaded mlx-lm model module's attention at `attention`; returns how many.
+    """Point every loaded mlx-lm model module's attention at a ChunkedAttention; returns how many.
 
     Called after the model is loaded, so its module is imported."""
     from mlx_lm.models import base
 
-    count = 0
-    for name, module in list(sys.modules.items()):
-        if (name.startswith("mlx_lm.models.") and module is not base
-                and getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention):
-            module.scaled_dot_product_attention = attention
-            count += 1
-    return count
+    stock = base.scaled_dot_product_attention
+    return replace_in_models("scaled_dot_product_attention", ChunkedAttention(stock), lambda f: f is stock)
 
 
 def uninstall_chunked_attention() -> None:
     """Undo `install_chunked_attention` (mlx-lm's attention everywhere again)."""
     from mlx_lm.models import base
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is attention:
-            module.scaled_dot_product_attention = base.scaled_dot_product_attention
+    replace_in_models("scaled_dot_product_attention", base.scaled_dot_product_attention,
+                      lambda f: isinstance(f, ChunkedAttention))

@@ -22,6 +22,7 @@ report, an eval or a save, so nothing is written between a bad step and its disc
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -62,6 +63,18 @@ class OutOfMemory(Exception):
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether `err` is an allocator's out-of-memory error (MLX raises RuntimeError)."""
     return isinstance(err, (RuntimeError, MemoryError)) and any(w in str(err).lower() for w in OUT_OF_MEMORY_WORDS)
+
+
+@contextmanager
+def out_of_memory_names_the_step(running: Callable[[], int]) -> Iterator[None]:
+    """An allocator's failure inside becomes OutOfMemory naming the step `running()` says; nothing is
+    saved after it, so the last checkpoint stands."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as err:
+        if not is_out_of_memory(err):
+            raise
+        raise OutOfMemory(running(), str(err).strip().splitlines()[0]) from None
 
 
 @dataclass(kw_only=True)
@@ -124,49 +137,43 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
 
     if validate is not None and step == 0:
         val_loss = run_eval(0)
-    with StopSignals(second_interrupts=True) as stop:
-        try:
-            while step < settings.iters:
-                running = step + 1  # the step an allocation failure is reported at
-                tic = time.perf_counter()
-                mx.random.seed(step_seed(seed, step))
-                losses, verdict = strategy.step(batches)
-                step += 1
-                pending.append((step, verdict, losses))
-                beat(step)
-                reporter.advance()
+    with StopSignals(second_interrupts=True) as stop, out_of_memory_names_the_step(lambda: running):
+        while step < settings.iters:
+            running = step + 1  # the step an allocation failure is reported at
+            tic = time.perf_counter()
+            mx.random.seed(step_seed(seed, step))
+            losses, verdict = strategy.step(batches)
+            step += 1
+            pending.append((step, verdict, losses))
+            beat(step)
+            reporter.advance()
 
-                report_now = step % settings.steps_per_report == 0 or step == settings.iters
-                eval_now = validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters)
-                # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
-                # every step: each agreement is one more round trip on the link.
-                agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
-                stopping = mesh.agree(stop.requested) if agree_now else False
-                save_now = step % settings.save_every == 0 or step == settings.iters or stopping
-                read_verdicts(newest=report_now or eval_now or save_now)
-                # The step's seconds end here: before a report, an eval or a save the newest step is waited
-                # for, so a window's seconds hold all of its steps' device time, not their dispatch alone.
-                window.end_step(time.perf_counter() - tic)
-                # A save closes the window too, so a checkpoint holds every token trained before it and a
-                # resumed run's reports are the uninterrupted run's. A window of skipped steps only is
-                # reported with the next.
-                if (report_now or save_now) and window.applied:
-                    train_loss, trained_tokens = report_window(
-                        reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
-                        trained_tokens=trained_tokens, waited=strategy.take_waits())
-                    window = Window()
-                if eval_now:
-                    val_loss = run_eval(step)
-                if save_now:
-                    save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
-                if stopping:
-                    mesh.agree(False)  # every rank waits for the writer's save: they exit together
-                    reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
-                    break
-        except (RuntimeError, MemoryError) as err:
-            if not is_out_of_memory(err):
-                raise
-            # Nothing is saved after it: the last checkpoint stands.
-            raise OutOfMemory(running, str(err).strip().splitlines()[0]) from None
+            report_now = step % settings.steps_per_report == 0 or step == settings.iters
+            eval_now = validate is not None and (step % settings.steps_per_eval == 0 or step == settings.iters)
+            # A stop request (SIGTERM/SIGINT on any rank) is agreed every few steps, not
+            # every step: each agreement is one more round trip on the link.
+            agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
+            stopping = mesh.agree(stop.requested) if agree_now else False
+            save_now = step % settings.save_every == 0 or step == settings.iters or stopping
+            read_verdicts(newest=report_now or eval_now or save_now)
+            # The step's seconds end here: before a report, an eval or a save the newest step is waited
+            # for, so a window's seconds hold all of its steps' device time, not their dispatch alone.
+            window.end_step(time.perf_counter() - tic)
+            # A save closes the window too, so a checkpoint holds every token trained before it and a
+            # resumed run's reports are the uninterrupted run's. A window of skipped steps only is
+            # reported with the next.
+            if (report_now or save_now) and window.applied:
+                train_loss, trained_tokens = report_window(
+                    reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
+                    trained_tokens=trained_tokens, waited=strategy.take_waits())
+                window = Window()
+            if eval_now:
+                val_loss = run_eval(step)
+            if save_now:
+                save(TrainingState(step=step, data_cursor=cursor(), trained_tokens=trained_tokens))
+            if stopping:
+                mesh.agree(False)  # every rank waits for the writer's save: they exit together
+                reporter.note("stop", step, f"stopped at step {step} on request; checkpoint saved")
+                break
     return LoopResult(step=step, train_loss=train_loss, val_loss=val_loss,
                       trained_tokens=trained_tokens, stopped_early=stopping)

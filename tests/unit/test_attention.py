@@ -5,8 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from meshtune.training import attention as chunked
-from meshtune.training.attention import causal_attention
+from meshtune.training.attention import ChunkedAttention, causal_attention
 
 
 def _qkv(heads, kv_heads, length, dim, dtype):
@@ -36,18 +35,18 @@ def test_values_and_gradients_are_mlx_attentions(dtype, tol, heads, kv_heads):
         assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < tol
 
 
-def test_only_long_causal_self_attention_is_chunked(monkeypatch):
-    taken = []
-    monkeypatch.setattr(chunked, "causal_attention", lambda *a: taken.append(a[0].shape[2]) or a[0])
-    monkeypatch.setattr(chunked, "CHUNKED_FROM", 128)
+def test_only_long_causal_self_attention_is_chunked():
+    stock = []
+    chunked = ChunkedAttention(lambda q, *a, **kw: stock.append(q.shape[2]) or q, chunk=64, from_tokens=128)
     q, k, v, _ = _qkv(2, 2, 128, 8, mx.float32)
-    chunked.attention(q, k, v, None, 1.0, "causal")
-    assert taken == [128]
+    assert chunked.chunks(q, k, None, "causal", None)
+    assert mx.allclose(chunked(q, k, v, None, 1.0, "causal"), causal_attention(q, k, v, 1.0, 64)).item()
     mask = mx.ones((128, 128), dtype=mx.bool_)  # packed rows' block-diagonal masks go to mlx
     short = _qkv(2, 2, 64, 8, mx.float32)
     for args in ((q, k, v, None, 1.0, mask), (*short[:3], None, 1.0, "causal"), (q[:, :, :1], k, v, None, 1.0, None)):
-        chunked.attention(*args)
-    assert taken == [128]
+        assert not chunked.chunks(args[0], args[1], args[3], args[5], None)
+        chunked(*args)
+    assert stock == [128, 64, 1]  # every other call went to mlx-lm's own
 
 
 def _peak_of_backward(length: int, **kw) -> int:
