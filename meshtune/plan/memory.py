@@ -14,8 +14,10 @@ plus, once per stage, the final norm (2 h) and the logits with the cross entropy
 gradient (3 vocab, float32), for one chunk of 1024 tokens where the step takes the head's loss
 a chunk at a time (training/head_loss.py; `chunked_loss`), else for every token; and while a
 block runs its backward, the cotangents of its MLP and attention (3 I + 2 h + 2 heads L). The
-backward walks the blocks from the last: a block's activations are freed as its gradients
-appear, so the peak holds the larger of the two. A quantized base multiplied through its dequantized weights keeps one
+head's loss is done (its chunks freed, only its gradient to the hidden states left) before the
+first block's backward begins, so the peak holds the larger of the head and a block's backward
+transients, not both. The backward walks the blocks from the last: a block's activations are
+freed as its gradients appear, so the peak holds the larger of the two. A quantized base multiplied through its dequantized weights keeps one
 dense copy per layer for the backward.
 """
 
@@ -186,6 +188,13 @@ def head_elems(facts: ModelFacts) -> tuple[int, int]:
     return 2 * facts.hidden, 3 * facts.vocab
 
 
+def head_bytes(facts: ModelFacts, adapter: Any, tokens: int) -> float:
+    """Bytes of the last stage's final norm and loss on `tokens` tokens (one chunk of the loss where chunked)."""
+    norm, loss = head_elems(facts)
+    loss_tokens = min(tokens, HEAD_CHUNK_TOKENS) if chunked_loss(facts, adapter) else tokens
+    return tokens * norm * facts.activation_dtype_bytes + loss_tokens * loss * FP32
+
+
 def chunked_loss(facts: ModelFacts, adapter: Any) -> bool:
     """Whether the step takes the head's loss a chunk of tokens at a time (training/head_loss.split_head):
     a listed family whose head is frozen or, trained in full, a plain weight without a bias."""
@@ -217,11 +226,7 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
     per_block = [block_activation_elems(facts, seq, adapted_by_block.get(b, []), adapter.fine_tune_type,
                                         adapter.rank, kind)
                  * tokens * act for b in blocks]
-    head = 0.0
-    if last:
-        norm, loss = head_elems(facts)
-        loss_tokens = min(tokens, HEAD_CHUNK_TOKENS) if chunked_loss(facts, adapter) else tokens
-        head = tokens * norm * act + loss_tokens * loss * FP32
+    head = head_bytes(facts, adapter, tokens) if last else 0.0
     transient = backward_transient_elems(facts, seq, kind) * tokens * act
     if kind == "chunked":
         transient += CHUNK_SCORES * facts.heads * ATTENTION_CHUNK * seq * examples * FP32
@@ -234,5 +239,5 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
                          if layer.quantized and layer.experts == 1 and block_of(layer.name) in blocks)
     if checkpoint:  # only each block's input stays; one block is recomputed at a time
         kept = facts.hidden * tokens * act * len(per_block) + max(per_block, default=0.0)
-        return kept + head + transient, max(per_block, default=0.0)
-    return sum(per_block) + head + transient, max(per_block, default=0.0)
+        return kept + max(head, transient), max(per_block, default=0.0)
+    return sum(per_block) + max(head, transient), max(per_block, default=0.0)

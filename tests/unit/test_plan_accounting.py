@@ -18,7 +18,8 @@ from support import TINY_MODEL
 from meshtune.config import AdapterConfig, Config
 from meshtune.plan import parse_link, plan
 from meshtune.plan.layouts import bubble, micro_in_flight, ring_allreduce_bytes
-from meshtune.plan.memory import activations, chunked_loss, head_elems, optimizer_bytes, trained
+from meshtune.plan.memory import (activations, backward_transient_elems, chunked_loss, head_bytes, head_elems,
+                                  optimizer_bytes, trained)
 from meshtune.plan.model_facts import read_header, read_model
 
 H, I, V = 64, 128, 50  # hidden, MLP width, vocabulary of the synthetic models
@@ -83,15 +84,22 @@ def test_the_loss_counts_one_chunk_of_logits_where_the_step_chunks_it(tmp_path: 
     handles, every token for the others; the rest of the estimate is the same."""
     facts = read_model(_write(tmp_path / model_type, _config(model_type=model_type), _dense(mx.float32)))
     norm, loss = head_elems(facts)
+    assert head_bytes(facts, _adapter(), 512) == 512 * (norm * 4 + loss * 4)  # under one chunk: every token
+    assert head_bytes(facts, _adapter(), 4096) == 4096 * norm * 4 + (1024 if chunked else 4096) * loss * 4
 
-    def head_bytes(examples: int, seq: int) -> float:
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_heads_loss_and_a_blocks_backward_are_not_held_together(tmp_path: Path, checkpoint: bool) -> None:
+    """The head's loss is done before the first block's backward starts: the last stage adds only what
+    the head holds beyond a block's backward transients."""
+    facts = read_model(_write(tmp_path / "m", _config(), _dense(mx.float32)))
+    for examples, seq in [(1, 64), (8, 512)]:
         def total(last: bool) -> float:
             return activations(facts, adapter=_adapter(), examples=examples, seq=seq, blocks=range(2), last=last,
-                               checkpoint=False)[0]
-        return total(True) - total(False)
-
-    assert head_bytes(2, 256) == 512 * (norm * 4 + loss * 4)  # under one chunk: every token either way
-    assert head_bytes(8, 512) == 4096 * norm * 4 + (1024 if chunked else 4096) * loss * 4
+                               checkpoint=checkpoint)[0]
+        transient = backward_transient_elems(facts, seq) * examples * seq * 4
+        head = head_bytes(facts, _adapter(), examples * seq)
+        assert total(True) - total(False) == max(0.0, head - transient)
 
 
 def test_an_adapted_or_biased_trained_head_takes_the_plain_loss(tmp_path: Path) -> None:
