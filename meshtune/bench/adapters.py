@@ -187,7 +187,7 @@ def _stock_runner(model: nn.Module, optimizer: optim.Optimizer) -> StepRunner:
     return run
 
 
-def _meshtune_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False) -> StepRunner:
+def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False) -> StepRunner:
     """One optimizer step of meshtune's loop (one micro-batch, one process).
 
     Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
@@ -223,7 +223,7 @@ def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Sh
     add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
     model.train()
     optimizer = optim.Adam(learning_rate=1e-5)
-    run = _stock_runner(model, optimizer) if impl == "stock" else _meshtune_runner(model, optimizer, a.overlap)
+    run = _stock_runner(model, optimizer) if impl == "stock" else meshtune_step_runner(model, optimizer, a.overlap)
     # One fixed batch of full-length rows: lengths are (prompt offset 0, length), as mlx-lm's.
     tokens = mx.random.randint(0, shape.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)

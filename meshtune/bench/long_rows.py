@@ -16,12 +16,18 @@ so each has the whole device and an out-of-memory ends only its own cell:
   recommends), on a random batch of the same length, the same warm-up and steps; tokens/s is
   the median step, peak memory torch's allocator peak.
 
+With `--step`, a third column: meshtune's compiled step alone (parallel/data_parallel.build_step,
+what `meshtune bench torch` times) on the same model folder and a random row of the same length,
+in a child process, and the command's tokens/s over the step's: where that ratio is below 1, the
+command's path (its data, loop and reports) loses time outside the step.
+
 Both sides: rank 8 on the 7 linear layers of every block (meshtune scale 20 = PEFT lora_alpha
 160), AdamW lr 1e-5. An out-of-memory is reported as such in its cell.
 
     meshtune bench long-rows                           # 1.7b at 8k-64k on a GPU; small at 1k-4k on a CPU
     meshtune bench long-rows --preset tiny --no-torch  # seconds on a CPU; what the test runs
     meshtune bench long-rows --seq-lens 8192 16384 --kinds lora dora qlora --json
+    meshtune bench long-rows --seq-lens 16384 --step                # the command beside its step alone
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-args", default="", metavar="'FLAGS'",
                    help="More flags for meshtune train, in one quoted string (e.g. '--train.compile false').")
     p.add_argument("--no-torch", action="store_true", help="meshtune's rows only (no PyTorch here).")
+    p.add_argument("--step", action="store_true",
+                   help="Also time meshtune's compiled step alone on the same model and row length (a child "
+                        "process), and print the command's tokens/s over the step's.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 
@@ -147,6 +156,63 @@ def torch_row(a: argparse.Namespace, seq_len: int) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def step_row(a: argparse.Namespace, model: Path, kind: str, seq_len: int) -> dict[str, Any]:
+    """meshtune's compiled step alone on `model` at batch x seq_len, in a child process (as torch_row)."""
+    spec = {"side": "step", "model": str(model), "kind": kind, "seq_len": seq_len, "batch_size": a.batch_size,
+            "grad_checkpoint": a.grad_checkpoint, "warmup": a.warmup, "steps": a.steps}
+    done = subprocess.run([sys.executable, "-m", "meshtune.bench.long_rows", json.dumps(spec)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        if "out of memory" in done.stderr.lower():
+            return {"error": OOM}
+        raise RuntimeError(f"meshtune's step at {seq_len} tokens failed with exit code {done.returncode}:\n"
+                           f"{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _step_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The step's measurement (run as `python -m meshtune.bench.long_rows SPEC`): the model loaded and
+    adapted as `meshtune train` does, one fixed random row, the loop's overlap, each step waited for."""
+    import mlx.optimizers as optim
+
+    from ..adapters import apply_adapters
+    from ..inference import load_model
+    from ..runtime.fastmath import install_fast_swiglu
+    from ..training import ATTENTION_CHUNKED_FROM
+    from ..training.attention import install_chunked_attention, needs_chunked_attention
+    from ..training.step import enable_grad_checkpoint, overlaps_steps
+    from .adapters import meshtune_step_runner
+
+    model, _ = load_model(spec["model"])
+    if mx.default_device().type == mx.DeviceType.cpu:  # as `meshtune train` runs the model on this machine
+        install_fast_swiglu()
+    if spec["seq_len"] > ATTENTION_CHUNKED_FROM and needs_chunked_attention():
+        install_chunked_attention()
+    apply_adapters(model, fine_tune_type="dora" if spec["kind"] == "dora" else "lora", num_layers=-1, keys=None,
+                   rank=RANK, scale=SCALE, dropout=0.0)
+    if spec["grad_checkpoint"]:
+        enable_grad_checkpoint(model.layers[0])
+    model.train()
+    run = meshtune_step_runner(model, optim.AdamW(learning_rate=LR), overlaps_steps("auto"))
+    vocab = model.model.embed_tokens.weight.shape[0]
+    batch, seq_len = spec["batch_size"], spec["seq_len"]
+    tokens = mx.random.randint(0, vocab, (batch, seq_len + 1), key=mx.random.key(0))
+    lengths = mx.array([[0, seq_len + 1]] * batch, dtype=mx.int32)
+    mx.eval(tokens, lengths)
+    for _ in range(spec["warmup"]):
+        run(tokens, lengths)
+    run.finish()
+    mx.reset_peak_memory()
+    times = []
+    for _ in range(spec["steps"]):
+        tic = time.perf_counter()
+        run(tokens, lengths)
+        run.finish()
+        times.append(time.perf_counter() - tic)
+    return {"tok_s": batch * seq_len / statistics.median(times), "peak_gb": mx.get_peak_memory() / 1e9,
+            "steps": len(times)}
+
+
 def _torch_child(spec: dict[str, Any]) -> dict[str, Any]:
     """The torch side's measurement (run as `python -m meshtune.bench.long_rows SPEC`)."""
     import torch
@@ -199,16 +265,28 @@ def print_table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
           f"(PEFT lora_alpha {SCALE * RANK:g}); AdamW lr {LR:g}; {a.warmup} warm-up + {a.steps} timed steps, median")
     print(f"meshtune: `meshtune train` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
           f"SDPA" + (", gradient checkpointing (non-reentrant)" if a.grad_checkpoint else ""))
-    print(f"\n  {'row':>7}  {'':<11}{'meshtune train':^20}  {'torch + PEFT':^20}{'meshtune/':>11}{'memory':>9}")
-    print(f"  {'tokens':>7}  {'':<11}{'tok/s':>12}{'peak GB':>8}  {'tok/s':>12}{'peak GB':>8}{'torch':>11}{'ratio':>9}")
+    if a.step:
+        print("step: meshtune's compiled step alone (parallel/data_parallel.build_step) on the same model, a random "
+              "row of the same length; train/step: the command's tokens/s over the step's")
+    step_head = (f"{'its step alone':^20}  {'train/':>7}  ", f"{'tok/s':>12}{'peak GB':>8}  {'step':>7}  ") \
+        if a.step else ("", "")
+    print(f"\n  {'row':>7}  {'':<11}{'meshtune train':^20}  {step_head[0]}{'torch + PEFT':^20}{'meshtune/':>11}"
+          f"{'memory':>9}")
+    print(f"  {'tokens':>7}  {'':<11}{'tok/s':>12}{'peak GB':>8}  {step_head[1]}{'tok/s':>12}{'peak GB':>8}"
+          f"{'torch':>11}{'ratio':>9}")
     for r in rows:
-        mine, theirs = r["meshtune"], r.get("torch")
+        mine, step, theirs = r["meshtune"], r.get("step"), r.get("torch")
         ratio = mem = ""
         if theirs is not None and "error" not in mine and "error" not in theirs:
             ratio = f"{mine['tok_s'] / theirs['tok_s']:.2f}x"
             if theirs.get("peak_gb"):
                 mem = f"{mine['peak_gb'] / theirs['peak_gb']:.2f}x"
-        print(f"  {r['seq_len']:>7}  {LABELS[r['kind']]:<11}{_cell(mine)}  {_cell(theirs)}{ratio:>11}{mem:>9}")
+        step_cells = ""
+        if a.step:
+            alone = f"{mine['tok_s'] / step['tok_s']:.2f}x" if "error" not in mine and "error" not in step else ""
+            step_cells = f"{_cell(step)}  {alone:>7}  "
+        print(f"  {r['seq_len']:>7}  {LABELS[r['kind']]:<11}{_cell(mine)}  {step_cells}{_cell(theirs)}{ratio:>11}"
+              f"{mem:>9}")
 
 
 def main(argv: list[str]) -> int:
@@ -231,18 +309,23 @@ def main(argv: list[str]) -> int:
             data = write_data(work / f"data-{seq_len}", dense, seq_len, rows=2 * a.batch_size, lengths=spread)
             for kind in a.kinds:
                 mine = meshtune_row(a, models[kind], data, kind, seq_len, work / f"run-{kind}-{seq_len}")
+                step = step_row(a, models[kind], kind, seq_len) if a.step else None
                 theirs = torch_row(a, seq_len) if kind == "lora" and not a.no_torch else None
-                rows.append({"seq_len": seq_len, "kind": kind, "meshtune": mine, "torch": theirs})
-                progress(f"{seq_len} {kind}: meshtune {_cell(mine).strip()}, torch {_cell(theirs).strip() or '-'}")
+                rows.append({"seq_len": seq_len, "kind": kind, "meshtune": mine, "step": step, "torch": theirs})
+                progress(f"{seq_len} {kind}: meshtune {_cell(mine).strip()}"
+                         + (f", its step {_cell(step).strip()}" if a.step else "")
+                         + f", torch {_cell(theirs).strip() or '-'}")
     print_table(a, rows)
     if a.json:
         print(json.dumps({"rows": rows, "preset": a.preset, "shape": {k: PRESETS[a.preset][k] for k in SHAPE_KEYS},
                           "dtype": a.dtype, "device": describe_device(), "mlx": mx.__version__,
                           "warmup": a.warmup, "steps": a.steps, "batch_size": a.batch_size,
-                          "grad_checkpoint": a.grad_checkpoint, "spread": a.spread, "rank": RANK, "scale": SCALE,
+                          "grad_checkpoint": a.grad_checkpoint, "spread": a.spread, "step": a.step, "rank": RANK,
+                          "scale": SCALE,
                           "lr": LR}))
     return 0
 
 
 if __name__ == "__main__":
-    print(json.dumps(_torch_child(json.loads(sys.argv[1]))))
+    _spec = json.loads(sys.argv[1])
+    print(json.dumps(_step_child(_spec) if _spec.get("side") == "step" else _torch_child(_spec)))

@@ -47,7 +47,7 @@ from mlx.utils import tree_flatten
 from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
 from ..training.step import overlaps_steps
-from .adapters import _meshtune_runner, describe_device, time_step_rounds
+from .adapters import meshtune_step_runner, describe_device, time_step_rounds
 from . import fit
 from ..runtime.device_memory import Machine, detect
 from .fit import GB, Load
@@ -155,7 +155,7 @@ def mlx_model(a: argparse.Namespace, kind: str) -> nn.Module:
 
 def mlx_step(a: argparse.Namespace, model: nn.Module) -> Callable[[], mx.array]:
     """meshtune's compiled step on one fixed random batch of batch x seq tokens (seq + 1 with the target)."""
-    run = _meshtune_runner(model, optim.AdamW(learning_rate=LR), a.overlap)
+    run = meshtune_step_runner(model, optim.AdamW(learning_rate=LR), a.overlap)
     tokens = mx.random.randint(0, a.vocab, (a.batch_size, a.seq_len + 1), key=mx.random.key(a.seed))
     lengths = mx.array([[0, a.seq_len + 1]] * a.batch_size, dtype=mx.int32)
     mx.eval(tokens, lengths)

@@ -28,7 +28,7 @@ OWN_FLAGS = {
     "plan": ["--layouts", "--quantize"],
     "torch": ["--kinds", "--matmul-size"],
     "startup": ["--runs-per-cache", "--kinds"],
-    "long-rows": ["--seq-lens", "--spread", "--train-args"],
+    "long-rows": ["--seq-lens", "--spread", "--train-args", "--step"],
 }
 
 

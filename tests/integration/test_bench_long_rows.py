@@ -1,4 +1,5 @@
-"""`meshtune bench long-rows`: `meshtune train` on rows of each length, every kind asked, table and JSON alike."""
+"""`meshtune bench long-rows`: `meshtune train` on rows of each length, every kind asked, beside its step
+alone (--step), table and JSON alike."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from support import run_bench_json
 
 @pytest.fixture(scope="module")
 def bench():
-    return run_bench_json("long-rows", "--preset", "tiny", "--no-torch", "--kinds", "lora", "dora", "qlora",
+    return run_bench_json("long-rows", "--preset", "tiny", "--no-torch", "--step", "--kinds", "lora", "dora", "qlora",
                           "--seq-lens", "64", "256", timeout=600)
 
 
@@ -22,6 +23,17 @@ def test_each_length_has_a_row_per_kind_from_meshtune_train(bench):
         assert r["torch"] is None and mine["tok_s"] > 0 and mine["peak_gb"] > 0 and mine["steps"] == 2, r
         assert any(f"{mine['tok_s']:.0f}" in line for line in out), r  # the table prints what the JSON holds
     assert result["batch_size"] == 1 and result["grad_checkpoint"] is True and result["preset"] == "tiny"
+
+
+def test_step_puts_the_step_alone_beside_the_command(bench):
+    """--step: the compiled step on the same model and row length, and the command's tokens/s over its."""
+    out, result = bench
+    assert result["step"] is True and any("train/step" in line for line in out)
+    for r in result["rows"]:
+        step = r["step"]
+        assert step["tok_s"] > 0 and step["peak_gb"] > 0 and step["steps"] == 2, r
+        ratio = f"{r['meshtune']['tok_s'] / step['tok_s']:.2f}x"
+        assert any(f"{step['tok_s']:.0f}" in line and ratio in line for line in out), (ratio, r)
 
 
 def test_a_longer_row_holds_more_memory(bench):
