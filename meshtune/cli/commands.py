@@ -134,14 +134,16 @@ def world_mismatch(expected: int, formed: int, nccl_built: bool) -> str:
 def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     """Memory per rank and traffic per step of each layout (meshtune/plan; docs/plan.md)."""
     from ..plan import plan
-    from ..plan.layouts import ranks_in_hostfile
+    from ..parallel.hostfile import read_hostfile
     from ..plan.report import as_json, table
 
     # The config exactly as `meshtune train` reads it (the demo's with no -c, --model or --data).
     cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
                         reads_data=False)
-    ranks = ranks_in_hostfile(args.hostfile) if args.hostfile else args.ranks
-    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len)
+    hostfile = read_hostfile(Path(args.hostfile)) if args.hostfile else None
+    ranks = len(hostfile.hosts) if hostfile else args.ranks
+    links = args.links if args.links is not None else hostfile.links if hostfile else 1
+    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len, links=links)
     print(as_json(result) if args.json else table(result))
     return 0
 
@@ -312,8 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--ranks", type=int, default=1, help="Ranks to plan for (default 1).")
     ranks.add_argument("--hostfile", help="mlx.launch's hostfile, as meshtune launch reads it: one rank per entry.")
     plan.add_argument("--memory-gb", type=float, default=16.0, help="Memory of one rank in GB (default 16).")
-    plan.add_argument("--link", default="10gbit", help="Link bandwidth between ranks: 1gbit, 10gbit, 100mbit, "
+    plan.add_argument("--link", default="10gbit", help="One link's bandwidth between ranks: 1gbit, 10gbit, 100mbit, "
                                                        "5GB/s ... (default 10gbit).")
+    plan.add_argument("--links", type=int, default=None,
+                      help="Links (cables) each rank has; MLX's ring stripes over them (default: the addresses "
+                           "each --hostfile host lists, else 1).")
     plan.add_argument("--seq-len", type=int, default=None,
                       help="Tokens per example after padding (default data.max_seq_length, the worst case).")
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")

@@ -20,6 +20,11 @@ says so. An explicit `--pin` also pins NCCL ranks, and more ranks than cores in 
 With `--hostfile` (mlx.launch's format) rank i runs
 `ssh host 'cd $PWD && env MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is
 seen only through the survivors' watchdogs, since its state cannot be read from here.
+Every address a host lists is one link: the ring hostfile the ranks get holds them all, a
+port each, and MLX's ring stripes every all-reduce across them, as mlx.launch does.
+`--backend jaccl` (or `jaccl-ring`: MLX's RDMA over Thunderbolt 5) gives each rank the
+environment mlx.launch gives it for the same hostfile: rank 0's first address as the
+coordinator and the hosts' RDMA devices in a file.
 With `--backend nccl` (MLX's CUDA build) the ranks join NCCL through rank 0 on
 127.0.0.1 and rank i sees one GPU, entry i of CUDA_VISIBLE_DEVICES when that is set,
 else GPU i, as mlx.launch does on one host; NCCL_NVLS_ENABLE stays as the environment
@@ -44,11 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from ..parallel.hostfile import read_hostfile
+from ..parallel.hostfile import JACCL_BACKENDS, Host, Hostfile, read_hostfile
 from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
 from ..runtime.relaunch import LAUNCH_ENV
 from ..runtime.stop_signals import StopSignals
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
+
+
+BACKENDS = ("ring", "nccl", *JACCL_BACKENDS)
 
 
 def free_ports(n: int) -> list[int]:
@@ -64,12 +72,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) -> Path:
-    """The ring backend's hostfile: one list of "ip:port" per rank (127.0.0.1 unless `hosts`)."""
+def write_ring_hostfile(n: int, folder: Path, addresses: list[list[str]] | None = None) -> Path:
+    """The ring backend's hostfile: per rank, one "ip:port" per address of `addresses[rank]` (its links;
+    127.0.0.1 unless given), each with a port of its own."""
     path = folder / "hostfile.json"
-    ips = hosts or ["127.0.0.1"] * n
-    path.write_text(json.dumps([[f"{ip}:{p}"] for ip, p in zip(ips, free_ports(n))]))
+    links = addresses or [["127.0.0.1"]] * n
+    ports = iter(free_ports(sum(len(ips) for ips in links)))
+    path.write_text(json.dumps([[f"{ip}:{next(ports)}" for ip in ips] for ips in links]))
     return path
+
+
+def jaccl_env(hostfile: Hostfile, backend: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(variables, files: variable -> content) every rank gets for JACCL, as mlx.launch's launch_jaccl gives."""
+    coordinator = f"{hostfile.hosts[0].ips[0]}:{free_ports(1)[0]}"
+    variables = {"MLX_JACCL_COORDINATOR": coordinator, **({"MLX_JACCL_RING": "1"} if backend == "jaccl-ring" else {})}
+    return variables, {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hostfile.hosts])}
 
 
 # Environment a remote rank gets from this machine (ssh forwards none of it).
@@ -79,26 +96,30 @@ PID_MARK = "meshtune-remote-pid"
 HOSTFILE_POLL_S = 5  # how often a remote host's watcher checks whether its rank has ended
 
 
-def ssh_command(host: str, rank: int, n: int, command: list[str], hostfile_text: str | None, run_id: str,
-                cwd: str, env: dict[str, str]) -> list[str]:
-    """`ssh host '<script>'` that writes the ring hostfile there, says its pid and execs the rank.
+def ssh_command(host: str, rank: int, n: int, command: list[str], files: dict[str, str], run_id: str,
+                cwd: str, env: dict[str, str], variables: dict[str, str] | None = None) -> list[str]:
+    """`ssh host '<script>'` that writes the rank's `files` there (variable -> content: the ring hostfile,
+    JACCL's devices), says its pid and execs the rank with each variable naming its file and `variables`
+    (the backend's, the hostfile's "envs") set.
 
     The script runs under `sh -c`, whatever the host's login shell. Same working directory
     and paths on every host, as mlx.launch assumes. The pid
     line lets the launcher kill the remote rank: killing the local ssh alone does not.
-    The hostfile is removed there once the rank's process ends, however it ends: a
+    The files are removed there once the rank's process ends, however it ends: a
     watcher in the background polls the pid the rank is exec'd into (the script's `$$`);
-    its own command line names only that pid and the file.
+    its own command line names only that pid and the files.
     """
-    remote_file = f"/tmp/meshtune-{run_id}-rank{rank}.json"
     assigns = {k: env[k] for k in FORWARD_ENV if env.get(k)}
+    assigns.update(variables or {})
     assigns.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
     write = remove = ""
-    if hostfile_text is not None:  # one rank needs no ring
-        assigns["MLX_HOSTFILE"] = remote_file
-        write = f"printf '%s' {shlex.quote(hostfile_text)} > {remote_file} && "
-        watcher = f'trap "" HUP; while kill -0 "$0" 2>/dev/null; do sleep {HOSTFILE_POLL_S}; done; rm -f "$1"'
-        remove = f"sh -c {shlex.quote(watcher)} $$ {remote_file} </dev/null >/dev/null 2>&1 & "
+    remote = {name: f"/tmp/meshtune-{run_id}-rank{rank}" + ("" if name == "MLX_HOSTFILE" else f"-{name.lower()}")
+              + ".json" for name in files}
+    if files:  # one ring rank needs none
+        assigns.update(remote)
+        write = "".join(f"printf '%s' {shlex.quote(text)} > {remote[name]} && " for name, text in files.items())
+        watcher = f'trap "" HUP; while kill -0 "$0" 2>/dev/null; do sleep {HOSTFILE_POLL_S}; done; rm -f "$@"'
+        remove = f"sh -c {shlex.quote(watcher)} $$ {' '.join(remote.values())} </dev/null >/dev/null 2>&1 & "
     script = (f"cd {shlex.quote(cwd)} && {write}echo {PID_MARK} $$ || exit 1; {remove}"
               f"exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} {shlex.join(command)}")
     return ["ssh", host, f"sh -c {shlex.quote(script)}"]  # POSIX sh whatever the login shell (csh, fish)
@@ -144,42 +165,54 @@ def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
                  CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
 
 
-def _check_hosts(n: int, ssh_hosts: list[dict[str, Any]] | None) -> None:
-    if ssh_hosts is not None and len(ssh_hosts) != n:
-        raise ValueError(f"-n {n} but the hostfile lists {len(ssh_hosts)} hosts; give one entry per rank "
+def _check_hosts(n: int, hostfile: Hostfile | None) -> None:
+    if hostfile is not None and len(hostfile.hosts) != n:
+        raise ValueError(f"-n {n} but the hostfile lists {len(hostfile.hosts)} hosts; give one entry per rank "
                          "or leave -n out")
 
 
 def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
                  timeout: float | None = None, hosts: list[str] | None = None,
                  wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None,
-                 ssh_hosts: list[dict[str, Any]] | None = None, err: IO[str] | None = None,
+                 hostfile: Hostfile | None = None, err: IO[str] | None = None,
                  backend: str = "ring") -> int:
-    """Run `command` as n ranks (ring, or nccl on this machine); 0, or the failing rank's code (see `_watch`).
+    """Run `command` as n ranks (ring; nccl on this machine; jaccl over a hostfile); 0, or the failing rank's
+    code (see `_watch`).
 
     `hosts` gives each rank's IP and `wrap(rank)` a command prefix (e.g. entering a
     network namespace of the shaped-link bed); both default to plain loopback.
-    `ssh_hosts` (mlx.launch's hostfile entries, one per rank) starts rank i through
-    `ssh ssh_hosts[i]["ssh"]` at the address ssh_hosts[i]["ips"][0] instead.
+    `hostfile` (mlx.launch's, one host per rank) starts rank i through `ssh` on its host instead,
+    its ring over every address the host lists.
     """
     if n < 1:
         raise ValueError(f"-n {n}: need at least one rank")
     if not command:
         raise ValueError("no command given; e.g. meshtune launch -n 2 -- meshtune train -c run.yaml")
-    _check_hosts(n, ssh_hosts)
-    if backend not in ("ring", "nccl"):
-        raise ValueError(f"--backend {backend}: meshtune launch starts ring or nccl ranks")
-    if backend == "nccl" and (ssh_hosts or hosts):
+    _check_hosts(n, hostfile)
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend}: meshtune launch starts {', '.join(BACKENDS)} ranks")
+    if backend == "nccl" and (hostfile or hosts):
         raise ValueError("--backend nccl: meshtune launch starts NCCL ranks on this machine only; for several "
                          "hosts use mlx.launch --backend nccl --hostfile ...")
+    if backend in JACCL_BACKENDS and hostfile is None:
+        raise ValueError(f"--backend {backend} joins hosts over RDMA: give --hostfile with each host's \"rdma\" "
+                         "devices (mlx.distributed_config writes one)")
+    ssh_hosts: list[Host] | None = hostfile.hosts if hostfile else None
     base = dict(os.environ if env is None else env)
     cores = sorted(os.sched_getaffinity(0)) if pin else []
-    if backend == "nccl":
+    if backend != "ring":
         base.pop("MLX_HOSTFILE", None)  # an outer ring launcher's; the ranks must not try it
     per_rank = nccl_env(n, base) if backend == "nccl" else [{} for _ in range(n)]
+    variables = dict(e.split("=", 1) for e in hostfile.envs if "=" in e) if hostfile else {}
+    files: dict[str, str] = {}
+    if backend in JACCL_BACKENDS:
+        jaccl_variables, files = jaccl_env(hostfile, backend)
+        variables.update(jaccl_variables)
     with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
-        ips = [h["ips"][0] for h in ssh_hosts] if ssh_hosts else hosts
-        hostfile = write_ring_hostfile(n, Path(tmp), ips) if n > 1 and backend == "ring" else None
+        addresses = [h.ips for h in ssh_hosts] if ssh_hosts else [[ip] for ip in hosts] if hosts else None
+        ring = write_ring_hostfile(n, Path(tmp), addresses) if n > 1 and backend == "ring" else None
+        if ring is not None:
+            files = {"MLX_HOSTFILE": ring.read_text()}
         beats = Path(tmp) / "heartbeats"
         beats.mkdir()
         ranks, muted = [], threading.Event()
@@ -187,24 +220,23 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
         with StopSignals() as interrupts:
             for i in range(n):
                 rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1",
-                                **per_rank[i])
+                                **per_rank[i], **variables)
                 rank_env[HEARTBEAT_ENV] = str(beats)
-                if hostfile is not None:
-                    rank_env["MLX_HOSTFILE"] = str(hostfile)
+                if ring is not None:
+                    rank_env["MLX_HOSTFILE"] = str(ring)
                 preexec = None
                 if pin and cores and not ssh_hosts:
                     core = cores[i % len(cores)]
                     rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
                     preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
                 if ssh_hosts:
-                    text = hostfile.read_text() if hostfile is not None else None
-                    argv = ssh_command(ssh_hosts[i]["ssh"], i, n, command, text, Path(tmp).name, os.getcwd(),
-                                       base)
+                    argv = ssh_command(ssh_hosts[i].ssh, i, n, command, files, Path(tmp).name, os.getcwd(), base,
+                                       variables)
                 else:
                     argv = [*(wrap(i) if wrap else []), *command]
                 proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
-                rank = Rank(i, proc, host=ssh_hosts[i]["ssh"] if ssh_hosts else None)
+                rank = Rank(i, proc, host=ssh_hosts[i].ssh if ssh_hosts else None)
                 ranks.append(rank)
                 rank.pump = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
                                              daemon=True)
@@ -366,44 +398,53 @@ def main(argv: list[str]) -> int:
     p.add_argument("-n", "--num-ranks", type=int, default=None,
                    help="Ranks to start (on this machine, or one per --hostfile entry).")
     p.add_argument("--hostfile", default=None,
-                   help='mlx.launch\'s JSON hostfile: [{"ssh": host, "ips": [ip]}, ...]; rank i runs on entry i '
-                        "through ssh.")
+                   help='mlx.launch\'s JSON hostfile: [{"ssh": host, "ips": [ip, ...]}, ...]; rank i runs on entry i '
+                        "through ssh; each address a host lists is one link (cable) the ring stripes over.")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                    help="One core and one BLAS thread per local rank (default: on for ring ranks when there "
                         "are no more ranks than cores; --no-pin turns it off).")
     p.add_argument("--timeout", type=float, default=None, help="Stop all ranks after this many seconds.")
-    p.add_argument("--backend", choices=["ring", "nccl"], default="ring",
-                   help="ring (CPU, Thunderbolt, Ethernet) or nccl (one rank per GPU of this machine, MLX's CUDA "
-                        "build).")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="ring (CPU, Thunderbolt, Ethernet), nccl (one rank per GPU of this machine, MLX's CUDA "
+                        "build), jaccl or jaccl-ring (RDMA over Thunderbolt 5, hosts from --hostfile with their "
+                        '"rdma" devices). Default: the hostfile\'s "backend", else ring.')
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs.")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if command[:1] == ["meshtune"]:
         command = [sys.executable, "-m", "meshtune.cli", *command[1:]]
-    ssh_hosts = read_hostfile(Path(a.hostfile)) if a.hostfile else None
-    n = a.num_ranks if a.num_ranks is not None else (len(ssh_hosts) if ssh_hosts else None)
+    hostfile = read_hostfile(Path(a.hostfile)) if a.hostfile else None
+    backend = a.backend or (hostfile.backend if hostfile and hostfile.backend else "ring")
+    if backend not in BACKENDS:
+        raise ValueError(f'--hostfile {a.hostfile}: "backend" {backend!r} is not one meshtune launch starts; give '
+                         f"--backend {' or '.join(BACKENDS)}")
+    if hostfile is not None and backend in JACCL_BACKENDS:
+        hostfile.check_jaccl(backend)
+    elif hostfile is not None:
+        hostfile.check_ring()
+    n = a.num_ranks if a.num_ranks is not None else (len(hostfile.hosts) if hostfile else None)
     if n is None:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
     if not command:
         raise ValueError("no command to run; give it after --, e.g. meshtune launch -n 2 -- meshtune train")
-    _check_hosts(n, ssh_hosts)
-    if ssh_hosts is None and shutil.which(command[0]) is None:
+    _check_hosts(n, hostfile)
+    if hostfile is None and shutil.which(command[0]) is None:
         if Path(command[0]).is_file():
             raise ValueError(f"command {command[0]!r} is not executable; chmod +x {command[0]}, or run it through "
                              f"its interpreter (e.g. -- bash {command[0]})")
         raise ValueError(f"command {command[0]!r} not found (not a file, nor on PATH); e.g. "
                          "meshtune launch -n 2 -- meshtune train ...")
-    if a.backend == "nccl" and "meshtune.cli" in command and not _nccl_built():  # the ranks' own check, once
+    if backend == "nccl" and "meshtune.cli" in command and not _nccl_built():  # the ranks' own check, once
         raise ValueError("--backend nccl: this MLX has no NCCL (MLX's CUDA build has it: pip install mlx[cuda]); "
                          "use --backend ring")
     preflight(n, command)
     # How the ranks' resume line says to start them again (runtime/relaunch.resume_command).
     again = (f"meshtune launch --hostfile {shlex.quote(str(Path(a.hostfile).resolve()))}" if a.hostfile
-             else f"meshtune launch -n {n}") + (" --backend nccl" if a.backend == "nccl" else "")
-    pin, note = pin_choice(n, a.pin, remote=ssh_hosts is not None, backend=a.backend)
+             else f"meshtune launch -n {n}") + (f" --backend {backend}" if backend != "ring" else "")
+    pin, note = pin_choice(n, a.pin, remote=hostfile is not None, backend=backend)
     if note:
         print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)
-    return launch_local(n, command, pin=pin, timeout=a.timeout, ssh_hosts=ssh_hosts, backend=a.backend,
+    return launch_local(n, command, pin=pin, timeout=a.timeout, hostfile=hostfile, backend=backend,
                         env={**os.environ, LAUNCH_ENV: again})
 
 

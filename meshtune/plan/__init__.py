@@ -19,8 +19,11 @@ __all__ = ["parse_link", "plan"]
 
 
 def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None = None,
-         nvidia: bool | None = None) -> dict[str, Any]:
+         nvidia: bool | None = None, links: int = 1) -> dict[str, Any]:
     """Every candidate layout of `cfg` on `ranks` ranks with `memory_gb` each, and the recommended one.
+
+    `link` is one link's rate and `links` how many each rank has (a hostfile's addresses per host): MLX's
+    ring stripes every all-reduce across them, so a rank sends at `links` times the rate.
 
     `nvidia`: the ranks are NVIDIA GPUs, whose attention has a fused backward in bfloat16 and float16;
     None: as this machine is (its CUDA driver asked, no MLX)."""
@@ -28,7 +31,9 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         raise ValueError(f"--ranks {ranks}: give at least 1 rank")
     if not memory_gb > 0:
         raise ValueError(f"--memory-gb {memory_gb}: give the memory of one rank in GB, e.g. --memory-gb 64")
-    link_bytes_s = parse_link(link)
+    if links < 1:
+        raise ValueError(f"--links {links}: give the links (cables) each rank has, at least 1")
+    link_bytes_s = parse_link(link) * links
     longest = cfg.data.max_seq_length
     seq = longest if seq_len is None else seq_len
     if seq < 1:
@@ -67,7 +72,7 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         "seq_len_from": "--seq-len" if seq_len is not None else "data.max_seq_length",
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
         "attention": attention_kind(seq, fused),
-        "ranks": ranks, "memory_gb": memory_gb, "link": link, "link_bytes_per_s": link_bytes_s,
+        "ranks": ranks, "memory_gb": memory_gb, "link": link, "links": links, "link_bytes_per_s": link_bytes_s,
         "layouts": rows, "recommended": choice, "reason": reason,
     }
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..parallel.hostfile import read_hostfile
 from ..parallel.schedules import build, idle_fraction, in_flight
 from ..parallel.stages import balanced_split, check_stage_layers
 
@@ -35,11 +33,6 @@ def parse_link(text: str) -> float:
     if per_second <= 0:
         raise ValueError(f"--link {text!r}: the bandwidth must be positive, e.g. 10gbit")
     return per_second if in_bytes else per_second / 8
-
-
-def ranks_in_hostfile(path: str | Path) -> int:
-    """Ranks of mlx.launch's hostfile as `meshtune launch --hostfile` reads it: one {"ssh", "ips"} entry per rank."""
-    return len(read_hostfile(Path(path)))
 
 
 @dataclass

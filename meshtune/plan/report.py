@@ -25,8 +25,8 @@ def table(result: dict[str, Any]) -> str:
         f"schedule {result['schedule']}",
         f"batch {result['batch_size']} x {result['seq_len']} tokens ({result['seq_len_from']}); "
         f"{result['ranks']} rank{'s' if result['ranks'] != 1 else ''} x {result['memory_gb']:g} GB; "
-        f"link {result['link']} "
-        f"({result['link_bytes_per_s'] / 1e6:.0f} MB/s); sizes per rank, M = 1e6 and G = 1e9 bytes",
+        f"link {result['link']}" + (f" x {result['links']} links" if result.get("links", 1) > 1 else "")
+        + f" ({result['link_bytes_per_s'] / 1e6:.0f} MB/s); sizes per rank, M = 1e6 and G = 1e9 bytes",
         "",
     ]
     cells = [list(COLUMNS)] + [_cells(r) for r in rows]

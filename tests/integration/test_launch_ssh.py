@@ -35,9 +35,9 @@ def _fake_ssh(tmp_path) -> dict[str, str]:
     return dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-def _hostfile(tmp_path, n: int):
+def _hostfile(tmp_path, n: int, ips: tuple[str, ...] = ("127.0.0.1",)):
     path = tmp_path / "hosts.json"
-    path.write_text(json.dumps([{"ssh": f"node{i}", "ips": ["127.0.0.1"]} for i in range(n)]))
+    path.write_text(json.dumps([{"ssh": f"node{i}", "ips": list(ips)} for i in range(n)]))
     return path
 
 
@@ -113,7 +113,7 @@ def test_hostfile_errors_are_one_line(tmp_path):
         'addresses), e.g. [{"ssh": "mac1", "ips": ["10.0.0.1"]}]']
     good = tmp_path / "good.json"
     good.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]')
-    assert [h["ssh"] for h in read_hostfile(good)] == ["a", "b"]
+    assert [h.ssh for h in read_hostfile(good).hosts] == ["a", "b"]
     proc = subprocess.run([*CLI, "launch", "-n", "3", "--hostfile", str(good), "--", "true"], env=env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "-n 3 but the hostfile lists 2 hosts" in proc.stderr
@@ -131,3 +131,45 @@ def test_an_ssh_that_cannot_connect_is_named(tmp_path):
     assert proc.returncode == 255, proc.stdout + proc.stderr
     assert "exited with code 255 (ssh's own failure code: check that `ssh node" in proc.stderr
     assert "true` works without a password prompt)" in proc.stderr
+
+
+def test_every_address_a_host_lists_is_a_link_of_the_ring(tmp_path):
+    """Two addresses per host: each rank's ring hostfile holds both, a port each, and MLX's ring sums over
+    the two connections (127.0.0.2 is this machine's loopback too)."""
+    environ = _fake_ssh(tmp_path)
+    code = ("import os, json, mlx.core as mx; ring = json.load(open(os.environ['MLX_HOSTFILE'])); "
+            "g = mx.distributed.init(); s = mx.distributed.all_sum(mx.arange(1000.0) * (g.rank() + 1), group=g); "
+            "print('links', [len(r) for r in ring], 'sum', int(s.sum().item()), flush=True)")
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(_hostfile(tmp_path, 2, ("127.0.0.1", "127.0.0.2"))),
+                           "--", sys.executable, "-c", code], env=environ, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in range(2):
+        assert f"[rank {rank}] links [2, 2] sum {3 * 999 * 1000 // 2}" in proc.stdout, proc.stdout
+
+
+def test_jaccl_ranks_get_mlx_launch_s_environment(tmp_path):
+    """--backend jaccl from the hostfile's "backend": each remote rank gets the coordinator (rank 0's first
+    address), the hosts' RDMA devices in a file of its own, and the hostfile's "envs", as mlx.launch gives
+    them (tests/unit/test_hostfile.py compares the two launchers); no Thunderbolt here, so the ranks print
+    what they were given instead of joining."""
+    environ = _fake_ssh(tmp_path)
+    hosts = [{"ssh": f"node{i}", "ips": [f"10.0.0.{i + 1}"], "rdma": [None if j == i else f"rdma_en{j}"
+                                                                      for j in range(2)]} for i in range(2)]
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"backend": "jaccl", "envs": ["MLX_METAL_FAST_SYNCH=1"], "hosts": hosts}))
+    code = ("import os, json; e = os.environ; print('got', e['MLX_RANK'], e['MLX_JACCL_COORDINATOR'].split(':')[0], "
+            "json.load(open(e['MLX_IBV_DEVICES'])), e['MLX_METAL_FAST_SYNCH'], 'MLX_HOSTFILE' in e, flush=True)")
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(path), "--", sys.executable, "-c", code],
+                          env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in range(2):
+        assert (f"[rank {rank}] got {rank} 10.0.0.1 [[None, 'rdma_en1'], ['rdma_en0', None]] 1 False"
+                in proc.stdout), proc.stdout
+    missing = tmp_path / "bad.json"
+    missing.write_text(json.dumps([dict(h, rdma=[None, None]) for h in hosts]))
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(missing), "--backend", "jaccl", "--", "true"],
+                          env=environ, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f'meshtune: error: --hostfile {missing}: host node0 lists no RDMA device to node1; --backend jaccl needs '
+        'one (e.g. "rdma_en3")']
