@@ -294,3 +294,14 @@ def test_the_trained_parameters_are_the_ones_train_trains(kind: str, num_layers:
                    scale=adapter.scale, dropout=0.0)
     assert sum(t.params for t in trained(read_model(TINY_MODEL), adapter)) == sum(
         v.size for v in trainable_parameters(model).values())
+
+
+def test_k_links_carry_a_step_s_traffic_k_times_as_fast() -> None:
+    """`--links K` (a hostfile's addresses per host): MLX's ring stripes over them; the bytes stay the same."""
+    cfg = Config.from_dict({"adapter": {"num_layers": -1}, "train": {"batch_size": 4}})
+    one, two = (plan(cfg, 2, 16.0, "1gbit", seq_len=32, links=k) for k in (1, 2))
+    assert two["link_bytes_per_s"] == 2 * one["link_bytes_per_s"] and two["links"] == 2
+    dp1, dp2 = ({r["layout"]: r for r in p["layouts"]}["DP 2"] for p in (one, two))
+    assert dp2["comm_bytes"] == dp1["comm_bytes"] > 0 and dp2["comm_ms"] == pytest.approx(dp1["comm_ms"] / 2)
+    with pytest.raises(ValueError, match="--links 0: give the links"):
+        plan(cfg, 2, 16.0, "1gbit", links=0)
