@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -108,6 +109,53 @@ def complete(model: nn.Module, tokenizer: Any, prompt: str, *, max_tokens: int =
     else:
         tokens = tokenizer.encode(prompt)
     return mlx_generate(model, tokenizer, prompt=tokens, max_tokens=max_tokens, verbose=False)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is picked, with mlx_lm.generate's flags and meanings (temp 0: greedy)."""
+
+    temp: float = 0.0
+    top_p: float = 1.0  # 1 keeps every token
+    min_p: float = 0.0  # 0 keeps every token
+    top_k: int = 0  # 0 keeps every token
+    seed: int | None = None
+
+    def check(self) -> None:
+        """One line naming the first flag out of its range."""
+        if not self.temp >= 0:
+            raise ValueError(f"--temp {self.temp}: give 0 (greedy) or more, e.g. --temp 0.7")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p {self.top_p}: give a value in (0, 1], e.g. --top-p 0.9 (1 keeps every token)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"--min-p {self.min_p}: give a value in [0, 1], e.g. --min-p 0.05 (0 keeps every token)")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k {self.top_k}: give 0 (every token) or more, e.g. --top-k 40")
+
+    def sampler(self, tokenizer: Any) -> Callable[[Any], Any]:
+        """mlx-lm's sampler for these settings; seeds MLX's generator when a seed is given."""
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+        return make_sampler(self.temp, self.top_p, self.min_p, top_k=self.top_k)
+
+
+def stream_completion(model: nn.Module, tokenizer: Any, prompt_tokens: list[int], *, max_tokens: int,
+                      sampling: Sampling = Sampling(), write: Callable[[str], None] = lambda text: None) -> Any:
+    """Generate from `prompt_tokens` through mlx-lm's stream_generate, handing each piece of text to `write`
+    as it comes; the last GenerationResponse (its prompt and generation tokens/s, peak memory), or None
+    when nothing was generated."""
+    from mlx_lm.generate import stream_generate
+
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens {max_tokens}: give 1 or more")
+    last = None
+    for last in stream_generate(model, tokenizer, prompt_tokens, max_tokens=max_tokens,
+                                sampler=sampling.sampler(tokenizer)):
+        write(last.text)
+    return last
 
 
 def evaluate_adapters(cfg: Config, adapter_path: str | Path, *, split: str = "test", batches: int = -1,

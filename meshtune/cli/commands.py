@@ -1,4 +1,6 @@
-"""The `meshtune` subcommands (train, config, plan, demo, fuse, generate, eval, bench) and the parser that routes to them.
+"""The `meshtune` subcommands (train, config, plan, demo, fuse, eval, bench) and the parser that routes to them.
+
+generate, serve and export, which use a finished run, are in inference_commands.py.
 
 Each command is a thin call into the Python API (meshtune.api, meshtune.demo,
 meshtune.bench); `meshtune launch` has its own parser (meshtune.cli.launch), which
@@ -162,22 +164,6 @@ def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
-    _no_extra(rest)
-    from ..inference import complete, load_for_inference
-
-    if args.adapter_path:
-        _check_adapter_folder(args.adapter_path)
-    alone = " (generate also runs the base alone: --model without --adapter-path)"
-    model_path = args.model or (_model_from_adapters(args.adapter_path, alone) if args.adapter_path
-                                else _default_model())
-    model, tokenizer = load_for_inference(model_path, args.adapter_path)
-    chat, why = _chat_or_raw(args, bool(getattr(tokenizer, "chat_template", None)))
-    print(f"generate: {'chat template' if chat else 'raw prompt'} ({why})", file=sys.stderr, flush=True)
-    print(complete(model, tokenizer, args.prompt, max_tokens=args.max_tokens, chat=chat))
-    return 0
-
-
 def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     """Score trained adapters on a split: the run's own settings, flags on top."""
     from ..config import load_config, parse_override_args
@@ -197,34 +183,6 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
 
     evaluate_adapters(cfg, args.adapter_path, split=args.split, batches=args.batches)
     return 0
-
-
-def _chat_or_raw(args: argparse.Namespace, has_template: bool) -> tuple[bool, str]:
-    """Whether the prompt goes through the chat template, and why, in a few words.
-
-    The template only when the tokenizer has one and the adapters were trained on chat
-    or prompt/completion data (the format train recorded in adapter_config.json): a
-    model trained on plain text continues a raw prompt. --raw / --chat force either.
-    """
-    if args.raw:
-        return False, "--raw"
-    if args.chat:
-        if not has_template:
-            raise ValueError("--chat: the tokenizer has no chat template; drop --chat to send the prompt as is")
-        return True, "--chat"
-    if not has_template:
-        return False, "the tokenizer has no chat template"
-    if not args.adapter_path:
-        return True, "the tokenizer has one; --raw sends the prompt as is"
-    import json
-
-    config = Path(args.adapter_path) / "adapter_config.json"
-    fmt = json.loads(config.read_text()).get("data_format") if config.exists() else None
-    if fmt == "text":
-        return False, "the adapters were trained on text data; --chat forces the template"
-    if fmt in ("chat", "completions"):
-        return True, f"the adapters were trained on {fmt} data; --raw sends the prompt as is"
-    return True, "the tokenizer has one and the adapters record no data format; --raw sends the prompt as is"
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
@@ -337,17 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
     ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
     ev.set_defaults(func=cmd_eval)
-    gen = sub.add_parser("generate", help="Greedy completion of a prompt.")
-    gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
-    gen.add_argument("--adapter-path", help="Adapters to apply.")
-    gen.add_argument("--prompt", required=True, help="The user message.")
-    gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
-    form = gen.add_mutually_exclusive_group()
-    form.add_argument("--raw", action="store_true", help="Send the prompt as is, without the chat template.")
-    form.add_argument("--chat", action="store_true", help="Send the prompt through the tokenizer's chat template "
-                                                          "(default: when the adapters were trained on chat or "
-                                                          "prompt/completion data).")
-    gen.set_defaults(func=cmd_generate)
+    from .inference_commands import add_generate
+
+    add_generate(sub)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     from ..bench import SUITES  # names only: no MLX import before the BLAS choice
 

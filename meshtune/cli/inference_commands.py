@@ -1,0 +1,90 @@
+"""The commands that use a finished run: `meshtune generate`, `meshtune serve` and `meshtune export`.
+
+Their flags follow the mlx-lm commands users know (mlx_lm.generate, mlx_lm.server,
+mlx_lm.fuse) with the same meanings; each command is a thin call into meshtune.inference,
+meshtune.serve or meshtune.export. Nothing here imports MLX at the top (cli/__init__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .commands import _check_adapter_folder, _default_model, _model_from_adapters, _no_extra
+
+
+def _true_or_false(text: str) -> bool:
+    """mlx_lm.generate's reading of --verbose's value: anything but false/f is true."""
+    return text.lower() not in ("false", "f")
+
+
+def _model_path(args: argparse.Namespace, alone: str) -> str:
+    """--model, else the base the adapters record, else the embedded model."""
+    if args.adapter_path:
+        _check_adapter_folder(args.adapter_path)
+    if args.model:
+        return args.model
+    return _model_from_adapters(args.adapter_path, alone) if args.adapter_path else _default_model()
+
+
+def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
+    """Stream a completion of --prompt, framed as the run trained (prompt_format.py)."""
+    _no_extra(rest)
+    from ..inference import Sampling, load_for_inference, stream_completion
+    from ..prompt_format import choose_prompt_format, prompt_tokens, run_prompt_format
+
+    sampling = Sampling(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed)
+    sampling.check()  # before the model loads
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: give 1 or more, e.g. --max-tokens 100")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    model_path = _model_path(args, " (generate also runs the base alone: --model without --adapter-path)")
+    model, tokenizer = load_for_inference(model_path, args.adapter_path)
+    choice = choose_prompt_format(run_prompt_format(args.adapter_path),
+                                  has_template=bool(getattr(tokenizer, "chat_template", None)),
+                                  has_adapters=bool(args.adapter_path), raw=args.raw, chat=args.chat,
+                                  system_prompt=args.system_prompt)
+    system = f", system prompt {choice.system_prompt!r}" if choice.system_prompt is not None else ""
+    print(f"generate: {'chat template' if choice.chat else 'raw prompt'}{system} ({choice.why})", file=sys.stderr,
+          flush=True)
+    last = stream_completion(model, tokenizer, prompt_tokens(tokenizer, prompt, choice), max_tokens=args.max_tokens,
+                             sampling=sampling, write=lambda text: print(text, end="", flush=True))
+    print(flush=True)
+    if args.verbose:  # mlx_lm.generate's lines, on stderr so that stdout stays the completion
+        if last is None or last.generation_tokens == 0:
+            print("No text generated for this prompt", file=sys.stderr)
+        else:
+            print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec\n"
+                  f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec\n"
+                  f"Peak memory: {last.peak_memory:.3f} GB", file=sys.stderr)
+    return 0
+
+
+def add_generate(sub: Any) -> None:
+    """`meshtune generate`: mlx_lm.generate's flags, with their meanings."""
+    gen = sub.add_parser("generate", help="Stream a completion of a prompt (mlx_lm.generate's flags).",
+                         description="Sampling flags mean what mlx_lm.generate's do. With --adapter-path the "
+                                     "prompt is framed as the run trained: the chat template for chat or "
+                                     "prompt/completion data, with the system prompt the training rows shared.")
+    gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
+    gen.add_argument("--adapter-path", help="Adapters to apply (a run folder or one of its checkpoints).")
+    gen.add_argument("-p", "--prompt", required=True, help="The user message ('-' reads it from stdin).")
+    gen.add_argument("--system-prompt", default=None,
+                     help="System message (default: the one the run's chat data shared, if any; '' sends none).")
+    gen.add_argument("-m", "--max-tokens", type=int, default=64, help="Tokens to generate at most (default 64).")
+    gen.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (default 0: greedy).")
+    gen.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p (default 1: off).")
+    gen.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p (default 0: off).")
+    gen.add_argument("--top-k", type=int, default=0, help="Sampling top-k (default 0: off).")
+    gen.add_argument("--seed", type=int, default=None, help="PRNG seed, for a repeatable sampled completion.")
+    gen.add_argument("--verbose", type=_true_or_false, nargs="?", const=True, default=False,
+                     help="Also print prompt and generation tokens/s and peak memory (on stderr); "
+                          "'--verbose' or '--verbose True' as in mlx_lm.generate.")
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--raw", "--ignore-chat-template", dest="raw", action="store_true",
+                      help="Send the prompt as is, without the chat template.")
+    form.add_argument("--chat", action="store_true", help="Send the prompt through the tokenizer's chat template "
+                                                          "(default: when the adapters were trained on chat or "
+                                                          "prompt/completion data).")
+    gen.set_defaults(func=cmd_generate)
