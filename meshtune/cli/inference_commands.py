@@ -88,3 +88,51 @@ def add_generate(sub: Any) -> None:
                                                           "(default: when the adapters were trained on chat or "
                                                           "prompt/completion data).")
     gen.set_defaults(func=cmd_generate)
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    """Serve the run's adapters over an OpenAI-compatible API until interrupted."""
+    _no_extra(rest)
+    from ..serve import serve, serve_settings_for_run
+
+    model_path = _model_path(args, " (serve also serves the base alone: --model without --adapter-path)")
+    settings = serve_settings_for_run(
+        model_path, args.adapter_path, args.system_prompt, model_name=args.model_name, host=args.host,
+        port=args.port, max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+        max_tokens=min(512, args.max_tokens_limit) if args.max_tokens is None else args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency,
+        prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size)
+    serve(settings, say=lambda line: print(line, flush=True))
+    return 0
+
+
+def add_serve(sub: Any) -> None:
+    """`meshtune serve`: mlx_lm.server's flags that apply to one run, and the request bounds."""
+    srv = sub.add_parser("serve", help="OpenAI-compatible chat/completions server over a run's adapters.",
+                         description="mlx_lm.server's endpoints (/v1/chat/completions, /v1/completions, /health) "
+                                     "over the base with the run's adapters, loaded by meshtune (every adapter "
+                                     "type it trains). Chats without a system message get the one the run's data "
+                                     "shared. Requests over the bounds below are refused with a 4xx.")
+    srv.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
+    srv.add_argument("--adapter-path", help="The run's adapters (a run folder or one of its checkpoints).")
+    srv.add_argument("--model-name", default="", help="The model name clients send (default: the adapter "
+                                                      "folder's name; the base's path works too).")
+    srv.add_argument("--system-prompt", default=None,
+                     help="System message for chats that bring none (default: the run's; '' sends none).")
+    srv.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1).")
+    srv.add_argument("--port", type=int, default=8080, help="Port (default 8080; 0 picks a free one).")
+    srv.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                     help="Largest request body accepted, in bytes (default 1 MiB; 413 above).")
+    srv.add_argument("--max-tokens-limit", type=int, default=4096,
+                     help="Largest max_tokens a request may ask for (default 4096; 400 above).")
+    srv.add_argument("--max-tokens", type=int, default=None,
+                     help="Default max_tokens of a request (default 512, or --max-tokens-limit when lower).")
+    srv.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature (default 0).")
+    srv.add_argument("--top-p", type=float, default=1.0, help="Default top-p (default 1: off).")
+    srv.add_argument("--top-k", type=int, default=0, help="Default top-k (default 0: off).")
+    srv.add_argument("--min-p", type=float, default=0.0, help="Default min-p (default 0: off).")
+    srv.add_argument("--decode-concurrency", type=int, default=32, help="Requests decoded together (default 32).")
+    srv.add_argument("--prompt-concurrency", type=int, default=8, help="Prompts prefilled together (default 8).")
+    srv.add_argument("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step.")
+    srv.add_argument("--prompt-cache-size", type=int, default=10, help="Distinct KV caches kept (default 10).")
+    srv.set_defaults(func=cmd_serve)
