@@ -57,19 +57,20 @@ def _check_model_folder(path: str, local: Path) -> None:
                          "copy the tokenizer files of the base model there")
 
 
-def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
-         dequantize: bool = False, overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to).
-
-    A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then.
-    """
-    from mlx_lm.utils import dequantize_model, save
-
+def check_save_path(save_path: str | Path, overwrite: bool, written: str = "the fused model") -> None:
+    """A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then."""
     target = Path(save_path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         what = "a file" if not target.is_dir() else "a folder that already holds files"
-        raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write the fused model "
-                         "over it, or choose another --save-path")
+        raise ValueError(f"--save-path {save_path} is {what}; pass --overwrite to write {written} over it, "
+                         "or choose another --save-path")
+
+
+def fused_model(model_path: str, adapter_path: str | Path, *, dequantize: bool = False) -> tuple[Any, Any, dict, str]:
+    """(model, tokenizer, config, what was fused in words): the base with the adapters merged in,
+    requantized like the base unless `dequantize` (then config.json's quantization goes too)."""
+    from mlx_lm.utils import dequantize_model
+
     model, tokenizer, config = load_model(model_path, return_config=True)
     ad.load_adapters(model, adapter_path, model_path)
     n = ad.fuse_adapters(model, dequantize=dequantize)
@@ -78,8 +79,21 @@ def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
         model = dequantize_model(model)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
+    return model, tokenizer, config, "the fully fine-tuned weights" if kind == "full" else f"{n} adapter layers"
+
+
+def fuse(model_path: str, adapter_path: str | Path, save_path: str | Path, *,
+         dequantize: bool = False, overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Merge adapters into the base and save a model mlx-lm loads (requantized unless asked not to).
+
+    A `save_path` that already holds files is refused unless `overwrite`; nothing in it is touched then.
+    """
+    from mlx_lm.utils import save
+
+    check_save_path(save_path, overwrite)
+    model, tokenizer, config, what = fused_model(model_path, adapter_path, dequantize=dequantize)
     save(Path(save_path), model_path, model, tokenizer, config, donate_model=False)
-    log(f"fused {'the fully fine-tuned weights' if kind == 'full' else f'{n} adapter layers'} into {save_path}")
+    log(f"fused {what} into {save_path}")
     return Path(save_path)
 
 

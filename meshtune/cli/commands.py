@@ -295,10 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
     ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
     ev.set_defaults(func=cmd_eval)
-    from .inference_commands import add_generate, add_serve
+    from .inference_commands import add_export, add_generate, add_serve
 
     add_generate(sub)
     add_serve(sub)
+    add_export(sub)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     from ..bench import SUITES  # names only: no MLX import before the BLAS choice
 

@@ -136,3 +136,47 @@ def add_serve(sub: Any) -> None:
     srv.add_argument("--prefill-step-size", type=int, default=2048, help="Prompt tokens per prefill step.")
     srv.add_argument("--prompt-cache-size", type=int, default=10, help="Distinct KV caches kept (default 10).")
     srv.set_defaults(func=cmd_serve)
+
+
+EXPORT_FORMATS = ("peft", "hf", "gguf")
+
+
+def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
+    """Write the run's result in another tool's format."""
+    _no_extra(rest)
+    from pathlib import Path
+
+    from ..export import export_gguf, export_hf, export_peft
+
+    if not args.adapter_path or not (Path(args.adapter_path) / "adapter_config.json").is_file():
+        raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
+                         "meshtune train or mlx_lm.lora")
+    model_path = _model_path(args, "")
+    if args.format == "peft":
+        export_peft(args.adapter_path, args.save_path, model_path=model_path, base_model=args.base_model,
+                    overwrite=args.overwrite)
+    elif args.format == "hf":
+        export_hf(model_path, args.adapter_path, args.save_path, overwrite=args.overwrite)
+    else:
+        export_gguf(model_path, args.adapter_path, args.save_path, overwrite=args.overwrite)
+    return 0
+
+
+def add_export(sub: Any) -> None:
+    """`meshtune export --format peft|hf|gguf`."""
+    exp = sub.add_parser("export", help="A run's adapters as PEFT, or the fused model as a Hugging Face folder or "
+                                        "GGUF.",
+                         description="peft: LoRA/DoRA adapters as adapter_config.json + adapter_model.safetensors "
+                                     "with Hugging Face module names (transformers, vLLM, TGI). hf: the fused, "
+                                     "dequantized model as a Hugging Face folder. gguf: that folder plus "
+                                     "ggml-model-f16.gguf, for the families mlx-lm converts (llama, mistral, "
+                                     "mixtral).")
+    exp.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="peft, hf or gguf.")
+    exp.add_argument("--adapter-path", default="adapters", help="The run's folder (or one of its checkpoints).")
+    exp.add_argument("--save-path", required=True, help="The folder to write.")
+    exp.add_argument("--model", help="Base model (default: the one in adapter_config.json).")
+    exp.add_argument("--base-model", default=None,
+                     help="peft: the base_model_name_or_path to record, e.g. the Hugging Face id the MLX base was "
+                          "converted from (default: --model).")
+    exp.add_argument("--overwrite", action="store_true", help="Write into a --save-path that already holds files.")
+    exp.set_defaults(func=cmd_export)

@@ -158,3 +158,52 @@ def test_serve_refuses_a_bad_request_with_a_4xx_that_says_why(server, body, stat
     got, reply = _post(port, "/v1/chat/completions", body)
     assert (got, error in reply["error"]) == (status, True), reply
     assert proc.poll() is None  # still serving
+
+
+def test_export_peft_writes_peft_s_two_files_for_a_dora_run(runs, tmp_path):
+    out = tmp_path / "peft"
+    proc = run_cli("export", "--format", "peft", "--adapter-path", str(runs["dora"]), "--save-path", str(out),
+                   "--base-model", "org/tiny-llama")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [f"exported DoRA adapters on 28 layers as PEFT (r 8, lora_alpha 160) into {out}"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["use_dora"], config["base_model_name_or_path"]) == ("LORA", True,
+                                                                                           "org/tiny-llama")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "adapter_model.safetensors"), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+        keys = set(f.keys())
+    assert len(keys) == 28 * 3 and "base_model.model.model.layers.3.self_attn.q_proj.lora_magnitude_vector" in keys
+    again = run_cli("export", "--format", "peft", "--adapter-path", str(runs["dora"]), "--save-path", str(out))
+    assert again.returncode == 2 and "pass --overwrite to write the PEFT adapters over it" in again.stderr
+
+
+def test_export_hf_and_gguf_write_the_fused_model(runs, tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from meshtune.inference import load_for_inference
+
+    hf = tmp_path / "hf"
+    proc = run_cli("export", "--format", "gguf", "--adapter-path", str(runs["dora"]), "--save-path", str(hf))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((hf / "config.json").read_text())
+    assert "quantization" not in config and config["model_type"] == "llama"
+    gguf = mx.load(str(hf / "ggml-model-f16.gguf"))
+    assert "blk.0.attn_q.weight" in gguf and "token_embd.weight" in gguf
+    # The folder is the base with the DoRA run fused: the same logits as the adapters applied.
+    fused, tok = load(str(hf))
+    adapted, _ = load_for_inference(str(TINY_MODEL), runs["dora"])
+    tokens = mx.array([tok.encode(PROMPT)])
+    assert mx.allclose(fused(tokens), adapted(tokens), rtol=1e-4, atol=1e-4).item()
+
+
+def test_gguf_for_a_family_mlx_lm_does_not_convert_is_one_line():
+    from meshtune.export.fused import gguf_refusal
+
+    assert gguf_refusal("llama") is None
+    assert gguf_refusal("qwen3") == ("--format gguf: mlx-lm writes GGUF for llama, mistral, mixtral models only and "
+                                     "this is a qwen3 model; export --format hf and convert that folder with "
+                                     "llama.cpp's convert_hf_to_gguf.py")
