@@ -19,7 +19,7 @@ from .config import Config
 from .config.schema import is_local_path
 from .data import check_source
 from .parallel.mesh import Mesh
-from .run_data import eval_batches, load_splits, split_names
+from .run_data import eval_batches, load_splits, split_names, tail_batch
 from .training.step import evaluate
 
 
@@ -183,8 +183,16 @@ def evaluate_adapters(cfg: Config, adapter_path: str | Path, *, split: str = "te
     # No ways out: the split asked for is the whole job (--split and --batch-size are in the errors).
     data = load_splits(cfg, tokenizer, Mesh.single(), need_valid=split == "valid", need_test=split == "test",
                        ways_out={})
-    chosen = eval_batches(data.test if split == "test" else data.valid, cfg, Mesh.single(), batches, ways_out={})
-    loss, tokens = evaluate(model, chosen, Mesh.single())
-    log(f"{split} loss {loss:.3f}, {split} ppl {math.exp(min(loss, 700.0)):.3f} ({tokens} tokens in "
-        f"{len(chosen)} batches of {cfg.train.batch_size}; {data_path})")
+    scored = data.test if split == "test" else data.valid
+    chosen = eval_batches(scored, cfg, Mesh.single(), batches, ways_out={})
+    size = cfg.train.batch_size
+    # Every example with --batches -1: the ones no full batch holds are scored as one smaller batch.
+    tail = tail_batch(scored, cfg, len(chosen)) if batches < 0 else []
+    loss, tokens = evaluate(model, chosen + tail, Mesh.single())
+    examples = len(chosen) * size + sum(int(b.tokens.shape[0]) for b in tail)
+    held = f"{examples} examples" if examples == len(scored) else f"{examples} of the split's {len(scored)} examples"
+    where = (f"{len(chosen)} batch{'es' if len(chosen) != 1 else ''} of {size}"
+             + (f" and 1 of {examples - len(chosen) * size}" if tail else ""))
+    log(f"{split} loss {loss:.3f}, {split} ppl {math.exp(min(loss, 700.0)):.3f} ({tokens} tokens of {held} in "
+        f"{where}; {data_path})")
     return loss, tokens

@@ -142,6 +142,11 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     # The config exactly as `meshtune train` reads it (the demo's with no -c, --model or --data).
     cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
                         reads_data=False)
+    if cfg.data.path:  # the same check, and the same error, as train's before its model loads
+        from ..data import check_source
+        from ..run_data import split_names
+
+        check_source(str(cfg.resolved_data_path()), split_names(cfg))
     ranks = ranks_in_hostfile(args.hostfile) if args.hostfile else args.ranks
     result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len)
     print(as_json(result) if args.json else table(result))

@@ -242,12 +242,16 @@ def _decode(raw: bytes, where: str, encoding: str) -> str:
 
 
 def _parse_line(line: str, where: str) -> Dict[str, Any]:
+    # Without its newline: a line cut short then fails where it ends, not at "line 2 column 1".
+    text = line.rstrip("\r\n")
     try:
-        row = json.loads(line)
+        row = json.loads(text)
     except json.JSONDecodeError as err:
+        cut = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
+        what = (f"the line ends at column {len(text)} inside the object: cut short?" if cut
+                else f"{err.msg} at column {err.colno}")
         raise ValueError(
-            f"{where}: invalid JSON ({err.msg} at column {err.colno}); write exactly "
-            "one JSON object per line"
+            f"{where}: invalid JSON ({what}); write exactly one JSON object per line"
         ) from None
     if not isinstance(row, dict):
         raise ValueError(

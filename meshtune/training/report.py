@@ -179,12 +179,16 @@ def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
     A run cut off (no end recorded) names the step its adapters and newest checkpoint hold, and the
     command that resumes it."""
     last = lambda points: f"{points[-1][1]:.4f}" if points else "none"  # noqa: E731
+    val = last(s.val)
+    if s.val and s.val[-1][0] != s.steps:  # e.g. a run stopped before its next eval: the step-0 loss is no result
+        at = s.val[-1][0]
+        val = f"{val} (at step {at}{', before training' if at == 0 else ''})"
     steps = f"{s.steps} steps" if s.status == "done" else f"step {s.steps} of {s.iters}"
     held = "" if s.status == "done" or s.checkpoint is None else f" (step {s.checkpoint})"
     written = f"adapters {adapters}{held}" if Path(adapters).exists() else "no adapters written yet"
     resume = f"; resume with {s.resume}" if s.status != "done" and s.checkpoint is not None else ""
     return (f"{s.status}: {steps}, {s.trained_tokens} tokens in {s.step_seconds:.1f} s "
-            f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {last(s.val)}; "
+            f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {val}; "
             f"{written}, report {Path(out) / REPORT_FILE}, plot {Path(out) / PLOT_FILE}{resume}")
 
 

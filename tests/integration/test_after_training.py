@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
         proc = run_cli("train", "--data", str(root / "chat"), "--iters", "4", "--fine-tune-type", kind,
                        "--learning-rate", "1e-3", "--train.val_batches", "1", "--adapter-path", str(out[kind]))
         assert proc.returncode == 0, proc.stderr[-3000:]
+        out[f"{kind}_stdout"] = proc.stdout
     return out
 
 
@@ -207,3 +208,40 @@ def test_gguf_for_a_family_mlx_lm_does_not_convert_is_one_line():
     assert gguf_refusal("qwen3") == ("--format gguf: mlx-lm writes GGUF for llama, mistral, mixtral models only and "
                                      "this is a qwen3 model; export --format hf and convert that folder with "
                                      "llama.cpp's convert_hf_to_gguf.py")
+
+
+def test_eval_scores_every_example_of_the_split_and_says_how(runs):
+    def scored(*flags: str) -> tuple[float, str]:
+        proc = run_cli("eval", "--adapter-path", str(runs["lora"]), *flags)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        head, _, how = proc.stdout.strip().partition(" (")
+        return float(head.split()[2].rstrip(",")), how
+
+    # 20 test rows: batches of 8 leave 4 over, scored as one more batch; batches of 4 leave none.
+    loss_8, how_8 = scored("--batch-size", "8")
+    loss_4, how_4 = scored("--batch-size", "4")
+    assert " of 20 examples in 2 batches of 8 and 1 of 4;" in how_8
+    assert " of 20 examples in 5 batches of 4;" in how_4
+    assert loss_8 == pytest.approx(loss_4, abs=1e-4)  # the same examples, token-weighted
+    _, how_1 = scored("--batch-size", "8", "--batches", "1")
+    assert " of 8 of the split's 20 examples in 1 batch of 8;" in how_1
+
+
+def test_a_run_without_num_layers_says_nothing_about_it(runs):
+    assert "num_layers" not in runs["lora_stdout"]
+
+
+def test_checkpoint_folders_take_the_umask_like_the_run_folder(runs):
+    import stat
+
+    run = runs["lora"]
+    mode = stat.S_IMODE(run.stat().st_mode)
+    folders = [p for p in (run / "checkpoints").iterdir()]
+    assert folders and {stat.S_IMODE(p.stat().st_mode) for p in folders} == {mode}
+    assert mode == 0o777 & ~_umask()
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
