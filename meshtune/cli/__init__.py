@@ -7,6 +7,7 @@
     meshtune plan --ranks 4 --memory-gb 64 [train's flags] [--json]   # memory per rank of each layout
     meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize] [--overwrite]
     meshtune generate -p TEXT [--adapter-path DIR] [--temp T --top-p P --min-p P --top-k K --seed S] [--verbose]
+    meshtune report --adapter-path DIR  # report.md, loss.png and the summary line from metrics.jsonl
     meshtune serve --adapter-path DIR [--port 8080]   # OpenAI-compatible chat/completions (mlx_lm.server's)
     meshtune export --format peft|hf|gguf --adapter-path DIR --save-path DIR
     meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run

@@ -1,4 +1,4 @@
-"""The `meshtune` subcommands (train, config, plan, demo, fuse, eval, bench) and the parser that routes to them.
+"""The `meshtune` subcommands (train, config, plan, demo, fuse, eval, report, bench) and the parser that routes to them.
 
 generate, serve and export, which use a finished run, are in inference_commands.py.
 
@@ -47,8 +47,9 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
         from ..demo import DEMO_CONFIG
 
         cfg = load_config(DEMO_CONFIG, overrides)
-        say(f"note: no --model/--data/-c given: the embedded tiny model on the arithmetic data, "
-            f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
+        if not cfg.output.resume:  # a --resume with nothing to resume is an error (the run's), not a demo
+            say(f"note: no --model/--data/-c given: the embedded tiny model on the arithmetic data, "
+                f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
     elif not cfg.data.path and reads_data:
         say("note: no --data given: training on the embedded arithmetic data; pass --data with a folder "
             "or a hub dataset id for your own")
@@ -203,6 +204,14 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    """report.md, loss.png and the summary line of a run from its metrics.jsonl (a killed run's too)."""
+    _no_extra(rest)
+    from ..training.report import main as report_main
+
+    return report_main([args.adapter_path])
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from ..bench import run_bench
 
@@ -300,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
     ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
     ev.set_defaults(func=cmd_eval)
+    rep = sub.add_parser("report", help="Write report.md and loss.png of a run from its metrics.jsonl, e.g. one "
+                                        "cut off by kill -9, and print its summary line.")
+    rep.add_argument("--adapter-path", default="adapters", help="The run's folder.")
+    rep.set_defaults(func=cmd_report)
     from .inference_commands import add_export, add_generate, add_serve
 
     add_generate(sub)

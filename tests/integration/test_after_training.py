@@ -245,3 +245,19 @@ def _umask() -> int:
     old = os.umask(0)
     os.umask(old)
     return old
+
+
+def test_report_remakes_a_run_s_report_from_its_metrics(runs, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["lora"], copy)
+    before = (copy / "report.md").read_text()
+    (copy / "report.md").unlink()
+    (copy / "loss.png").unlink()
+    proc = run_cli("report", "--adapter-path", str(copy))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("done: 4 steps, ") and (copy / "loss.png").exists()
+    assert (copy / "report.md").read_text() == before
+    missing = run_cli("report", "--adapter-path", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "no such folder; give the --adapter-path of a run" in missing.stderr

@@ -244,3 +244,13 @@ def test_accumulation_says_what_iters_counts_here_and_in_mlx_lm() -> None:
     said.clear()
     _train_config(_args(), ["--data", "d", "--iters", "30"], say=said.append)
     assert said == []
+
+
+def test_resume_of_an_empty_folder_says_nothing_about_the_demo(tmp_path) -> None:
+    from meshtune.cli.commands import _train_config
+
+    said: list[str] = []
+    cfg = _train_config(_args(resume=True), ["--adapter-path", str(tmp_path)], say=said.append)
+    assert cfg.output.resume and not any("demo" in line for line in said), said
+    _train_config(_args(), ["--adapter-path", str(tmp_path)], say=said.append)
+    assert any("the demo's settings" in line for line in said)
