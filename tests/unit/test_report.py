@@ -232,3 +232,16 @@ def test_a_run_stopped_before_its_next_eval_does_not_pass_the_step_0_loss_off_as
     (run / "metrics.jsonl").write_text("\n".join(kept) + "\n")
     line = summary_line(write_report(run), run, run / "adapters.safetensors")
     assert "; final train loss 1.1250, val loss 4.0000 (at step 0, before training); " in line
+
+
+def test_a_run_resumed_on_fewer_ranks_reports_the_ranks_it_ended_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _fake_run(run, ranks=2)
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # the reports after step 4 came from one rank
+        if r["type"] == "train" and r["step"] > 4:
+            r["peak_memory_gb_per_rank"] = r["peak_memory_gb_per_rank"][:1]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_report(run)
+    assert summary.ranks == 1
+    assert _row((run / REPORT_FILE).read_text(), "layout") == "1 rank: dp 1, pp 1 (resumed; 2 ranks up to step 4)"
