@@ -47,6 +47,7 @@ class ServeSettings:
     system_prompt: str | None = None
     """Put before chats that bring no system message; None: none."""
     host: str = "127.0.0.1"
+    """The address to listen on."""
     port: int = 8080
     """0 picks a free port (the start line says which)."""
     max_request_bytes: int = 1 << 20
@@ -54,14 +55,23 @@ class ServeSettings:
     max_tokens_limit: int = 4096
     """Largest max_tokens a request may ask for (400 above it)."""
     max_tokens: int = 512
+    """max_tokens of a request that gives none."""
     temp: float = 0.0
+    """Sampling temperature of a request that gives none (0: greedy)."""
     top_p: float = 1.0
+    """top_p of a request that gives none (1: off)."""
     top_k: int = 0
+    """top_k of a request that gives none (0: off)."""
     min_p: float = 0.0
+    """min_p of a request that gives none (0: off)."""
     decode_concurrency: int = 32
+    """Requests decoded together (mlx_lm.server's batching)."""
     prompt_concurrency: int = 8
+    """Prompts prefilled together."""
     prefill_step_size: int = 2048
+    """Prompt tokens per prefill step."""
     prompt_cache_size: int = 10
+    """Distinct KV caches kept for reuse across requests."""
 
     def check(self) -> None:
         """One line naming the first setting out of range and its flag."""
