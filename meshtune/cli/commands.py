@@ -149,7 +149,12 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 
         check_source(str(cfg.resolved_data_path()), split_names(cfg))
     ranks = ranks_in_hostfile(args.hostfile) if args.hostfile else args.ranks
-    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len)
+    seq_len, seq_len_from = args.seq_len, None
+    if cfg.data.path and seq_len is None and not cfg.data.pack:  # the lengths the data has, as train reads it
+        from ..plan.data_lengths import data_row_length
+
+        seq_len, seq_len_from = data_row_length(cfg)
+    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=seq_len, seq_len_from=seq_len_from)
     print(as_json(result) if args.json else table(result))
     return 0
 
@@ -278,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Memory per rank, bubble and traffic of each layout; which fits.",
                           epilog=every_option, formatter_class=argparse.RawDescriptionHelpFormatter,
                           description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
-                                      "value); reads only config.json and safetensors headers.")
+                                      "value); reads config.json and safetensors headers, no weights, and with "
+                                      "--data the train split, tokenized as train reads it.")
     plan.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
     ranks = plan.add_mutually_exclusive_group()
     ranks.add_argument("--ranks", type=int, default=1, help="Ranks to plan for (default 1).")
@@ -287,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--link", default="10gbit", help="Link bandwidth between ranks: 1gbit, 10gbit, 100mbit, "
                                                        "5GB/s ... (default 10gbit).")
     plan.add_argument("--seq-len", type=int, default=None,
-                      help="Tokens per example after padding (default data.max_seq_length, the worst case).")
+                      help="Tokens per example after padding (default: with --data, the widest batch the data "
+                           "makes; else data.max_seq_length, the worst case).")
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
     plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")
