@@ -22,7 +22,7 @@ def test_plan_with_data_takes_the_longest_example_padded(tmp_path):
     cfg = Config.from_dict({"data": {"path": str(ARITH_DATA), "max_seq_length": 2048}})
     width, why = data_row_length(cfg)
     assert width == padded_width(longest, pad_to=cfg.data.pad_to, max_seq_length=2048) < 2048
-    assert why.startswith(f"the widest batch of {ARITH_DATA}: its longest of 2000 examples, {longest} tokens, padded")
+    assert why == f"--data: the longest of 2000 examples, {longest} tokens, padded"
     planned = plan(cfg, 1, 16.0, "10gbit", seq_len=width, seq_len_from=why)
     worst = plan(cfg, 1, 16.0, "10gbit")
     assert (planned["seq_len"], planned["seq_len_from"]) == (width, why)
