@@ -89,9 +89,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
             "(MLX has no fused attention backward on this device; memory linear in the row)")
     a = cfg.adapter
     blocks = block_count(model)
-    # As --num-layers -1; mlx-lm refuses, but the intent is plain. Said only when the user set it: the
-    # default (16, mlx-lm's) adapting all of a smaller model needs no word.
-    if a.num_layers > blocks and "adapter.num_layers" in cfg.origins:
+    # As --num-layers -1; mlx-lm refuses, but the intent is plain. Said only when the user set it (the
+    # default, 16 as mlx-lm's, adapting all of a smaller model needs no word), and once: not on --resume.
+    if a.num_layers > blocks and "adapter.num_layers" in cfg.origins and not cfg.output.resume:
         say(f"note: adapter.num_layers {a.num_layers} (--num-layers) is more than the model's {blocks} blocks: "
             f"adapting all {blocks}")
     ad.set_base_path(a.base_path)
