@@ -5,13 +5,14 @@ One random model of the preset's shape (bench/models.py), written as a model fol
 layer with trained-looking factors (perturb_adapters), saved in mlx-lm's layout so both
 servers load the same files. Each server runs in this process on a free localhost port, one at
 a time: meshtune's (meshtune.serve: its own adapter loading, DoRA's folded inference path) and
-stock's (mlx_lm.server's ModelProvider, which loads adapters with mlx-lm's own classes). Each
-request streams a chat completion of --tokens tokens with end-of-sequence banned (logit_bias),
-so every request decodes the same count; decode tokens/s is (tokens - 1) over the seconds from
-the first streamed token to the last, the median of --requests requests after one warm-up.
-Prompts differ per request, so no request reads another's prompt cache.
+stock's (mlx_lm.server's ModelProvider, which loads adapters with mlx-lm's own classes). A
+measurement is two chat completions with end-of-sequence banned (logit_bias), so each decodes
+exactly its max_tokens: one of 1 token and one of --tokens tokens, on prompts as long as each
+other that differ, so no request reads another's prompt cache; decode tokens/s is (tokens - 1)
+over the difference of their seconds, the median of --requests measurements after one warm-up.
+(The random model's ids mostly decode to no text, so counting streamed chunks would miss tokens.)
 
-    meshtune bench serve                         # the preset that fits; 4-bit and dense bases
+    meshtune bench serve                         # 1b on a GPU, small on a CPU; 4-bit and dense bases
     meshtune bench serve --preset tiny --json    # seconds on a CPU; what the test runs
 """
 
@@ -48,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                         "small on a CPU.")
     p.add_argument("--bases", nargs="+", choices=BASES, default=list(BASES), help="Base storage: 4bit, dense.")
     p.add_argument("--tokens", type=at_least(2), default=64, help="Tokens each request decodes (default 64).")
-    p.add_argument("--requests", type=COUNT, default=3, help="Timed requests per server (default 3), after one "
-                                                            "warm-up.")
+    p.add_argument("--requests", type=COUNT, default=3, help="Measurements per server (default 3), after one "
+                                                            "warm-up; each is two requests.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     return p
 
@@ -110,29 +111,27 @@ def _ours(model_dir: Path, adapters: Path) -> tuple[ThreadingHTTPServer, Any]:
     return start_server(serve_settings_for_run(str(model_dir), str(adapters), None, port=0))
 
 
-def decode_rate(port: int, prompt: str, tokens: int, eos: list[int]) -> float:
-    """Decode tokens/s of one streamed chat completion of exactly `tokens` tokens."""
+def _timed_completion(port: int, prompt: str, tokens: int, eos: list[int]) -> float:
+    """Seconds for one chat completion that decodes exactly `tokens` tokens (end-of-sequence banned)."""
     body = {"model": "default_model", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-            "stream": True, "stream_options": {"include_usage": True},
             "logit_bias": {str(t): -1e9 for t in eos}}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    first = last = None
-    count = None
+    began = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                count = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-    if count != tokens or first is None or last <= first:
-        raise RuntimeError(f"a request decoded {count} tokens, not {tokens}; the rate would not compare")
-    return (count - 1) / (last - first)
+        count = json.loads(response.read())["usage"]["completion_tokens"]
+    seconds = time.perf_counter() - began
+    if count != tokens:
+        raise RuntimeError(f"a request decoded {count} tokens, not {tokens}; the rates would not compare")
+    return seconds
+
+
+def decode_rate(port: int, round_: int, tokens: int, eos: list[int]) -> float:
+    """Decode tokens/s: a request of `tokens` tokens against one of 1 token, whose prompts are as long and
+    differ (no prompt cache reuse), so the difference is the decoding of tokens - 1 tokens."""
+    one = _timed_completion(port, f"round {round_} a: tell a long story", 1, eos)
+    many = _timed_completion(port, f"round {round_} b: tell a long story", tokens, eos)
+    return (tokens - 1) / max(many - one, 1e-9)
 
 
 def measure(start: Any, model_dir: Path, adapters: Path, a: argparse.Namespace, eos: list[int]) -> float:
@@ -142,9 +141,8 @@ def measure(start: Any, model_dir: Path, adapters: Path, a: argparse.Namespace, 
     thread.start()
     try:
         port = server.server_address[1]
-        decode_rate(port, "warm up the server", a.tokens, eos)
-        return statistics.median(decode_rate(port, f"request {i}: tell a long story", a.tokens, eos)
-                                 for i in range(a.requests))
+        decode_rate(port, 0, a.tokens, eos)  # warm-up
+        return statistics.median(decode_rate(port, i + 1, a.tokens, eos) for i in range(a.requests))
     finally:
         server.shutdown()
         server.server_close()
