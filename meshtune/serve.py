@@ -8,7 +8,8 @@ inference path (adapters/dora.py). `BoundedHandler` checks each request before m
 it: a body over `max_request_bytes` is 413, a malformed chat or a `max_tokens` over the cap is
 400, a request for another model or for other adapters is 404 (mlx-lm's server would load
 whatever path a request names), each with a JSON `error` that says what to change. A chat
-without a system message gets the one the run trained with (prompt_format.py).
+without a system message gets the one the run trained with (prompt_format.py); /v1/models lists
+the one served model by the name requests use.
 """
 
 from __future__ import annotations
@@ -202,6 +203,15 @@ def bounded_handler(settings: ServeSettings) -> type:
             self.headers["Content-Length"] = str(len(raw))
             self.rfile = io.BytesIO(raw)
             return super().do_POST()
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if not self.path.startswith("/v1/models"):
+                return super().do_GET()  # /health, or mlx-lm's 404
+            # The one model served, by the name requests use (mlx-lm lists its hub cache's models instead).
+            self._set_completion_headers(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"object": "list", "data": [
+                {"id": settings.model_name, "object": "model", "created": self.created}]}).encode())
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
             pass  # one line per request would drown the start line; errors still reach the client

@@ -139,6 +139,8 @@ def test_serve_answers_a_chat_completion_as_generate_does(server, runs):
     status, text = _post(port, "/v1/completions", json.dumps({"model": "dora", "prompt": "What is",
                                                               "max_tokens": 3}).encode())
     assert status == 200 and text["object"] == "text_completion"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+        assert [m["id"] for m in json.loads(response.read())["data"]] == ["dora"]
 
 
 @pytest.mark.parametrize("body, status, error", [
