@@ -51,6 +51,7 @@ from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
+from .prompt_format import recorded_prompt_format
 from .preflight import (check_before_load, check_output_folder, check_plan_fits, fitting_advice, init_file,
                         no_checkpoint, on_writer)
 
@@ -88,7 +89,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
             "(MLX has no fused attention backward on this device; memory linear in the row)")
     a = cfg.adapter
     blocks = block_count(model)
-    if a.num_layers > blocks:  # as --num-layers -1; mlx-lm refuses, but the intent is plain
+    # As --num-layers -1; mlx-lm refuses, but the intent is plain. Said only when the user set it (the
+    # default, 16 as mlx-lm's, adapting all of a smaller model needs no word), and once: not on --resume.
+    if a.num_layers > blocks and "adapter.num_layers" in cfg.origins and not cfg.output.resume:
         say(f"note: adapter.num_layers {a.num_layers} (--num-layers) is more than the model's {blocks} blocks: "
             f"adapting all {blocks}")
     ad.set_base_path(a.base_path)
@@ -196,8 +199,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             for kept_file in out.glob(base_path.run_file("*")):
                 kept_file.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        # generate reads data_format to choose the chat template or a raw prompt (cli/commands.py).
-        extra = {"meshtune": resolved, "data_format": data.train.format}
+        # generate and serve frame prompts as the run trained (prompt_format.py).
+        extra = {"meshtune": resolved, **recorded_prompt_format(data.train)}
         atomic_write_text(out / ad.CONFIG_FILE, json.dumps(
             ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, extra=extra, model=model),
             indent=2))

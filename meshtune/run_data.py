@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from .config import Config
 from .data import BatchIterator, Features, load_datasets
 from .parallel.mesh import Mesh
@@ -47,6 +49,23 @@ def eval_batches(dataset: Any, cfg: Config, mesh: Mesh, limit: int, ways_out: di
                        way_out=ways_out.get(dataset.name, ""))
     batches = list(it)
     return batches if limit < 0 else batches[:limit]
+
+
+def tail_batch(dataset: Any, cfg: Config, full: int) -> list[Any]:
+    """The batch of the examples `full` complete batches leave out (the longest: batches take the shortest
+    first), as one smaller batch; empty when none are left. Scoring a whole split needs them (meshtune eval)."""
+    from .data import TokenizedDataset
+
+    per_batch = cfg.train.batch_size
+    order = np.argsort(dataset.lengths, kind="stable")  # as BatchIterator sorts, so the same ones are left
+    rest = order[full * per_batch:]
+    if len(rest) == 0:
+        return []
+    left = TokenizedDataset.from_examples(dataset.name, (dataset[int(i)] for i in rest), path=dataset.path,
+                                          format=dataset.format)
+    return list(BatchIterator(left, batch_size=len(rest), max_seq_length=cfg.data.max_seq_length,
+                              pad_to=cfg.data.pad_to, seed=cfg.train.seed, loop=False, shuffle=False,
+                              warn=lambda m: None))  # the full batches warned about truncation already
 
 
 def warner(mesh: Mesh) -> Callable[[str], None]:

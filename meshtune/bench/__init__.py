@@ -36,6 +36,9 @@ batch and adapters: tokens/s, peak memory and useful TFLOP/s against each one's 
 `meshtune bench long-rows`: `meshtune train` with gradient checkpointing on rows of thousands of
 tokens at batch 1 beside PyTorch + PEFT: tokens/s and peak memory per row length.
 
+`meshtune bench serve`: decode tokens/s of `meshtune serve` beside `mlx_lm.server` on the same
+LoRA and DoRA adapters, over a dense and a 4-bit base.
+
 `meshtune bench startup`: seconds from process start to the first optimizer step of
 `meshtune train`, per phase, with a cold and a warm MLX CUDA kernel cache (MLX_PTX_CACHE_DIR).
 """
@@ -50,7 +53,8 @@ from pathlib import Path
 # Suite name -> module of this package whose main(argv) runs it.
 SUITES = {"peer": "peer", "adapters": "adapters", "scaling": "scaling", "pipeline": "pipeline",
           "badinput": "bad_input", "faults": "faults", "soak": "soak", "packing": "packing",
-          "plan": "plan", "torch": "torch_peer", "startup": "startup", "long-rows": "long_rows"}
+          "plan": "plan", "torch": "torch_peer", "startup": "startup", "long-rows": "long_rows",
+          "serve": "serve_peer"}
 
 
 def run_bench(suite: str | None, args: list[str]) -> int:

@@ -1,4 +1,6 @@
-"""The `meshtune` subcommands (train, config, plan, demo, fuse, generate, eval, bench) and the parser that routes to them.
+"""The `meshtune` subcommands (train, config, plan, demo, fuse, eval, report, bench) and the parser that routes to them.
+
+generate, serve and export, which use a finished run, are in inference_commands.py.
 
 Each command is a thin call into the Python API (meshtune.api, meshtune.demo,
 meshtune.bench); `meshtune launch` has its own parser (meshtune.cli.launch), which
@@ -45,8 +47,9 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
         from ..demo import DEMO_CONFIG
 
         cfg = load_config(DEMO_CONFIG, overrides)
-        say(f"note: no --model/--data/-c given: the embedded tiny model on the arithmetic data, "
-            f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
+        if not cfg.output.resume:  # a --resume with nothing to resume is an error (the run's), not a demo
+            say(f"note: no --model/--data/-c given: the embedded tiny model on the arithmetic data, "
+                f"with the demo's settings ({Path(DEMO_CONFIG).relative_to(Path(DEMO_CONFIG).parents[2])})")
     elif not cfg.data.path and reads_data:
         say("note: no --data given: training on the embedded arithmetic data; pass --data with a folder "
             "or a hub dataset id for your own")
@@ -140,10 +143,20 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     # The config exactly as `meshtune train` reads it (the demo's with no -c, --model or --data).
     cfg = _train_config(args, rest, say=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
                         reads_data=False)
+    if cfg.data.path:  # the same check, and the same error, as train's before its model loads
+        from ..data import check_source
+        from ..run_data import split_names
+
+        check_source(str(cfg.resolved_data_path()), split_names(cfg))
     hostfile = read_hostfile(Path(args.hostfile)) if args.hostfile else None
     ranks = len(hostfile.hosts) if hostfile else args.ranks
     links = args.links if args.links is not None else hostfile.links if hostfile else 1
-    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=args.seq_len, links=links)
+    seq_len, seq_len_from = args.seq_len, None
+    if cfg.data.path and seq_len is None and not cfg.data.pack:  # the lengths the data has, as train reads it
+        from ..plan.data_lengths import data_row_length
+
+        seq_len, seq_len_from = data_row_length(cfg)
+    result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=seq_len, seq_len_from=seq_len_from, links=links)
     print(as_json(result) if args.json else table(result))
     return 0
 
@@ -161,22 +174,6 @@ def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
     _check_adapter_folder(args.adapter_path)
     model = args.model or _model_from_adapters(args.adapter_path, "")
     fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize, overwrite=args.overwrite)
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
-    _no_extra(rest)
-    from ..inference import complete, load_for_inference
-
-    if args.adapter_path:
-        _check_adapter_folder(args.adapter_path)
-    alone = " (generate also runs the base alone: --model without --adapter-path)"
-    model_path = args.model or (_model_from_adapters(args.adapter_path, alone) if args.adapter_path
-                                else _default_model())
-    model, tokenizer = load_for_inference(model_path, args.adapter_path)
-    chat, why = _chat_or_raw(args, bool(getattr(tokenizer, "chat_template", None)))
-    print(f"generate: {'chat template' if chat else 'raw prompt'} ({why})", file=sys.stderr, flush=True)
-    print(complete(model, tokenizer, args.prompt, max_tokens=args.max_tokens, chat=chat))
     return 0
 
 
@@ -201,34 +198,6 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _chat_or_raw(args: argparse.Namespace, has_template: bool) -> tuple[bool, str]:
-    """Whether the prompt goes through the chat template, and why, in a few words.
-
-    The template only when the tokenizer has one and the adapters were trained on chat
-    or prompt/completion data (the format train recorded in adapter_config.json): a
-    model trained on plain text continues a raw prompt. --raw / --chat force either.
-    """
-    if args.raw:
-        return False, "--raw"
-    if args.chat:
-        if not has_template:
-            raise ValueError("--chat: the tokenizer has no chat template; drop --chat to send the prompt as is")
-        return True, "--chat"
-    if not has_template:
-        return False, "the tokenizer has no chat template"
-    if not args.adapter_path:
-        return True, "the tokenizer has one; --raw sends the prompt as is"
-    import json
-
-    config = Path(args.adapter_path) / "adapter_config.json"
-    fmt = json.loads(config.read_text()).get("data_format") if config.exists() else None
-    if fmt == "text":
-        return False, "the adapters were trained on text data; --chat forces the template"
-    if fmt in ("chat", "completions"):
-        return True, f"the adapters were trained on {fmt} data; --raw sends the prompt as is"
-    return True, "the tokenizer has one and the adapters record no data format; --raw sends the prompt as is"
-
-
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     """Print the config `meshtune train` would run with these arguments, as YAML that -c reads back."""
     from ..config.show import config_yaml
@@ -240,6 +209,14 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     tracker_names(cfg.output.report_to)  # the names; whether their libraries import is the run's machine's
     print(config_yaml(cfg), end="")
     return 0
+
+
+def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    """report.md, loss.png and the summary line of a run from its metrics.jsonl (a killed run's too)."""
+    _no_extra(rest)
+    from ..training.report import main as report_main
+
+    return report_main([args.adapter_path])
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -308,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Memory per rank, bubble and traffic of each layout; which fits.",
                           epilog=every_option, formatter_class=argparse.RawDescriptionHelpFormatter,
                           description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
-                                      "value); reads only config.json and safetensors headers.")
+                                      "value); reads config.json and safetensors headers, no weights, and with "
+                                      "--data the train split, tokenized as train reads it.")
     plan.add_argument("-c", "--config", help="YAML config (meshtune sections or an mlx-lm lora config).")
     ranks = plan.add_mutually_exclusive_group()
     ranks.add_argument("--ranks", type=int, default=1, help="Ranks to plan for (default 1).")
@@ -320,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Links (cables) each rank has; MLX's ring stripes over them (default: the addresses "
                            "each --hostfile host lists, else 1).")
     plan.add_argument("--seq-len", type=int, default=None,
-                      help="Tokens per example after padding (default data.max_seq_length, the worst case).")
+                      help="Tokens per example after padding (default: with --data, the widest batch the data "
+                           "makes; else data.max_seq_length, the worst case).")
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
     plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")
@@ -342,17 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
     ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
     ev.set_defaults(func=cmd_eval)
-    gen = sub.add_parser("generate", help="Greedy completion of a prompt.")
-    gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
-    gen.add_argument("--adapter-path", help="Adapters to apply.")
-    gen.add_argument("--prompt", required=True, help="The user message.")
-    gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most.")
-    form = gen.add_mutually_exclusive_group()
-    form.add_argument("--raw", action="store_true", help="Send the prompt as is, without the chat template.")
-    form.add_argument("--chat", action="store_true", help="Send the prompt through the tokenizer's chat template "
-                                                          "(default: when the adapters were trained on chat or "
-                                                          "prompt/completion data).")
-    gen.set_defaults(func=cmd_generate)
+    rep = sub.add_parser("report", help="Write report.md and loss.png of a run from its metrics.jsonl, e.g. one "
+                                        "cut off by kill -9, and print its summary line.")
+    rep.add_argument("--adapter-path", default="adapters", help="The run's folder.")
+    rep.set_defaults(func=cmd_report)
+    from .inference_commands import add_export, add_generate, add_serve
+
+    add_generate(sub)
+    add_serve(sub)
+    add_export(sub)
     sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
     from ..bench import SUITES  # names only: no MLX import before the BLAS choice
 

@@ -54,6 +54,10 @@ class TruncationWarning(UserWarning):
     """Some examples of a split are longer than ``max_seq_length``."""
 
 
+class LongRowsWarning(UserWarning):
+    """data.pack's rows are far longer than the examples (LONG_ROW_FACTOR): they train slower than short rows."""
+
+
 # Widening a batch for inputs_multiple_of costs its padding columns in every layer, so it is done
 # only where they are at most this fraction of the inputs: 1023 -> 1024 or 992 -> 1024, not 96 -> 128.
 MAX_WIDENING = 1 / 16
@@ -76,6 +80,30 @@ def padded_width(max_len: int, *, pad_to: int, max_seq_length: int,
         if wider - width <= MAX_WIDENING * (width - 1) and wider - 1 <= max_seq_length:
             width = wider
     return width
+
+
+# A packed row this many times longer than the longest example is said to cost speed: `bench packing`
+# gains 1.11x per target token with rows of 11x the longest arithmetic example (docs/performance.md),
+# while 2,048-token rows of ~70-token chats (29x) ran 250x slower than unpacked batches.
+LONG_ROW_FACTOR = 16
+SUGGESTED_ROW_FACTOR = 8
+
+
+def _warn_long_rows(dataset: TokenizedDataset, max_seq_length: int, pad_to: int,
+                    warn: Optional[Callable[[str], None]]) -> None:
+    """One warning when data.pack's rows are far longer than the examples, with the length to give."""
+    longest = int(dataset.lengths.max(initial=0))
+    if longest == 0 or max_seq_length <= LONG_ROW_FACTOR * longest:
+        return
+    suggest = pad_to * -(-SUGGESTED_ROW_FACTOR * longest // pad_to)
+    message = (f"{dataset.name}: data.pack fills rows of max_seq_length={max_seq_length} tokens with examples of "
+               f"at most {longest}; attention over a packed row costs more per token the longer the row, so "
+               f"these rows train slower than short ones: give --max-seq-length {suggest} "
+               f"({SUGGESTED_ROW_FACTOR} of the longest example a row)")
+    if warn is None:
+        warnings.warn(message, LongRowsWarning, stacklevel=3)
+    else:
+        warn(message)
 
 
 class BatchIterator:
@@ -112,6 +140,7 @@ class BatchIterator:
         # The unit a batch is made of: an example, or a packed row of examples (data.pack).
         self.rows = pack_rows(dataset.lengths, max_seq_length) if pack else None
         if self.rows is not None:
+            _warn_long_rows(dataset, max_seq_length, pad_to, warn)
             fill = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
             self._slots = max(len(r) for r in self.rows)
             unit_lengths = -fill  # fullest rows first: the dropped tail is the emptiest rows

@@ -25,6 +25,8 @@ class TokenizedDataset:
     (0 when the prompt is not masked).  ``format`` is "text", "completions",
     "chat" or "tokens" (built directly from token lists).  ``skipped`` lists the
     ``(line, why)`` of rows left out because they had nothing to learn (``data.skip_empty``).
+    ``system_prompt`` is the system message every chat row opens with, when they share one
+    (generate and serve put it before a user's message, as the model was trained).
     """
 
     name: str
@@ -35,6 +37,7 @@ class TokenizedDataset:
     lengths: np.ndarray  # int32, token count of each example
     offsets: np.ndarray  # int32, prompt-mask offset of each example
     skipped: Tuple[Tuple[int, str], ...] = ()
+    system_prompt: Optional[str] = None
 
     def __post_init__(self) -> None:
         n = self.lengths.shape[0]
@@ -54,6 +57,7 @@ class TokenizedDataset:
         path: Optional[Path] = None,
         format: str = "tokens",
         skipped: Iterable[Tuple[int, str]] = (),
+        system_prompt: Optional[str] = None,
     ) -> "TokenizedDataset":
         """Pack ``(tokens, offset)`` pairs into one compact dataset."""
         arrays = []
@@ -75,6 +79,7 @@ class TokenizedDataset:
             lengths=lengths,
             offsets=np.asarray(offsets, dtype=np.int32).reshape(-1),
             skipped=tuple((int(line), str(why)) for line, why in skipped),
+            system_prompt=system_prompt,
         )
 
     def __len__(self) -> int:

@@ -219,6 +219,12 @@ def tokenize_row(
     else:
         raise ValueError(f"{where}: unknown format {fmt!r}; use text, completions or chat")
 
+    if mask_prompt and fmt == CHAT and not any(m.get("role") == "assistant" for m in messages):
+        # mlx-lm masks every message but the last; with no reply that is the user's own text
+        # (or, for a single message, nothing the template can render).
+        raise EmptyExample(where, f"with mask_prompt the loss is on the assistant's reply, and the "
+                                  f"{len(messages)} message(s) of {features.chat_feature!r} hold none",
+                           "add the assistant's reply as the last message, set --data.mask_prompt false")
     full = _apply_template(tokenizer, messages, tools, False, where)
     if not mask_prompt:
         return full, 0
@@ -236,12 +242,16 @@ def _decode(raw: bytes, where: str, encoding: str) -> str:
 
 
 def _parse_line(line: str, where: str) -> Dict[str, Any]:
+    # Without its newline: a line cut short then fails where it ends, not at "line 2 column 1".
+    text = line.rstrip("\r\n")
     try:
-        row = json.loads(line)
+        row = json.loads(text)
     except json.JSONDecodeError as err:
+        cut = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string")
+        what = (f"the line ends at column {len(text)} inside the object: cut short?" if cut
+                else f"{err.msg} at column {err.colno}")
         raise ValueError(
-            f"{where}: invalid JSON ({err.msg} at column {err.colno}); write exactly "
-            "one JSON object per line"
+            f"{where}: invalid JSON ({what}); write exactly one JSON object per line"
         ) from None
     if not isinstance(row, dict):
         raise ValueError(
@@ -357,6 +367,7 @@ def tokenize_rows(
     arrays: List[np.ndarray] = []
     offsets: List[int] = []
     skipped: List[Tuple[int, str]] = []
+    system_prompts: set = set()  # of the rows kept; None for a row without one
     for lineno, row in rows:
         where = source.place(lineno)
         if fmt is None:
@@ -399,6 +410,7 @@ def tokenize_rows(
             continue
         arrays.append(np.asarray(ids, dtype=np.int32))
         offsets.append(offset)
+        system_prompts.add(_system_prompt(row, fmt, features))
     if fmt is None:
         fix = "add one JSON object per line or remove the file" if source.unit == "line" else "choose another split"
         raise EmptySplit(f"{source.label}: {source.container} is empty", fix)
@@ -408,6 +420,16 @@ def tokenize_rows(
             f"{source.label}: all {len(skipped)} examples have nothing to learn ({source.unit} {line}: {why}); "
             "data.skip_empty leaves none, so fix the data"
         )
+    shared = next(iter(system_prompts)) if len(system_prompts) == 1 else None
     return TokenizedDataset.from_examples(
-        name, zip(arrays, offsets), path=path, format=fmt, skipped=skipped
+        name, zip(arrays, offsets), path=path, format=fmt, skipped=skipped, system_prompt=shared
     )
+
+
+def _system_prompt(row: Dict[str, Any], fmt: str, features: Features) -> Optional[str]:
+    """The text of a chat row's opening system message, or None."""
+    messages = row.get(features.chat_feature) if fmt == CHAT else None
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and first.get("role") == "system" and isinstance(first.get("content"), str):
+        return first["content"]
+    return None

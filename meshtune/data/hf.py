@@ -69,6 +69,10 @@ def open_source(source: str) -> Dict[str, Any]:
     if folder.is_dir() and is_saved_dataset(folder):
         loaded = datasets.load_from_disk(str(folder))
         return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+    if folder.is_file() and folder.suffix == ".parquet":  # one file: the train split (sources.is_parquet_file)
+        import pyarrow.parquet as pq
+
+        return {"train": datasets.Dataset(pq.read_table(str(folder)))}
     if folder.is_dir():
         import pyarrow as pa
         import pyarrow.parquet as pq

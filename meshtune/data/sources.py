@@ -18,7 +18,7 @@ from .dataset import Datasets
 from .formats import EmptySplit, Features, load_split
 
 FORMS = ("a folder holding train.jsonl and valid.jsonl (or train/valid .parquet files, or a dataset saved with "
-         "save_to_disk), or a hub dataset id like org/name")
+         "save_to_disk), a .parquet file, or a hub dataset id like org/name")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -33,10 +33,28 @@ def check_source(source: str, splits: dict[str, str] | None = None) -> None:
     path = Path(source).expanduser()
     if path.is_dir() and not (hf.is_saved_dataset(path) or hf.parquet_splits(path)):
         _no_split_specs(path, {k: v for k, v in (splits or {}).items() if v})
-    if path.is_dir() or is_hub_id(source):
+        _no_unnamed_parquet(path)
+    if path.is_dir() or is_hub_id(source) or is_parquet_file(path):
         return
     what = "is a file, not a folder" if path.exists() else "no such folder"
     raise ValueError(f"data.path={source}: {what}; point --data at {FORMS}")
+
+
+def is_parquet_file(path: Path) -> bool:
+    """A single parquet file: read as the train split (valid and test sliced from it with data.*_split)."""
+    return path.is_file() and path.suffix == ".parquet"
+
+
+def _no_unnamed_parquet(folder: Path) -> None:
+    """A folder read as jsonl that holds parquet files named for no split: say so before the model loads."""
+    if (folder / "train.jsonl").exists():
+        return
+    files = sorted(p.name for p in folder.glob("*.parquet"))
+    if files:
+        raise ValueError(f"data.path={folder}: {', '.join(files[:3])} names no split and there is no train.jsonl; "
+                         "name the files train.parquet and valid.parquet (or put them in train/ and valid/), or "
+                         f"give one file as --data {folder / files[0]} and slice its splits with "
+                         "--data.valid_split 'train[-10%:]'")
 
 
 def _no_split_specs(folder: Path, specs: dict[str, str]) -> None:
@@ -75,7 +93,8 @@ def load_datasets(
     specs = {k: v for k, v in (splits or {}).items() if v}
     text = str(source)
     folder = Path(text).expanduser()
-    if folder.is_dir() and (hf.is_saved_dataset(folder) or hf.parquet_splits(folder)) or is_hub_id(text):
+    if (folder.is_dir() and (hf.is_saved_dataset(folder) or hf.parquet_splits(folder)) or is_hub_id(text)
+            or is_parquet_file(folder)):
         loaded = hf.load_roles(text, tokenizer, needed, specs, ways_out or {}, **options)
         return Datasets(loaded.get("train"), loaded.get("valid"), loaded.get("test"))
     if not folder.is_dir():

@@ -33,7 +33,7 @@ import numpy as np
 from .dataset import TokenizedDataset
 
 CACHE_ENV = "MESHTUNE_CACHE_DIR"
-VERSION = b"meshtune-tokens-2"  # 2: entries hold the rows data.skip_empty left out
+VERSION = b"meshtune-tokens-3"  # 2: entries hold the rows data.skip_empty left out; 3: the shared system prompt
 # Keys of the tokenizer's init_kwargs that name where it was read from, not what it does.
 _PLACE_KEYS = {"name_or_path", "vocab_file", "tokenizer_file", "is_local", "local_files_only", "_commit_hash"}
 
@@ -109,7 +109,8 @@ def _read(entry: Path, name: str, path: Optional[Path]) -> Optional[TokenizedDat
             skipped = tuple(zip(saved["skipped_lines"].tolist(), saved["skipped_why"].tolist()))
             return TokenizedDataset(name=name, path=path, format=str(saved["format"]), tokens=saved["tokens"],
                                     starts=saved["starts"], lengths=saved["lengths"], offsets=saved["offsets"],
-                                    skipped=skipped)
+                                    skipped=skipped, system_prompt=str(saved["system_prompt"][0])
+                                    if saved["system_prompt"].size else None)
     except Exception:  # missing, partial or foreign: tokenize again
         return None
 
@@ -123,7 +124,9 @@ def _write(entry: Path, data: TokenizedDataset) -> None:
                 lines = np.array([line for line, _ in data.skipped], dtype=np.int64)
                 whys = np.array([why for _, why in data.skipped], dtype=np.str_)
                 np.savez(fid, format=np.array(data.format), tokens=data.tokens, starts=data.starts,
-                         lengths=data.lengths, offsets=data.offsets, skipped_lines=lines, skipped_why=whys)
+                         lengths=data.lengths, offsets=data.offsets, skipped_lines=lines, skipped_why=whys,
+                         system_prompt=np.array([] if data.system_prompt is None else [data.system_prompt],
+                                                dtype=np.str_))
             os.replace(tmp, entry)
         finally:
             if os.path.exists(tmp):

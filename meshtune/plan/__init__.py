@@ -19,14 +19,15 @@ __all__ = ["parse_link", "plan"]
 
 
 def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None = None,
-         nvidia: bool | None = None, links: int = 1) -> dict[str, Any]:
+         nvidia: bool | None = None, links: int = 1, seq_len_from: str | None = None) -> dict[str, Any]:
     """Every candidate layout of `cfg` on `ranks` ranks with `memory_gb` each, and the recommended one.
 
     `link` is one link's rate and `links` how many each rank has (a hostfile's addresses per host): MLX's
     ring stripes every all-reduce across them, so a rank sends at `links` times the rate.
 
     `nvidia`: the ranks are NVIDIA GPUs, whose attention has a fused backward in bfloat16 and float16;
-    None: as this machine is (its CUDA driver asked, no MLX)."""
+    None: as this machine is (its CUDA driver asked, no MLX). `seq_len_from`: where a `seq_len` the caller
+    worked out comes from (plan/data_lengths.py), in words; None: the --seq-len flag."""
     if ranks < 1:
         raise ValueError(f"--ranks {ranks}: give at least 1 rank")
     if not memory_gb > 0:
@@ -64,12 +65,13 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         else:
             row["fits"] = False
         rows.append(row)
-    choice, reason = recommend(rows, ranks, memory_gb, shorter="--max-seq-length" if seq_len is None else "--seq-len")
+    given = seq_len is not None and seq_len_from is None  # --seq-len itself
+    choice, reason = recommend(rows, ranks, memory_gb, shorter="--seq-len" if given else "--max-seq-length")
     return {
         "model": str(facts.path), "blocks": facts.num_blocks, "weights_by_kind": facts.weight_bytes(),
         "trainable_params": sum(i.params for i in items), "fine_tune_type": cfg.adapter.fine_tune_type,
         "optimizer": cfg.optimizer.name, "batch_size": cfg.train.batch_size, "seq_len": seq,
-        "seq_len_from": "--seq-len" if seq_len is not None else "data.max_seq_length",
+        "seq_len_from": seq_len_from or ("--seq-len" if seq_len is not None else "data.max_seq_length"),
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
         "attention": attention_kind(seq, fused),
         "ranks": ranks, "memory_gb": memory_gb, "link": link, "links": links, "link_bytes_per_s": link_bytes_s,

@@ -23,7 +23,7 @@ def table(result: dict[str, Any]) -> str:
         f"{result['fine_tune_type']}: {result['trainable_params'] / 1e6:.3f}M trainable parameters, "
         f"optimizer {result['optimizer']}, grad_checkpoint {str(result['grad_checkpoint']).lower()}, "
         f"schedule {result['schedule']}",
-        f"batch {result['batch_size']} x {result['seq_len']} tokens ({result['seq_len_from']}); "
+        f"batch {result['batch_size']} x {result['seq_len']} tokens ({result['seq_len_from']})",
         f"{result['ranks']} rank{'s' if result['ranks'] != 1 else ''} x {result['memory_gb']:g} GB; "
         f"link {result['link']}" + (f" x {result['links']} links" if result.get("links", 1) > 1 else "")
         + f" ({result['link_bytes_per_s'] / 1e6:.0f} MB/s); sizes per rank, M = 1e6 and G = 1e9 bytes",

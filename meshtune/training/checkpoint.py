@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -155,7 +154,9 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
     tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        # Not mkdtemp: its folder is mode 0700, which the rename would keep; mkdir follows the umask.
+        tmp = final.parent / f".{final.name}.tmp-{os.urandom(6).hex()}"
+        tmp.mkdir()
         save_safetensors_checked(tmp / "adapters.safetensors", trainable)
         opt = dict(tree_flatten(optimizer_state))
         save_safetensors_checked(tmp / "optimizer.safetensors", opt)

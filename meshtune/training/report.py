@@ -50,6 +50,7 @@ class RunSummary:
     stopped: bool = False  # a stop on request was recorded
     checkpoint: int | None = None  # the step of the newest checkpoint folder
     resume: str = ""  # the command that resumes the run on its ranks (its last start record's)
+    earlier_ranks: tuple[int, int] | None = None  # (last step, rank count) of reports on another rank count
 
     @property
     def status(self) -> str:
@@ -73,7 +74,10 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     val = [r for r in records if r.get("type") == "val"]
     test = [r for r in records if r.get("type") == "test"]
     parallel, adapter = cfg.get("parallel", {}), cfg.get("adapter", {})
-    ranks = max((len(r.get("peak_memory_gb_per_rank", [])) for r in train), default=1) or 1
+    # The layout the run ended on (a run resumed on fewer ranks has reports of both).
+    counts = [(r["step"], len(r["peak_memory_gb_per_rank"])) for r in train if r.get("peak_memory_gb_per_rank")]
+    ranks = counts[-1][1] if counts else 1
+    before = next(((step, n) for step, n in reversed(counts) if n != ranks), None)
     pp = max(int(parallel.get("pp", 1) or 1), int(parallel.get("pipeline_stages", 0) or 0))
     s = RunSummary(
         model=saved.get("model") or cfg.get("model", {}).get("path", ""),
@@ -95,6 +99,7 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
         if values:
             s.shares[key] = sum(values) / len(values)
     s.iters = int(cfg.get("train", {}).get("iters", 0) or 0)
+    s.earlier_ranks = before
     s.stopped = any(r.get("type") == "stop" for r in records)
     steps = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.is_dir() and p.name.isdigit()]
     s.checkpoint = max(steps, default=None)
@@ -118,6 +123,9 @@ def markdown(s: RunSummary) -> str:
     layout = f"{s.ranks} rank{'s' if s.ranks != 1 else ''}: dp {s.dp}, pp {s.pp}"
     if s.pp > 1:
         layout += f", schedule {s.schedule}, {s.micro_batches} micro-batches"
+    if s.earlier_ranks is not None:  # resumed on another rank count
+        step, count = s.earlier_ranks
+        layout += f" (resumed; {count} rank{'s' if count != 1 else ''} up to step {step})"
     rows = [
         ("model", s.model), ("data", s.data), ("layout", layout),
         ("adapter", f"{a.get('fine_tune_type')}, rank {a.get('rank')}, scale {a.get('scale')}, layers {layers}"),
@@ -179,12 +187,16 @@ def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
     A run cut off (no end recorded) names the step its adapters and newest checkpoint hold, and the
     command that resumes it."""
     last = lambda points: f"{points[-1][1]:.4f}" if points else "none"  # noqa: E731
+    val = last(s.val)
+    if s.val and s.val[-1][0] != s.steps:  # e.g. a run stopped before its next eval: the step-0 loss is no result
+        at = s.val[-1][0]
+        val = f"{val} (at step {at}{', before training' if at == 0 else ''})"
     steps = f"{s.steps} steps" if s.status == "done" else f"step {s.steps} of {s.iters}"
     held = "" if s.status == "done" or s.checkpoint is None else f" (step {s.checkpoint})"
     written = f"adapters {adapters}{held}" if Path(adapters).exists() else "no adapters written yet"
     resume = f"; resume with {s.resume}" if s.status != "done" and s.checkpoint is not None else ""
     return (f"{s.status}: {steps}, {s.trained_tokens} tokens in {s.step_seconds:.1f} s "
-            f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {last(s.val)}; "
+            f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {val}; "
             f"{written}, report {Path(out) / REPORT_FILE}, plot {Path(out) / PLOT_FILE}{resume}")
 
 

@@ -29,6 +29,7 @@ OWN_FLAGS = {
     "torch": ["--kinds", "--matmul-size"],
     "startup": ["--runs-per-cache", "--kinds"],
     "long-rows": ["--seq-lens", "--spread", "--train-args", "--step"],
+    "serve": ["--bases", "--requests", "--tokens"],
 }
 
 

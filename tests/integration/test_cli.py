@@ -233,7 +233,8 @@ def test_eval_scores_a_run_s_adapters_on_its_test_split_as_mlx_lm_evaluates(trai
     assert proc.returncode == 0, proc.stderr[-2000:]
     head, _, tail = proc.stdout.strip().partition(" (")
     loss, ppl = float(head.split()[2].rstrip(",")), float(head.split()[5])
-    assert tail.startswith("352 tokens in 25 batches of 4") and ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    assert tail.startswith("352 tokens of 100 examples in 25 batches of 4;")
+    assert ppl == pytest.approx(math.exp(loss), rel=1e-3)
 
     def unpadded_loss(model, batch, lengths):  # mlx-lm's default_loss without the padding target
         logits = model(batch[:, :-1])
@@ -492,3 +493,12 @@ def test_a_run_whose_plan_does_not_fit_stops_before_loading_its_first_step(tmp_p
     assert not out.exists()
     ok = run_cli("train", "--iters", "1", "--adapter-path", str(out), "--runtime.memory_limit_gb", "4")
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_plan_refuses_a_missing_data_path_with_train_s_error(tmp_path, cli):
+    missing = str(tmp_path / "nonexistent")
+    planned = cli("plan", "--data", missing)
+    trained = cli("train", "--data", missing, "--adapter-path", str(tmp_path / "run"))
+    assert planned.returncode == trained.returncode == 2
+    assert planned.stderr.splitlines()[-1] == trained.stderr.splitlines()[-1]
+    assert planned.stderr.splitlines()[-1].startswith(f"meshtune: error: data.path={missing}: no such folder;")

@@ -44,6 +44,7 @@ def test_resume_needs_only_the_adapter_path(run, tmp_path, cli):
     proc = cli("train", "--adapter-path", str(copy), "--resume")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from step 2" in proc.stdout and "step 4: train loss" in proc.stdout
+    assert "--num-layers" not in proc.stdout  # said when the run started, not again
     assert (copy / "adapters.safetensors").read_bytes() == (out / "adapters.safetensors").read_bytes()
     changed = cli("train", "--adapter-path", str(copy), "--resume", "--iters", "6", "--batch-size", "8")
     assert changed.returncode == 2

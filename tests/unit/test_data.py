@@ -193,7 +193,13 @@ BAD_INPUTS = [
         False,
         r"train\.jsonl:2: expected key 'text' like line 1, got \['messages'\]",
     ),
-    ([{"text": "a"}, '{"text": "b",}'], False, r"train\.jsonl:2: invalid JSON .* one JSON object per line"),
+    ([{"text": "a"}, '{"text": "b",}'], False, r"train\.jsonl:2: invalid JSON \(.* at column 14\); write exactly "
+                                                r"one JSON object per line"),
+    # A line cut short is reported where it ends, not at the newline ("column 1").
+    ([{"text": "a"}, '{"prompt": "What is 12 + 30?", "completion": "4'], False,
+     r"train\.jsonl:2: invalid JSON \(the line ends at column 47 inside the object: cut short\?\)"),
+    ([{"text": "a"}, '{"prompt": "What is 12 + 30?", "completion": "42", '], False,
+     r"train\.jsonl:2: invalid JSON \(the line ends at column 51 inside the object: cut short\?\)"),
     ([{"text": "a"}, "[1, 2]"], False, r"train\.jsonl:2: expected a JSON object, got a JSON list"),
     ([{"question": "a"}], False, r"train\.jsonl:1: unrecognised format, got keys \['question'\]"),
     ([{"text": "a"}], True, r"train\.jsonl:1: mask_prompt needs .* turn off mask_prompt"),

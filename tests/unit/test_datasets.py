@@ -157,7 +157,8 @@ def test_sources_and_their_errors(tmp_path, tok, monkeypatch):
     for bad in (str(tmp_path / "missing"), "./org/name"):
         with pytest.raises(ValueError, match=r"no such folder; point --data at a folder holding train.jsonl and "
                                              r"valid.jsonl \(or train/valid .parquet files, or a dataset saved "
-                                             r"with save_to_disk\), or a hub dataset id like org/name"):
+                                             r"with save_to_disk\), a .parquet file, or a hub dataset id like "
+                                             r"org/name"):
             check_source(bad)
     write_jsonl(tmp_path, "train", TRAIN)
     with pytest.raises(ValueError, match=r"data.train_split='train\[:2\]' applies to Hugging Face datasets"):
@@ -170,3 +171,17 @@ def test_sources_and_their_errors(tmp_path, tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ValueError, match=r"needs the datasets library; pip install 'meshtune\[datasets\]'$"):
         load_datasets(tmp_path, tok, need_valid=False)
+
+
+def test_one_parquet_file_is_the_train_split_and_an_unnamed_one_is_named(tmp_path, tok, reference):
+    one = tmp_path / "mydata.parquet"
+    pq.write_table(pa.table(_columns(TRAIN + VALID)), one)
+    check_source(str(one))
+    got = load_datasets(str(one), tok, mask_prompt=True, splits={"train": "train[:6]", "valid": "train[-3:]"})
+    _same(got.train, reference.train)
+    _same(got.valid, reference.valid)
+    # A folder holding only that file: said before any model loads, with both ways out.
+    with pytest.raises(ValueError, match=rf"data.path={tmp_path}: mydata.parquet names no split and there is no "
+                                         r"train.jsonl; name the files train.parquet .* give one file as --data "
+                                         rf"{one} and slice its splits"):
+        check_source(str(tmp_path))

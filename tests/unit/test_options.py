@@ -225,14 +225,13 @@ def test_a_stopped_run_says_how_to_resume_once(monkeypatch, capsys, tmp_path, en
 ])
 def test_generate_uses_the_template_only_for_chat_or_completion_runs(tmp_path, recorded, flags, has_template,
                                                                       chat, why) -> None:
-    from meshtune.cli.commands import _chat_or_raw
+    from meshtune.prompt_format import choose_prompt_format, run_prompt_format
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({} if recorded is None else {"data_format": recorded}))
-    args = argparse.Namespace(adapter_path=str(tmp_path), raw=flags.get("raw", False), chat=flags.get("chat", False))
-    got, reason = _chat_or_raw(args, has_template)
-    assert got == chat and why in reason
-    no_adapters = argparse.Namespace(adapter_path=None, raw=False, chat=False)
-    assert _chat_or_raw(no_adapters, has_template)[0] == has_template
+    got = choose_prompt_format(run_prompt_format(tmp_path), has_template=has_template, has_adapters=True, **flags)
+    assert got.chat == chat and why in got.why
+    assert choose_prompt_format(run_prompt_format(None), has_template=has_template,
+                                has_adapters=False).chat == has_template
 
 
 def test_accumulation_says_what_iters_counts_here_and_in_mlx_lm() -> None:
@@ -245,3 +244,13 @@ def test_accumulation_says_what_iters_counts_here_and_in_mlx_lm() -> None:
     said.clear()
     _train_config(_args(), ["--data", "d", "--iters", "30"], say=said.append)
     assert said == []
+
+
+def test_resume_of_an_empty_folder_says_nothing_about_the_demo(tmp_path) -> None:
+    from meshtune.cli.commands import _train_config
+
+    said: list[str] = []
+    cfg = _train_config(_args(resume=True), ["--adapter-path", str(tmp_path)], say=said.append)
+    assert cfg.output.resume and not any("demo" in line for line in said), said
+    _train_config(_args(), ["--adapter-path", str(tmp_path)], say=said.append)
+    assert any("the demo's settings" in line for line in said)

@@ -222,3 +222,26 @@ def test_tracker_scalars() -> None:
                                        "train/peak_memory_gb": 0.5, "train/comm_share": 0.2}
     assert trackers.scalars({"type": "val", "step": 3, "val_loss": 2.0}) == {"val/loss": 2.0}
     assert trackers.scalars({"type": "skip", "step": 3}) == {}
+
+
+def test_a_run_stopped_before_its_next_eval_does_not_pass_the_step_0_loss_off_as_its_result(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _fake_run(run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    kept = [l for l in lines if not (json.loads(l)["type"] == "val" and json.loads(l)["step"] == 6)]
+    (run / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    line = summary_line(write_report(run), run, run / "adapters.safetensors")
+    assert "; final train loss 1.1250, val loss 4.0000 (at step 0, before training); " in line
+
+
+def test_a_run_resumed_on_fewer_ranks_reports_the_ranks_it_ended_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _fake_run(run, ranks=2)
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # the reports after step 4 came from one rank
+        if r["type"] == "train" and r["step"] > 4:
+            r["peak_memory_gb_per_rank"] = r["peak_memory_gb_per_rank"][:1]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_report(run)
+    assert summary.ranks == 1
+    assert _row((run / REPORT_FILE).read_text(), "layout") == "1 rank: dp 1, pp 1 (resumed; 2 ranks up to step 4)"
