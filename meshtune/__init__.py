@@ -20,7 +20,7 @@ _LAZY = {
     "fuse": "meshtune.api",
     "generate": "meshtune.api",
     "RunResult": "meshtune.api",
-    "Mesh": "meshtune.parallel.mesh",
+    "Mesh": "meshtune.runtime.mesh",
 }
 __all__ = sorted(_LAZY)
 

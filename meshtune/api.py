@@ -34,11 +34,11 @@ from .config.resume import run_mismatches
 from .data import BatchIterator, check_packable
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
-from .parallel.mesh import Mesh
+from .runtime.mesh import Mesh
 from .parallel.pipeline import Pipeline
 from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
 from .training.metrics import METRICS_FILE, Reporter, read_metrics
-from .training.report import summary_line, write_report
+from .report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable

@@ -18,7 +18,7 @@ from . import adapters as ad
 from .config import Config
 from .config.schema import is_local_path
 from .data import check_source
-from .parallel.mesh import Mesh
+from .runtime.mesh import Mesh
 from .run_data import eval_batches, load_splits, split_names, tail_batch
 from .training.step import evaluate
 

@@ -18,7 +18,7 @@ from . import adapters as ad
 from .config import Config
 from .config.resume import settings_digests
 from .data import check_source
-from .parallel.mesh import Mesh
+from .runtime.mesh import Mesh
 from .parallel.stages import declared_layers
 from .run_data import split_names
 from .training.checkpoint import list_checkpoints

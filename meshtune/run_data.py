@@ -12,7 +12,7 @@ import numpy as np
 
 from .config import Config
 from .data import BatchIterator, Features, load_datasets
-from .parallel.mesh import Mesh
+from .runtime.mesh import Mesh
 
 
 # How a training run does without each evaluation split, offered in the data's errors about it.

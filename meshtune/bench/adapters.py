@@ -193,7 +193,7 @@ def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: 
     Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
     for the previous call's, as meshtune.training.loop.train does; `run.finish()` waits for the last one.
     """
-    from ..parallel.mesh import Mesh
+    from ..runtime.mesh import Mesh
     from ..parallel.data_parallel import build_step
 
     step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)

@@ -191,8 +191,8 @@ def link_cut(b: Bench) -> Outcome:
     if reason:
         return Outcome("link_cut", 2, None, None, f"skipped: {reason}", 0, 0, None, "not run", True)
     out = b.root / "link_cut"
-    code = (f"import sys; from meshtune.cli.launch import launch_local; "
-            f"sys.exit(launch_local(2, {[*CLI, *b.args(out)]!r}, hosts=['10.77.0.1', '10.77.0.2'], "
+    code = (f"import sys; from meshtune.parallel.launcher import launch_ranks; "
+            f"sys.exit(launch_ranks(2, {[*CLI, *b.args(out)]!r}, hosts=['10.77.0.1', '10.77.0.2'], "
             f"wrap=lambda r: ['ip', 'netns', 'exec', f'mtbed{{r}}']))")
     with netbed.shaped_link(2, rate="10gbit") as bed:
         run = FaultRun([sys.executable, "-c", code])

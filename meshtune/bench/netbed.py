@@ -8,7 +8,7 @@ one Linux machine. Needs root and iproute2; addresses are 10.77.0.<i+1>/24, priv
 to the namespaces.
 
     with shaped_link(2, rate="10gbit", delay="20us") as bed:
-        launch_local(2, cmd, hosts=bed.ips, wrap=bed.wrap)
+        launch_ranks(2, cmd, hosts=bed.ips, wrap=bed.wrap)
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def _prepare(model: Any, data: Any, pack: bool, a: argparse.Namespace) -> tuple[
     """(one compiled training step, the timed batches, their token counts) for one setting of data.pack."""
     from ..data import BatchIterator
     from ..parallel.data_parallel import build_step
-    from ..parallel.mesh import Mesh
+    from ..runtime.mesh import Mesh
 
     opt = optim.Adam(learning_rate=1e-4)
     opt.init(model.trainable_parameters())

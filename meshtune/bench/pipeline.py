@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..runtime.blas import describe_blas
-from ..cli.launch import launch_local
+from ..parallel.launcher import launch_ranks
 from ..parallel.schedules import build as build_schedule, idle_fraction
 from ..training.metrics import read_metrics
 from .fit import Load, choose_preset, detect, embedded_line
@@ -57,7 +57,7 @@ def _launch(stages: int, cmd: list[str]) -> tuple[int, str]:
     """Start `stages` ranks of `cmd`; (exit code, their output)."""
     if not on_gpu():
         log = io.StringIO()
-        return launch_local(stages, cmd, pin=True, out=log), log.getvalue()
+        return launch_ranks(stages, cmd, pin=True, out=log), log.getvalue()
     sibling = Path(sys.executable).with_name("mlx.launch")
     launcher = str(sibling) if sibling.exists() else shutil.which("mlx.launch") or "mlx.launch"
     # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set); ranks see this PYTHONPATH.

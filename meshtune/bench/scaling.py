@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.blas import describe_blas
-from ..cli.launch import launch_local
+from ..parallel.launcher import launch_ranks
 from .fit import Load, embedded_line
 from .peer import metric_windows, steps_per_sec
 from .flags import BenchParser, COUNT, at_least, positive_float
@@ -73,7 +73,7 @@ def _run(ranks: int, kind: str, sync: str, a: argparse.Namespace, out: Path, bed
              "--train.val_batches", "0", "--save-every", str(a.iters), "--parallel.grad_sync", sync,
              "--parallel.bucket_mb", str(a.bucket_mb), "--parallel.transport", transport, "--adapter-path", str(out)]
     log = io.StringIO()
-    code = launch_local(ranks, train, pin=True, out=log, hosts=bed.ips if bed and ranks > 1 else None,
+    code = launch_ranks(ranks, train, pin=True, out=log, hosts=bed.ips if bed and ranks > 1 else None,
                         wrap=bed.wrap if bed and ranks > 1 else None)
     if code != 0:
         raise RuntimeError(f"{kind} {sync} ({transport}) on {ranks} ranks failed with exit code {code}:\n"

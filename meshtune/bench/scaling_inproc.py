@@ -38,7 +38,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from ..parallel.mesh import Mesh
+from ..runtime.mesh import Mesh
 from .fit import ORDER, Load, choose_preset, detect
 from .models import PRESETS, Shape, add_adapters, build_model
 

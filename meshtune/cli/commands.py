@@ -90,7 +90,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _mesh(cfg: Any) -> Any:
     """Single process unless launched by mlx.launch / meshtune launch (then the world group)."""
-    from ..parallel.mesh import Mesh
+    from ..runtime.mesh import Mesh
 
     if any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE")):
         import mlx.core as mx
@@ -137,7 +137,7 @@ def world_mismatch(expected: int, formed: int, nccl_built: bool) -> str:
 def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     """Memory per rank and traffic per step of each layout (meshtune/plan; docs/plan.md)."""
     from ..plan import plan
-    from ..parallel.hostfile import read_hostfile
+    from ..runtime.hostfile import read_hostfile
     from ..plan.report import as_json, table
 
     # The config exactly as `meshtune train` reads it (the demo's with no -c, --model or --data).
@@ -214,7 +214,7 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     """report.md, loss.png and the summary line of a run from its metrics.jsonl (a killed run's too)."""
     _no_extra(rest)
-    from ..training.report import main as report_main
+    from ..report import main as report_main
 
     return report_main([args.adapter_path])
 

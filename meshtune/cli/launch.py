@@ -1,395 +1,29 @@
-"""`meshtune launch`: start N ranks on MLX's ring backend, and fail loudly and together.
+"""`meshtune launch`: start N ranks and fail loudly and together (parallel/launcher.py does it).
 
     meshtune launch -n 2 -- meshtune train -c run.yaml
     meshtune launch -n 2 --no-pin -- python my_script.py   # ranks share every core
     meshtune launch --hostfile hosts.json -- meshtune train -c run.yaml   # one rank per host, over ssh
     meshtune launch -n 2 --backend nccl -- meshtune train -c run.yaml     # one rank per GPU of this machine
+    meshtune launch --hostfile hosts.json --backend jaccl -- meshtune train   # RDMA over Thunderbolt 5
 
-Ranks are started directly (MLX_RANK plus a ring hostfile on 127.0.0.1 that this
-module writes), not through `mlx.launch`, whose per-rank output threads busy-poll (on
-a 2-core box that cost more throughput than the second rank added) and which exits 0
-when a rank fails. Here each rank's output is read by a blocking thread and prefixed
-`[rank i]`; when any rank is lost (killed by a signal, or stopped: state T in /proc)
-or exits non-zero, one line names it and the step of its last heartbeat (see
-meshtune/runtime/watchdog.py), the others are stopped (SIGKILL after a short grace:
-they sit in a collective) and a non-zero code is returned. Ring ranks on this machine
-are pinned by default when there are no more of them than cores: rank i gets its own
-core and one BLAS thread, since unpinned ranks' BLAS thread pools fight over the same
-cores. `--no-pin` turns it off; with more ranks than cores none is pinned and one note
-says so. An explicit `--pin` also pins NCCL ranks, and more ranks than cores in turn.
-With `--hostfile` (mlx.launch's format) rank i runs
-`ssh host 'cd $PWD && env MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is
-seen only through the survivors' watchdogs, since its state cannot be read from here.
-Every address a host lists is one link: the ring hostfile the ranks get holds them all, a
-port each, and MLX's ring stripes every all-reduce across them, as mlx.launch does.
-`--backend jaccl` (or `jaccl-ring`: MLX's RDMA over Thunderbolt 5) gives each rank the
-environment mlx.launch gives it for the same hostfile: rank 0's first address as the
-coordinator and the hosts' RDMA devices in a file.
-With `--backend nccl` (MLX's CUDA build) the ranks join NCCL through rank 0 on
-127.0.0.1 and rank i sees one GPU, entry i of CUDA_VISIBLE_DEVICES when that is set,
-else GPU i, as mlx.launch does on one host; NCCL_NVLS_ENABLE stays as the environment
-has it.
+Each rank's output is prefixed `[rank i]`; when a rank is lost or fails, one line names it and the
+others are stopped. Local ring ranks are pinned one core each when there are no more ranks than
+cores. Every address a hostfile host lists is one link of the ring.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import shlex
-import time
-from dataclasses import dataclass, field
+import shutil
+import sys
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any
 
-from ..parallel.hostfile import JACCL_BACKENDS, Host, Hostfile, read_hostfile
-from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
+from ..parallel.launcher import BACKENDS, check_hosts, launch_ranks
+from ..runtime.hostfile import JACCL_BACKENDS, read_hostfile
 from ..runtime.relaunch import LAUNCH_ENV
-from ..runtime.stop_signals import StopSignals
-from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
-
-
-BACKENDS = ("ring", "nccl", *JACCL_BACKENDS)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports that were free a moment ago on 127.0.0.1."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-def write_ring_hostfile(n: int, folder: Path, addresses: list[list[str]] | None = None) -> Path:
-    """The ring backend's hostfile: per rank, one "ip:port" per address of `addresses[rank]` (its links;
-    127.0.0.1 unless given), each with a port of its own."""
-    path = folder / "hostfile.json"
-    links = addresses or [["127.0.0.1"]] * n
-    ports = iter(free_ports(sum(len(ips) for ips in links)))
-    path.write_text(json.dumps([[f"{ip}:{next(ports)}" for ip in ips] for ips in links]))
-    return path
-
-
-def jaccl_env(hostfile: Hostfile, backend: str) -> tuple[dict[str, str], dict[str, str]]:
-    """(variables, files: variable -> content) every rank gets for JACCL, as mlx.launch's launch_jaccl gives."""
-    coordinator = f"{hostfile.hosts[0].ips[0]}:{free_ports(1)[0]}"
-    variables = {"MLX_JACCL_COORDINATOR": coordinator, **({"MLX_JACCL_RING": "1"} if backend == "jaccl-ring" else {})}
-    return variables, {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hostfile.hosts])}
-
-
-# Environment a remote rank gets from this machine (ssh forwards none of it).
-FORWARD_ENV = ("PYTHONPATH", "LD_PRELOAD", "MESHTUNE_SYSTEM_BLAS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-               LAUNCH_ENV)
-PID_MARK = "meshtune-remote-pid"
-HOSTFILE_POLL_S = 5  # how often a remote host's watcher checks whether its rank has ended
-
-
-def ssh_command(host: str, rank: int, n: int, command: list[str], files: dict[str, str], run_id: str,
-                cwd: str, env: dict[str, str], variables: dict[str, str] | None = None) -> list[str]:
-    """`ssh host '<script>'` that writes the rank's `files` there (variable -> content: the ring hostfile,
-    JACCL's devices), says its pid and execs the rank with each variable naming its file and `variables`
-    (the backend's, the hostfile's "envs") set.
-
-    The script runs under `sh -c`, whatever the host's login shell. Same working directory
-    and paths on every host, as mlx.launch assumes. The pid
-    line lets the launcher kill the remote rank: killing the local ssh alone does not.
-    The files are removed there once the rank's process ends, however it ends: a
-    watcher in the background polls the pid the rank is exec'd into (the script's `$$`);
-    its own command line names only that pid and the files.
-    """
-    assigns = {k: env[k] for k in FORWARD_ENV if env.get(k)}
-    assigns.update(variables or {})
-    assigns.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1")
-    write = remove = ""
-    remote = {name: f"/tmp/meshtune-{run_id}-rank{rank}" + ("" if name == "MLX_HOSTFILE" else f"-{name.lower()}")
-              + ".json" for name in files}
-    if files:  # one ring rank needs none
-        assigns.update(remote)
-        write = "".join(f"printf '%s' {shlex.quote(text)} > {remote[name]} && " for name, text in files.items())
-        watcher = f'trap "" HUP; while kill -0 "$0" 2>/dev/null; do sleep {HOSTFILE_POLL_S}; done; rm -f "$@"'
-        remove = f"sh -c {shlex.quote(watcher)} $$ {' '.join(remote.values())} </dev/null >/dev/null 2>&1 & "
-    script = (f"cd {shlex.quote(cwd)} && {write}echo {PID_MARK} $$ || exit 1; {remove}"
-              f"exec env {' '.join(f'{k}={shlex.quote(v)}' for k, v in assigns.items())} {shlex.join(command)}")
-    return ["ssh", host, f"sh -c {shlex.quote(script)}"]  # POSIX sh whatever the login shell (csh, fish)
-
-
-@dataclass
-class Rank:
-    """One started rank: its process (the rank itself, or the local ssh of a remote one)."""
-
-    index: int
-    proc: subprocess.Popen
-    host: str | None = None  # ssh host of a remote rank
-    remote_pid: int | None = None
-    pump: threading.Thread | None = None  # reads its output; done when every process holding the pipe ended
-    held: list[str] = field(default_factory=list)  # backend error lines, shown unless a lost rank explains them
-
-
-def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -> None:
-    # readline blocks: no polling, no core spent while the rank is quiet.
-    for line in iter(stream.readline, b""):
-        text = line.decode(errors="replace")
-        if not text.endswith("\n"):  # a progress bar's last redraw: end it, or the next line joins it
-            text += "\n"
-        if rank.host is not None and rank.remote_pid is None and text.startswith(PID_MARK):
-            rank.remote_pid = int(text.split()[1])
-            continue
-        if muted.is_set():  # the launcher has said its one line; the rest is the fallout
-            continue
-        # "[ring] Socket 4 was closed by the peer" (after a bar redraw), many times; the
-        # traceback of the failed collective follows, so everything after it is held too.
-        if rank.held or BACKEND_ERROR.search(text):
-            rank.held.append(text)
-            continue
-        out.write(f"[rank {rank.index}] {text}")
-        out.flush()
-
-
-def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
-    """Per rank, what joins n ranks on this machine over NCCL: rank 0's address and port, one GPU each."""
-    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    port = str(free_ports(1)[0])
-    return [dict(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=port,
-                 CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
-
-
-def _check_hosts(n: int, hostfile: Hostfile | None) -> None:
-    if hostfile is not None and len(hostfile.hosts) != n:
-        raise ValueError(f"-n {n} but the hostfile lists {len(hostfile.hosts)} hosts; give one entry per rank "
-                         "or leave -n out")
-
-
-def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
-                 timeout: float | None = None, hosts: list[str] | None = None,
-                 wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None,
-                 hostfile: Hostfile | None = None, err: IO[str] | None = None,
-                 backend: str = "ring") -> int:
-    """Run `command` as n ranks (ring; nccl on this machine; jaccl over a hostfile); 0, or the failing rank's
-    code (see `_watch`).
-
-    `hosts` gives each rank's IP and `wrap(rank)` a command prefix (e.g. entering a
-    network namespace of the shaped-link bed); both default to plain loopback.
-    `hostfile` (mlx.launch's, one host per rank) starts rank i through `ssh` on its host instead,
-    its ring over every address the host lists.
-    """
-    if n < 1:
-        raise ValueError(f"-n {n}: need at least one rank")
-    if not command:
-        raise ValueError("no command given; e.g. meshtune launch -n 2 -- meshtune train -c run.yaml")
-    _check_hosts(n, hostfile)
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend {backend}: meshtune launch starts {', '.join(BACKENDS)} ranks")
-    if backend == "nccl" and (hostfile or hosts):
-        raise ValueError("--backend nccl: meshtune launch starts NCCL ranks on this machine only; for several "
-                         "hosts use mlx.launch --backend nccl --hostfile ...")
-    if backend in JACCL_BACKENDS and hostfile is None:
-        raise ValueError(f"--backend {backend} joins hosts over RDMA: give --hostfile with each host's \"rdma\" "
-                         "devices (mlx.distributed_config writes one)")
-    ssh_hosts: list[Host] | None = hostfile.hosts if hostfile else None
-    base = dict(os.environ if env is None else env)
-    cores = sorted(os.sched_getaffinity(0)) if pin else []
-    if backend != "ring":
-        base.pop("MLX_HOSTFILE", None)  # an outer ring launcher's; the ranks must not try it
-    per_rank = nccl_env(n, base) if backend == "nccl" else [{} for _ in range(n)]
-    variables = dict(e.split("=", 1) for e in hostfile.envs if "=" in e) if hostfile else {}
-    files: dict[str, str] = {}
-    if backend in JACCL_BACKENDS:
-        jaccl_variables, files = jaccl_env(hostfile, backend)
-        variables.update(jaccl_variables)
-    with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
-        addresses = [h.ips for h in ssh_hosts] if ssh_hosts else [[ip] for ip in hosts] if hosts else None
-        ring = write_ring_hostfile(n, Path(tmp), addresses) if n > 1 and backend == "ring" else None
-        if ring is not None:
-            files = {"MLX_HOSTFILE": ring.read_text()}
-        beats = Path(tmp) / "heartbeats"
-        beats.mkdir()
-        ranks, muted = [], threading.Event()
-        # Signals recorded from before the first rank starts: every started rank is then stopped with the rest.
-        with StopSignals() as interrupts:
-            for i in range(n):
-                rank_env = dict(base, MLX_RANK=str(i), MLX_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1",
-                                **per_rank[i], **variables)
-                rank_env[HEARTBEAT_ENV] = str(beats)
-                if ring is not None:
-                    rank_env["MLX_HOSTFILE"] = str(ring)
-                preexec = None
-                if pin and cores and not ssh_hosts:
-                    core = cores[i % len(cores)]
-                    rank_env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-                    preexec = (lambda c=core: os.sched_setaffinity(0, {c}))  # noqa: E731
-                if ssh_hosts:
-                    argv = ssh_command(ssh_hosts[i].ssh, i, n, command, files, Path(tmp).name, os.getcwd(), base,
-                                       variables)
-                else:
-                    argv = [*(wrap(i) if wrap else []), *command]
-                proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
-                rank = Rank(i, proc, host=ssh_hosts[i].ssh if ssh_hosts else None)
-                ranks.append(rank)
-                rank.pump = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
-                                             daemon=True)
-                rank.pump.start()
-            code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted, interrupts.signals)
-        for r in ranks:
-            r.pump.join(timeout=5)
-        if not lost:
-            for r in ranks:
-                (out or sys.stdout).writelines(f"[rank {r.index}] {line}" for line in r.held)
-    return code
-
-
-SSH_FAILED = 255  # ssh's exit code when it could not connect or log in
-STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace stop)
-CAUSE_WAIT_S = 3.0  # how long a rank's lost connection (75) waits for the rank that caused it to exit
-# Exits every rank reaches on its own, each saying its own line: a non-finite step (every rank at the same
-# step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
-# the others to get there before stopping them.
-# A stop on request (code 3) is agreed too: the ranks save one checkpoint together and exit.
-AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0, STOPPED_EXIT_CODE: 15.0}
-
-
-def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
-           muted: threading.Event, interrupts: list[int] | None = None) -> tuple[int, bool]:
-    """Wait for every rank; on the first lost or failed rank say one line and stop the rest.
-
-    A signal in `interrupts` (Ctrl-C or SIGTERM to the launcher) is passed on to every rank as
-    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a second one
-    stops them at once.
-
-    Returns (exit code, whether a lost rank was named). Lost: killed by a signal
-    (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
-    watchdog's resumable code). A rank exiting non-zero gives its code; if that is
-    75 (its watchdog, or its connection closing) and a heartbeat shows which other
-    rank is gone or stopped, the line names that rank; with no heartbeat to go by, a
-    rank that exits with another code within CAUSE_WAIT_S is named instead.
-    """
-    start, stopped_since, agreed_since, effect_since = time.monotonic(), {}, None, None
-    interrupts, passed_on = interrupts if interrupts is not None else [], 0
-    while True:
-        if len(interrupts) > passed_on:
-            name = signal.Signals(interrupts[-1]).name
-            if passed_on:
-                print(f"meshtune launch: {name} again: stopping the ranks now", file=err, flush=True)
-                _stop(ranks, grace=0)
-                return 128 + interrupts[-1], False
-            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops ({name} again stops "
-                  "them now)", file=err, flush=True)
-            for r in ranks:
-                if r.proc.poll() is None:
-                    _signal_rank(r, signal.SIGTERM, rank_only=True)
-            passed_on = len(interrupts)
-        if passed_on:  # the user's stop: each rank saves and exits on its own, however long that takes
-            if all(r.proc.poll() is not None and not (r.pump and r.pump.is_alive()) for r in ranks):
-                codes = [r.proc.returncode for r in ranks]
-                other = [c for c in codes if c not in (0, STOPPED_EXIT_CODE)]
-                return ((other[0] if other[0] > 0 else 128 + interrupts[0]) if other else max(codes)), False
-            time.sleep(0.2)
-            continue
-        codes = [r.proc.poll() for r in ranks]
-        # A rank killed by a signal is the cause; peers exiting 75 (a lost connection) are the effect.
-        failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)),
-                        key=lambda f: (f[1] >= 0, f[1] == EXIT_CODE))
-        # An exit every rank reaches on its own: let the others get there (up to AGREED_EXIT_S),
-        # then pass the code on with nothing to add.
-        agreed = failed[0][1] if failed and failed[0][1] in AGREED_EXIT_S else None
-        if agreed is not None and all(c in (None, agreed) for c in codes):
-            agreed_since = agreed_since or time.monotonic()
-            if all(c == agreed for c in codes):
-                return agreed, False
-            if time.monotonic() - agreed_since < AGREED_EXIT_S[agreed]:
-                time.sleep(0.05)
-                continue
-        i, code = failed[0] if failed else (None, None)
-        lost = lost_peer(beats, len(ranks), i, stale_s=5.0) if code == EXIT_CODE else None
-        # A rank that lost its connection, with no peer to blame, is an effect: the rank that broke
-        # it may still be on its way out with its own code (an error's). Wait for that a little.
-        if code == EXIT_CODE and lost is None and None in codes:
-            effect_since = effect_since or time.monotonic()
-            if time.monotonic() - effect_since < CAUSE_WAIT_S:
-                failed = []
-        if failed:
-            muted.set()
-            if code < 0:
-                sig = -code
-                why = f"killed by signal {sig} ({signal.Signals(sig).name})"
-                return _fail(ranks, i, why, 128 + sig, beats, err), True
-            if lost is not None:
-                return _fail(ranks, lost[0], f"{lost[2]}; rank {i} exited with code {code}", code, beats, err), True
-            host = ranks[i].host
-            ssh = (f" (ssh's own failure code: check that `ssh {host} true` works without a password prompt)"
-                   if host is not None and code == SSH_FAILED else "")
-            return _fail(ranks, i, "", code, beats, err, verb=f"exited with code {code}{ssh}"), False
-        if all(c == 0 for c in codes):
-            return 0, False
-        now = time.monotonic()
-        for r in ranks:
-            if r.host is None and (process_state(r.proc.pid) or "").startswith("stopped"):
-                if now - stopped_since.setdefault(r.index, now) >= STOPPED_FOR_S:
-                    muted.set()
-                    return _fail(ranks, r.index, "stopped (SIGSTOP)", EXIT_CODE, beats, err), True
-            else:
-                stopped_since.pop(r.index, None)
-        if timeout is not None and now - start > timeout:
-            print(f"meshtune launch: ranks still running after {timeout:.0f}s; stopping them", file=err, flush=True)
-            _stop(ranks, grace=10)
-            return 124, False
-        time.sleep(0.2)  # five wake-ups a second: negligible next to a busy-polling reader
-
-
-def _fail(ranks: list[Rank], i: int, why: str, code: int, beats: Path, err: IO[str], verb: str = "") -> int:
-    beat = read_heartbeat(beats, i)
-    at = f" at step {beat['step']}" if beat else ""
-    what = f"{verb}{at}" if verb else f"stopped answering{at} ({why})"
-    running = [r.index for r in ranks if r.index != i and r.proc.poll() is None]
-    exited = [r.index for r in ranks if r.index != i and r.index not in running]
-    plural = lambda ids: f"rank{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"  # noqa: E731
-    tail = [f"stopping {plural(running)}"] if running else []
-    tail += [f"{plural(exited)} already exited"] if exited else []
-    print(f"meshtune launch: rank {i} {what}; {', '.join(tail) or 'no other rank'}", file=err, flush=True)
-    # Peers of a lost rank sit in a collective where SIGTERM is never handled: short grace.
-    _stop(ranks, grace=2 if not verb else 10)
-    return code
-
-
-def _stop(ranks: list[Rank], grace: float) -> None:
-    """SIGTERM every running rank (SIGKILL a stopped one: it cannot act on SIGTERM), SIGKILL after grace."""
-    for r in ranks:
-        if r.proc.poll() is None:
-            stopped = r.host is None and (process_state(r.proc.pid) or "").startswith("stopped")
-            _signal_rank(r, signal.SIGKILL if stopped else signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for r in ranks:
-        try:
-            r.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            _signal_rank(r, signal.SIGKILL)
-            r.proc.wait()
-
-
-def _signal_rank(r: Rank, sig: int, rank_only: bool = False) -> None:
-    """`sig` to the rank (a remote one through ssh), then to its local process group (a remote rank's
-    ssh) unless `rank_only`: a stop request must reach each rank once, and leave its output's ssh open."""
-    if r.host is not None and r.remote_pid is not None:
-        subprocess.run(["ssh", r.host, f"kill -{int(sig)} {r.remote_pid}"], capture_output=True, timeout=30,
-                       stdin=subprocess.DEVNULL)
-        if rank_only:
-            return
-    try:
-        os.killpg(r.proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def main(argv: list[str]) -> int:
@@ -427,7 +61,7 @@ def main(argv: list[str]) -> int:
         raise ValueError("give -n N (ranks on this machine) or --hostfile hosts.json (one rank per entry)")
     if not command:
         raise ValueError("no command to run; give it after --, e.g. meshtune launch -n 2 -- meshtune train")
-    _check_hosts(n, hostfile)
+    check_hosts(n, hostfile)
     if hostfile is None and shutil.which(command[0]) is None:
         if Path(command[0]).is_file():
             raise ValueError(f"command {command[0]!r} is not executable; chmod +x {command[0]}, or run it through "
@@ -444,7 +78,7 @@ def main(argv: list[str]) -> int:
     pin, note = pin_choice(n, a.pin, remote=hostfile is not None, backend=backend)
     if note:
         print(f"meshtune launch: note: {note}", file=sys.stderr, flush=True)
-    return launch_local(n, command, pin=pin, timeout=a.timeout, hostfile=hostfile, backend=backend,
+    return launch_ranks(n, command, pin=pin, timeout=a.timeout, hostfile=hostfile, backend=backend,
                         env={**os.environ, LAUNCH_ENV: again})
 
 

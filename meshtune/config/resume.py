@@ -108,7 +108,7 @@ HOST_KEYS = ("model.path", "data.path", "adapter.init_from")
 
 
 def settings_digests(resolved: dict[str, Any]) -> dict[str, int]:
-    """A 31-bit digest of each setting every rank must share, by dotted key (parallel/mesh.Mesh.disagreeing)."""
+    """A 31-bit digest of each setting every rank must share, by dotted key (runtime/mesh.Mesh.disagreeing)."""
     return {f"{section}.{key}": zlib.crc32(json.dumps(value, sort_keys=True, default=str).encode()) & 0x7FFFFFFF
             for section in SAME_ON_EVERY_RANK for key, value in resolved[section].items()
             if f"{section}.{key}" not in HOST_KEYS}

@@ -55,7 +55,7 @@ from ..training.checkpoint import (LoadedCheckpoint, TrainingState, load_checkpo
 from ..training.step import OneInFlight, evaluate, training_loss_terms
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
-from .mesh import Mesh
+from ..runtime.mesh import Mesh
 from .pack_kernel import pack_cuda
 from .socket_ring import BucketPump, SocketRing, hostfile_ips
 

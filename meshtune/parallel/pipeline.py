@@ -40,7 +40,7 @@ from ..training.losses import target_mask
 from ..training.step import evaluate
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update, local_square_sum
-from .mesh import Mesh
+from ..runtime.mesh import Mesh
 from .peers import sum_on_peers
 from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
 from .schedules import Schedule, build as build_schedule

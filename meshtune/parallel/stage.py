@@ -19,7 +19,7 @@ from ..adapters import step_context
 from ..data.packing import packed_caches
 from ..training.head_loss import head_ce_sum, split_head
 from ..training.losses import masked_ce_sum, target_mask
-from .mesh import Mesh
+from ..runtime.mesh import Mesh
 from .p2p import Links
 from .peers import peer_groups
 from .stages import balanced_split, check_stage_layers, stage_bounds

@@ -18,7 +18,7 @@ def data_row_length(cfg: Any) -> tuple[int, str]:
     from mlx_lm.utils import load_tokenizer
 
     from ..data.batches import padded_width
-    from ..parallel.mesh import Mesh
+    from ..runtime.mesh import Mesh
     from ..run_data import load_splits
     from .model_facts import resolve_model_folder
 

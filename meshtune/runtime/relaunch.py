@@ -2,7 +2,7 @@
 
 meshtune launch tells its ranks its own command line (LAUNCH_ENV); ranks of another
 launcher are recognised by MLX's variables. The writer records the command in the run's
-metrics.jsonl at start, so report.md and `python -m meshtune.training.report` can name it
+metrics.jsonl at start, so report.md and `python -m meshtune.report` can name it
 for a run that was killed.
 """
 
@@ -45,7 +45,7 @@ def resume_on_ranks(adapter_path: Any, ranks: int) -> str:
 
 def _is_launch_hostfile(path: str) -> bool:
     """Whether `path` is an mlx.launch hostfile ([{"ssh": host, "ips": [...]}, ...]) that can be read here."""
-    from ..parallel.hostfile import read_hostfile
+    from .hostfile import read_hostfile
 
     try:
         read_hostfile(Path(path))

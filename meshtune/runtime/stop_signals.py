@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT (Ctrl-C, a scheduler's stop) taken as requests: recorded while inside, the old
 handlers back on exit. The training loop saves and stops on one (training/loop.py); meshtune launch
-passes one on to its ranks (cli/launch.py)."""
+passes one on to its ranks (parallel/launcher.py)."""
 
 from __future__ import annotations
 

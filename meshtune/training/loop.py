@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
-from ..parallel.mesh import Mesh
+from ..runtime.mesh import Mesh
 from ..runtime.stop_signals import StopSignals
 from .checkpoint import TrainingState
 from .metrics import Reporter, Window, report_window

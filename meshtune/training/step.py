@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..data.packing import packed_caches
-from ..parallel.mesh import Mesh
+from ..runtime.mesh import Mesh
 from .head_loss import head_ce_sum, split_head
 from .losses import masked_ce_sum, target_mask
 

@@ -237,7 +237,7 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
     import mlx.optimizers as optim
 
     from meshtune.adapters import apply_adapters, kernels
-    from meshtune.parallel.mesh import Mesh
+    from meshtune.runtime.mesh import Mesh
     from meshtune.parallel.data_parallel import build_step
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
@@ -267,7 +267,7 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
     from mlx.utils import tree_flatten
 
     from meshtune.adapters import apply_adapters
-    from meshtune.parallel.mesh import Mesh
+    from meshtune.runtime.mesh import Mesh
     from meshtune.parallel.data_parallel import build_step
 
     model = model_factory(layers=2, dim=64)

@@ -32,7 +32,7 @@ def test_gradient_buckets_packed_by_the_kernel(simulated, monkeypatch):
     from mlx.utils import tree_flatten
 
     from meshtune.parallel.data_parallel import sum_gradients
-    from meshtune.parallel.mesh import Mesh
+    from meshtune.runtime.mesh import Mesh
 
     # The two ranks the group claims, both holding these gradients: each bucket's sum is twice its values, so a
     # tree unpacked from the summed buffer differs from the one handed in.

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, where conftest is
 from support import tiny_llama  # noqa: E402
 
 from meshtune.adapters import apply_adapters  # noqa: E402
-from meshtune.parallel.mesh import Mesh  # noqa: E402
+from meshtune.runtime.mesh import Mesh  # noqa: E402
 from meshtune.parallel.pipeline import Pipeline  # noqa: E402
 
 

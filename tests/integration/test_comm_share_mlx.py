@@ -24,7 +24,7 @@ import pytest
 import meshtune.parallel.data_parallel as dp
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.parallel.data_parallel import DataParallel
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from support import ROOT, tiny_llama
 
 

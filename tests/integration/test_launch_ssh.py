@@ -15,7 +15,8 @@ import sys
 import time
 
 from meshtune.bench.faultkit import CLI, env
-from meshtune.cli.launch import HOSTFILE_POLL_S, read_hostfile
+from meshtune.parallel.launcher import HOSTFILE_POLL_S
+from meshtune.runtime.hostfile import read_hostfile
 
 FAKE_SSH = """#!/bin/sh
 # fake ssh: ssh HOST COMMAND -> run COMMAND here, as a login would: a clean environment, and a

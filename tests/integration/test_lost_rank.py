@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from meshtune.bench.faultkit import CLI, FaultRun, env, survivors, train_args
-from meshtune.cli.launch import write_ring_hostfile
+from meshtune.parallel.launcher import write_ring_hostfile
 from meshtune.runtime.watchdog import STARTUP_GRACE, lost_peer, peer_still_starting, write_heartbeat
 
 WATCHDOG_S = 6.0

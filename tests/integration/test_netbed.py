@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from meshtune.bench import netbed
-from meshtune.cli.launch import launch_local
+from meshtune.parallel.launcher import launch_ranks
 
 
 def _usable() -> str | None:
@@ -30,7 +30,7 @@ def test_two_ranks_all_sum_over_the_shaped_link():
     log = io.StringIO()
     with netbed.shaped_link(2, rate="1gbit", delay="20us") as bed:
         assert bed.ips == ["10.77.0.1", "10.77.0.2"]
-        code_ = launch_local(2, [sys.executable, "-c", code], hosts=bed.ips, wrap=bed.wrap, out=log, timeout=120)
+        code_ = launch_ranks(2, [sys.executable, "-c", code], hosts=bed.ips, wrap=bed.wrap, out=log, timeout=120)
     assert code_ == 0, log.getvalue()
     assert "[rank 0] sum 3 of 2" in log.getvalue() and "[rank 1] sum 3 of 2" in log.getvalue()
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -18,7 +18,7 @@ from support import ROOT, run_cli, tiny_llama
 from meshtune.api import finetune
 from meshtune.training.checkpoint import load_checkpoint, verify_checkpoint
 from meshtune.config import Config, ConfigError
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.p2p import Links
 from meshtune.parallel.data_parallel import build_step
 from meshtune.parallel.stage import split_stages

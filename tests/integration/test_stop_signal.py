@@ -106,7 +106,7 @@ def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path, ran
     assert f"to continue from step {step}: meshtune launch {' '.join(where)} -- meshtune train" in out
     # The report's line says the same, and so does the report of the run read afterwards (the start record).
     assert f"; resume with meshtune launch {' '.join(where)} -- meshtune train" in out, out[-3000:]
-    report = subprocess.run([sys.executable, "-m", "meshtune.training.report", str(run)], env=env,
+    report = subprocess.run([sys.executable, "-m", "meshtune.report", str(run)], env=env,
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 0 and f"; resume with meshtune launch {' '.join(where)} -- meshtune train" \
         in report.stdout, report.stdout + report.stderr

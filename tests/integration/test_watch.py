@@ -92,7 +92,7 @@ def test_one_process_run_with_tensorboard_and_wandb(tmp_path, monkeypatch):
     # The report is made again, the same, from the finished run's files alone.
     before = report
     (run / "report.md").unlink()
-    again = subprocess.run([sys.executable, "-m", "meshtune.training.report", str(run)], capture_output=True,
+    again = subprocess.run([sys.executable, "-m", "meshtune.report", str(run)], capture_output=True,
                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert again.returncode == 0, again.stderr
     assert (run / "report.md").read_text() == before

@@ -20,7 +20,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from meshtune.adapters import (DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRASwitchLinear, apply_adapters,
                                fuse_adapters, load_adapters, mlx_lm_adapter_config, trainable_parameters)
 from meshtune.training.checkpoint import atomic_save_safetensors
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.data_parallel import build_step
 from meshtune.training.step import loss_terms
 

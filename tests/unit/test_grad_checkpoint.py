@@ -19,7 +19,7 @@ PRELUDE = textwrap.dedent('''
     from mlx.utils import tree_flatten
     from meshtune.bench.models import Shape, build_model, add_adapters
     from meshtune.parallel.data_parallel import build_step
-    from meshtune.parallel.mesh import Mesh
+    from meshtune.runtime.mesh import Mesh
     from meshtune.training.step import enable_grad_checkpoint
 
     def model(layers, kind, hidden=128):

@@ -144,7 +144,7 @@ def test_a_pipeline_s_last_stage_gives_the_plain_loss_s_gradients(monkeypatch, t
     the parameter gradients and the gradient sent back to the stage before."""
     import meshtune.parallel.stage as stage_module
     from meshtune.adapters import apply_adapters
-    from meshtune.parallel.mesh import Mesh
+    from meshtune.runtime.mesh import Mesh
     from meshtune.parallel.stage import PipelineStage
 
     monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)

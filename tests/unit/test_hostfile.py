@@ -1,4 +1,4 @@
-"""mlx.launch's hostfile as meshtune reads it (parallel/hostfile.py): both forms, every address a link,
+"""mlx.launch's hostfile as meshtune reads it (runtime/hostfile.py): both forms, every address a link,
 JACCL's RDMA devices checked, and each bad file one line naming the host."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshtune.cli.launch import jaccl_env, write_ring_hostfile
-from meshtune.parallel.hostfile import read_hostfile
+from meshtune.parallel.launcher import jaccl_env, write_ring_hostfile
+from meshtune.runtime.hostfile import read_hostfile
 
 
 def _write(tmp_path: Path, data) -> Path:

@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.training.checkpoint import TrainingState
 from meshtune.training.loop import LoopSettings, OutOfMemory, train
 from meshtune.training.metrics import Reporter

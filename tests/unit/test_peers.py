@@ -7,7 +7,7 @@ import pytest
 
 from support import tiny_llama
 from meshtune.adapters import apply_adapters
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel import peers
 from meshtune.parallel.pipeline import sum_shared
 from meshtune.parallel.stage import PipelineStage

@@ -13,12 +13,12 @@ import mlx.core as mx
 import pytest
 
 from meshtune.config.mlx_lm_compat import FLAT_KEYS, MLX_LM_FLAGS
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.schedules import idle_fraction
 from meshtune.parallel.schedules import build
 from meshtune.training import trackers
 from meshtune.training.metrics import Reporter, peak_memory_per_rank, read_metrics, wait_shares
-from meshtune.training.report import PLOT_FILE, REPORT_FILE, summary_line, write_report
+from meshtune.report import PLOT_FILE, REPORT_FILE, summary_line, write_report
 
 TRAIN = [  # (step, loss, tokens, tokens/s)
     (2, 3.5, 100, 50.0), (4, 2.25, 120, 60.0), (6, 1.125, 80, 40.0),

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_map
 from support import tiny_llama
 from meshtune.adapters import apply_adapters
 from meshtune.training.checkpoint import TrainingState, list_checkpoints, load_checkpoint, verify_checkpoint
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.stage import PipelineStage
 from meshtune.parallel.pipeline_state import load_stage_checkpoint, resumable_step, save_stages
 

@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from support import tiny_llama
 from meshtune.adapters import apply_adapters
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.stage import PipelineStage
 
 

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from meshtune.adapters import apply_adapters, trainable_parameters
-from meshtune.parallel.mesh import Mesh
+from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.data_parallel import build_step
 from meshtune.training.step import loss_terms, training_loss_terms
 

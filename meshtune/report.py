@@ -3,7 +3,7 @@
 Built only from the run's metrics.jsonl and its adapter_config.json (the resolved
 config under "meshtune"), so a finished run's report can be made again:
 
-    python -m meshtune.training.report ADAPTER_PATH
+    python -m meshtune.report ADAPTER_PATH
 
 Times and throughput count the training steps only (each train record's tokens over
 its tokens/s); evaluations and saves are left out. `loss.png` draws the train and
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..runtime.relaunch import resume_on_ranks
-from .metrics import read_metrics
+from .runtime.relaunch import resume_on_ranks
+from .training.metrics import read_metrics
 
 REPORT_FILE = "report.md"
 PLOT_FILE = "loss.png"
@@ -138,7 +138,7 @@ def markdown(s: RunSummary) -> str:
     if s.test_loss is not None:
         rows.append(("test loss", f"{s.test_loss:.4f}"))
     if s.pp > 1 and s.schedule:
-        from ..parallel.schedules import build, idle_fraction
+        from .parallel.schedules import build, idle_fraction
 
         idle = idle_fraction(build(s.schedule, s.pp, s.micro_batches))
         rows.append(("pipeline idle share, analytic from the schedule", f"{100 * idle:.1f}%"))
@@ -202,7 +202,7 @@ def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m meshtune.training.report ADAPTER_PATH (a run folder holding metrics.jsonl)",
+        print("usage: python -m meshtune.report ADAPTER_PATH (a run folder holding metrics.jsonl)",
               file=sys.stderr)
         return 2
     if not (Path(argv[0]) / "metrics.jsonl").exists():
