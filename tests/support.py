@@ -48,3 +48,25 @@ def run_bench_json(*args: str, timeout: int = 600) -> tuple[list[str], dict]:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     return lines[:-1], json.loads(lines[-1])
+
+
+# A stand-in `ssh` for `meshtune launch --hostfile`: no remote host is reachable here, so it logs the host
+# it was asked for and runs the remote command locally with a cleared environment (as sshd would: only
+# what the command line sets reaches the rank), in a session of its own (on a real host no signal to the
+# local ssh client reaches it). The launcher's code path (hostfile, remote script, pid line, remote kill)
+# is the real one.
+FAKE_SSH = """#!/bin/sh
+host="$1"; shift
+echo "$host $*" >> "{log}"
+exec setsid -w env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$*"
+"""
+
+
+def fake_ssh(folder: Path, environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with FAKE_SSH first on PATH; it logs each call to folder/ssh.log."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    ssh = bin_dir / "ssh"
+    ssh.write_text(FAKE_SSH.format(log=folder / "ssh.log"))
+    ssh.chmod(0o755)
+    return dict(environ, PATH=f"{bin_dir}{os.pathsep}{environ.get('PATH', os.environ['PATH'])}")

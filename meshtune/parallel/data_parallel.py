@@ -57,7 +57,7 @@ from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
 from ..runtime.mesh import Mesh
 from .pack_kernel import pack_cuda
-from .socket_ring import BucketPump, SocketRing, hostfile_ips
+from .socket_ring import BucketPump, SocketRing, hostfile_links
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -323,7 +323,7 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
     sockets = transport == "sockets" and mesh.world_size > 1
     if sockets:
         backward, apply = compiled(backward), compiled(apply)
-    pump = BucketPump(SocketRing(mesh.rank, hostfile_ips(), mesh.all_ints)) if sockets else None
+    pump = BucketPump(SocketRing(mesh.rank, hostfile_links(), mesh.all_ints)) if sockets else None
     if pump is not None and clock is not None:
         pump = TimedPump(pump, clock)
 
@@ -412,7 +412,7 @@ class DataParallel:
     def check(cfg: "Config", mesh: Mesh, model_path: Path) -> None:
         """Raise what this layout cannot run as `cfg` asks, before the model loads."""
         if cfg.parallel.transport == "sockets" and mesh.world_size > 1:
-            hostfile_ips()  # says what to change when there is no ring hostfile
+            hostfile_links()  # says what to change when there is no ring hostfile
 
     @classmethod
     def from_config(cls, cfg: "Config", mesh: Mesh, model: nn.Module, optimizer: optim.Optimizer, *,

@@ -9,7 +9,9 @@ beside an exchange keeps its core (docs/performance.md, "A socket ring for one-c
 the compiled backward computes the next bucket: two ranks stream buckets to each other
 (BucketPump), more run a ring all-reduce (reduce-scatter, then all-gather, n - 1 steps
 each) between each rank and its neighbours. Ring backend only: the hosts come from
-its hostfile (MLX_HOSTFILE), the ports from an exchange over the MLX group.
+its hostfile (MLX_HOSTFILE), the ports from an exchange over the MLX group. A host listed
+with several addresses (one per cable) gets a connection per address to each neighbour,
+and every transfer is striped across them.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from ..runtime.watchdog import PeerLost
 CONNECT_SECONDS = 60.0
 
 
-def hostfile_ips() -> list[str]:
-    """Each rank's IP from the ring backend's hostfile (a list of "ip:port" lists)."""
+def hostfile_links() -> list[list[str]]:
+    """Each rank's link addresses from the ring backend's hostfile (a list of "ip:port" lists, one per link)."""
     path = os.environ.get("MLX_HOSTFILE", "")
     if not path:
         raise ValueError("parallel.transport=sockets needs the ring backend's hostfile (MLX_HOSTFILE); "
@@ -38,7 +40,7 @@ def hostfile_ips() -> list[str]:
                          "parallel.transport: mlx")
     with open(path) as f:
         hosts = json.load(f)
-    return [(h[0] if isinstance(h, list) else h).rsplit(":", 1)[0] for h in hosts]
+    return [[a.rsplit(":", 1)[0] for a in (h if isinstance(h, list) else [h])] for h in hosts]
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -53,56 +55,99 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-class SocketRing:
-    """A TCP ring between the ranks: each sends to rank + 1 and receives from rank - 1."""
+def _send(sock: socket.socket, view: memoryview) -> None:
+    try:
+        sock.sendall(view)
+    except OSError as err:
+        raise PeerLost(f"sending gradients to the next rank failed: {err}") from None
 
-    def __init__(self, rank: int, ips: list[str], exchange_ports: Any) -> None:
-        """`exchange_ports(port) -> every rank's port`, run on every rank (an MLX all-gather)."""
-        self.rank, self.size = rank, len(ips)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((ips[rank], 0))
-        listener.listen(1)
-        ports = exchange_ports(listener.getsockname()[1])
-        nxt = (rank + 1) % self.size
-        deadline = time.monotonic() + CONNECT_SECONDS
+
+class _LinkWorker:
+    """One persistent thread moving byte views over one socket, one direction, in the order given."""
+
+    def __init__(self, sock: socket.socket, move: Any, name: str) -> None:
+        self.sock, self.move = sock, move
+        self.moved = 0  # bytes moved so far
+        self.tasks: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def _run(self) -> None:
         while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            view, done = task
             try:
-                self.send_sock = socket.create_connection((ips[nxt], ports[nxt]), timeout=CONNECT_SECONDS)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        listener.settimeout(CONNECT_SECONDS)
-        self.recv_sock, _ = listener.accept()
-        listener.close()
-        for s in (self.send_sock, self.recv_sock):
+                self.move(self.sock, view)
+                self.moved += len(view)
+                done.put(None)
+            except Exception as err:  # handed to whoever waits on `done`
+                done.put(err)
+
+
+Pending = tuple  # (queue of each stripe's outcome, how many stripes)
+
+
+class SocketRing:
+    """A TCP ring between the ranks: each sends to rank + 1 and receives from rank - 1, over every link.
+
+    A rank with K addresses in the hostfile (one per cable) has K connections to each neighbour;
+    every transfer is cut into K stripes, one per link, each moved by the link's own sender or
+    receiver thread (blocking I/O), so all cables carry a share at once."""
+
+    def __init__(self, rank: int, links: list[list[str]], exchange_ports: Any) -> None:
+        """`exchange_ports(port) -> every rank's port`, run on every rank (an MLX all-gather)."""
+        self.rank, self.size = rank, len(links)
+        counts = {len(a) for a in links}
+        if len(counts) != 1:
+            raise ValueError(f"parallel.transport=sockets: the ranks list {sorted(counts)} links each in the ring "
+                             "hostfile; list the same number of addresses for every host")
+        self.links = counts.pop()
+        listeners = []
+        for address in links[rank]:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, 0))
+            listener.listen(1)
+            listeners.append(listener)
+        ports = [exchange_ports(listener.getsockname()[1]) for listener in listeners]
+        nxt = (rank + 1) % self.size
+        self._send_socks = [_connect(links[nxt][j], ports[j][nxt]) for j in range(self.links)]
+        self._recv_socks = []
+        for listener in listeners:
+            listener.settimeout(CONNECT_SECONDS)
+            self._recv_socks.append(listener.accept()[0])
+            listener.close()
+        for s in (*self._send_socks, *self._recv_socks):
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Sends run on their own thread so that every rank can send and receive at once
-        # (all ranks blocking in send on full buffers would deadlock the ring).
-        self._sends: queue.Queue = queue.Queue()
-        self._sent: queue.Queue = queue.Queue()
-        threading.Thread(target=self._sender, daemon=True, name="meshtune-ring-send").start()
+        # Every link sends and receives on threads of its own, so that all ranks can send and receive at
+        # once (ranks all blocking in send on full buffers would deadlock the ring) and every cable moves.
+        self._senders = [_LinkWorker(s, _send, f"meshtune-link{j}-send") for j, s in enumerate(self._send_socks)]
+        self._receivers = [_LinkWorker(s, _recv_into, f"meshtune-link{j}-recv")
+                           for j, s in enumerate(self._recv_socks)]
 
-    def _sender(self) -> None:
-        while True:
-            view = self._sends.get()
-            if view is None:
-                return
-            try:
-                self.send_sock.sendall(view)
-                self._sent.put(None)
-            except OSError as err:
-                self._sent.put(err)
+    def post_send(self, buf: np.ndarray) -> Pending:
+        """Start sending `buf` to the next rank, a stripe per link; `wait` on what this returns."""
+        return _post(self._senders, buf)
+
+    def post_recv(self, buf: np.ndarray) -> Pending:
+        """Start receiving the previous rank's next transfer into `buf`, a stripe per link."""
+        return _post(self._receivers, buf)
+
+    @staticmethod
+    def wait(pending: Pending) -> None:
+        """Wait until every stripe of a posted transfer has moved; a failed one raises (PeerLost)."""
+        done, count = pending
+        errors = [done.get() for _ in range(count)]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def _step(self, send: np.ndarray, recv: np.ndarray) -> None:
-        self._sends.put(memoryview(send).cast("B"))
-        _recv_into(self.recv_sock, memoryview(recv).cast("B"))
-        err = self._sent.get()
-        if err is not None:
-            raise PeerLost(f"sending gradients to the next rank failed: {err}")
+        sent, got = self.post_send(send), self.post_recv(recv)
+        self.wait(got)
+        self.wait(sent)
 
     def all_sum(self, buf: np.ndarray) -> np.ndarray:
         """The element-wise sum of every rank's `buf` (float32, 1-D), in place."""
@@ -123,21 +168,42 @@ class SocketRing:
         return buf
 
     def close(self) -> None:
-        self._sends.put(None)
-        for s in (self.send_sock, self.recv_sock):
+        for worker in (*self._senders, *self._receivers):
+            worker.tasks.put(None)
+        for s in (*self._send_socks, *self._recv_socks):
             try:
                 s.close()
             except OSError:
                 pass
 
 
+def _connect(address: str, port: int) -> socket.socket:
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while True:
+        try:
+            return socket.create_connection((address, port), timeout=CONNECT_SECONDS)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _post(workers: list[_LinkWorker], buf: np.ndarray) -> Pending:
+    """`buf`'s bytes cut into one stripe per worker (link), each queued on its worker."""
+    view = memoryview(buf).cast("B")
+    k, done = len(workers), queue.Queue()
+    for j, worker in enumerate(workers):
+        worker.tasks.put((view[j * len(view) // k:(j + 1) * len(view) // k], done))
+    return done, k
+
+
 class BucketPump:
     """Buckets handed over as the backward finishes them, summed on communication threads.
 
-    With two ranks the link never waits on a round trip: one thread sends each bucket
-    as soon as it is computed, another receives the peer's in the same order and adds
-    (both ranks hand over the same buckets in the same order). With more ranks one
-    thread runs the ring's steps bucket by bucket.
+    With two ranks the links never wait on a round trip: one thread posts each bucket to the
+    links' senders as soon as it is computed, another receives the peer's in the same order
+    and adds (both ranks hand over the same buckets in the same order). With more ranks one
+    thread runs the ring's steps bucket by bucket. Every transfer is striped over the links.
     """
 
     def __init__(self, ring: SocketRing) -> None:
@@ -171,26 +237,27 @@ class BucketPump:
                 self._sent.put(None)
                 return
             key, buf = item
+            sending = None
             try:
                 buf = np.array(buf, dtype=np.float32)
                 if failed is None:
-                    self.ring.send_sock.sendall(memoryview(buf).cast("B"))
+                    sending = self.ring.post_send(buf)  # the links' threads stream it; no wait here
             except Exception as err:  # raised on the training thread by collect()
-                failed = err if not isinstance(err, OSError) else PeerLost(
-                    f"sending gradients to the other rank failed: {err}")
-            self._sent.put((key, buf, failed))
+                failed = err
+            self._sent.put((key, buf, sending, failed))
 
     def _receive_pairs(self) -> None:
         while True:
             item = self._sent.get()
             if item is None:
                 return
-            key, buf, err = item
+            key, buf, sending, err = item
             try:
                 if err is not None:
                     raise err
                 other = np.empty_like(buf)
-                _recv_into(self.ring.recv_sock, memoryview(other).cast("B"))
+                self.ring.wait(self.ring.post_recv(other))
+                self.ring.wait(sending)
                 self._done.put((key, np.add(buf, other, out=buf), None))  # a + b == b + a: same bits on both
             except Exception as err:
                 self._done.put((key, None, err))

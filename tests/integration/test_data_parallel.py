@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from support import ROOT
+from support import ROOT, fake_ssh
 
 # SGD: the update is the gradient itself, so weights compare gradients. (Adam divides
 # by sqrt(v); for the near-zero gradients of lora_a at B = 0 that turns float
@@ -26,11 +26,20 @@ STEPS = ["--iters", "4", "--train.steps_per_report", "2", "--steps-per-eval", "2
          "--train.val_batches", "2", "--optimizer", "sgd", "--learning-rate", "0.01"]
 
 
-def _run(n: int, out: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(n: int, out: Path, *args: str, timeout: int = 300, links: int = 1) -> subprocess.CompletedProcess:
+    """n ranks through `meshtune launch`; with `links` > 1 through a hostfile listing that many loopback
+    addresses per host (support.fake_ssh stands in for ssh)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "meshtune.cli"]
     train = ["train", *STEPS, *args, "--adapter-path", str(out)]
-    full = [*cmd, "launch", "-n", str(n), "--", *cmd, *train] if n > 1 else [*cmd, *train]
+    ranks = ["-n", str(n)]
+    if links > 1:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        hosts = out.parent / "hosts.json"
+        hosts.write_text(json.dumps([{"ssh": f"node{i}", "ips": [f"127.0.0.{j + 1}" for j in range(links)]}
+                                     for i in range(n)]))
+        env, ranks = fake_ssh(out.parent, env), ["--hostfile", str(hosts)]
+    full = [*cmd, "launch", *ranks, "--", *cmd, *train] if n > 1 else [*cmd, *train]
     proc = subprocess.run(full, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if n > 1:
@@ -115,6 +124,21 @@ def test_n_ranks_match_one_rank(tmp_path_factory, tmp_path, n, kind, extra):
     many = _run(n, tmp_path / "many", *args)
     _assert_same_run(one, tmp_path / "many")
     # Only rank 0 writes and reports.
+    assert "adapters written to" in many.stdout and "[rank 1] adapters written" not in many.stdout
+
+
+# Two links per rank (a hostfile with two addresses per host): MLX's ring and the socket ring stripe every
+# all-reduce over both connections; the result is the one process's.
+@pytest.mark.parametrize("n, kind, extra", [
+    (2, "lora", []),
+    (2, "lora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap", "--parallel.bucket_mb", "0.01"]),
+    (3, "lora", ["--parallel.transport", "sockets", "--parallel.grad_sync", "overlap"]),
+])
+def test_n_ranks_over_two_links_match_one_rank(tmp_path_factory, tmp_path, n, kind, extra):
+    args = ["--batch-size", str(2 * n), "--fine-tune-type", kind, *extra]
+    one = _one_process(tmp_path_factory, args)
+    many = _run(n, tmp_path / "many", *args, links=2)
+    _assert_same_run(one, tmp_path / "many")
     assert "adapters written to" in many.stdout and "[rank 1] adapters written" not in many.stdout
 
 

@@ -1,9 +1,8 @@
 """`meshtune launch --hostfile`: ranks started over ssh, output prefixed, failing together.
 
-No remote host is reachable here, so `ssh` on PATH is a fake: a script that logs the
-host it was asked for and runs the remote command locally with a cleared environment
-(as sshd would: only what the command line sets reaches the rank). The launcher's
-code path (hostfile, remote script, pid line, remote kill) is the real one.
+No remote host is reachable here, so `ssh` on PATH is a fake (support.FAKE_SSH): it runs the
+remote command locally with a cleared environment. The launcher's code path (hostfile, remote
+script, pid line, remote kill) is the real one.
 """
 
 from __future__ import annotations
@@ -15,25 +14,12 @@ import sys
 import time
 
 from meshtune.bench.faultkit import CLI, env
+from support import fake_ssh
 from meshtune.parallel.launcher import HOSTFILE_POLL_S
 from meshtune.runtime.hostfile import read_hostfile
 
-FAKE_SSH = """#!/bin/sh
-# fake ssh: ssh HOST COMMAND -> run COMMAND here, as a login would: a clean environment, and a
-# session of its own (on a real host no signal to the local ssh client reaches it)
-host="$1"; shift
-echo "$host $*" >> "{log}"
-exec setsid -w env -i PATH="$PATH" HOME="$HOME" /bin/sh -c "$*"
-"""
-
-
 def _fake_ssh(tmp_path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    ssh = bin_dir / "ssh"
-    ssh.write_text(FAKE_SSH.format(log=tmp_path / "ssh.log"))
-    ssh.chmod(0o755)
-    return dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return fake_ssh(tmp_path, env())
 
 
 def _hostfile(tmp_path, n: int, ips: tuple[str, ...] = ("127.0.0.1",)):

@@ -1,4 +1,5 @@
-"""meshtune's socket ring all-reduce, as threads on localhost: every rank gets the same sum."""
+"""meshtune's socket ring all-reduce, as threads on localhost: every rank gets the same sum, over one link
+or several (127.0.0.x addresses: each its own connection)."""
 
 import os
 import subprocess
@@ -12,16 +13,20 @@ from meshtune.parallel.socket_ring import BucketPump, SocketRing
 from meshtune.runtime.watchdog import EXIT_CODE, HEARTBEAT_ENV, PeerLost
 
 
-def _rings(n):
-    """n connected rings on 127.0.0.1, ports exchanged through a barrier (as the MLX all-gather would)."""
+def _rings(n, links=1):
+    """n connected rings on `links` loopback addresses each, ports exchanged through a barrier (as the MLX
+    all-gather would, once per link)."""
     ports, barrier, rings = [0] * n, threading.Barrier(n), [None] * n
+    addresses = [f"127.0.0.{j + 1}" for j in range(links)]
 
     def make(rank):
         def exchange(port):
             ports[rank] = port
             barrier.wait()
-            return list(ports)
-        rings[rank] = SocketRing(rank, ["127.0.0.1"] * n, exchange)
+            got = list(ports)
+            barrier.wait()  # every rank has read this link's ports before the next link's are written
+            return got
+        rings[rank] = SocketRing(rank, [addresses] * n, exchange)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(n)]
     for t in threads:
@@ -32,9 +37,11 @@ def _rings(n):
     return rings
 
 
-@pytest.mark.parametrize("n, size", [(2, 1), (2, 1000), (3, 2), (3, 10007), (4, 5)])
-def test_ring_all_sum_is_the_sum_on_every_rank(n, size):
-    rings = _rings(n)
+@pytest.mark.parametrize("n, size, links", [(2, 1, 1), (2, 1000, 1), (3, 2, 1), (3, 10007, 1), (4, 5, 1),
+                                            (2, 1, 2), (2, 100003, 2), (3, 10007, 3), (4, 5, 2)])
+def test_ring_all_sum_is_the_sum_on_every_rank(n, size, links):
+    rings = _rings(n, links)
+    assert all(r.links == links for r in rings)
     data = [np.random.default_rng(r).standard_normal(size).astype(np.float32) for r in range(n)]
     want = np.sum(data, axis=0, dtype=np.float64)
     pumps = [BucketPump(r) for r in rings]
@@ -68,3 +75,25 @@ def test_a_lost_socket_peer_is_the_watchdog_s_one_line_and_exit_75(tmp_path):
     assert proc.returncode == EXIT_CODE == 75, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "a peer closed its gradient socket" in lines[0] and "exiting with 75" in lines[0], lines
+
+
+def test_every_link_carries_a_stripe_of_each_transfer():
+    """Two links: each connection moves half of a bucket's bytes (a stripe), not all of it on one."""
+    rings = _rings(2, links=2)
+    data = np.arange(1 << 15, dtype=np.float32)
+    pumps = [BucketPump(r) for r in rings]
+    for p in pumps:
+        p.submit("b", data.copy())
+    for p in pumps:
+        assert np.array_equal(dict(p.collect(1))["b"], 2 * data)
+    for ring in rings:
+        assert [w.sock.getsockname()[0] for w in ring._receivers] == ["127.0.0.1", "127.0.0.2"]
+        assert [w.moved for w in ring._senders] == [data.nbytes // 2] * 2
+        assert [w.moved for w in ring._receivers] == [data.nbytes // 2] * 2
+    for r in rings:
+        r.close()
+
+
+def test_hosts_with_different_link_counts_are_one_line():
+    with pytest.raises(ValueError, match=r"the ranks list \[1, 2\] links each"):
+        SocketRing(0, [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]], lambda port: [port, port])
