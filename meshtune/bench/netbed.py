@@ -2,10 +2,12 @@
 
 A Mac cluster talks over Thunderbolt or Ethernet, where communication waits on the
 link; loopback hides that. Here each rank gets a namespace `mtbed<i>` with one veth
-into a bridge namespace, and every veth's egress is shaped with tc netem (rate and
-delay), e.g. 10 Gb/s and 20 us, so communication-bound behaviour can be reproduced on
-one Linux machine. Needs root and iproute2; addresses are 10.77.0.<i+1>/24, private
-to the namespaces.
+per link into a bridge namespace (a bridge and a subnet per link, so the kernel cannot
+carry one link's traffic over another), and every veth's egress is shaped with tc netem
+(rate and delay), e.g. 10 Gb/s and 20 us, so communication-bound behaviour can be
+reproduced on one Linux machine. Link j's addresses are 10.77.<j>.<i+1>/24, private to the
+namespaces. `shared=True` is the control: the same addresses, all on one shaped veth per
+rank (several connections, one link's rate). Needs root and iproute2.
 
     with shaped_link(2, rate="10gbit", delay="20us") as bed:
         launch_ranks(2, cmd, hosts=bed.ips, wrap=bed.wrap)
@@ -40,12 +42,18 @@ def _sh(*args: str) -> None:
 
 @dataclass(frozen=True)
 class Bed:
-    """What launching needs: each rank's IP and the command prefix that enters its namespace."""
+    """What launching needs: each rank's addresses (one per link) and the command prefix that enters its
+    namespace."""
 
-    ips: list[str]
+    addresses: list[list[str]]
     rate: str
     delay: str
     shaping: str
+
+    @property
+    def ips(self) -> list[str]:
+        """Each rank's address on the first link."""
+        return [a[0] for a in self.addresses]
 
     def wrap(self, rank: int) -> list[str]:
         return ["ip", "netns", "exec", f"mtbed{rank}"]
@@ -111,8 +119,10 @@ def _teardown(n: int) -> None:
 
 
 @contextlib.contextmanager
-def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str = "") -> Iterator[Bed]:
-    """Build the bed for n ranks, yield it, and always tear it down."""
+def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str = "", links: int = 1,
+                shared: bool = False) -> Iterator[Bed]:
+    """Build the bed for n ranks with `links` shaped links each (`shared`: all their addresses on the first
+    link's veth), yield it, and always tear it down."""
     reason = available()
     if reason:
         raise ValueError(reason)
@@ -120,22 +130,29 @@ def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str
     _teardown(n)  # a crashed earlier run may have left namespaces behind
     try:
         _sh("ip", "netns", "add", BRIDGE_NS)
-        _sh("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
-        ips = []
+        veths = 1 if shared else links
+        for j in range(veths):
+            _sh("ip", "-n", BRIDGE_NS, "link", "add", f"br{j}", "type", "bridge")
+            _sh("ip", "-n", BRIDGE_NS, "link", "set", f"br{j}", "up")
+        addresses = []
         for i in range(n):
-            ns, ip = f"mtbed{i}", f"10.77.0.{i + 1}"
+            ns = f"mtbed{i}"
             _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", f"mtv{i}", "netns", ns, "type", "veth", "peer", "name", f"mtp{i}",
-                "netns", BRIDGE_NS)
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", f"mtv{i}")
-            for where, dev in ((ns, f"mtv{i}"), (BRIDGE_NS, f"mtp{i}")):
-                _sh("ip", "-n", where, "link", "set", dev, "up")
-                # Shape both directions: rank -> bridge and bridge -> rank.
-                shaping = _shape(where, dev, rate, delay, burst)
-            _sh("ip", "-n", BRIDGE_NS, "link", "set", f"mtp{i}", "master", "br0")
+            for j in range(veths):
+                own, peer = (f"mtv{i}", f"mtp{i}") if j == 0 else (f"mtv{i}l{j}", f"mtp{i}l{j}")
+                _sh("ip", "link", "add", own, "netns", ns, "type", "veth", "peer", "name", peer, "netns", BRIDGE_NS)
+                for where, dev in ((ns, own), (BRIDGE_NS, peer)):
+                    _sh("ip", "-n", where, "link", "set", dev, "up")
+                    # Shape both directions: rank -> bridge and bridge -> rank.
+                    shaping = _shape(where, dev, rate, delay, burst)
+                _sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", f"br{j}")
+            for j in range(links):
+                _sh("ip", "-n", ns, "addr", "add", f"10.77.{j}.{i + 1}/24", "dev", f"mtv{i}" if shared or j == 0
+                    else f"mtv{i}l{j}")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            ips.append(ip)
-        yield Bed(ips=ips, rate=rate, delay=delay, shaping=shaping)
+            addresses.append([f"10.77.{j}.{i + 1}" for j in range(links)])
+        if links > 1:
+            shaping += f", {links} links" + (" sharing one veth (the control)" if shared else " each")
+        yield Bed(addresses=addresses, rate=rate, delay=delay, shaping=shaping)
     finally:
         _teardown(n)

@@ -6,9 +6,15 @@ configuration runs through `meshtune launch --pin` (one core and one BLAS thread
 rank, so 1 rank and N ranks get the same compute per rank). Exposed communication is
 the N-rank step time minus the 1-rank step time (the compute-only step of the same
 local batch). Plain loopback, and with `--link RATE[:DELAY]` (root) also the
-shaped-link bed of meshtune/bench/netbed.py, both in the same invocation.
+shaped-link bed of meshtune/bench/netbed.py, both in the same invocation. `--links 1,2` runs
+the bed with 1 and with 2 shaped links per rank (every rank's addresses in the ring hostfile,
+as a host with two cables lists them), plus the control: the largest count of connections
+sharing one shaped link, which must gain nothing. The headline `multi_link_speedup` is the
+best multi-link configuration's steps/s over one link with the sync after the backward on
+MLX's ring (stock mlx-lm's way); `multi_link_over_best_single` over the best one-link one.
 
     meshtune bench scaling [--ranks 2] [--iters 60] [--local-batch 16] [--link 1gbit:20us] [--json]
+    meshtune bench scaling --links 1,2 --link 600mbit --kinds full --json
 
 On GPUs the ranks are started by a distributed launcher and measure in-process
 (bench/scaling_inproc.py):
@@ -45,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                         "starts early); in-process, the training default (parallel.bucket_mb, 25): on GPUs "
                         "small buckets leave more of the step exposed than their overlap hides.")
     p.add_argument("--link", default="", help="Also run on the shaped-link bed, e.g. 1gbit:20us (needs root).")
+    p.add_argument("--links", type=_counts, default=[1],
+                   help="Shaped links per rank on the bed, e.g. 1,2 (each a subnet of its own), and a control "
+                        "of the largest count sharing one link. Needs --link.")
+    p.add_argument("--kinds", type=_kinds, default=["lora", "full"], help="Fine-tune types to run: lora,full.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
     g = p.add_argument_group("in-process (GPUs; run every rank under a distributed launcher)")
     g.add_argument("--in-process", action="store_true", help="Measure inside this distributed job.")
@@ -64,6 +74,23 @@ def _parser() -> argparse.ArgumentParser:
 TRANSPORTS = ("mlx", "sockets")
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give link counts like 1,2")
+    return counts
+
+
+def _kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if not kinds or any(k not in ("lora", "full") for k in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give lora, full or lora,full")
+    return kinds
+
+
 def _run(ranks: int, kind: str, sync: str, a: argparse.Namespace, out: Path, bed: Any = None,
          transport: str = "mlx") -> float:
     """Steps/s of one configuration (windows after the first)."""
@@ -73,7 +100,7 @@ def _run(ranks: int, kind: str, sync: str, a: argparse.Namespace, out: Path, bed
              "--train.val_batches", "0", "--save-every", str(a.iters), "--parallel.grad_sync", sync,
              "--parallel.bucket_mb", str(a.bucket_mb), "--parallel.transport", transport, "--adapter-path", str(out)]
     log = io.StringIO()
-    code = launch_ranks(ranks, train, pin=True, out=log, hosts=bed.ips if bed and ranks > 1 else None,
+    code = launch_ranks(ranks, train, pin=True, out=log, hosts=bed.addresses if bed and ranks > 1 else None,
                         wrap=bed.wrap if bed and ranks > 1 else None)
     if code != 0:
         raise RuntimeError(f"{kind} {sync} ({transport}) on {ranks} ranks failed with exit code {code}:\n"
@@ -88,7 +115,7 @@ def _table(a: argparse.Namespace, tmp: Path, label: str, bed: Any = None) -> tup
     of the two transports over the overlap of the best transport.
     """
     n, rows, result = a.ranks, [], {}
-    for kind in ("lora", "full"):
+    for kind in a.kinds:
         one = _run(1, kind, "after_backward", a, tmp / f"{label}-{kind}-1")
         step1 = 1000 / one
         after, over = {}, {}
@@ -110,7 +137,9 @@ def _table(a: argparse.Namespace, tmp: Path, label: str, bed: Any = None) -> tup
         result[f"exposed_comm_ms_overlap_{kind}"] = best_over - step1
         result[f"exposed_comm_fraction_after_{kind}"] = max(best_after - step1, 0.0) / best_after
         result[f"exposed_comm_fraction_overlap_{kind}"] = max(best_over - step1, 0.0) / best_over
-    result["exposed_comm_fraction_overlap"] = result["exposed_comm_fraction_overlap_full"]
+        for tr in TRANSPORTS:
+            result[f"steps_per_s_after_{kind}_{tr}"], result[f"steps_per_s_overlap_{kind}_{tr}"] = after[tr], over[tr]
+    result["exposed_comm_fraction_overlap"] = result[f"exposed_comm_fraction_overlap_{a.kinds[-1]}"]
     return rows, result
 
 
@@ -121,12 +150,32 @@ def _print(title: str, rows: list[tuple], result: dict[str, float], n: int) -> N
     for kind, tr, one, after, over, s1, sa, so in rows:
         print(f"{kind:<6}{tr:<10}{one:>9.1f} st/s{after:>12.1f} st/s{over:>10.1f} st/s   {s1:6.1f} / {sa:6.1f} / {so:6.1f}"
               f"   {sa - s1:10.1f} / {so - s1:6.1f}          {sa / so:.2f}x")
-    for kind in ("lora", "full"):
+    for kind in sorted({r[0] for r in rows}, key=("lora", "full").index):
         print(f"{kind}: weak-scaling efficiency {100 * result[f'weak_scaling_{kind}']:.1f}%; overlap speedup "
               f"{result[f'overlap_speedup_{kind}']:.2f}x (best after_backward / best overlap), "
               f"{result[f'overlap_speedup_{kind}_over_mlx_after']:.2f}x over after_backward on MLX's all_sum "
               f"(stock mlx-lm's sync); communication {100 * result[f'exposed_comm_fraction_after_{kind}']:.0f}% "
               f"of the best after_backward step")
+
+
+def multi_link_figures(by_bed: dict[str, dict[str, float]], kind: str) -> dict[str, float]:
+    """The headline ratios of `kind` from each bed's figures (labels links<K>, control<K>): the best
+    multi-link configuration's steps/s over one link's after-the-backward MLX sync, and over one link's best."""
+    def best(figures: dict[str, float]) -> float:
+        return max(v for k, v in figures.items() if k.startswith("steps_per_s_") and k.split("_")[4] == kind)
+
+    single = by_bed.get("links1")
+    multi = [f for label, f in by_bed.items() if label.startswith("links") and label != "links1"]
+    if single is None or not multi:
+        return {}
+    out = {"multi_link_speedup": max(best(f) for f in multi) / single[f"steps_per_s_after_{kind}_mlx"],
+           "multi_link_over_best_single": max(best(f) for f in multi) / best(single),
+           "single_link_comm_fraction_after_mlx": single[f"exposed_comm_ms_after_{kind}_mlx"]
+           / single[f"step_ms_after_{kind}_mlx"]}
+    control = [f for label, f in by_bed.items() if label.startswith("control")]
+    if control:
+        out["control_over_best_single"] = best(control[0]) / best(single)
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -140,6 +189,8 @@ def main(argv: list[str]) -> int:
 
         return in_process(a)
     n = a.ranks
+    if a.links != [1] and not a.link:
+        raise ValueError("--links needs the shaped-link bed: give --link RATE, e.g. --link 600mbit")
     if a.link:
         from .netbed import link_spec
 
@@ -155,10 +206,27 @@ def main(argv: list[str]) -> int:
             from .netbed import shaped_link
 
             rate, delay = link
-            with shaped_link(n, rate=rate, delay=delay) as bed:
-                rows, shaped = _table(a, Path(tmp), "shaped", bed)
-                _print(f"shaped link: {bed.shaping}", rows, shaped, n)
-            result.update({f"shaped_{k}": v for k, v in shaped.items()})
+            beds = [(k, False) for k in a.links] + ([(max(a.links), True)] if max(a.links) > 1 else [])
+            by_bed = {}
+            for links, shared in beds:
+                with shaped_link(n, rate=rate, delay=delay, links=links, shared=shared) as bed:
+                    label = f"control{links}" if shared else f"links{links}"
+                    rows, shaped = _table(a, Path(tmp), label, bed)
+                    _print(f"shaped link: {bed.shaping}", rows, shaped, n)
+                by_bed[label] = shaped
+            first = by_bed[f"links{a.links[0]}"]
+            result.update({f"shaped_{k}": v for k, v in first.items()})  # the one-bed keys, as before --links
+            if len(by_bed) > 1:
+                ratios = multi_link_figures(by_bed, a.kinds[-1])
+                result.update(ratios)
+                print(f"{a.kinds[-1]}, {n} ranks: best of {max(a.links)} links over one link's after_backward "
+                      f"on MLX's ring {ratios['multi_link_speedup']:.2f}x (one link spends "
+                      f"{100 * ratios['single_link_comm_fraction_after_mlx']:.0f}% of that step communicating), "
+                      f"over one link's best {ratios['multi_link_over_best_single']:.2f}x"
+                      + (f"; control ({max(a.links)} connections on one link) over one link's best "
+                         f"{ratios['control_over_best_single']:.2f}x" if "control_over_best_single" in ratios else ""))
+                for label, figures in by_bed.items():
+                    result.update({f"shaped_{label}_{k}": v for k, v in figures.items()})
     if a.json:
         print(json.dumps(result))
     return 0

@@ -170,14 +170,14 @@ def check_hosts(n: int, hostfile: Hostfile | None) -> None:
 
 
 def launch_ranks(n: int, command: list[str], *, pin: bool = False, env: dict[str, str] | None = None,
-                 timeout: float | None = None, hosts: list[str] | None = None,
+                 timeout: float | None = None, hosts: list[str] | list[list[str]] | None = None,
                  wrap: Callable[[int], list[str]] | None = None, out: IO[str] | None = None,
                  hostfile: Hostfile | None = None, err: IO[str] | None = None,
                  backend: str = "ring") -> int:
     """Run `command` as n ranks (ring; nccl on this machine; jaccl over a hostfile); 0, or the failing rank's
     code (see `_watch`).
 
-    `hosts` gives each rank's IP and `wrap(rank)` a command prefix (e.g. entering a
+    `hosts` gives each rank's IP (or its addresses, one per link) and `wrap(rank)` a command prefix (e.g. entering a
     network namespace of the shaped-link bed); both default to plain loopback.
     `hostfile` (mlx.launch's, one host per rank) starts rank i through `ssh` on its host instead,
     its ring over every address the host lists.
@@ -207,7 +207,8 @@ def launch_ranks(n: int, command: list[str], *, pin: bool = False, env: dict[str
         jaccl_variables, files = jaccl_env(hostfile, backend)
         variables.update(jaccl_variables)
     with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
-        addresses = [h.ips for h in ssh_hosts] if ssh_hosts else [[ip] for ip in hosts] if hosts else None
+        addresses = ([h.ips for h in ssh_hosts] if ssh_hosts else
+                     [[ip] if isinstance(ip, str) else list(ip) for ip in hosts] if hosts else None)
         ring = write_ring_hostfile(n, Path(tmp), addresses) if n > 1 and backend == "ring" else None
         if ring is not None:
             files = {"MLX_HOSTFILE": ring.read_text()}

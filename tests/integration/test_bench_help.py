@@ -19,7 +19,7 @@ from meshtune.bench import SUITES
 OWN_FLAGS = {
     "peer": ["--report-every", "--max-seq-length"],
     "adapters": ["--combine", "--base-path", "--gen-tokens"],
-    "scaling": ["--in-process", "--rounds", "--local-batch"],
+    "scaling": ["--in-process", "--rounds", "--local-batch", "--links", "--kinds"],
     "pipeline": ["--micro-batches", "--data-parallel"],
     "badinput": ["--subprocess"],
     "faults": ["--skip-badinput", "--watchdog"],
@@ -92,6 +92,9 @@ NONSENSE = [
     ("scaling", ["--bucket-mb", "-1"], "--bucket-mb -1: must be above 0"),
     ("scaling", ["--link", "bogus"], "--link 'bogus': rate 'bogus': give it as tc does"),
     ("scaling", ["--link", "infbit"], "--link 'infbit': rate 'infbit': give it as tc does"),
+    ("scaling", ["--links", "0,2"], "--links '0,2': give link counts like 1,2"),
+    ("scaling", ["--links", "1,2"], "--links needs the shaped-link bed: give --link RATE"),
+    ("scaling", ["--kinds", "dora"], "--kinds 'dora': give lora, full or lora,full"),
     ("startup", ["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     ("torch", ["--steps", "0"], "--steps 0: must be at least 1"),
     ("long-rows", ["--seq-lens", "10"], "--seq-lens 10: must be at least 64"),
