@@ -36,13 +36,12 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..adapters import trainable_parameters
 from ..training.checkpoint import LoadedCheckpoint, TrainingState
-from ..training.losses import target_mask
-from ..training.step import evaluate
+from ..training.losses import masked_ce_sum, target_mask
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update, local_square_sum
 from .mesh import Mesh
 from .peers import sum_on_peers
-from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
+from .pipeline_state import load_stage_checkpoint, resumable_step, save_stages, write_gathered
 from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
 from .stages import check_pipeline_layout
@@ -99,6 +98,36 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
         if tic is not None:
             clock.add(time.perf_counter() - tic)
     return loss_sum, total_grads
+
+
+def evaluate_stages(stage: PipelineStage, batches: Iterable[Any], beat: Callable[[], None] = lambda: None
+                    ) -> tuple[float, int]:
+    """Token-weighted loss over `batches` through the stages: (loss, global tokens), on every rank.
+
+    Each batch's hidden states go forward stage by stage, as in training; the last stage of
+    each replica adds its loss and target tokens, and one world all_sum shares them.
+    """
+    rank = stage.mesh.rank
+    stage.model.eval()
+    total, tokens = mx.array(0.0), mx.array(0)
+    for batch in batches:
+        x = batch.tokens[:, :-1]
+        if not stage.first:
+            shape, dtype = stage.hidden_spec(batch.tokens)
+            x = stage.links.recv(shape, dtype, rank - 1)
+            mx.eval(x)
+        h = stage.hidden(x, batch.lengths)
+        if stage.last:
+            ce, n = masked_ce_sum(stage.head(stage.inner.norm(h)), batch.tokens[:, 1:], batch.lengths)
+            total, tokens = total + ce, tokens + n
+            mx.eval(total, tokens)
+        else:
+            mx.eval(stage.links.send(h, rank + 1))
+        beat()
+    stage.model.train()
+    total, tokens = stage.mesh.all_sum(total), stage.mesh.all_sum(tokens)
+    n = int(tokens.item())
+    return (total.item() / n if n else float("nan")), n
 
 
 def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list[tuple[mx.array, mx.array]]:
@@ -183,6 +212,17 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     return verdict
 
 
+def holdings_line(stage: PipelineStage) -> str:
+    """What this rank's stage holds: its blocks, the end parts, and the bytes of all its weights."""
+    parts = [f"blocks [{stage.start}, {stage.end})"]
+    if "embed_tokens" in stage.inner and stage.first:
+        parts.append("the embedding")
+    if stage.last:
+        parts.append("the norm and head" + (" (the tied embedding table)" if "lm_head" not in stage.model else ""))
+    held = sum(v.nbytes for _, v in tree_flatten(stage.model.parameters()))
+    return f"pipeline stage {stage.stage} holds {', '.join(parts)}: {held / 1e6:.3f} MB of weights and adapters"
+
+
 class Pipeline:
     """The strategy of a mesh with pipeline stages: this rank trains its stage's blocks.
 
@@ -218,6 +258,8 @@ class Pipeline:
                        max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
+        if mesh.dp_rank == 0:  # every stage says what it holds, so a launcher's log shows the division
+            print(holdings_line(pipeline.stage), flush=True)
         return pipeline
 
     def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
@@ -241,15 +283,10 @@ class Pipeline:
         return {"bubble": self.clock.take()}
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
-        # Every rank evaluates the whole gathered model on its replica's batches; only the
-        # first stage of each replica counts, so nothing is summed twice.
-        self.gather_weights()
-        return evaluate(self.model, batches, self.mesh, beat=beat, counts=self.stage.first, overlap=self.overlap)
+        return evaluate_stages(self.stage, batches, beat)
 
-    def gather_weights(self) -> dict[str, mx.array]:
-        weights = gather_parameters(self.stage, self.keys)
-        self.model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
-        return weights
+    def write_weights(self, path: Path) -> None:
+        write_gathered(path, self.stage, self.keys)
 
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         save_stages(out, self.stage, self.optimizer, state=state, config=config, keep=keep)  # each stage its shard
@@ -259,6 +296,8 @@ class Pipeline:
         return None if found is None else load_stage_checkpoint(*found, self.stage)
 
     def restore(self, ckpt: LoadedCheckpoint) -> None:
-        self.model.load_weights(list(ckpt.trainable.items()), strict=False)  # what this stage trains
+        own = set(dict(tree_flatten(self.model.trainable_parameters())))
+        # What this stage trains; the others' tensors of a whole-model checkpoint stay unread.
+        self.model.load_weights([(k, v) for k, v in ckpt.trainable.items() if k in own], strict=False)
         self.optimizer.state = ckpt.optimizer_state
         self.optimizer.init(self.model.trainable_parameters())
