@@ -192,7 +192,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     strategy = with_forced_fault(strategy, done=start.step)  # a test hook, off unless its variable is set
     # What setup holds (weights, adapters, optimizer state): the rest of the peak is activations.
     mx.eval(model.parameters(), optimizer.state)
-    setup_bytes = mx.get_active_memory()
+    setup_bytes, setup_peak = mx.get_active_memory(), mx.get_peak_memory()  # the load's peak included
     mx.reset_peak_memory()
     if mesh.is_writer:
         # Only now, with every input checked, does an overwrite remove the earlier run.
@@ -246,8 +246,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
         peak = mx.get_peak_memory()
-        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {peak / 1e9:.4f} GB, "
-              f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {max(peak, setup_peak) / 1e9:.4f} GB "
+              f"since start, activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl
         say(summary_line(write_report(out, resolved), out, out / ad.ADAPTER_FILE))
