@@ -35,6 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..adapters import trainable_parameters
+from ..plan.model_facts import resolve_model_folder
 from ..training.checkpoint import LoadedCheckpoint, TrainingState
 from ..training.losses import masked_ce_sum, target_mask
 from ..training.strategy import WaitClock
@@ -44,6 +45,7 @@ from .peers import sum_on_peers
 from .pipeline_state import load_stage_checkpoint, resumable_step, save_stages, write_gathered
 from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
+from .stage_model import MODEL_FOLDER, write_stage_model
 from .stages import check_pipeline_layout
 
 if TYPE_CHECKING:
@@ -235,8 +237,10 @@ class Pipeline:
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, schedule: str,
                  micro_batches: int, stage_layers: list[int] | None = None, accumulation: int = 1,
                  max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None,
-                 compile: bool = False):
-        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+                 compile: bool = False, model_from: Path | None = None):
+        """`model_from`: with full fine-tuning, the base model folder whose config and tokenizer the
+        trained model's folder takes (stage_model.py); None writes the adapters file alone."""
+        self.model, self.optimizer, self.mesh, self.model_from = model, optimizer, mesh, model_from
         self.accumulation, self.max_grad_norm, self.overlap = accumulation, max_grad_norm, overlap
         self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
         self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer,
@@ -255,7 +259,9 @@ class Pipeline:
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
         pipeline = cls(model, optimizer, mesh, schedule=cfg.parallel.schedule, micro_batches=micro_batches,
                        stage_layers=cfg.parallel.stage_layers, accumulation=cfg.train.grad_accumulation_steps,
-                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile)
+                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile,
+                       model_from=(resolve_model_folder(cfg.resolved_model_path())
+                                   if cfg.adapter.fine_tune_type == "full" else None))
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
         if mesh.dp_rank == 0:  # every stage says what it holds, so a launcher's log shows the division
@@ -287,6 +293,8 @@ class Pipeline:
 
     def write_weights(self, path: Path) -> None:
         write_gathered(path, self.stage, self.keys)
+        if self.model_from is not None:  # full fine-tuning: the trained model too, each stage its shard
+            write_stage_model(path.parent / MODEL_FOLDER, self.stage, self.model_from)
 
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         save_stages(out, self.stage, self.optimizer, state=state, config=config, keep=keep)  # each stage its shard

@@ -80,6 +80,7 @@ class PipelineStage:
         # Every trained parameter of the whole model, in one order all ranks share: names, shapes
         # and dtypes only, taken from the (lazily loaded) whole model before the cut below.
         self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
+        self.all_weights = [(k, v.nbytes) for k, v in tree_flatten(self.model.parameters())]  # names and bytes
         self.bounds = split_stages(self.model, self.stages, self.stage_layers)
         self.start, self.end = self.bounds[self.stage]
         self.width = (self.inner.norm.weight.shape[0], self.inner.norm.weight.dtype)  # what crosses a cut

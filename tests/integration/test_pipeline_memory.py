@@ -117,3 +117,39 @@ def test_each_rank_holds_and_allocates_only_its_stage(tmp_path, models, model, k
     val = [[json.loads(l)["val_loss"] for l in (tmp_path / r / "metrics.jsonl").read_text().splitlines()
             if '"val"' in l] for r in ("one", "two")]
     assert val[1] == pytest.approx(val[0], rel=1e-5)
+
+
+def test_full_fine_tuning_stages_write_a_sharded_model_and_resume_on_more_stages(tmp_path):
+    # The tiny model ties its head to the embedding: the table is the first stage's to write.
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    from support import TINY_MODEL
+    from meshtune.inference import load_for_inference
+
+    run = tmp_path / "run"
+    flags = ["train", "--fine-tune-type", "full", "--optimizer", "sgd", "--learning-rate", "0.01", "--batch-size", "6",
+             "--save-every", "2", "--val-batches", "1", "--steps-per-eval", "2", "--adapter-path", str(run)]
+    for ranks, more in ((2, ["--iters", "2"]), (3, ["--iters", "4", "--resume"])):
+        proc = run_cli("launch", "-n", str(ranks), "--", sys.executable, "-m", "meshtune.cli", *flags,
+                       "--parallel.pp", str(ranks), *more)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        for rank in range(ranks):
+            assert f"[rank {rank}] rank {rank} finished at step {more[1]}" in proc.stdout
+    assert "resumed from step 2" in proc.stdout  # a 2-stage checkpoint, on 3 stages
+
+    folder = run / "model"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert shards == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]  # the 2-stage save's are gone
+    for name in shards:  # each stage wrote what the index says it holds, and nothing else
+        assert sorted(mx.load(str(folder / name))) == sorted(k for k, f in index["weight_map"].items() if f == name)
+    assert index["weight_map"]["model.embed_tokens.weight"] == shards[0]
+    # Stock mlx-lm loads the folder as a model: the base with the trained weights of the adapters file.
+    model, _ = load(str(folder))
+    want, _ = load_for_inference(str(TINY_MODEL), run)
+    got, want = dict(tree_flatten(model.parameters())), dict(tree_flatten(want.parameters()))
+    assert got.keys() == want.keys()
+    assert all(mx.array_equal(got[k], want[k]).item() for k in got)
+    gen = run_cli("generate", "--model", str(folder), "--prompt", "What is 40 + 2?", "--max-tokens", "4")
+    assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr[-2000:]
