@@ -153,3 +153,24 @@ def test_full_fine_tuning_stages_write_a_sharded_model_and_resume_on_more_stages
     assert all(mx.array_equal(got[k], want[k]).item() for k in got)
     gen = run_cli("generate", "--model", str(folder), "--prompt", "What is 40 + 2?", "--max-tokens", "4")
     assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr[-2000:]
+
+
+def test_a_model_over_the_memory_limit_stops_on_one_process_and_trains_on_two_stages(tmp_path, models):
+    # The dense model's weights (65 MB) and one process's plan (~88 MB) exceed a 60 MB rank; half fits.
+    data = write_text_data(tmp_path / "data", 31, rows=16)
+    flags = ["train", "--model", str(models["dense"]), "--data", str(data), "--iters", "2", "--batch-size", "2",
+             "--max-seq-length", "33", "--data.pad_to", "32", "--optimizer", "sgd", "--val-batches", "0",
+             "--runtime.memory_limit_gb", "0.06"]
+    one = run_cli(*flags, "--adapter-path", str(tmp_path / "one"))
+    assert one.returncode == 2, one.stdout[-1000:] + one.stderr[-1000:]
+    assert one.stderr.startswith("meshtune: error: this run's plan needs ~") and one.stderr.count("\n") == 1
+    assert "gives 0.06 GB; to fit: 2 pipeline stages, one a rank (--parallel.pp 2 under meshtune launch -n 2)" \
+        in one.stderr, one.stderr
+    assert not (tmp_path / "one").exists()
+    two = run_cli("launch", "-n", "2", "--", sys.executable, "-m", "meshtune.cli", *flags, "--parallel.pp", "2",
+                  "--adapter-path", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    for rank in range(2):
+        finished = next(l for l in two.stdout.splitlines() if l.startswith(f"[rank {rank}] rank {rank} finished"))
+        assert "finished at step 2" in finished
+        assert float(finished.split("peak memory ")[1].split(" GB")[0]) < 0.06, finished

@@ -237,6 +237,37 @@ def test_candidates_and_their_split_match_the_pipeline(tmp_path: Path) -> None:
         assert layout["stage_layers"] == [e - s for s, e in bounds], pp
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_each_stage_counts_only_its_own_weights(tmp_path: Path, tied: bool) -> None:
+    # The pipeline cut (parallel/stage_cut.py): blocks per stage, the table on the first (and, tied, the last).
+    arrays = _dense(mx.float32)
+    if not tied:
+        arrays["lm_head.weight"] = mx.zeros((V, H))
+    folder = _write(tmp_path / "m", _config(tie_word_embeddings=tied), arrays)
+    cfg = Config.from_dict({"model": {"path": str(folder)}, "adapter": {"num_layers": -1}, "train": {"batch_size": 4}})
+    row = next(r for r in plan(cfg, 2, 1.0, "10gbit", seq_len=8)["layouts"] if r["layout"] == "PP 2")
+    size = {k: v.nbytes for k, v in arrays.items()}
+    block = [sum(n for k, n in size.items() if k.startswith(f"model.layers.{b}.")) for b in range(2)]
+    table, head = size["model.embed_tokens.weight"], size.get("lm_head.weight", size["model.embed_tokens.weight"])
+    assert [st["weights"] for st in row["stages"]] == [table + block[0], block[1] + size["model.norm.weight"] + head]
+    one = plan(cfg, 1, 1.0, "10gbit", seq_len=8)["layouts"][0]
+    assert one["stages"][0]["weights"] == sum(size.values())
+    # Each stage holds the adapters of its own blocks only.
+    assert sum(st["adapters"] for st in row["stages"]) == one["stages"][0]["adapters"]
+
+
+def test_the_plan_says_how_many_stages_fit_where_one_process_does_not() -> None:
+    cfg = Config.from_dict({"adapter": {"num_layers": -1}, "train": {"batch_size": 4}})
+    whole = plan(cfg, 1, 1.0, "10gbit", seq_len=32)
+    need = whole["layouts"][0]["total"]
+    assert whole["stages_to_fit"] is None  # one process fits 1 GB
+    stages = [st["total"] for st in plan(cfg, 2, 1.0, "10gbit", seq_len=32)["layouts"][-1]["stages"]]
+    tight = plan(cfg, 1, (max(stages) + need) / 2 / 1e9, "10gbit", seq_len=32)
+    assert tight["recommended"] is None and tight["stages_to_fit"] == 2
+    assert tight["reason"].endswith("; 2 pipeline stages fit (2 ranks, --parallel.pp 2)")
+    assert plan(cfg, 1, 1e-6, "10gbit", seq_len=32)["stages_to_fit"] is None  # not even one block a rank fits
+
+
 def test_seq_len_is_at_least_1_and_at_most_what_a_run_keeps() -> None:
     cfg = Config.from_dict({"data": {"max_seq_length": 512}})
     assert plan(cfg, 1, 16.0, "10gbit")["seq_len"] == 512  # the worst case by default
