@@ -6,8 +6,10 @@ pipeline_state.py, the cut in stages.py.
 Stage s of S owns blocks [start, end), balanced by parameter count or as
 `parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
 the head and computes the loss.
-Every rank keeps the full model object but trains only its own blocks (the others'
-adapters are frozen), so the single-stage code (loss, optimizer, adapters) is reused.
+Every rank holds only its stage's parts (stage_cut.py drops the others from the lazily
+loaded model before any weight is read; parameter names stay the whole model's), so the
+single-stage code (loss, optimizer, adapters) is reused. Evaluation runs through the
+stages as training does (`evaluate_stages`).
 No backend differentiates through send/recv, so a stage's backward is written by
 hand: the last stage differentiates its loss; the others differentiate the surrogate
 sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, and
