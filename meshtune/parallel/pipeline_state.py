@@ -34,7 +34,6 @@ it arrives, so no rank holds another stage's weights whole, even in full fine-tu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -69,13 +68,28 @@ def write_gathered(path: Path, stage: PipelineStage, keys: list[str]) -> None:
     values = dict(tree_flatten(stage.model.parameters()))
     own = _owned(stage)
     spec = {k: (shape, dtype) for k, shape, dtype in stage.all_params}
-    stream = StreamedSafetensors(path, [(k, *spec[k]) for k in keys]) if stage.mesh.is_writer else None
-    with stream or contextlib.nullcontext():
-        for k in keys:
-            value = stage.mesh.all_sum(values[k] if k in own else mx.zeros(*spec[k]))
-            mx.eval(value)
-            if stream is not None:
+    stream, error = None, None
+    if stage.mesh.is_writer:
+        try:
+            stream = StreamedSafetensors(path, [(k, *spec[k]) for k in keys])
+        except OSError as err:
+            error = err
+    # A write that fails keeps the writer in every sum, so no rank waits for it; it raises at the end.
+    for k in keys:
+        value = stage.mesh.all_sum(values[k] if k in own else mx.zeros(*spec[k]))
+        mx.eval(value)
+        if stream is not None and error is None:
+            try:
                 stream.write(k, value)
+            except OSError as err:
+                error = err
+    if stream is not None:
+        try:
+            stream.close(commit=error is None)
+        except OSError as err:
+            error = err
+    if error is not None:
+        raise error
 
 
 def stage_optimizer_state(stage: PipelineStage, flat: dict[str, mx.array]) -> Any:

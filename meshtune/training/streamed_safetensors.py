@@ -53,18 +53,24 @@ class StreamedSafetensors:
         self.file.write(memoryview(np.asarray(flat)))
         self.next += 1
 
-    def __enter__(self) -> "StreamedSafetensors":
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+    def close(self, commit: bool = True) -> None:
+        """Finish the file: with `commit`, fsynced and renamed into place (every tensor must have come);
+        else the temp file is removed and the target left as it was."""
         try:
-            if kind is None:
+            if commit:
                 if self.next != len(self.entries):
                     raise OSError(f"{self.path}: {len(self.entries) - self.next} tensors were never written")
                 self.file.flush()
                 os.fsync(self.file.fileno())
             self.file.close()
-            if kind is None:
+            if commit:
                 os.replace(self.tmp, self.path)
         finally:
+            self.file.close()
             self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "StreamedSafetensors":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.close(commit=kind is None)
