@@ -246,8 +246,9 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
         peak = mx.get_peak_memory()
-        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {max(peak, setup_peak) / 1e9:.4f} GB "
-              f"since start, activations {(peak - setup_bytes) / 1e9:.4f} GB)",
+        # The peak since the process started: the load's included (a pipeline rank's shows its stage alone).
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {max(peak, setup_peak) / 1e9:.4f} GB, "
+              f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl
         say(summary_line(write_report(out, resolved), out, out / ad.ADAPTER_FILE))
