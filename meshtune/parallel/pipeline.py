@@ -37,7 +37,6 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..adapters import trainable_parameters
-from ..plan.model_facts import resolve_model_folder
 from ..training.checkpoint import LoadedCheckpoint, TrainingState
 from ..training.losses import masked_ce_sum, target_mask
 from ..training.strategy import WaitClock
@@ -239,9 +238,9 @@ class Pipeline:
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, schedule: str,
                  micro_batches: int, stage_layers: list[int] | None = None, accumulation: int = 1,
                  max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None,
-                 compile: bool = False, model_from: Path | None = None):
-        """`model_from`: with full fine-tuning, the base model folder whose config and tokenizer the
-        trained model's folder takes (stage_model.py); None writes the adapters file alone."""
+                 compile: bool = False, model_from: Path | str | None = None):
+        """`model_from`: with full fine-tuning, the base model (a folder or a hub id) whose config and
+        tokenizer the trained model's folder takes (stage_model.py); None writes the adapters file alone."""
         self.model, self.optimizer, self.mesh, self.model_from = model, optimizer, mesh, model_from
         self.accumulation, self.max_grad_norm, self.overlap = accumulation, max_grad_norm, overlap
         self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
@@ -262,8 +261,7 @@ class Pipeline:
         pipeline = cls(model, optimizer, mesh, schedule=cfg.parallel.schedule, micro_batches=micro_batches,
                        stage_layers=cfg.parallel.stage_layers, accumulation=cfg.train.grad_accumulation_steps,
                        max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile,
-                       model_from=(resolve_model_folder(cfg.resolved_model_path())
-                                   if cfg.adapter.fine_tune_type == "full" else None))
+                       model_from=cfg.resolved_model_path() if cfg.adapter.fine_tune_type == "full" else None)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
         if mesh.dp_rank == 0:  # every stage says what it holds, so a launcher's log shows the division

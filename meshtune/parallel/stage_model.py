@@ -38,9 +38,18 @@ def owner(name: str, stage: PipelineStage) -> int:
     return 0 if name.startswith("model.embed_tokens.") else stage.stages - 1
 
 
-def write_stage_model(folder: Path, stage: PipelineStage, base: Path) -> None:
+def _local_folder(base: Path | str) -> Path:
+    """The base model's folder: the path itself, or a hub id's snapshot in the cache (the run loaded it)."""
+    if (Path(base) / "config.json").exists():
+        return Path(base)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(base), local_files_only=True))
+
+
+def write_stage_model(folder: Path, stage: PipelineStage, base: Path | str) -> None:
     """Write this stage's shard of the trained model into `folder` (each stage's writer), and the index
-    and the base model folder `base`'s other files (rank 0)."""
+    and the base model's (a folder or a hub id) other files (rank 0)."""
     mesh = stage.mesh
     if mesh.dp_rank != 0:
         return
@@ -52,7 +61,7 @@ def write_stage_model(folder: Path, stage: PipelineStage, base: Path) -> None:
     for stale in folder.glob("model-*-of-*.safetensors"):  # an earlier save's, with another stage count
         if not stale.name.endswith(f"-of-{stage.stages:05d}.safetensors"):
             stale.unlink()
-    for f in base.iterdir():  # config.json, the tokenizer's files, generation settings
+    for f in _local_folder(base).iterdir():  # config.json, the tokenizer's files, generation settings
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:
             shutil.copyfile(f, folder / f.name)
     weight_map = {k: shard_name(owner(k, stage), stage.stages) for k, _ in stage.all_weights}
