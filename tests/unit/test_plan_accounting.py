@@ -257,6 +257,12 @@ def test_each_stage_counts_only_its_own_weights(tmp_path: Path, tied: bool) -> N
     assert one["stages"][0]["weights"] == sum(size.values())
     # Each stage holds the adapters of its own blocks only.
     assert sum(st["adapters"] for st in row["stages"]) == one["stages"][0]["adapters"]
+    from meshtune.plan.report import size_text, table
+
+    said = table(plan(cfg, 2, 1.0, "10gbit", seq_len=8))
+    first, last = row["stages"]
+    assert (f"PP 2 per stage (weights / total): 0 [0, 1) + embedding {size_text(first['weights'])} / "
+            f"{size_text(first['total'])}; 1 [1, 2) + norm, head {size_text(last['weights'])}") in said
 
 
 def test_the_plan_says_how_many_stages_fit_where_one_process_does_not() -> None:
