@@ -27,7 +27,7 @@ from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .runtime.device_memory import detect
-from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
+from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_write_text,
                                   list_checkpoints, write_error)
 from .config import Config
 from .config.resume import run_mismatches
@@ -77,7 +77,9 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     if cfg.runtime.keep_freed_memory:
         keep_freed_memory()  # before the model's arrays: they and every step's reuse kept pages
     say(f"loading model {model_path}")
-    model, tokenizer = load_model(model_path, cfg.model.trust_remote_code)
+    # Lazily: a weight is read when first evaluated, after the plan's check and, on a pipeline
+    # rank, after the other stages' parts are dropped (parallel/stage_cut.py).
+    model, tokenizer = load_model(model_path, cfg.model.trust_remote_code, lazy=True)
     if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:
         from .runtime.fastmath import install_fast_swiglu
 
@@ -96,7 +98,7 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
             f"adapting all {blocks}")
     ad.set_base_path(a.base_path)
     touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
-                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout)
+                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout, lazy=True)
     trainable = sum(v.size for v in ad.trainable_parameters(model).values())
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
@@ -174,10 +176,15 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
                                 options=o.options)
     overlap = overlaps_steps(cfg.runtime.overlap_steps)
-    # A pipeline rank trains only its stage's blocks from here on.
-    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlap, say=say)
-
     resolved = cfg.to_dict()
+    # adapter_config.json describes every layer of the model: taken before a pipeline rank drops the others'.
+    # generate and serve frame prompts as the run trained (prompt_format.py).
+    adapter_config = ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, model=model,
+                                              extra={"meshtune": resolved, **recorded_prompt_format(data.train)})
+    # A pipeline rank holds and trains only its stage's parts from here on.
+    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlap, say=say)
+    ad.settle_norms(model)  # DoRA's base norms, of the layers this rank holds: the first weights read
+
     start = TrainingState(step=0, data_cursor=batches.state())
     if cfg.output.resume:
         start = _restore(out, strategy, batches, resolved, say)
@@ -189,7 +196,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     strategy = with_forced_fault(strategy, done=start.step)  # a test hook, off unless its variable is set
     # What setup holds (weights, adapters, optimizer state): the rest of the peak is activations.
     mx.eval(model.parameters(), optimizer.state)
-    setup_bytes = mx.get_active_memory()
+    setup_bytes, setup_peak = mx.get_active_memory(), mx.get_peak_memory()  # the load's peak included
     mx.reset_peak_memory()
     if mesh.is_writer:
         # Only now, with every input checked, does an overwrite remove the earlier run.
@@ -199,25 +206,19 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             for kept_file in out.glob(base_path.run_file("*")):
                 kept_file.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        # generate and serve frame prompts as the run trained (prompt_format.py).
-        extra = {"meshtune": resolved, **recorded_prompt_format(data.train)}
-        atomic_write_text(out / ad.CONFIG_FILE, json.dumps(
-            ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, extra=extra, model=model),
-            indent=2))
+        atomic_write_text(out / ad.CONFIG_FILE, json.dumps(adapter_config, indent=2))
 
     def save(state: TrainingState) -> None:
         """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
-        weights = strategy.gather_weights()
         strategy.save(out, state, config=resolved, keep=cfg.output.keep_last_n)
         crossovers = base_path.measured()
         if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))
-        if mesh.is_writer:
-            try:
-                atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
-            except OSError as err:
-                raise CheckpointWriteError(write_error(out, err)) from None
+        try:
+            strategy.write_weights(out / ad.ADAPTER_FILE)
+        except OSError as err:
+            raise CheckpointWriteError(write_error(out, err)) from None
 
     validate = None
     if val_batches is not None:
@@ -248,7 +249,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     say(f"adapters written to {out / ad.ADAPTER_FILE}")
     if mesh.world_size > 1:
         peak = mx.get_peak_memory()
-        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {peak / 1e9:.4f} GB, "
+        # The peak since the process started: the load's included (a pipeline rank's shows its stage alone).
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {max(peak, setup_peak) / 1e9:.4f} GB, "
               f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl

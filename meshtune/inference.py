@@ -23,9 +23,13 @@ from .run_data import eval_batches, load_splits, split_names, tail_batch
 from .training.step import evaluate
 
 
-def load_model(path: str, trust_remote_code: bool = False, return_config: bool = False) -> tuple[Any, ...]:
+def load_model(path: str, trust_remote_code: bool = False, return_config: bool = False,
+               lazy: bool = False) -> tuple[Any, ...]:
     """Model and tokenizer (and with `return_config` its config.json) through mlx-lm's loader (local
-    folder or hub id); a folder that lacks something, or a load that fails, is one line naming model.path."""
+    folder or hub id); a folder that lacks something, or a load that fails, is one line naming model.path.
+
+    With `lazy` no weight is read yet: each is read from its file when first evaluated, so a
+    pipeline stage that drops the others' blocks first reads only its own (parallel/stage_cut.py)."""
     from mlx_lm.utils import load
 
     local = Path(path).expanduser()
@@ -34,7 +38,7 @@ def load_model(path: str, trust_remote_code: bool = False, return_config: bool =
         path = str(local)
     try:
         return load(path, tokenizer_config={"trust_remote_code": trust_remote_code},
-                    trust_remote_code=trust_remote_code, return_config=return_config)
+                    trust_remote_code=trust_remote_code, return_config=return_config, lazy=lazy)
     except Exception as err:  # hub and loader errors come in many types; the user needs one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model.path={path} could not be loaded ({first}); give a local mlx-lm model "

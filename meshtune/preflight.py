@@ -142,15 +142,19 @@ OVER_PLAN = 1.2
 21% over a measured peak (docs/plan.md), and a run that might fit is let run."""
 
 
-def fitting_advice(cfg: Config) -> str:
-    """The flags that make a run smaller, each with its value now."""
+def fitting_advice(cfg: Config, stages: int | None = None) -> str:
+    """The flags that make a run smaller, each with its value now; `stages`: the pipeline stages the plan
+    found to divide the model enough (meshtune plan's stages_to_fit), said first."""
     t, d, a = cfg.train, cfg.data, cfg.adapter
-    ways = [] if t.grad_checkpoint or cfg.parallel.pp > 1 else ["--grad-checkpoint"]
+    ways = [f"{stages} pipeline stages, one a rank (--parallel.pp {stages} under meshtune launch -n {stages})"
+            ] if stages and stages > cfg.parallel.pp else []
+    ways += [] if t.grad_checkpoint or cfg.parallel.pp > 1 else ["--grad-checkpoint"]
     ways += [f"a shorter --max-seq-length (now {d.max_seq_length})"]
     if t.batch_size > 1:
         ways.append(f"a smaller --batch-size with --grad-accumulation-steps (now {t.batch_size})")
     ways.append(f"fewer adapted blocks --num-layers (now {a.num_layers})")
-    ways.append(f"pipeline stages on more machines --parallel.pp (now {cfg.parallel.pp})")
+    if not stages:
+        ways.append(f"pipeline stages on more machines --parallel.pp (now {cfg.parallel.pp})")
     return "to fit: " + ", ".join(ways) + "; meshtune plan estimates each"
 
 
@@ -161,24 +165,25 @@ def check_plan_fits(cfg: Config, mesh: Mesh, longest: int, machine: Any) -> None
     `longest` is the training split's longest example in tokens."""
     limit = cfg.runtime.memory_limit_gb
     memory = limit * 1e9 if limit > 0 else machine.memory
-    need = _planned_need(cfg, mesh, longest) if limit >= 0 and memory > 0 else None
+    need, stages = _planned_need(cfg, mesh, longest, memory) if limit >= 0 and memory > 0 else (None, None)
     over = need is not None and need > OVER_PLAN * memory
     if not mesh.agree(over):
         return
     where = "--runtime.memory_limit_gb" if limit > 0 else machine.describe()
     mine = (f"this run's plan needs ~{need / 1e9:.3g} GB a rank and {where} gives {memory / 1e9:.3g} GB"
             if over else "another rank's plan does not fit its memory")
-    raise ValueError(f"{mine}; {fitting_advice(cfg)} (--runtime.memory_limit_gb -1 runs it anyway)")
+    raise ValueError(f"{mine}; {fitting_advice(cfg, stages)} (--runtime.memory_limit_gb -1 runs it anyway)")
 
 
-def _planned_need(cfg: Config, mesh: Mesh, longest: int) -> float | None:
-    """meshtune plan's total for this run's layout on rows of `longest` tokens; None where it has none."""
+def _planned_need(cfg: Config, mesh: Mesh, longest: int, memory: float) -> tuple[float | None, int | None]:
+    """meshtune plan's total for this run's layout on rows of `longest` tokens (None where it has none), and
+    the pipeline stages that would fit `memory` bytes a rank where one process does not."""
     from .plan import plan
 
     seq = cfg.data.max_seq_length if cfg.data.pack else max(1, min(longest, cfg.data.max_seq_length))
     try:
-        result = plan(cfg, mesh.world_size, 1.0, "10gbit", seq_len=seq)
+        result = plan(cfg, mesh.world_size, memory / 1e9, "10gbit", seq_len=seq)
     except (ValueError, KeyError, OSError):  # the planner cannot read this model: no check, not a stop
-        return None
+        return None, None
     row = next((r for r in result["layouts"] if r["dp"] == mesh.dp and r["pp"] == mesh.pp and "total" in r), None)
-    return None if row is None else row["total"]
+    return (None if row is None else row["total"]), result["stages_to_fit"]

@@ -24,7 +24,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..config.resume import same_source
 from ..config.sections import full_needs_dense
-from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear
+from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear, settle_norms
 from .frozen import route_frozen_quantized
 from .lora import LoRAEmbedding, LoRALinear
 from .switch import LoRASwitchLinear
@@ -82,7 +82,7 @@ def _to_adapter(module: nn.Module, variant: str, rank: int, scale: float, dropou
     for bases, lora_cls, dora_cls in FAMILY:
         if isinstance(module, bases):
             cls = dora_cls if variant == "dora" else lora_cls
-            return cls.from_base(module, r=rank, scale=scale, dropout=dropout)
+            return cls.from_base(module, r=rank, scale=scale, dropout=dropout, settle=False)
     raise ValueError(f"cannot put {variant} on a {type(module).__name__}; adapter.keys may name only "
                      "Linear, Embedding or SwitchLinear layers (quantized or not)")
 
@@ -113,8 +113,11 @@ def _target_modules(model: nn.Module, num_layers: int, keys: list[str] | None,
 
 
 def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, keys: list[str] | None,
-                   rank: int, scale: float, dropout: float) -> int:
-    """Freeze the model, then add LoRA or DoRA layers (or unfreeze for `full`); returns layers touched."""
+                   rank: int, scale: float, dropout: float, lazy: bool = False) -> int:
+    """Freeze the model, then add LoRA or DoRA layers (or unfreeze for `full`); returns layers touched.
+
+    With `lazy` nothing of the base is read: DoRA's row norms stay unevaluated until `settle_norms`
+    (a pipeline stage calls it once it has dropped the other stages' blocks)."""
     if fine_tune_type not in FINE_TUNE_TYPES:
         raise ValueError(f"adapter.fine_tune_type={fine_tune_type!r} is unknown; use lora, dora or full")
     if keys:
@@ -143,6 +146,8 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {num_layers} blocks; "
                          "name modules relative to a block, e.g. --adapter.keys '[self_attn.q_proj]'")
     route_frozen_quantized(model)
+    if not lazy:
+        settle_norms(model)
     return count
 
 

@@ -66,11 +66,15 @@ class DoRA:
         w = dequantized_weight(base).astype(mx.float32)
         # ||w_i||^2 of the frozen base, once; the leading "_" keeps it out of
         # parameters(), hence out of training and of the saved adapters.
+        # Left lazy here: from_base (or settle_norms after a pipeline's cut) computes it, so a
+        # model loaded lazily reads only the weights of the layers it keeps.
         self._w_sq = (w * w).sum(axis=-1)
-        # Computed now: a lazy array closed over by a compiled step is recomputed on every call
-        # (a pass over every base weight per step), and loading m would leave it lazy.
-        mx.eval(self._w_sq)
         self.m = mx.sqrt(self._w_sq)  # section 4.1: m = ||W||_row, so W' = W at step 0
+
+    def settle(self) -> None:
+        # Computed before any step: a lazy array closed over by a compiled step is recomputed on
+        # every call (a pass over every base weight per step), and loading m would leave it lazy.
+        mx.eval(self._w_sq)
 
     def _merge(self, weight: mx.array) -> mx.array:
         # Section 4.1's W' on the dense merged weight (fuse is a one-off, exactness beats speed).
@@ -96,6 +100,14 @@ class DoRA:
         if self.training:
             return (self.m / self.row_norm(dense)).astype(dtype)
         return while_frozen(self, "_row_scale", dtype, lambda: (self.m / self.row_norm()).astype(dtype))
+
+
+def settle_norms(model: nn.Module) -> None:
+    """Compute every DoRA layer's cached base row norms in `model`, a layer at a time (so one
+    layer's float32 copy of its base is alive at once)."""
+    for _, module in model.named_modules():
+        if isinstance(module, DoRA):
+            module.settle()
 
 
 class DoRALinear(DoRA, LoRALinear):

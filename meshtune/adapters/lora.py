@@ -61,11 +61,16 @@ class LowRankAdapter(nn.Module):
     """What every LoRA class shares: built around a frozen base, fused as W + delta()."""
 
     @classmethod
-    def _around(cls, base: nn.Module, *dims: int, r: int, dropout: float, scale: float) -> Any:
+    def _around(cls, base: nn.Module, *dims: int, r: int, dropout: float, scale: float, settle: bool = True) -> Any:
         layer = cls(*dims, r=r, dropout=dropout, scale=scale)
         layer.set_base(base)
+        if settle:
+            layer.settle()
         warm(base)  # the quantized/dense crossover is measured now, not in the first step
         return layer
+
+    def settle(self) -> None:
+        """Compute what the layer derives from its base once (DoRA's row norms); LoRA derives nothing."""
 
     def _merge(self, weight: mx.array) -> mx.array:
         return weight + self.delta().astype(weight.dtype)
@@ -75,9 +80,10 @@ class LoRALinear(LowRankAdapter):
     """y = base(x) + scale * (dropout(x) @ lora_a) @ lora_b, base frozen."""
 
     @classmethod
-    def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRALinear":
+    def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0,
+                  settle: bool = True) -> "LoRALinear":
         output_dims, input_dims = logical_dims(linear)
-        return cls._around(linear, input_dims, output_dims, r=r, dropout=dropout, scale=scale)
+        return cls._around(linear, input_dims, output_dims, r=r, dropout=dropout, scale=scale, settle=settle)
 
     def __init__(self, input_dims: int, output_dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0, bias: bool = False) -> None:
@@ -134,8 +140,9 @@ class LoRAEmbedding(LowRankAdapter):
     """e = base[x] + scale * lora_a[x] @ lora_b; `as_linear` keeps a tied LM head consistent."""
 
     @classmethod
-    def from_base(cls, embedding: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0) -> "LoRAEmbedding":
-        return cls._around(embedding, *logical_dims(embedding), r=r, dropout=dropout, scale=scale)
+    def from_base(cls, embedding: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0,
+                  settle: bool = True) -> "LoRAEmbedding":
+        return cls._around(embedding, *logical_dims(embedding), r=r, dropout=dropout, scale=scale, settle=settle)
 
     def __init__(self, num_embeddings: int, dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0) -> None:

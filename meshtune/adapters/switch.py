@@ -25,9 +25,10 @@ class LoRASwitchLinear(LowRankAdapter):
 
     @classmethod
     def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0,
-                  scale: float = 20.0) -> "LoRASwitchLinear":
+                  scale: float = 20.0, settle: bool = True) -> "LoRASwitchLinear":
         num_experts, output_dims, input_dims = logical_dims(linear)
-        return cls._around(linear, input_dims, output_dims, num_experts, r=r, dropout=dropout, scale=scale)
+        return cls._around(linear, input_dims, output_dims, num_experts, r=r, dropout=dropout, scale=scale,
+                           settle=settle)
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, r: int = 8,
                  dropout: float = 0.0, scale: float = 20.0, bias: bool = False) -> None:

@@ -50,8 +50,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..adapters import ADAPTER_FILE, CONFIG_FILE, load_trainable, step_context, trainable_parameters
 from ..runtime.cuda import on_cuda
-from ..training.checkpoint import (LoadedCheckpoint, TrainingState, load_checkpoint, resumable_checkpoint,
-                                   save_checkpoint)
+from ..training.checkpoint import (LoadedCheckpoint, TrainingState, atomic_save_safetensors, load_checkpoint,
+                                   resumable_checkpoint, save_checkpoint)
 from ..training.step import OneInFlight, evaluate, training_loss_terms
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
@@ -457,8 +457,9 @@ class DataParallel:
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         return evaluate(self.model, batches, self.mesh, beat=beat, overlap=self.overlap)
 
-    def gather_weights(self) -> dict[str, mx.array]:
-        return trainable_parameters(self.model)
+    def write_weights(self, path: Path) -> None:
+        if self.mesh.is_writer:
+            atomic_save_safetensors(path, trainable_parameters(self.model))
 
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         if self.mesh.is_writer:

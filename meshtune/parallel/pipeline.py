@@ -6,8 +6,10 @@ pipeline_state.py, the cut in stages.py.
 Stage s of S owns blocks [start, end), balanced by parameter count or as
 `parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
 the head and computes the loss.
-Every rank keeps the full model object but trains only its own blocks (the others'
-adapters are frozen), so the single-stage code (loss, optimizer, adapters) is reused.
+Every rank holds only its stage's parts (stage_cut.py drops the others from the lazily
+loaded model before any weight is read; parameter names stay the whole model's), so the
+single-stage code (loss, optimizer, adapters) is reused. Evaluation runs through the
+stages as training does (`evaluate_stages`).
 No backend differentiates through send/recv, so a stage's backward is written by
 hand: the last stage differentiates its loss; the others differentiate the surrogate
 sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, and
@@ -36,15 +38,15 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..adapters import trainable_parameters
 from ..training.checkpoint import LoadedCheckpoint, TrainingState
-from ..training.losses import target_mask
-from ..training.step import evaluate
+from ..training.losses import masked_ce_sum, target_mask
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update, local_square_sum
 from ..runtime.mesh import Mesh
 from .peers import sum_on_peers
-from .pipeline_state import gather_parameters, load_stage_checkpoint, resumable_step, save_stages
+from .pipeline_state import load_stage_checkpoint, resumable_step, save_stages, write_gathered
 from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
+from .stage_model import MODEL_FOLDER, write_stage_model
 from .stages import check_pipeline_layout
 
 if TYPE_CHECKING:
@@ -99,6 +101,36 @@ def run_schedule(stage: PipelineStage, actions: list, micro: list[tuple[mx.array
         if tic is not None:
             clock.add(time.perf_counter() - tic)
     return loss_sum, total_grads
+
+
+def evaluate_stages(stage: PipelineStage, batches: Iterable[Any], beat: Callable[[], None] = lambda: None
+                    ) -> tuple[float, int]:
+    """Token-weighted loss over `batches` through the stages: (loss, global tokens), on every rank.
+
+    Each batch's hidden states go forward stage by stage, as in training; the last stage of
+    each replica adds its loss and target tokens, and one world all_sum shares them.
+    """
+    rank = stage.mesh.rank
+    stage.model.eval()
+    total, tokens = mx.array(0.0), mx.array(0)
+    for batch in batches:
+        x = batch.tokens[:, :-1]
+        if not stage.first:
+            shape, dtype = stage.hidden_spec(batch.tokens)
+            x = stage.links.recv(shape, dtype, rank - 1)
+            mx.eval(x)
+        h = stage.hidden(x, batch.lengths)
+        if stage.last:
+            ce, n = masked_ce_sum(stage.head(stage.inner.norm(h)), batch.tokens[:, 1:], batch.lengths)
+            total, tokens = total + ce, tokens + n
+            mx.eval(total, tokens)
+        else:
+            mx.eval(stage.links.send(h, rank + 1))
+        beat()
+    stage.model.train()
+    total, tokens = stage.mesh.all_sum(total), stage.mesh.all_sum(tokens)
+    n = int(tokens.item())
+    return (total.item() / n if n else float("nan")), n
 
 
 def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list[tuple[mx.array, mx.array]]:
@@ -183,6 +215,17 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     return verdict
 
 
+def holdings_line(stage: PipelineStage) -> str:
+    """What this rank's stage holds: its blocks, the end parts, and the bytes of all its weights."""
+    parts = [f"blocks [{stage.start}, {stage.end})"]
+    if "embed_tokens" in stage.inner and stage.first:
+        parts.append("the embedding")
+    if stage.last:
+        parts.append("the norm and head" + (" (the tied embedding table)" if "lm_head" not in stage.model else ""))
+    held = sum(v.nbytes for _, v in tree_flatten(stage.model.parameters()))
+    return f"pipeline stage {stage.stage} holds {', '.join(parts)}: {held / 1e6:.3f} MB of weights and adapters"
+
+
 class Pipeline:
     """The strategy of a mesh with pipeline stages: this rank trains its stage's blocks.
 
@@ -195,8 +238,10 @@ class Pipeline:
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, schedule: str,
                  micro_batches: int, stage_layers: list[int] | None = None, accumulation: int = 1,
                  max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None,
-                 compile: bool = False):
-        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+                 compile: bool = False, model_from: Path | str | None = None):
+        """`model_from`: with full fine-tuning, the base model (a folder or a hub id) whose config and
+        tokenizer the trained model's folder takes (stage_model.py); None writes the adapters file alone."""
+        self.model, self.optimizer, self.mesh, self.model_from = model, optimizer, mesh, model_from
         self.accumulation, self.max_grad_norm, self.overlap = accumulation, max_grad_norm, overlap
         self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
         self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer,
@@ -215,9 +260,12 @@ class Pipeline:
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
         pipeline = cls(model, optimizer, mesh, schedule=cfg.parallel.schedule, micro_batches=micro_batches,
                        stage_layers=cfg.parallel.stage_layers, accumulation=cfg.train.grad_accumulation_steps,
-                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile)
+                       max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile,
+                       model_from=cfg.resolved_model_path() if cfg.adapter.fine_tune_type == "full" else None)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
+        if mesh.dp_rank == 0:  # every stage says what it holds, so a launcher's log shows the division
+            print(holdings_line(pipeline.stage), flush=True)
         return pipeline
 
     def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
@@ -241,15 +289,12 @@ class Pipeline:
         return {"bubble": self.clock.take()}
 
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
-        # Every rank evaluates the whole gathered model on its replica's batches; only the
-        # first stage of each replica counts, so nothing is summed twice.
-        self.gather_weights()
-        return evaluate(self.model, batches, self.mesh, beat=beat, counts=self.stage.first, overlap=self.overlap)
+        return evaluate_stages(self.stage, batches, beat)
 
-    def gather_weights(self) -> dict[str, mx.array]:
-        weights = gather_parameters(self.stage, self.keys)
-        self.model.load_weights(list(weights.items()), strict=False)  # eval on every rank sees every stage
-        return weights
+    def write_weights(self, path: Path) -> None:
+        write_gathered(path, self.stage, self.keys)
+        if self.model_from is not None:  # full fine-tuning: the trained model too, each stage its shard
+            write_stage_model(path.parent / MODEL_FOLDER, self.stage, self.model_from)
 
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         save_stages(out, self.stage, self.optimizer, state=state, config=config, keep=keep)  # each stage its shard
@@ -259,6 +304,8 @@ class Pipeline:
         return None if found is None else load_stage_checkpoint(*found, self.stage)
 
     def restore(self, ckpt: LoadedCheckpoint) -> None:
-        self.model.load_weights(list(ckpt.trainable.items()), strict=False)  # what this stage trains
+        own = set(dict(tree_flatten(self.model.trainable_parameters())))
+        # What this stage trains; the others' tensors of a whole-model checkpoint stay unread.
+        self.model.load_weights([(k, v) for k, v in ckpt.trainable.items() if k in own], strict=False)
         self.optimizer.state = ckpt.optimizer_state
         self.optimizer.init(self.model.trainable_parameters())

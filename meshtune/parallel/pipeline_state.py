@@ -26,11 +26,10 @@ process's single file) is loaded whole when all its files are visible, and each 
 takes what it trains. With separate disks, every replica's host must see its stage's
 shard (a shared filesystem, or a copy).
 
-The final adapters stay one file in the single-process layout: `gather_parameters`
-brings every trained weight (not the optimizer state) to every rank with world
-all_sums and rank 0 writes it, so stock mlx-lm loads it. For LoRA that is small; for
-full fine-tuning it is the whole model, so that file needs the whole model to fit
-in memory on rank 0.
+The final adapters stay one file in the single-process layout, so stock mlx-lm loads
+it: `write_gathered` brings the trained weights (not the optimizer state) to the writer
+one tensor at a time with world all_sums, and the writer streams each into the file as
+it arrives, so no rank holds another stage's weights whole, even in full fine-tuning.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from ..training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedChec
                                    checkpoint_dir, leftover_temps, load_checkpoint, load_stage, prune_checkpoints,
                                    publish_stage, stage_names, verify_checkpoint, verify_stage, write_error,
                                    write_stage)
+from ..training.streamed_safetensors import StreamedSafetensors
 from .stage import PipelineStage
 
 
@@ -58,17 +58,38 @@ def _owned(stage: PipelineStage) -> set[str]:
     return own if stage.first else own - set(stage.tied_keys)
 
 
-def gather_parameters(stage: PipelineStage, keys: list[str]) -> dict[str, mx.array]:
-    """The current values of `keys` from whichever stage trains each, on every rank.
+def write_gathered(path: Path, stage: PipelineStage, keys: list[str]) -> None:
+    """Write `keys`' current values into the one safetensors file `path`, in one process's layout, a
+    tensor at a time (a collective; the writer writes, and holds one other stage's tensor at a time).
 
-    One world all_sum per tensor in which only the owner contributes (replica 0's copy,
+    Each tensor travels in one world all_sum to which only its owner contributes (replica 0's copy,
     the first stage's for a tied table), so values arrive bit for bit on any backend.
     """
     values = dict(tree_flatten(stage.model.parameters()))
     own = _owned(stage)
-    out = {k: stage.mesh.all_sum(values[k] if k in own else mx.zeros_like(values[k])) for k in keys}
-    mx.eval(out)
-    return out
+    spec = {k: (shape, dtype) for k, shape, dtype in stage.all_params}
+    stream, error = None, None
+    if stage.mesh.is_writer:
+        try:
+            stream = StreamedSafetensors(path, [(k, *spec[k]) for k in keys])
+        except OSError as err:
+            error = err
+    # A write that fails keeps the writer in every sum, so no rank waits for it; it raises at the end.
+    for k in keys:
+        value = stage.mesh.all_sum(values[k] if k in own else mx.zeros(*spec[k]))
+        mx.eval(value)
+        if stream is not None and error is None:
+            try:
+                stream.write(k, value)
+            except OSError as err:
+                error = err
+    if stream is not None:
+        try:
+            stream.close(commit=error is None)
+        except OSError as err:
+            error = err
+    if error is not None:
+        raise error
 
 
 def stage_optimizer_state(stage: PipelineStage, flat: dict[str, mx.array]) -> Any:

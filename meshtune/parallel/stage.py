@@ -22,7 +22,9 @@ from ..training.losses import masked_ce_sum, target_mask
 from ..runtime.mesh import Mesh
 from .p2p import Links
 from .peers import peer_groups
+from .stage_cut import keep_stage
 from .stages import balanced_split, check_stage_layers, stage_bounds
+
 
 def _size(module: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(module.parameters()))
@@ -73,26 +75,24 @@ class PipelineStage:
     one graph per micro-batch shape, traced once, with its elementwise operations fused."""
 
     def __post_init__(self) -> None:
-        self.inner, self.head = _parts(self.model)
+        self.inner, _ = _parts(self.model)
         self.links = Links(self.mesh, self.transfer)
-        # Every trained parameter of the whole model, in one order all ranks share.
+        # Every trained parameter of the whole model, in one order all ranks share: names, shapes
+        # and dtypes only, taken from the (lazily loaded) whole model before the cut below.
         self.all_params = [(k, v.shape, v.dtype) for k, v in tree_flatten(self.model.trainable_parameters())]
+        self.all_weights = [(k, v.nbytes) for k, v in tree_flatten(self.model.parameters())]  # names and bytes
         self.bounds = split_stages(self.model, self.stages, self.stage_layers)
         self.start, self.end = self.bounds[self.stage]
-        # Train only this stage's blocks (and the embedding/head only where they live).
-        for i, layer in enumerate(self.inner.layers):
-            if not self.start <= i < self.end:
-                layer.freeze()
+        self.width = (self.inner.norm.weight.shape[0], self.inner.norm.weight.dtype)  # what crosses a cut
         # A tied table is the first stage's lookup and the last stage's head: both train
         # their copy, and their gradients are summed every step (sum_shared) so the copies stay equal.
+        tied = "lm_head" not in self.model
         embedding = [k for k, _, _ in self.all_params if k.startswith("model.embed_tokens.")]
-        self.tied_keys = embedding if "lm_head" not in self.model and self.stages > 1 else []
-        if not self.first and not (self.last and self.tied_keys):
-            self.inner.embed_tokens.freeze()
-        if not self.last:
-            self.inner.norm.freeze()
-            if "lm_head" in self.model:
-                self.model.lm_head.freeze()
+        self.tied_keys = embedding if tied and self.stages > 1 else []
+        # This rank keeps only its stage's parts: the others' are dropped before any is read.
+        if self.stages > 1:
+            keep_stage(self.model, self.inner, (self.start, self.end), first=self.first, last=self.last, tied=tied)
+        self.head = _parts(self.model)[1] if self.last else None
         # Sub-groups for sum_shared where the backend can split (None on ring and JACCL).
         self.peers = peer_groups(self.mesh, bool(self.tied_keys)) if self.mesh.dp > 1 or self.tied_keys else None
         # --num-layers short of the blocks can leave the first stages nothing to train.
@@ -165,4 +165,4 @@ class PipelineStage:
 
     def hidden_spec(self, tokens: mx.array) -> tuple[tuple[int, ...], mx.Dtype]:
         """Shape and dtype of the hidden states that cross a stage boundary."""
-        return (tokens.shape[0], tokens.shape[1] - 1, self.inner.norm.weight.shape[0]), self.inner.norm.weight.dtype
+        return (tokens.shape[0], tokens.shape[1] - 1, self.width[0]), self.width[1]

@@ -13,7 +13,7 @@ from typing import Any
 from .estimate import layout_figures
 from .layouts import candidates, parse_link
 from .memory import attention_kind, trained
-from .model_facts import DTYPE_BYTES, block_of, read_model
+from .model_facts import DTYPE_BYTES, EMBEDDINGS, block_of, read_model
 
 __all__ = ["parse_link", "plan"]
 
@@ -67,6 +67,11 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         rows.append(row)
     given = seq_len is not None and seq_len_from is None  # --seq-len itself
     choice, reason = recommend(rows, ranks, memory_gb, shorter="--seq-len" if given else "--max-seq-length")
+    one = rows[0]  # one process: where it does not fit, the pipeline stages that divide the weights enough
+    stages = None if one.get("fits") else stages_to_fit(facts, cfg, items, seq, memory_gb, link_bytes_s, fused,
+                                                        (costs, first, last))
+    if stages is not None and choice is None:
+        reason += f"; {stages} pipeline stages fit ({stages} ranks, --parallel.pp {stages})"
     return {
         "model": str(facts.path), "blocks": facts.num_blocks, "weights_by_kind": facts.weight_bytes(),
         "trainable_params": sum(i.params for i in items), "fine_tune_type": cfg.adapter.fine_tune_type,
@@ -75,8 +80,25 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
         "attention": attention_kind(seq, fused),
         "ranks": ranks, "memory_gb": memory_gb, "link": link, "links": links, "link_bytes_per_s": link_bytes_s,
-        "layouts": rows, "recommended": choice, "reason": reason,
+        "layouts": rows, "recommended": choice, "reason": reason, "stages_to_fit": stages,
     }
+
+
+def stages_to_fit(facts: Any, cfg: Any, items: list[Any], seq: int, memory_gb: float, link_bytes_s: float,
+                  fused: bool, split: tuple[list[float], float, float]) -> int | None:
+    """The fewest pipeline stages (one rank each) whose fullest stage fits `memory_gb`; None when none does."""
+    costs, first, last = split
+    for pp in range(2, facts.num_blocks + 1):
+        layout = candidates(pp, batch_size=cfg.train.batch_size, blocks=facts.num_blocks,
+                            micro_batches=cfg.parallel.micro_batches, stage_layers=None, block_costs=costs,
+                            first_extra=first, last_extra=last, grad_checkpoint=False,
+                            transport="mlx")[-1]  # dp 1 x pp
+        if layout.problem:
+            continue
+        if layout_figures(layout, facts, cfg, items, seq=seq, link_bytes_s=link_bytes_s,
+                          fused_backward=fused)["total"] <= memory_gb * 1e9:
+            return pp
+    return None
 
 
 def _split_costs(facts: Any, items: list[Any]) -> tuple[list[float], float, float]:
@@ -89,7 +111,7 @@ def _split_costs(facts: Any, items: list[Any]) -> tuple[list[float], float, floa
         count = t.nbytes // DTYPE_BYTES.get(t.dtype, 4)
         if "lm_head" in t.name:
             head += count
-        elif any(e in t.name for e in ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")):
+        elif any(e in t.name for e in EMBEDDINGS):
             embed += count
         else:
             norm += count

@@ -1,8 +1,8 @@
 """One layout's figures per rank: memory by part for each stage, bubble and traffic per step.
 
-Every rank of a pipeline keeps the whole model object (parallel/pipeline.py: each trains
-only its stage's blocks), so weights and adapters are whole-model on every rank, while
-gradients, optimizer state and activations are the stage's. The peak adds the static
+Every rank of a pipeline holds only its stage's parts (parallel/stage_cut.py): its blocks'
+weights and adapters, the embedding on the first stage, the final norm and head on the last
+(a tied table on both ends), and their gradients, optimizer state and activations. The peak adds the static
 part (weights, adapters, optimizer state, gradient-sum buffers) to the larger of two
 moments. The backward frees a block's activations as that block's gradients appear, so it
 holds the larger of all activations and all gradients, plus one block's overlap of the two.
@@ -19,7 +19,7 @@ from typing import Any
 from ..training import IN_PLACE_FROM
 from .layouts import Layout, bubble, micro_in_flight, ring_allreduce_bytes
 from .memory import FP32, Trained, activations, elements_of, optimizer_bytes
-from .model_facts import ModelFacts
+from .model_facts import EMBEDDINGS, ModelFacts, block_of
 
 
 def _stage_of(t: Trained, bounds: tuple[int, int], stage: int, stages: int, tied: bool) -> bool:
@@ -30,6 +30,21 @@ def _stage_of(t: Trained, bounds: tuple[int, int], stage: int, stages: int, tied
     if head:
         return stage == stages - 1
     return stage == 0 or (tied and stage == stages - 1)
+
+
+def stage_weight_bytes(facts: ModelFacts, bounds: tuple[int, int], first: bool, last: bool) -> int:
+    """Bytes of the base weights a stage holds (parallel/stage_cut.py's cut): its blocks, the embedding on
+    the first stage, the final norm and head on the last, a tied table there too."""
+    total = 0
+    for t in facts.tensors:
+        block = block_of(t.name)
+        if block is not None:
+            total += t.nbytes if bounds[0] <= block < bounds[1] else 0
+        elif any(e in t.name for e in EMBEDDINGS):
+            total += t.nbytes if first or (last and facts.tied) else 0
+        elif last:  # the final norm and the head
+            total += t.nbytes
+    return total
 
 
 def _not_in_place(items: list[Trained], optimizer: str) -> list[Trained]:
@@ -56,10 +71,6 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
                    link_bytes_s: float, fused_backward: bool = False) -> dict[str, Any]:
     """Memory per rank (one entry per stage), bubble, bytes sent per rank per step and their time."""
     p, t = cfg.parallel, cfg.train
-    weights = sum(facts.weight_bytes().values())
-    adapters = sum(i.params * i.bytes_per_param for i in items if i.extra)
-    if cfg.adapter.fine_tune_type == "dora":  # DoRA keeps each layer's squared row norms (frozen, float32)
-        adapters += sum(i.shapes[-1][0] * i.shapes[-1][1] * FP32 for i in items if i.shapes)
     local = t.batch_size // layout.dp
     micro = max(local // layout.micro_batches, 1)
     flight = micro_in_flight(p.schedule, layout.pp, layout.micro_batches)
@@ -70,12 +81,16 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
     for s in range(layout.pp):
         bounds = (starts[s], starts[s + 1])
         mine = [i for i in items if _stage_of(i, bounds, s, layout.pp, facts.tied)]
+        last = s == layout.pp - 1
+        weights = stage_weight_bytes(facts, bounds, s == 0, last) if layout.pp > 1 else facts.total_bytes()
+        adapters = sum(i.params * i.bytes_per_param for i in mine if i.extra)
+        if cfg.adapter.fine_tune_type == "dora":  # DoRA keeps each layer's squared row norms (frozen, float32)
+            adapters += sum(i.shapes[-1][0] * i.shapes[-1][1] * FP32 for i in mine if i.shapes)
         trained = sum(i.params * i.bytes_per_param for i in mine)
         grads = trained * (2 if t.grad_accumulation_steps > 1 else 1)
         optimizer = optimizer_bytes(cfg.optimizer.name, mine, cfg.optimizer.options)
         update = trained + update_extra(mine, cfg.optimizer.name, cfg.optimizer.options)
         blocks = range(*bounds)
-        last = s == layout.pp - 1
         examples = micro if layout.pp > 1 else local
         act, per_block = activations(facts, adapter=cfg.adapter, examples=examples, seq=seq, blocks=blocks,
                                      last=last, checkpoint=False, fused_backward=fused_backward)

@@ -13,11 +13,12 @@ and per block until the backward needs it:
 plus, once per stage, the final norm (2 h) and the logits with the cross entropy's softmax and
 gradient (3 vocab, float32), for one chunk of 1024 tokens where the step takes the head's loss
 a chunk at a time (training/head_loss.py; `chunked_loss`), else for every token; and while a
-block runs its backward, the cotangents of its MLP and attention (3 I + 2 h + 2 heads L). The
-head's loss is done (its chunks freed, only its gradient to the hidden states left) before the
-first block's backward begins, so the peak holds the larger of the head and a block's backward
-transients, not both. The backward walks the blocks from the last: a block's activations are
-freed as its gradients appear, so the peak holds the larger of the two. A quantized base multiplied through its dequantized weights keeps one
+block runs its backward, the cotangents of its MLP and attention (3 I + 2 h + 2 heads L; on a stage without the
+head, whose peak that backward is, also SiLU's backward: 7 I). The head's loss is done (its chunks freed,
+only its gradient to the hidden states left) before the first block's backward begins, so the peak holds
+the larger of the head and a block's backward transients, not both. The backward walks the blocks from
+the last: a block's activations are freed as its gradients appear, so the peak holds the larger of the
+two. A quantized base multiplied through its dequantized weights keeps one
 dense copy per layer for the backward.
 """
 
@@ -176,11 +177,18 @@ def block_activation_elems(facts: ModelFacts, seq: int, adapted: list[Linear], v
     return attention_elems + mlp + extra
 
 
-def backward_transient_elems(facts: ModelFacts, seq: int, attention: str = "whole") -> int:
+def backward_transient_elems(facts: ModelFacts, seq: int, attention: str = "whole", headless: bool = False) -> int:
     """Per token, the cotangents a block's backward holds beside its activations: its MLP's, and (whole)
-    the attention's for the probabilities and the scores."""
+    the attention's for the probabilities and the scores.
+
+    `headless`: the stage has no head (a pipeline's earlier stages). There a block's backward is the
+    stage's peak, and it also holds SiLU's backward beside the MLP's cotangents: sigmoid(gate), its
+    complement and their products with the cotangent (4 I more; one block of the small preset measures
+    28.5k floats a token kept and transient, meshtune bench plan's pp rows). Where the stage also
+    differentiates the head's loss, that moment and the head's part set its peak instead, which the
+    head's term covers."""
     width = facts.experts_per_token * facts.moe_intermediate if facts.experts else facts.intermediate
-    return 3 * width + 2 * facts.hidden + (2 * facts.heads * seq if attention == "whole" else 0)
+    return (7 if headless else 3) * width + 2 * facts.hidden + (2 * facts.heads * seq if attention == "whole" else 0)
 
 
 def head_elems(facts: ModelFacts) -> tuple[int, int]:
@@ -227,7 +235,7 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
                                         adapter.rank, kind)
                  * tokens * act for b in blocks]
     head = head_bytes(facts, adapter, tokens) if last else 0.0
-    transient = backward_transient_elems(facts, seq, kind) * tokens * act
+    transient = backward_transient_elems(facts, seq, kind, headless=not last) * tokens * act
     if kind == "chunked":
         transient += CHUNK_SCORES * facts.heads * ATTENTION_CHUNK * seq * examples * FP32
     if adapter.base_path != "quantized":

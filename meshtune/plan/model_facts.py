@@ -22,7 +22,8 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Block index in a tensor name: mlx-lm's `model.layers.3.`, GPT-2's `h.3.`, others' `blocks.3.`.
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-_EMBED = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
+EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
+"""Names an input embedding's tensors carry, by model family."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,10 @@ class ModelFacts:
             out[kind] = out.get(kind, 0) + t.nbytes
         return out
 
+    def total_bytes(self) -> int:
+        """Bytes of every tensor: the whole model's weights."""
+        return sum(t.nbytes for t in self.tensors)
+
     def block_params(self) -> list[int]:
         """Parameters of each block as MLX counts them (quantized words count as stored)."""
         sizes = [0] * self.num_blocks
@@ -248,7 +253,7 @@ def _linears(tensors: list[Tensor], config: dict[str, Any]) -> list[Linear]:
         if scales is not None:
             own = q.get(owner) if isinstance(q.get(owner), dict) else q
             cols = scales.shape[-1] * int(own.get("group_size", 64))
-        embedding = any(e in owner for e in _EMBED)
+        embedding = any(e in owner for e in EMBEDDINGS)
         out.append(Linear(owner, in_dims=rows if embedding else cols, out_dims=cols if embedding else rows,
                           experts=t.shape[0] if len(t.shape) == 3 else 1, quantized=scales is not None,
                           embedding=embedding, nbytes=nbytes))

@@ -1,6 +1,7 @@
 """The plan as a table a person reads (120 columns) or one JSON object a program reads.
 
-A pipeline row shows its fullest stage (the one that must fit); the JSON has every stage.
+A pipeline row shows its fullest stage (the one that must fit), and a line under the table each
+stage's own weights and total; the JSON has every stage.
 Each size carries the unit of its magnitude (M or G bytes): a 3 MB weight beside 10 GB of activations.
 """
 
@@ -42,6 +43,11 @@ def table(result: dict[str, Any]) -> str:
     for r in rows:
         if r["problem"]:
             lines.append(f"{r['layout']}: {r['problem']}")
+    for r in rows:
+        if r["pp"] > 1 and "stages" in r:
+            lines += textwrap.wrap(f"{r['layout']} per stage (weights / total): " + "; ".join(
+                _stage_text(st, r["pp"]) for st in r["stages"][:8]) + ("; ..." if r["pp"] > 8 else ""),
+                width=120, subsequent_indent="  ")
     choice = f"recommended: {result['recommended'] or 'none'} ({result['reason']})"
     lines += textwrap.wrap(choice, width=120, subsequent_indent="  ")
     return "\n".join(lines)
@@ -70,6 +76,13 @@ def _cells(r: dict[str, Any]) -> list[str]:
                    size(stage["activations"]), size(stage["activations_ckpt"]), size(r["total"]),
                    "yes" if r["fits"] and not r["problem"] else "no", f"{r['bubble']:.0%}",
                    f"{r['comm_bytes'] / 1e6:.2f}", f"{r['comm_ms']:.2f}"]
+
+
+def _stage_text(stage: dict[str, Any], stages: int) -> str:
+    ends = (["embedding"] if stage["stage"] == 0 else []) + (["norm, head"] if stage["stage"] == stages - 1 else [])
+    start, end = stage["blocks"]
+    return (f"{stage['stage']} [{start}, {end})" + "".join(f" + {e}" for e in ends)
+            + f" {size_text(stage['weights'])} / {size_text(stage['total'])}")
 
 
 def as_json(result: dict[str, Any]) -> str:

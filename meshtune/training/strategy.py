@@ -62,8 +62,9 @@ class Strategy(Protocol):
     def evaluate(self, batches: Iterable[Any], beat: Callable[[], None] = lambda: None) -> tuple[float, int]:
         """Token-weighted loss of the current weights over `batches`: (loss, global tokens), on every rank."""
 
-    def gather_weights(self) -> dict[str, mx.array]:
-        """Every trained weight, by name, on every rank (a collective where they are spread over ranks)."""
+    def write_weights(self, path: Path) -> None:
+        """Write every trained weight, by name, into the one safetensors file `path` in one process's
+        layout (a collective where they are spread over ranks; the writer writes)."""
 
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         """Write this step's checkpoint under `out` (a collective), keeping the newest `keep` (0: all)."""

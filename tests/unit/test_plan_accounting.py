@@ -90,16 +90,18 @@ def test_the_loss_counts_one_chunk_of_logits_where_the_step_chunks_it(tmp_path: 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_the_heads_loss_and_a_blocks_backward_are_not_held_together(tmp_path: Path, checkpoint: bool) -> None:
-    """The head's loss is done before the first block's backward starts: the last stage adds only what
-    the head holds beyond a block's backward transients."""
+    """The head's loss is done before the first block's backward starts: the last stage holds the larger of
+    the head and a block's backward transients, a stage without the head only the latter (with SiLU's)."""
     facts = read_model(_write(tmp_path / "m", _config(), _dense(mx.float32)))
     for examples, seq in [(1, 64), (8, 512)]:
         def total(last: bool) -> float:
             return activations(facts, adapter=_adapter(), examples=examples, seq=seq, blocks=range(2), last=last,
                                checkpoint=checkpoint)[0]
-        transient = backward_transient_elems(facts, seq) * examples * seq * 4
+        last = backward_transient_elems(facts, seq) * examples * seq * 4
+        # A stage without the head counts SiLU's backward in its blocks' (backward_transient_elems).
+        headless = backward_transient_elems(facts, seq, headless=True) * examples * seq * 4
         head = head_bytes(facts, _adapter(), examples * seq)
-        assert total(True) - total(False) == max(0.0, head - transient)
+        assert total(True) - total(False) == max(head, last) - headless
 
 
 def test_an_adapted_or_biased_trained_head_takes_the_plain_loss(tmp_path: Path) -> None:
@@ -243,6 +245,43 @@ def test_candidates_and_their_split_match_the_pipeline(tmp_path: Path) -> None:
                       "1gbit", seq_len=32)["layouts"][-1]
         bounds = split_stages(model, pp)
         assert layout["stage_layers"] == [e - s for s, e in bounds], pp
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_each_stage_counts_only_its_own_weights(tmp_path: Path, tied: bool) -> None:
+    # The pipeline cut (parallel/stage_cut.py): blocks per stage, the table on the first (and, tied, the last).
+    arrays = _dense(mx.float32)
+    if not tied:
+        arrays["lm_head.weight"] = mx.zeros((V, H))
+    folder = _write(tmp_path / "m", _config(tie_word_embeddings=tied), arrays)
+    cfg = Config.from_dict({"model": {"path": str(folder)}, "adapter": {"num_layers": -1}, "train": {"batch_size": 4}})
+    row = next(r for r in plan(cfg, 2, 1.0, "10gbit", seq_len=8)["layouts"] if r["layout"] == "PP 2")
+    size = {k: v.nbytes for k, v in arrays.items()}
+    block = [sum(n for k, n in size.items() if k.startswith(f"model.layers.{b}.")) for b in range(2)]
+    table, head = size["model.embed_tokens.weight"], size.get("lm_head.weight", size["model.embed_tokens.weight"])
+    assert [st["weights"] for st in row["stages"]] == [table + block[0], block[1] + size["model.norm.weight"] + head]
+    one = plan(cfg, 1, 1.0, "10gbit", seq_len=8)["layouts"][0]
+    assert one["stages"][0]["weights"] == sum(size.values())
+    # Each stage holds the adapters of its own blocks only.
+    assert sum(st["adapters"] for st in row["stages"]) == one["stages"][0]["adapters"]
+    from meshtune.plan.report import size_text, table
+
+    said = table(plan(cfg, 2, 1.0, "10gbit", seq_len=8))
+    first, last = row["stages"]
+    assert (f"PP 2 per stage (weights / total): 0 [0, 1) + embedding {size_text(first['weights'])} / "
+            f"{size_text(first['total'])}; 1 [1, 2) + norm, head {size_text(last['weights'])}") in said
+
+
+def test_the_plan_says_how_many_stages_fit_where_one_process_does_not() -> None:
+    cfg = Config.from_dict({"adapter": {"num_layers": -1}, "train": {"batch_size": 4}})
+    whole = plan(cfg, 1, 1.0, "10gbit", seq_len=32)
+    need = whole["layouts"][0]["total"]
+    assert whole["stages_to_fit"] is None  # one process fits 1 GB
+    stages = [st["total"] for st in plan(cfg, 2, 1.0, "10gbit", seq_len=32)["layouts"][-1]["stages"]]
+    tight = plan(cfg, 1, (max(stages) + need) / 2 / 1e9, "10gbit", seq_len=32)
+    assert tight["recommended"] is None and tight["stages_to_fit"] == 2
+    assert tight["reason"].endswith("; 2 pipeline stages fit (2 ranks, --parallel.pp 2)")
+    assert plan(cfg, 1, 1e-6, "10gbit", seq_len=32)["stages_to_fit"] is None  # not even one block a rank fits
 
 
 def test_seq_len_is_at_least_1_and_at_most_what_a_run_keeps() -> None:
