@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..runtime.relaunch import resume_command
+from .run_args import check_adapter_folder, model_from_adapters, no_extra
 
 
 def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str], None] = print,
@@ -168,11 +169,11 @@ def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_fuse(args: argparse.Namespace, rest: list[str]) -> int:
-    _no_extra(rest)
+    no_extra(rest)
     from ..inference import fuse
 
-    _check_adapter_folder(args.adapter_path)
-    model = args.model or _model_from_adapters(args.adapter_path, "")
+    check_adapter_folder(args.adapter_path)
+    model = args.model or model_from_adapters(args.adapter_path, "")
     fuse(model, args.adapter_path, args.save_path, dequantize=args.dequantize, overwrite=args.overwrite)
     return 0
 
@@ -182,7 +183,7 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     from ..config import load_config, parse_override_args
 
     config = Path(args.adapter_path) / "adapter_config.json"
-    _check_adapter_folder(args.adapter_path)
+    check_adapter_folder(args.adapter_path)
     if not config.is_file():
         raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
                          "meshtune train or mlx_lm.lora (or a data-parallel run's checkpoint)")
@@ -213,7 +214,7 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     """report.md, loss.png and the summary line of a run from its metrics.jsonl (a killed run's too)."""
-    _no_extra(rest)
+    no_extra(rest)
     from ..report import main as report_main
 
     return report_main([args.adapter_path])
@@ -223,39 +224,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from ..bench import run_bench
 
     return run_bench(args.suite, rest)
-
-
-def _default_model() -> str:
-    from ..config import Config
-
-    return str(Config().resolved_model_path())
-
-
-def _check_adapter_folder(adapter_path: str) -> None:
-    """A pipeline checkpoint given as adapters: one line pointing at its run."""
-    if any(Path(adapter_path).glob("state.stage*.json")):
-        raise ValueError(f"--adapter-path {adapter_path} is a pipeline checkpoint (one weights file per stage), "
-                         f"which resumes but does not load as adapters; point it at the run "
-                         f"({Path(adapter_path).parent.parent})")
-
-
-def _model_from_adapters(adapter_path: str, hint: str) -> str:
-    """The base model recorded in adapter_config.json (as mlx-lm records it); `hint`: the command's other way.
-    The caller has ruled out a pipeline checkpoint (_check_adapter_folder)."""
-    import json
-
-    config = Path(adapter_path) / "adapter_config.json"
-    if not config.exists():
-        raise ValueError(f"{config} not found; pass the --adapter-path of a trained run{hint}")
-    model = json.loads(config.read_text()).get("model")
-    if not model:
-        raise ValueError(f"{config} records no base model; pass --model")
-    return model
-
-
-def _no_extra(rest: list[str]) -> None:
-    if rest:
-        raise ValueError(f"unexpected arguments {' '.join(rest)}; see --help")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from .commands import _check_adapter_folder, _default_model, _model_from_adapters, _no_extra
+from .run_args import check_adapter_folder, default_model, model_from_adapters, no_extra
 
 
 def _true_or_false(text: str) -> bool:
@@ -22,15 +22,15 @@ def _true_or_false(text: str) -> bool:
 def _model_path(args: argparse.Namespace, alone: str) -> str:
     """--model, else the base the adapters record, else the embedded model."""
     if args.adapter_path:
-        _check_adapter_folder(args.adapter_path)
+        check_adapter_folder(args.adapter_path)
     if args.model:
         return args.model
-    return _model_from_adapters(args.adapter_path, alone) if args.adapter_path else _default_model()
+    return model_from_adapters(args.adapter_path, alone) if args.adapter_path else default_model()
 
 
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     """Stream a completion of --prompt, framed as the run trained (prompt_format.py)."""
-    _no_extra(rest)
+    no_extra(rest)
     from ..inference import Sampling, load_for_inference, stream_completion
     from ..prompt_format import choose_prompt_format, prompt_tokens, run_prompt_format
 
@@ -92,7 +92,7 @@ def add_generate(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     """Serve the run's adapters over an OpenAI-compatible API until interrupted."""
-    _no_extra(rest)
+    no_extra(rest)
     from ..serve import serve, serve_settings_for_run
 
     model_path = _model_path(args, " (serve also serves the base alone: --model without --adapter-path)")
@@ -143,7 +143,7 @@ EXPORT_FORMATS = ("peft", "hf", "gguf")
 
 def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     """Write the run's result in another tool's format."""
-    _no_extra(rest)
+    no_extra(rest)
     from pathlib import Path
 
     from ..export import export_gguf, export_hf, export_peft
