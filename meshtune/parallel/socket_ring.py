@@ -89,11 +89,14 @@ Pending = tuple  # (queue of each stripe's outcome, how many stripes)
 
 
 class SocketRing:
-    """A TCP ring between the ranks: each sends to rank + 1 and receives from rank - 1, over every link.
+    """A TCP ring between the ranks over every link: each sends to rank + 1 and receives from rank - 1,
+    and with more than two ranks also the other way round.
 
     A rank with K addresses in the hostfile (one per cable) has K connections to each neighbour;
     every transfer is cut into K stripes, one per link, each moved by the link's own sender or
-    receiver thread (blocking I/O), so all cables carry a share at once."""
+    receiver thread (blocking I/O), so all cables carry a share at once. With more than two ranks
+    `all_sum` runs half of the buffer around the ring each way at once, so both directions of every
+    cable carry data (two ranks already send to each other both ways)."""
 
     def __init__(self, rank: int, links: list[list[str]], exchange_ports: Any) -> None:
         """`exchange_ports(port) -> every rank's port`, run on every rank (an MLX all-gather)."""
@@ -103,37 +106,19 @@ class SocketRing:
             raise ValueError(f"parallel.transport=sockets: the ranks list {sorted(counts)} links each in the ring "
                              "hostfile; list the same number of addresses for every host")
         self.links = counts.pop()
-        listeners = []
-        for address in links[rank]:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((address, 0))
-            listener.listen(1)
-            listeners.append(listener)
-        ports = [exchange_ports(listener.getsockname()[1]) for listener in listeners]
-        nxt = (rank + 1) % self.size
-        self._send_socks = [_connect(links[nxt][j], ports[j][nxt]) for j in range(self.links)]
-        self._recv_socks = []
-        for listener in listeners:
-            listener.settimeout(CONNECT_SECONDS)
-            self._recv_socks.append(listener.accept()[0])
-            listener.close()
-        for s in (*self._send_socks, *self._recv_socks):
-            s.settimeout(None)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Every link sends and receives on threads of its own, so that all ranks can send and receive at
-        # once (ranks all blocking in send on full buffers would deadlock the ring) and every cable moves.
-        self._senders = [_LinkWorker(s, _send, f"meshtune-link{j}-send") for j, s in enumerate(self._send_socks)]
-        self._receivers = [_LinkWorker(s, _recv_into, f"meshtune-link{j}-recv")
-                           for j, s in enumerate(self._recv_socks)]
+        nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
+        self.forward = _Direction(rank, links, nxt, exchange_ports, "fwd")
+        self.backward = _Direction(rank, links, prev, exchange_ports, "bwd") if self.size > 2 else None
+        # The two-rank pump (BucketPump) and the tests reach the forward connections through these.
+        self._senders, self._receivers = self.forward.senders, self.forward.receivers
 
     def post_send(self, buf: np.ndarray) -> Pending:
         """Start sending `buf` to the next rank, a stripe per link; `wait` on what this returns."""
-        return _post(self._senders, buf)
+        return _post(self.forward.senders, buf)
 
     def post_recv(self, buf: np.ndarray) -> Pending:
         """Start receiving the previous rank's next transfer into `buf`, a stripe per link."""
-        return _post(self._receivers, buf)
+        return _post(self.forward.receivers, buf)
 
     @staticmethod
     def wait(pending: Pending) -> None:
@@ -144,37 +129,87 @@ class SocketRing:
         if first is not None:
             raise first
 
-    def _step(self, send: np.ndarray, recv: np.ndarray) -> None:
-        sent, got = self.post_send(send), self.post_recv(recv)
-        self.wait(got)
-        self.wait(sent)
-
     def all_sum(self, buf: np.ndarray) -> np.ndarray:
         """The element-wise sum of every rank's `buf` (float32, 1-D), in place."""
-        n, r = self.size, self.rank
+        n = self.size
         if n == 1:
             return buf
-        bounds = np.linspace(0, buf.size, n + 1).astype(int)
-        chunk = [buf[bounds[i]:bounds[i + 1]] for i in range(n)]
-        scratch = np.empty(max(c.size for c in chunk), dtype=buf.dtype)
-        for step in range(n - 1):  # reduce-scatter: chunk (r + 1) ends complete here
-            out, inc = chunk[(r - step) % n], chunk[(r - step - 1) % n]
-            part = scratch[:inc.size]
-            self._step(out, part)
-            np.add(inc, part, out=inc)
-        for step in range(n - 1):  # all-gather the complete chunks around the ring
-            out, inc = chunk[(r + 1 - step) % n], chunk[(r - step) % n]
-            self._step(out, inc)
+        if self.backward is None:
+            _ring_sum([(self.forward, self.rank, buf)], n)
+            return buf
+        # Half each way: going backward this rank sits at position -rank of a ring whose next is rank - 1.
+        half = buf.size // 2
+        _ring_sum([(self.forward, self.rank, buf[:half]), (self.backward, (-self.rank) % n, buf[half:])], n)
         return buf
 
     def close(self) -> None:
-        for worker in (*self._senders, *self._receivers):
+        for direction in (self.forward, self.backward):
+            if direction is not None:
+                direction.close()
+
+
+class _Direction:
+    """One way around the ring over every link: connections to `to` (a neighbour) and from the other
+    neighbour, each with its persistent sender or receiver thread."""
+
+    def __init__(self, rank: int, links: list[list[str]], to: int, exchange_ports: Any, name: str) -> None:
+        listeners = []
+        for address in links[rank]:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, 0))
+            listener.listen(1)
+            listeners.append(listener)
+        ports = [exchange_ports(listener.getsockname()[1]) for listener in listeners]
+        self.send_socks = [_connect(links[to][j], ports[j][to]) for j in range(len(listeners))]
+        self.recv_socks = []
+        for listener in listeners:
+            listener.settimeout(CONNECT_SECONDS)
+            self.recv_socks.append(listener.accept()[0])
+            listener.close()
+        for s in (*self.send_socks, *self.recv_socks):
+            s.settimeout(None)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Every link sends and receives on threads of its own, so that all ranks can send and receive at
+        # once (ranks all blocking in send on full buffers would deadlock the ring) and every cable moves.
+        self.senders = [_LinkWorker(s, _send, f"meshtune-{name}{j}-send") for j, s in enumerate(self.send_socks)]
+        self.receivers = [_LinkWorker(s, _recv_into, f"meshtune-{name}{j}-recv")
+                          for j, s in enumerate(self.recv_socks)]
+
+    def close(self) -> None:
+        for worker in (*self.senders, *self.receivers):
             worker.tasks.put(None)
-        for s in (*self._send_socks, *self._recv_socks):
+        for s in (*self.send_socks, *self.recv_socks):
             try:
                 s.close()
             except OSError:
                 pass
+
+
+def _ring_sum(parts: list[tuple[_Direction, int, np.ndarray]], n: int) -> None:
+    """Ring all-reduces of each (direction, this rank's position on it, buffer), in place, step by step
+    together: reduce-scatter (n - 1 steps; chunk position + 1 ends complete here), then all-gather."""
+    plans = []
+    for direction, r, buf in parts:
+        bounds = np.linspace(0, buf.size, n + 1).astype(int)
+        chunk = [buf[bounds[i]:bounds[i + 1]] for i in range(n)]
+        plans.append((direction, r, chunk, np.empty(max(c.size for c in chunk), dtype=buf.dtype)))
+    for gather in (False, True):
+        for step in range(n - 1):
+            moves = []
+            for direction, r, chunk, scratch in plans:
+                if gather:
+                    out, inc = chunk[(r + 1 - step) % n], chunk[(r - step) % n]
+                    into = inc
+                else:
+                    out, inc = chunk[(r - step) % n], chunk[(r - step - 1) % n]
+                    into = scratch[:inc.size]
+                moves.append((inc, into, _post(direction.senders, out), _post(direction.receivers, into)))
+            for inc, into, sent, got in moves:
+                SocketRing.wait(got)
+                SocketRing.wait(sent)
+                if not gather:
+                    np.add(inc, into, out=inc)
 
 
 def _connect(address: str, port: int) -> socket.socket:

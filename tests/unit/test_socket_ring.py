@@ -97,3 +97,29 @@ def test_every_link_carries_a_stripe_of_each_transfer():
 def test_hosts_with_different_link_counts_are_one_line():
     with pytest.raises(ValueError, match=r"the ranks list \[1, 2\] links each"):
         SocketRing(0, [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]], lambda port: [port, port])
+
+
+def test_three_ranks_send_half_of_each_sum_each_way_round_the_ring():
+    """More than two ranks: half the buffer goes rank -> rank + 1, the other half rank -> rank - 1, so
+    both directions of every link carry data; the sum is the same."""
+    rings = _rings(3, links=2)
+    data = [np.full(30000, r + 1.0, np.float32) for r in range(3)]
+    sums = [None] * 3
+
+    def run(r):
+        sums[r] = rings[r].all_sum(data[r].copy())
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(np.array_equal(s, np.full(30000, 6.0, np.float32)) for s in sums)
+    for ring in rings:
+        forward = sum(w.moved for w in ring.forward.senders)
+        backward = sum(w.moved for w in ring.backward.senders)
+        # Each half: 2 (n - 1) steps of a third of it: 2/3 of 15,000 floats each way.
+        assert forward == backward == 2 * 2 * 5000 * 4, (forward, backward)
+        assert all(w.moved > 0 for w in ring.backward.senders)  # every link, both ways
+    for r in rings:
+        r.close()
