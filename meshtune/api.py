@@ -47,7 +47,8 @@ from .training.forced_fault import with_forced_fault
 from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
 from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
 from .training.attention import install_chunked_attention, needs_chunked_attention
-from .training.step import enable_grad_checkpoint, overlaps_steps
+from .training.grad_checkpoint import enable_grad_checkpoint
+from .training.in_flight import overlaps_steps
 from .training.strategy import Strategy
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model

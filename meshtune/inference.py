@@ -20,7 +20,7 @@ from .config.schema import is_local_path
 from .data import check_source
 from .runtime.mesh import Mesh
 from .run_data import eval_batches, load_splits, split_names, tail_batch
-from .training.step import evaluate
+from .training.evaluation import evaluate
 
 
 def load_model(path: str, trust_remote_code: bool = False, return_config: bool = False,

@@ -15,7 +15,7 @@ live in a context variable for the duration of the block, keyed by layer; nothin
 stored on the modules, so the model's parameter and state trees do not change.
 
 A dequantized weight handed to a layer lives for the whole step. Where blocks are
-recomputed in the backward (training/step.enable_grad_checkpoint) a layer's own lives
+recomputed in the backward (training/grad_checkpoint.enable_grad_checkpoint) a layer's own lives
 for its block only, so there the layers dequantize their own: about 14 GB of bfloat16
 for an 8B 4-bit model's adapted layers is what checkpointing is there to save.
 """
@@ -68,7 +68,7 @@ def taken(layer: nn.Module, tokens: int) -> StepNorms | None:
 
 
 def _recomputed(module: nn.Module) -> bool:
-    """Whether `module` is a block recomputed in the backward (training/step.enable_grad_checkpoint)."""
+    """Whether `module` is a block recomputed in the backward (training/grad_checkpoint.enable_grad_checkpoint)."""
     return getattr(type(module).__call__, "recomputes_in_backward", False)
 
 

@@ -51,7 +51,7 @@ from mlx.utils import tree_map
 
 from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
-from ..training.step import OneInFlight, overlaps_steps
+from ..training.in_flight import OneInFlight, overlaps_steps
 from ..runtime.device_memory import detect
 from .fit import Load, choose_preset
 from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict

@@ -180,7 +180,8 @@ def _step_child(spec: dict[str, Any]) -> dict[str, Any]:
     from ..runtime.fastmath import install_fast_swiglu
     from ..training import ATTENTION_CHUNKED_FROM
     from ..training.attention import install_chunked_attention, needs_chunked_attention
-    from ..training.step import enable_grad_checkpoint, overlaps_steps
+    from ..training.grad_checkpoint import enable_grad_checkpoint
+    from ..training.in_flight import overlaps_steps
     from .adapters import meshtune_step_runner
 
     model, _ = load_model(spec["model"])

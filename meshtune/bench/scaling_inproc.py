@@ -54,7 +54,7 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
     from ..parallel.data_parallel import sum_gradients
-    from ..training.step import loss_terms
+    from ..training.model_loss import loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
     after = mx.compile(lambda t, l: sum_gradients(loss_and_grad(model, t, l)[1], mesh, bucket_mb=bucket_mb))

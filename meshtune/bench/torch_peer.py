@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten
 
 from ..runtime.blas import describe_blas
 from ..runtime.heap import keep_freed_memory
-from ..training.step import overlaps_steps
+from ..training.in_flight import overlaps_steps
 from .adapters import meshtune_step_runner, describe_device, time_step_rounds
 from . import fit
 from ..runtime.device_memory import Machine, detect

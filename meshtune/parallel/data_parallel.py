@@ -52,7 +52,9 @@ from ..adapters import ADAPTER_FILE, CONFIG_FILE, load_trainable, step_context, 
 from ..runtime.cuda import on_cuda
 from ..training.checkpoint import (LoadedCheckpoint, TrainingState, atomic_save_safetensors, load_checkpoint,
                                    resumable_checkpoint, save_checkpoint)
-from ..training.step import OneInFlight, evaluate, training_loss_terms
+from ..training.evaluation import evaluate
+from ..training.in_flight import OneInFlight
+from ..training.model_loss import training_loss_terms
 from ..training.strategy import WaitClock
 from ..training.update import StepVerdict, apply_update
 from ..runtime.mesh import Mesh

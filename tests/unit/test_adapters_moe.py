@@ -22,7 +22,7 @@ from meshtune.adapters import (DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRA
 from meshtune.training.checkpoint import atomic_save_safetensors
 from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.data_parallel import build_step
-from meshtune.training.step import loss_terms
+from meshtune.training.model_loss import loss_terms
 
 EXPERT_KEYS = ["mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj", "mlp.switch_mlp.down_proj"]
 ALL_KEYS = ["self_attn.q_proj", "mlp.gate", *EXPERT_KEYS, "model.embed_tokens"]

@@ -20,7 +20,7 @@ PRELUDE = textwrap.dedent('''
     from meshtune.bench.models import Shape, build_model, add_adapters
     from meshtune.parallel.data_parallel import build_step
     from meshtune.runtime.mesh import Mesh
-    from meshtune.training.step import enable_grad_checkpoint
+    from meshtune.training.grad_checkpoint import enable_grad_checkpoint
 
     def model(layers, kind, hidden=128):
         m = build_model(Shape("qwen3", layers=layers, hidden=hidden, intermediate=3 * hidden, heads=2, kv_heads=1,

@@ -15,7 +15,7 @@ from mlx_lm.utils import _get_classes
 
 import meshtune.training.head_loss as head_loss
 from meshtune.training.head_loss import HEAD_THEN_LOGITS, split_head
-from meshtune.training.step import loss_terms, training_loss_terms
+from meshtune.training.model_loss import loss_terms, training_loss_terms
 
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, vocab_size=96, max_position_embeddings=64,

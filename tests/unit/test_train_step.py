@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten, tree_map
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.data_parallel import build_step
-from meshtune.training.step import loss_terms, training_loss_terms
+from meshtune.training.model_loss import loss_terms, training_loss_terms
 
 
 def _batch(rows: list[list[int]], offsets: list[int], width: int = 9):
@@ -105,7 +105,7 @@ def test_grad_checkpoint_marks_the_blocks_it_recomputes():
     """adapters/step_norms.py leaves dequantizing to recomputed blocks: it needs to tell them."""
     import mlx.nn as nn
 
-    from meshtune.training.step import enable_grad_checkpoint
+    from meshtune.training.grad_checkpoint import enable_grad_checkpoint
 
     class Block(nn.Module):
         def __call__(self, x):
