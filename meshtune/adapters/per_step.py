@@ -1,6 +1,6 @@
 """The per-step hook: work an adapter does once per training step rather than once per layer call.
 
-A training step (parallel/data_parallel.build_step, a pipeline stage's backward) runs
+A training step (parallel/data_parallel_step.build_step, a pipeline stage's backward) runs
 its forward and backward inside `step_context(modules, tokens)` and knows nothing
 else of it. Each adapter that needs such work lists a `PerStepWork` in
 `PER_STEP_WORK`: today DoRA's row norms, taken for every layer at once on CUDA

@@ -20,7 +20,7 @@ eight configurations in turn (all eight models stay loaded); the median is repor
 stock step is a copy of `mlx_lm.tuner.trainer.train`'s: `default_loss` under
 `nn.value_and_grad`, `mx.compile` with model, optimizer and RNG state as inputs and
 outputs, `average_gradients`, `optimizer.update`, the same `mx.eval` and its allocator
-cache clear after every step. meshtune's is `meshtune.parallel.data_parallel.build_step`.
+cache clear after every step. meshtune's is `meshtune.parallel.data_parallel_step.build_step`.
 Generation is greedy `mlx_lm.generate.generate_step` at batch 1 after a short prompt, tokens/s over
 the tokens after the first (prefill excluded), with random lora_b and a perturbed m so
 the adapter is not an identity; per base the four models stay loaded and are decoded in
@@ -194,7 +194,7 @@ def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: 
     for the previous call's, as meshtune.training.loop.train does; `run.finish()` waits for the last one.
     """
     from ..runtime.mesh import Mesh
-    from ..parallel.data_parallel import build_step
+    from ..parallel.data_parallel_step import build_step
 
     step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
     state = [model.state, optimizer.state, mx.random.state]

@@ -16,7 +16,7 @@ so each has the whole device and an out-of-memory ends only its own cell:
   recommends), on a random batch of the same length, the same warm-up and steps; tokens/s is
   the median step, peak memory torch's allocator peak.
 
-With `--step`, a third column: meshtune's compiled step alone (parallel/data_parallel.build_step,
+With `--step`, a third column: meshtune's compiled step alone (parallel/data_parallel_step.build_step,
 what `meshtune bench torch` times) on the same model folder and a random row of the same length,
 in a child process, and the command's tokens/s over the step's: where that ratio is below 1, the
 command's path (its data, loop and reports) loses time outside the step.
@@ -267,7 +267,7 @@ def print_table(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"meshtune: `meshtune train` (MLX {mx.__version__}); torch: transformers + PEFT, eager, "
           f"SDPA" + (", gradient checkpointing (non-reentrant)" if a.grad_checkpoint else ""))
     if a.step:
-        print("step: meshtune's compiled step alone (parallel/data_parallel.build_step) on the same model, a random "
+        print("step: meshtune's compiled step alone (parallel/data_parallel_step.build_step) on the same model, a random "
               "row of the same length; train/step: the command's tokens/s over the step's")
     step_head = (f"{'its step alone':^20}  {'train/':>7}  ", f"{'tok/s':>12}{'peak GB':>8}  {'step':>7}  ") \
         if a.step else ("", "")

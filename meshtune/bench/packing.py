@@ -1,7 +1,7 @@
 """`meshtune bench packing`: target tokens/s and padding share of the same steps with and without data.pack.
 
 One process loads the model and the data once, then trains the same number of optimizer
-steps twice through the real compiled step (parallel/data_parallel.build_step): on
+steps twice through the real compiled step (parallel/data_parallel_step.build_step): on
 length-sorted padded batches of `--batch-size` examples, and on `--batch-size` packed rows
 of `--max-seq-length` tokens (data.pack). Each first compiles every batch shape it will meet
 (one step per shape, untimed); then their timed steps alternate, one of each in turn, so both
@@ -53,7 +53,7 @@ def _real_tokens(lengths: np.ndarray) -> int:
 def _prepare(model: Any, data: Any, pack: bool, a: argparse.Namespace) -> tuple[Callable[[Any], int], list, dict]:
     """(one compiled training step, the timed batches, their token counts) for one setting of data.pack."""
     from ..data import BatchIterator
-    from ..parallel.data_parallel import build_step
+    from ..parallel.data_parallel_step import build_step
     from ..runtime.mesh import Mesh
 
     opt = optim.Adam(learning_rate=1e-4)

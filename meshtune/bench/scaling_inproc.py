@@ -53,7 +53,7 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
     The two are separately compiled graphs, so bfloat16 kernels may round apart (~1e-3);
     a sum that read unwritten buffers or paired wrong ones is off by O(1).
     """
-    from ..parallel.data_parallel import sum_gradients
+    from ..parallel.gradient_sums import sum_gradients
     from ..training.model_loss import loss_terms
 
     loss_and_grad = nn.value_and_grad(model, loss_terms)
@@ -76,7 +76,7 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
 def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
     """Per round, the median step seconds of the three modes for `kind` (lora or full),
     each the mean over ranks of every rank's own median."""
-    from ..parallel.data_parallel import build_step
+    from ..parallel.data_parallel_step import build_step
 
     model = build_model(shape, dtype, quantized=False, seed=a.seed)
     add_adapters(model, impl="meshtune", kind=kind, num_layers=-1, rank=8, scale=20.0)

@@ -18,7 +18,7 @@ trains in both), given AdamW lr 1e-5 (weight decay 0.01, both frameworks' defaul
 fixed random batch. --warmup steps of each (the first compiles or picks kernels) are untimed;
 then --rounds rounds alternate the frameworks (meshtune's steps, torch's steps, ...), so a
 drifting host hits both, and the median step is reported; both are freed before the next
-kind. meshtune's step is `parallel.data_parallel.build_step` as `meshtune train` runs it
+kind. meshtune's step is `parallel.data_parallel_step.build_step` as `meshtune train` runs it
 (overlapped on a GPU, runtime.overlap_steps), with freed memory kept and, on the CPU, its
 vectorised SwiGLU. Useful FLOPs per step: 4 x N x tokens for LoRA and DoRA (forward plus the
 activations' backward; adapter FLOPs left out), 6 x N x tokens for full fine-tuning, N the
@@ -243,7 +243,7 @@ def print_table(a: argparse.Namespace, runs: dict[str, dict], counts: dict[str, 
           f"{a.intermediate}, {a.heads} heads / {a.kv_heads} kv heads, vocab {a.vocab} (tied embedding); "
           f"N = {counts['meshtune']:,} parameters {same} (torch {counts['torch']:,})")
     print(f"device {describe_device()}, {a.dtype}; {describe_blas()}")
-    print(f"meshtune: MLX {mx.__version__}, its compiled training step (parallel/data_parallel.build_step), "
+    print(f"meshtune: MLX {mx.__version__}, its compiled training step (parallel/data_parallel_step.build_step), "
           + ("each dispatched while the one before runs" if a.overlap else "each waited for")
           + " (runtime.overlap_steps auto), as `meshtune train` runs it")
     print(f"torch: {ts.describe()}; Qwen3ForCausalLM + PEFT, eager (no torch.compile), SDPA attention, AdamW "

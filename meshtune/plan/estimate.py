@@ -107,7 +107,7 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
         elif layout.pp > 1 and layout.dp > 1:  # the world buffer with a slot per trained parameter, and its sum
             comm_buffer = 2 * sum(i.params for i in items) * FP32
         # With train.grad_checkpoint the step keeps each block's input and recomputes one block at a time
-        # (training/grad_checkpoint.py), its update built apart from its backward (data_parallel.build_step).
+        # (training/grad_checkpoint.py), its update built apart from its backward (data_parallel_step.build_step).
         kept = ckpt if ckpt is not None and t.grad_checkpoint else act
         block_grads = grads / max(len(blocks), 1)
         backward = max(kept, grads) + min(per_block, block_grads)

@@ -232,13 +232,13 @@ def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simula
 
 @pytest.mark.parametrize("fold", [True, False])
 def test_training_step_takes_dora_norms_before_the_forward(simulated, model_factory, monkeypatch, fold):
-    """meshtune's step (parallel.data_parallel.build_step) on a model with DoRA: one norm launch per shape; folded
+    """meshtune's step (parallel.data_parallel_step.build_step) on a model with DoRA: one norm launch per shape; folded
     (the default) m's gradient by the sums-only kernel, else by the cotangent kernel."""
     import mlx.optimizers as optim
 
     from meshtune.adapters import apply_adapters, kernels
     from meshtune.runtime.mesh import Mesh
-    from meshtune.parallel.data_parallel import build_step
+    from meshtune.parallel.data_parallel_step import build_step
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
 
@@ -258,7 +258,7 @@ def test_training_step_takes_dora_norms_before_the_forward(simulated, model_fact
 
 
 def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
-    """Two steps of meshtune's step (parallel.data_parallel.build_step, uncompiled, SGD: the update is the gradient,
+    """Two steps of meshtune's step (parallel.data_parallel_step.build_step, uncompiled, SGD: the update is the gradient,
     which Adam's per-element normalisation would blow up at ~0) on a 2-block model, 4-bit where
     `quantized`, with DoRA on q_proj and down_proj and non-zero B (the row scale moves off 1):
     (the two losses, the trainable parameters after). `built(model)` runs before the steps."""
@@ -268,7 +268,7 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
 
     from meshtune.adapters import apply_adapters
     from meshtune.runtime.mesh import Mesh
-    from meshtune.parallel.data_parallel import build_step
+    from meshtune.parallel.data_parallel_step import build_step
 
     model = model_factory(layers=2, dim=64)
     if quantized:

@@ -31,7 +31,7 @@ def test_gradient_buckets_packed_by_the_kernel(simulated, monkeypatch):
     as the whole tree."""
     from mlx.utils import tree_flatten
 
-    from meshtune.parallel.data_parallel import sum_gradients
+    from meshtune.parallel.gradient_sums import sum_gradients
     from meshtune.runtime.mesh import Mesh
 
     # The two ranks the group claims, both holding these gradients: each bucket's sum is twice its values, so a

@@ -20,7 +20,7 @@ from meshtune.training.checkpoint import load_checkpoint, verify_checkpoint
 from meshtune.config import Config, ConfigError
 from meshtune.runtime.mesh import Mesh
 from meshtune.parallel.p2p import Links
-from meshtune.parallel.data_parallel import build_step
+from meshtune.parallel.data_parallel_step import build_step
 from meshtune.parallel.stage import split_stages
 from meshtune.parallel.stages import balanced_split, check_stage_layers, declared_layers
 

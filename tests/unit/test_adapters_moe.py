@@ -21,7 +21,7 @@ from meshtune.adapters import (DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRA
                                fuse_adapters, load_adapters, mlx_lm_adapter_config, trainable_parameters)
 from meshtune.training.checkpoint import atomic_save_safetensors
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel.data_parallel import build_step
+from meshtune.parallel.data_parallel_step import build_step
 from meshtune.training.model_loss import loss_terms
 
 EXPERT_KEYS = ["mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj", "mlp.switch_mlp.down_proj"]

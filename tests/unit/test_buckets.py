@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshtune.parallel.data_parallel import buckets
+from meshtune.parallel.gradient_sums import buckets
 
 
 def test_buckets_fill_to_the_size_and_keep_order():
@@ -18,7 +18,7 @@ def test_every_index_lands_in_exactly_one_bucket():
 
 
 def test_backward_order_puts_the_last_computed_gradients_last():
-    from meshtune.parallel.data_parallel import backward_order
+    from meshtune.parallel.gradient_sums import backward_order
 
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.lora_a",
              "model.layers.0.mlp.down_proj.lora_a", "model.layers.0.input_layernorm.weight",

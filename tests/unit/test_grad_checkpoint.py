@@ -18,7 +18,7 @@ PRELUDE = textwrap.dedent('''
     import mlx.core as mx, mlx.optimizers as optim
     from mlx.utils import tree_flatten
     from meshtune.bench.models import Shape, build_model, add_adapters
-    from meshtune.parallel.data_parallel import build_step
+    from meshtune.parallel.data_parallel_step import build_step
     from meshtune.runtime.mesh import Mesh
     from meshtune.training.grad_checkpoint import enable_grad_checkpoint
 

@@ -17,7 +17,7 @@ from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.data import BatchIterator, TokenizedDataset, check_packable
 from meshtune.data.checks import trained_tokens
 from meshtune.data.packing import pack_rows
-from meshtune.parallel.data_parallel import build_step
+from meshtune.parallel.data_parallel_step import build_step
 from meshtune.runtime.mesh import Mesh
 from meshtune.training.losses import target_mask
 from support import TINY_MODEL

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from meshtune.adapters import apply_adapters, trainable_parameters
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel.data_parallel import build_step
+from meshtune.parallel.data_parallel_step import build_step
 from meshtune.training.model_loss import loss_terms, training_loss_terms
 
 
