@@ -35,7 +35,7 @@ from .data import BatchIterator, check_packable
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
 from .runtime.mesh import Mesh
-from .parallel.pipeline import Pipeline
+from .parallel.pipeline.executor import Pipeline
 from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
 from .training.metrics import METRICS_FILE, Reporter, read_metrics
 from .report import summary_line, write_report
@@ -79,7 +79,7 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
         keep_freed_memory()  # before the model's arrays: they and every step's reuse kept pages
     say(f"loading model {model_path}")
     # Lazily: a weight is read when first evaluated, after the plan's check and, on a pipeline
-    # rank, after the other stages' parts are dropped (parallel/stage_cut.py).
+    # rank, after the other stages' parts are dropped (parallel/pipeline/stage_cut.py).
     model, tokenizer = load_model(model_path, cfg.model.trust_remote_code, lazy=True)
     if cfg.runtime.fast_cpu_activations and mx.default_device().type == mx.cpu:
         from .runtime.fastmath import install_fast_swiglu
@@ -266,7 +266,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
     """Load the newest intact checkpoint into model, optimizer and data cursor.
 
     Damaged ones (checksums, missing files) are skipped with a line each; a pipeline's
-    ranks agree on the step and each stage loads what it trains (parallel/pipeline_state.py).
+    ranks agree on the step and each stage loads what it trains (parallel/pipeline/state.py).
     The RNG needs no restoring: the loop reseeds it from (seed, step) every step.
     """
     ckpt = strategy.latest_checkpoint(out, say)

@@ -29,7 +29,7 @@ def load_model(path: str, trust_remote_code: bool = False, return_config: bool =
     folder or hub id); a folder that lacks something, or a load that fails, is one line naming model.path.
 
     With `lazy` no weight is read yet: each is read from its file when first evaluated, so a
-    pipeline stage that drops the others' blocks first reads only its own (parallel/stage_cut.py)."""
+    pipeline stage that drops the others' blocks first reads only its own (parallel/pipeline/stage_cut.py)."""
     from mlx_lm.utils import load
 
     local = Path(path).expanduser()

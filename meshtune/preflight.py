@@ -19,7 +19,7 @@ from .config import Config
 from .config.resume import settings_digests
 from .data import check_source
 from .runtime.mesh import Mesh
-from .parallel.stages import declared_layers
+from .parallel.pipeline.split import declared_layers
 from .run_data import split_names
 from .training.checkpoint import list_checkpoints
 from .training.trackers import check_trackers

@@ -138,7 +138,7 @@ def markdown(s: RunSummary) -> str:
     if s.test_loss is not None:
         rows.append(("test loss", f"{s.test_loss:.4f}"))
     if s.pp > 1 and s.schedule:
-        from .parallel.schedules import build, idle_fraction
+        from .parallel.pipeline.schedules import build, idle_fraction
 
         idle = idle_fraction(build(s.schedule, s.pp, s.micro_batches))
         rows.append(("pipeline idle share, analytic from the schedule", f"{100 * idle:.1f}%"))

@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from ..runtime.blas import describe_blas
 from ..parallel.launcher import launch_ranks
-from ..parallel.schedules import build as build_schedule, idle_fraction
+from ..parallel.pipeline.schedules import build as build_schedule, idle_fraction
 from ..training.metrics import read_metrics
 from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder

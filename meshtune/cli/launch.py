@@ -129,7 +129,7 @@ def preflight(n: int, command: list[str]) -> None:
     if "meshtune.cli" not in command or "train" not in command:
         return
     from ..config import ConfigError
-    from ..parallel.stages import check_pipeline_layout
+    from ..parallel.pipeline.split import check_pipeline_layout
     from .commands import _train_config, build_parser
 
     args, rest = build_parser().parse_known_args(command[command.index("meshtune.cli") + 1:])

@@ -1,6 +1,6 @@
 """One layout's figures per rank: memory by part for each stage, bubble and traffic per step.
 
-Every rank of a pipeline holds only its stage's parts (parallel/stage_cut.py): its blocks'
+Every rank of a pipeline holds only its stage's parts (parallel/pipeline/stage_cut.py): its blocks'
 weights and adapters, the embedding on the first stage, the final norm and head on the last
 (a tied table on both ends), and their gradients, optimizer state and activations. The peak adds the static
 part (weights, adapters, optimizer state, gradient-sum buffers) to the larger of two
@@ -33,7 +33,7 @@ def _stage_of(t: Trained, bounds: tuple[int, int], stage: int, stages: int, tied
 
 
 def stage_weight_bytes(facts: ModelFacts, bounds: tuple[int, int], first: bool, last: bool) -> int:
-    """Bytes of the base weights a stage holds (parallel/stage_cut.py's cut): its blocks, the embedding on
+    """Bytes of the base weights a stage holds (parallel/pipeline/stage_cut.py's cut): its blocks, the embedding on
     the first stage, the final norm and head on the last, a tied table there too."""
     total = 0
     for t in facts.tensors:

@@ -1,10 +1,10 @@
 """Candidate layouts for N ranks, the stage split each would use, its bubble and its traffic.
 
 A layout is one process, DP N, PP P or DP x PP for each factorisation of N. The stage
-split is the one `meshtune train` makes (parallel/stages.py's balanced_split over the
+split is the one `meshtune train` makes (parallel/pipeline/split.py's balanced_split over the
 blocks' parameter counts with adapters in place, the embedding on the first stage, the
 final norm and head on the last; or parallel.stage_layers). The bubble comes from
-timing the schedule's own action lists (parallel/schedules.py) with its costs
+timing the schedule's own action lists (parallel/pipeline/schedules.py) with its costs
 (a backward recomputes the forward: three forwards). Traffic is what each rank sends
 per optimizer step: a ring all-reduce sends 2 (n - 1) / n of the buffer; a stage sends
 its output forward and its input gradient back for every micro-batch.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..parallel.schedules import build, idle_fraction, in_flight
-from ..parallel.stages import balanced_split, check_stage_layers
+from ..parallel.pipeline.schedules import build, idle_fraction, in_flight
+from ..parallel.pipeline.split import balanced_split, check_stage_layers
 
 _LINK = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(bit/s|bits/s|bit|bps|b/s|B/s|Bps|byte/s|bytes/s)\s*$")
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

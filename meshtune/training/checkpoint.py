@@ -13,7 +13,7 @@ checked against its own header for truncation. Write failures become one
 `CheckpointWriteError` naming the folder; the partial temp folder is removed.
 A pipeline writes the same folder per stage instead (`stage<k>.safetensors`,
 `stage<k>.optimizer.safetensors`, manifest `state.stage<k>.json`; see
-parallel/pipeline_state.py); verifying and loading such a folder as a whole reads
+parallel/pipeline/state.py); verifying and loading such a folder as a whole reads
 every stage's shard, so a single process resumes a pipeline's checkpoint.
 """
 

@@ -5,7 +5,7 @@ same parameters) and the token count of the whole global batch, so the update eq
 one process's on that batch. Clipping follows mlx's `optim.clip_grad_norm` (the scale
 min(max_norm / (||g|| + 1e-6), 1) applied to each gradient, cast back to its dtype);
 only the global norm's square-sum differs by strategy: local for data parallelism,
-summed across stages for a pipeline (parallel/pipeline.py).
+summed across stages for a pipeline (parallel/pipeline/executor.py).
 
 The update is gated: a step whose global gradient norm is not finite, or whose global
 batch has no target tokens, leaves the parameters and the optimizer state as they were

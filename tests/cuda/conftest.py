@@ -23,7 +23,7 @@ def build_dir(tmp_path_factory):
 def simulated(build_dir, monkeypatch):
     """CUDA as far as meshtune can tell, with every kernel simulated; returns the kernels made, by name."""
     from meshtune.adapters import kernels
-    from meshtune.parallel import data_parallel, pack_kernel
+    from meshtune.parallel import gradient_sums, pack_kernel
 
     made = {}
 
@@ -34,5 +34,5 @@ def simulated(build_dir, monkeypatch):
     monkeypatch.setattr(kernels, "_kernel", kernel)
     monkeypatch.setattr(pack_kernel, "kernel", kernel)
     monkeypatch.setattr(kernels, "on_cuda", lambda: True)
-    monkeypatch.setattr(data_parallel, "on_cuda", lambda: True)
+    monkeypatch.setattr(gradient_sums, "on_cuda", lambda: True)
     return made

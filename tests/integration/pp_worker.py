@@ -16,7 +16,7 @@ from support import tiny_llama  # noqa: E402
 
 from meshtune.adapters import apply_adapters  # noqa: E402
 from meshtune.runtime.mesh import Mesh  # noqa: E402
-from meshtune.parallel.pipeline import Pipeline  # noqa: E402
+from meshtune.parallel.pipeline.executor import Pipeline  # noqa: E402
 
 
 def make_model_and_batch(kind: str = "lora"):

@@ -19,10 +19,10 @@ from meshtune.api import finetune
 from meshtune.training.checkpoint import load_checkpoint, verify_checkpoint
 from meshtune.config import Config, ConfigError
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel.p2p import Links
+from meshtune.parallel.pipeline.p2p import Links
 from meshtune.parallel.data_parallel_step import build_step
-from meshtune.parallel.stage import split_stages
-from meshtune.parallel.stages import balanced_split, check_stage_layers, declared_layers
+from meshtune.parallel.pipeline.stage import split_stages
+from meshtune.parallel.pipeline.split import balanced_split, check_stage_layers, declared_layers
 
 
 def test_balanced_split_minimises_the_costliest_stage():

@@ -142,10 +142,10 @@ def test_a_float32_head_on_a_bfloat16_model_gives_the_plain_gradients(monkeypatc
 def test_a_pipeline_s_last_stage_gives_the_plain_loss_s_gradients(monkeypatch, tie, kind):
     """PipelineStage.loss over five chunks against the same stage with the plain loss: the value,
     the parameter gradients and the gradient sent back to the stage before."""
-    import meshtune.parallel.stage as stage_module
+    import meshtune.parallel.pipeline.stage as stage_module
     from meshtune.adapters import apply_adapters
     from meshtune.runtime.mesh import Mesh
-    from meshtune.parallel.stage import PipelineStage
+    from meshtune.parallel.pipeline.stage import PipelineStage
 
     monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)
     tokens, lengths = batch()

@@ -8,9 +8,9 @@ import pytest
 from support import tiny_llama
 from meshtune.adapters import apply_adapters
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel import peers
-from meshtune.parallel.pipeline import sum_shared
-from meshtune.parallel.stage import PipelineStage
+from meshtune.parallel.pipeline import peers
+from meshtune.parallel.pipeline.executor import sum_shared
+from meshtune.parallel.pipeline.stage import PipelineStage
 
 
 class FakeGroup:

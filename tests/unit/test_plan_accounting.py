@@ -229,7 +229,7 @@ def test_candidates_and_their_split_match_the_pipeline(tmp_path: Path) -> None:
     import mlx_lm.utils
 
     from meshtune.adapters.apply import apply_adapters
-    from meshtune.parallel.stage import split_stages
+    from meshtune.parallel.pipeline.stage import split_stages
 
     cfg = Config.from_dict({"adapter": {"num_layers": -1}, "train": {"batch_size": 6}})
     result = plan(cfg, 4, 1.0, "10gbit", seq_len=32)
@@ -249,7 +249,7 @@ def test_candidates_and_their_split_match_the_pipeline(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_each_stage_counts_only_its_own_weights(tmp_path: Path, tied: bool) -> None:
-    # The pipeline cut (parallel/stage_cut.py): blocks per stage, the table on the first (and, tied, the last).
+    # The pipeline cut (parallel/pipeline/stage_cut.py): blocks per stage, the table on the first (and, tied, the last).
     arrays = _dense(mx.float32)
     if not tied:
         arrays["lm_head.weight"] = mx.zeros((V, H))

@@ -14,8 +14,8 @@ import pytest
 
 from meshtune.config.mlx_lm_compat import FLAT_KEYS, MLX_LM_FLAGS
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel.schedules import idle_fraction
-from meshtune.parallel.schedules import build
+from meshtune.parallel.pipeline.schedules import idle_fraction
+from meshtune.parallel.pipeline.schedules import build
 from meshtune.training import trackers
 from meshtune.training.metrics import Reporter, peak_memory_per_rank, read_metrics, wait_shares
 from meshtune.report import PLOT_FILE, REPORT_FILE, summary_line, write_report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtune.parallel.schedules import SCHEDULES, Action, build, in_flight, simulate, validate
+from meshtune.parallel.pipeline.schedules import SCHEDULES, Action, build, in_flight, simulate, validate
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -18,8 +18,8 @@ from support import tiny_llama
 from meshtune.adapters import apply_adapters
 from meshtune.training.checkpoint import TrainingState, list_checkpoints, load_checkpoint, verify_checkpoint
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel.stage import PipelineStage
-from meshtune.parallel.pipeline_state import load_stage_checkpoint, resumable_step, save_stages
+from meshtune.parallel.pipeline.stage import PipelineStage
+from meshtune.parallel.pipeline.state import load_stage_checkpoint, resumable_step, save_stages
 
 CONFIG = {"model": {"path": "tiny"}, "train": {"iters": 9}}
 

@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten, tree_map
 from support import tiny_llama
 from meshtune.adapters import apply_adapters
 from meshtune.runtime.mesh import Mesh
-from meshtune.parallel.stage import PipelineStage
+from meshtune.parallel.pipeline.stage import PipelineStage
 
 
 def _stage(k: int, compile: bool) -> PipelineStage:

@@ -128,7 +128,7 @@ def test_the_loop_imports_no_adapter_transport_or_layout():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert "meshtune.training.loop" in loaded
     for module in ("meshtune.adapters", "meshtune.parallel.socket_ring", "meshtune.parallel.data_parallel",
-                   "meshtune.parallel.pipeline"):
+                   "meshtune.parallel.pipeline.executor"):
         assert module not in loaded, module
     assert "pipeline" not in Path(loop.__file__).read_text().lower()
 

@@ -42,11 +42,11 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState,
+from ...training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState,
                                    checkpoint_dir, leftover_temps, load_checkpoint, load_stage, prune_checkpoints,
                                    publish_stage, stage_names, verify_checkpoint, verify_stage, write_error,
                                    write_stage)
-from ..training.streamed_safetensors import StreamedSafetensors
+from ...training.streamed_safetensors import StreamedSafetensors
 from .stage import PipelineStage
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mlx.utils import tree_flatten
 
-from ..training.checkpoint import atomic_save_safetensors, atomic_write_text
+from ...training.checkpoint import atomic_save_safetensors, atomic_write_text
 from .stage import PipelineStage
 
 MODEL_FOLDER = "model"

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..runtime.mesh import Mesh
+from ...runtime.mesh import Mesh
 
 # Backends whose Group.split MLX implements.
 SPLIT_BACKENDS = frozenset({"nccl", "mpi"})

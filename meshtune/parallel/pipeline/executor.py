@@ -36,21 +36,21 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..adapters import trainable_parameters
-from ..training.checkpoint import LoadedCheckpoint, TrainingState
-from ..training.losses import masked_ce_sum, target_mask
-from ..training.strategy import WaitClock
-from ..training.update import StepVerdict, apply_update, local_square_sum
-from ..runtime.mesh import Mesh
+from ...adapters import trainable_parameters
+from ...training.checkpoint import LoadedCheckpoint, TrainingState
+from ...training.losses import masked_ce_sum, target_mask
+from ...training.strategy import WaitClock
+from ...training.update import StepVerdict, apply_update, local_square_sum
+from ...runtime.mesh import Mesh
 from .peers import sum_on_peers
-from .pipeline_state import load_stage_checkpoint, resumable_step, save_stages, write_gathered
+from .state import load_stage_checkpoint, resumable_step, save_stages, write_gathered
 from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
 from .stage_model import MODEL_FOLDER, write_stage_model
-from .stages import check_pipeline_layout
+from .split import check_pipeline_layout
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ...config import Config
 
 
 MESSAGES = ("recv_act", "send_act", "recv_grad", "send_grad")

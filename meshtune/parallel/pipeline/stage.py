@@ -15,15 +15,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..adapters import step_context
-from ..data.packing import packed_caches
-from ..training.head_loss import head_ce_sum, split_head
-from ..training.losses import masked_ce_sum, target_mask
-from ..runtime.mesh import Mesh
+from ...adapters import step_context
+from ...data.packing import packed_caches
+from ...training.head_loss import head_ce_sum, split_head
+from ...training.losses import masked_ce_sum, target_mask
+from ...runtime.mesh import Mesh
 from .p2p import Links
 from .peers import peer_groups
 from .stage_cut import keep_stage
-from .stages import balanced_split, check_stage_layers, stage_bounds
+from .split import balanced_split, check_stage_layers, stage_bounds
 
 
 def _size(module: nn.Module) -> int:

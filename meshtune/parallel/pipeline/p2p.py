@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..runtime.mesh import Mesh
+from ...runtime.mesh import Mesh
 
 # Backends whose send/recv MLX does not implement.
 NO_SEND = frozenset({"nccl"})
