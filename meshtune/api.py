@@ -27,8 +27,8 @@ from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .runtime.device_memory import detect
-from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_save_safetensors, atomic_write_text,
-                                  list_checkpoints, write_error)
+from .training.checkpoint import (CheckpointWriteError, NonFiniteValues, TrainingState, atomic_save_safetensors,
+                                  atomic_write_text, require_finite, resumable_checkpoint, write_error)
 from .config import Config
 from .config.resume import run_mismatches
 from .data import BatchIterator, check_packable
@@ -211,6 +211,7 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))
         if mesh.is_writer:
+            require_finite(state.step, weights, "the trained weight")
             try:
                 atomic_save_safetensors(out / ad.ADAPTER_FILE, weights)
             except OSError as err:
@@ -233,11 +234,12 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                            start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
-        except (NonFiniteStep, OutOfMemory) as err:
-            found = list_checkpoints(out)  # the loop saved nothing after the bad step
-            last = f"{found[-1]} (resume with --resume)" if found else "none yet (start again)"
-            advice = {} if isinstance(err, NonFiniteStep) else {"advice": fitting_advice(cfg)}
-            raise type(err)(err.step, err.what, last_good=last, **advice) from None
+        except (NonFiniteStep, NonFiniteValues, OutOfMemory) as err:
+            found = resumable_checkpoint(out, say=lambda _line: None)  # the newest that verifies
+            last = f"{found} (resume with --resume)" if found else "none yet (start again)"
+            if isinstance(err, OutOfMemory):
+                raise OutOfMemory(err.step, err.what, advice=fitting_advice(cfg), last_good=last) from None
+            raise NonFiniteStep(err.step, err.what, last_good=last, applied=isinstance(err, NonFiniteValues)) from None
         test_loss = None
         if test_batches is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)

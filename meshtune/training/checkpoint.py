@@ -48,6 +48,29 @@ class CheckpointWriteError(ValueError):
     """A save failed (disk full, folder not writable); the last good checkpoint is untouched."""
 
 
+class NonFiniteValues(Exception):
+    """A save found a value that is not finite and wrote nothing: the run stops as a non-finite step does."""
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"step {step}: {what}")
+        self.step, self.what = step, what
+
+
+def require_finite(step: int, arrays: dict[str, mx.array], what: str) -> None:
+    """Raise NonFiniteValues naming the first tensor of `arrays` (flat) holding nan or inf; nothing is written.
+
+    The update never applies a non-finite value (training/update.py); this is the save's own check, one
+    reduction per tensor at save time only."""
+    floating = [(k, v) for k, v in arrays.items() if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating)]
+    if not floating:
+        return
+    flags = mx.stack([mx.isfinite(v).all() for _, v in floating])
+    if flags.all().item():
+        return
+    bad = next(k for (k, _), ok in zip(floating, flags.tolist()) if not ok)
+    raise NonFiniteValues(step, f"{what} {bad} holds nan or inf, so nothing was saved for this step")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -152,12 +175,14 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
     goes, older checkpoints stay.
     """
     final = checkpoint_dir(adapter_path, state.step)
+    opt = dict(tree_flatten(optimizer_state))
+    require_finite(state.step, trainable, "the trained weight")
+    require_finite(state.step, opt, "the optimizer state")
     tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         save_safetensors_checked(tmp / "adapters.safetensors", trainable)
-        opt = dict(tree_flatten(optimizer_state))
         save_safetensors_checked(tmp / "optimizer.safetensors", opt)
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         for extra in alongside:
@@ -192,6 +217,8 @@ def write_stage(folder: Path, k: int, *, state: TrainingState, trainable: dict[s
     `layout` (stage count and block ranges) tells a resumed run whether the shard fits its own stages.
     """
     weights, optimizer, name = stage_names(k)
+    require_finite(state.step, trainable, "the trained weight")
+    require_finite(state.step, optimizer_state, "the optimizer state")
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors_checked(folder / weights, trainable)
     save_safetensors_checked(folder / optimizer, optimizer_state)

@@ -41,9 +41,9 @@ AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
 class NonFiniteStep(Exception):
     """A step's update was not applied and no skips were left: the run stops (exit training.NONFINITE_EXIT_CODE)."""
 
-    def __init__(self, step: int, what: str, *, last_good: str = "") -> None:
+    def __init__(self, step: int, what: str, *, last_good: str = "", applied: bool = False) -> None:
         tail = f"; last good checkpoint: {last_good}" if last_good else ""
-        super().__init__(f"step {step}: {what}; the update was not applied{tail}")
+        super().__init__(f"step {step}: {what}{'' if applied else '; the update was not applied'}{tail}")
         self.step, self.what = step, what
 
 
