@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,7 @@ from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
 from .training.attention import install_chunked_attention, needs_chunked_attention
 from .training.step import enable_grad_checkpoint, overlaps_steps
 from .training.strategy import Strategy
+from .runtime.stop_signals import StopSignals
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
 from .preflight import (check_before_load, check_output_folder, check_plan_fits, fitting_advice, init_file,
@@ -114,8 +116,12 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
 
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
-             show_progress: bool = True) -> RunResult:
-    """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
+             show_progress: bool = True, stop: StopSignals | None = None) -> RunResult:
+    """Fine-tune as `cfg` says on `mesh` (default: this one process).
+
+    `stop` records SIGTERM/SIGINT; the command line holds it from before set-up to after the report,
+    so a signal at any moment is a stop request. Without one, the run takes them from its first step
+    to its report."""
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
     cfg = cfg.with_absolute_paths()  # what the run saves names its model and data from anywhere
@@ -225,15 +231,17 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             save_every=t.save_every, skip_nonfinite=t.skip_nonfinite_steps)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     model.train()
-    with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
-                            log=say, show_progress=show_progress,
-                            trackers=open_trackers(trackers, out, config=resolved, project=cfg.output.project_name)
-                            ) as reporter:
+    signals = nullcontext(stop) if stop is not None else StopSignals()
+    with watchdog, signals as stop, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
+                                             log=say, show_progress=show_progress,
+                                             trackers=open_trackers(trackers, out, config=resolved,
+                                                                    project=cfg.output.project_name)) as reporter:
         # How to start these ranks again, for the report of a run that is cut off (no line printed).
         reporter.note("start", start.step, None, resume=resume_command(out, mesh))
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                           start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
+                           start=start, validate=validate, save=save, cursor=batches.state, stop=stop,
+                           beat=watchdog.beat)
         except (NonFiniteStep, NonFiniteValues, OutOfMemory) as err:
             found = resumable_checkpoint(out, say=lambda _line: None)  # the newest that verifies
             last = f"{found} (resume with --resume)" if found else "none yet (start again)"

@@ -63,15 +63,22 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    """0 finished, 3 stopped on request, 65 a non-finite step stopped it, 71 out of memory (docs/reliability.md, exit codes)."""
+    """0 finished, 3 stopped on request, 65 a non-finite step stopped it, 71 out of memory, 128 + n stopped by
+    signal n during set-up (docs/reliability.md, exit codes)."""
     from ..api import finetune
+    from ..runtime.stop_signals import StopSignals
     from ..training import NONFINITE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, STOPPED_EXIT_CODE
-    from ..training.loop import NonFiniteStep, OutOfMemory
+    from ..training.loop import NonFiniteStep, OutOfMemory, StoppedBeforeTraining
 
     cfg = _train_config(args, rest)
     mesh = _mesh(cfg)
     try:
-        result = finetune(cfg, mesh=mesh)
+        # Held from set-up to the report: a signal at any moment is a stop request, never a traceback.
+        with StopSignals() as stop:
+            result = finetune(cfg, mesh=mesh, stop=stop)
+    except StoppedBeforeTraining as err:
+        print(f"meshtune: {err}", file=sys.stderr, flush=True)
+        return 128 + err.signum
     except NonFiniteStep as err:  # every rank stops at the same step and says it
         print(f"meshtune: {err}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE

@@ -233,8 +233,8 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     """Wait for every rank; on the first lost or failed rank say one line and stop the rest.
 
     A signal in `interrupts` (Ctrl-C or SIGTERM to the launcher) is passed on to every rank as
-    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a second one
-    stops them at once.
+    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a later one
+    is said and changes nothing, so no save is cut short.
 
     Returns (exit code, whether a lost rank was named). Lost: killed by a signal
     (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
@@ -248,12 +248,12 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     while True:
         if len(interrupts) > passed_on:
             name = signal.Signals(interrupts[-1]).name
-            if passed_on:
-                print(f"meshtune launch: {name} again: stopping the ranks now", file=err, flush=True)
-                _stop(ranks, grace=0)
-                return 128 + interrupts[-1], False
-            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops ({name} again stops "
-                  "them now)", file=err, flush=True)
+            if passed_on:  # a save cut short would lose the run's last steps: the ranks finish theirs
+                print(f"meshtune launch: {name} again: the ranks are already saving and stopping (kill -9 "
+                      "stops them now, losing the steps since their last checkpoint)", file=err, flush=True)
+                passed_on = len(interrupts)
+                continue
+            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops", file=err, flush=True)
             for r in ranks:
                 if r.proc.poll() is None:
                     _signal_rank(r, signal.SIGTERM, rank_only=True)

@@ -21,6 +21,7 @@ report, an eval or a save, so nothing is written between a bad step and its disc
 
 from __future__ import annotations
 
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,17 @@ from .strategy import Strategy
 from .update import StepVerdict
 
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
+
+
+class StoppedBeforeTraining(Exception):
+    """A stop request came during set-up, before this invocation's first step: nothing was trained or saved
+    (exit 128 + the signal's number, as a shell reports a process its signal ended)."""
+
+    def __init__(self, step: int, signum: int, name: str) -> None:
+        done = f"step {step}'s checkpoint stands; --resume continues from it" if step else "start it again"
+        super().__init__(f"stopped on request ({name}) during set-up, before step {step + 1}: nothing was "
+                         f"trained or saved; {done}")
+        self.signum = signum
 
 
 class NonFiniteStep(Exception):
@@ -104,9 +116,13 @@ def step_seed(seed: int, step: int) -> int:
 
 def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings, seed: int, mesh: Mesh,
           reporter: Reporter, start: TrainingState, validate: Callable[[], tuple[float, int]] | None,
-          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]],
+          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]], stop: StopSignals,
           beat: Callable[[int], None] = lambda step: None) -> LoopResult:
-    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
+    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule.
+
+    `stop` records SIGTERM/SIGINT for the whole run (the caller holds it from set-up to the report):
+    the first request is agreed, saved and stops the loop; later ones change nothing, so no save is
+    ever cut short. A request from set-up, agreed here before any step, trains nothing."""
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
     step, skipped, stopping, running = start.step, 0, False, start.step + 1
@@ -135,9 +151,12 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
         reporter.eval(at, split="val", loss=loss, tokens=n, seconds=time.perf_counter() - tic)
         return loss
 
+    if mesh.agree(stop.requested):
+        raise StoppedBeforeTraining(step, stop.signals[0] if stop.signals else signal.SIGTERM,
+                                    stop.name() or "on another rank")
     if validate is not None and step == 0:
         val_loss = run_eval(0)
-    with StopSignals(second_interrupts=True) as stop, out_of_memory_names_the_step(lambda: running):
+    with out_of_memory_names_the_step(lambda: running):
         while step < settings.iters:
             running = step + 1  # the step an allocation failure is reported at
             tic = time.perf_counter()
