@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
 from .runtime.outdir import check_free_space, check_writable
 from .runtime.relaunch import resume_command
+from .runtime.run_lock import FolderLock, lock_folder
 from .training.forced_fault import with_forced_fault
 from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
 from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
@@ -125,10 +125,22 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
     cfg = cfg.with_absolute_paths()  # what the run saves names its model and data from anywhere
-    # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
-    layout = Pipeline if mesh.pp > 1 else DataParallel
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
+    # One run per folder (runtime/run_lock.py): taken before the folder is read, held until the run ends.
+    lock = on_writer(mesh, lambda: (check_writable(out), lock_folder(out, say))[1])
+    try:
+        return _run(cfg, mesh, out, say, lock, show_progress=show_progress, stop=stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: FolderLock | None, *,
+         show_progress: bool, stop: StopSignals | None) -> RunResult:
+    """The run, its folder held by `lock` on the writer (finetune)."""
+    # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
+    layout = Pipeline if mesh.pp > 1 else DataParallel
     on_writer(mesh, lambda: (check_output_folder(cfg, out), check_writable(out)))
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
@@ -195,12 +207,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     setup_bytes = mx.get_active_memory()
     mx.reset_peak_memory()
     if mesh.is_writer:
-        # Only now, with every input checked, does an overwrite remove the earlier run.
+        # Only now, with every input checked, does an overwrite remove the earlier run: all of it, before
+        # the new run writes its first file.
         if cfg.output.overwrite and not cfg.output.resume and out.exists():
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            (out / METRICS_FILE).unlink(missing_ok=True)
-            for kept_file in out.glob(base_path.run_file("*")):
-                kept_file.unlink()
+            lock.clear()
         out.mkdir(parents=True, exist_ok=True)
         # generate reads data_format to choose the chat template or a raw prompt (cli/commands.py).
         extra = {"meshtune": resolved, "data_format": data.train.format}

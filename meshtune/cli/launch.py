@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,27 +47,18 @@ from ..parallel.hostfile import read_hostfile
 from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
 from ..runtime.relaunch import LAUNCH_ENV
 from ..runtime.stop_signals import StopSignals
+from .ports import HeldPorts
 from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports that were free a moment ago on 127.0.0.1."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None) -> Path:
-    """The ring backend's hostfile: one list of "ip:port" per rank (127.0.0.1 unless `hosts`)."""
+def write_ring_hostfile(n: int, folder: Path, hosts: list[str] | None = None, held: HeldPorts | None = None) -> Path:
+    """The ring backend's hostfile: one list of "ip:port" per rank (127.0.0.1 unless `hosts`); the ports
+    stay `held` against other launchers until it closes (a caller without one holds them only while picking)."""
     path = folder / "hostfile.json"
     ips = hosts or ["127.0.0.1"] * n
-    path.write_text(json.dumps([[f"{ip}:{p}"] for ip, p in zip(ips, free_ports(n))]))
+    with HeldPorts() as own:
+        ports = (held or own).take(n)
+    path.write_text(json.dumps([[f"{ip}:{p}"] for ip, p in zip(ips, ports)]))
     return path
 
 
@@ -136,10 +126,10 @@ def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -
         out.flush()
 
 
-def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
+def nccl_env(n: int, env: dict[str, str], held: HeldPorts) -> list[dict[str, str]]:
     """Per rank, what joins n ranks on this machine over NCCL: rank 0's address and port, one GPU each."""
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    port = str(free_ports(1)[0])
+    port = str(held.take(1)[0])
     return [dict(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=port,
                  CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
 
@@ -176,10 +166,11 @@ def launch_local(n: int, command: list[str], *, pin: bool = False, env: dict[str
     cores = sorted(os.sched_getaffinity(0)) if pin else []
     if backend == "nccl":
         base.pop("MLX_HOSTFILE", None)  # an outer ring launcher's; the ranks must not try it
-    per_rank = nccl_env(n, base) if backend == "nccl" else [{} for _ in range(n)]
-    with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
+    # The ports stay held until the ranks have ended: no launcher started meanwhile picks them (cli/ports.py).
+    with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp, HeldPorts() as held:
+        per_rank = nccl_env(n, base, held) if backend == "nccl" else [{} for _ in range(n)]
         ips = [h["ips"][0] for h in ssh_hosts] if ssh_hosts else hosts
-        hostfile = write_ring_hostfile(n, Path(tmp), ips) if n > 1 and backend == "ring" else None
+        hostfile = write_ring_hostfile(n, Path(tmp), ips, held) if n > 1 and backend == "ring" else None
         beats = Path(tmp) / "heartbeats"
         beats.mkdir()
         ranks, muted = [], threading.Event()

@@ -11,6 +11,7 @@ optimizer state each) and the final adapters file. Neither creates the folder.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +33,10 @@ def nearest_existing(path: Path) -> Path:
 
 def check_writable(out: Path) -> None:
     """Raise a one-line ValueError unless files can be created in (or above) `out`."""
+    link = Path(out).expanduser()
+    if link.is_symlink() and not link.exists():  # mkdir would fail on it after the model loads
+        raise ValueError(f"output.adapter_path={out} is a symbolic link to {os.readlink(link)}, which does not "
+                         "exist; create that folder, remove the link, or choose another --adapter-path")
     here = nearest_existing(out)
     if not here.is_dir():
         raise ValueError(f"output.adapter_path={out}: {here} is a file, not a folder; "
