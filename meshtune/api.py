@@ -37,11 +37,11 @@ from .parallel.data_parallel import DataParallel
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
 from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
-from .training.metrics import METRICS_FILE, Reporter, read_metrics
+from .training.metrics import METRICS_FILE, MetricsWriteError, Reporter, read_metrics
 from .training.report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
-from .runtime.outdir import check_free_space, check_writable
+from .runtime.outdir import check_free_space, check_writable, human_bytes
 from .runtime.relaunch import resume_command
 from .runtime.run_lock import FolderLock, lock_folder
 from .training.forced_fault import with_forced_fault
@@ -159,8 +159,9 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
             "as the run took them")
     machine = detect()  # the memory a rank may use, taken before the model takes its share
     model, tokenizer = _prepare_model(cfg, model_path, say)
+    need = 0  # bytes a save needs free: said when a save or a report fails for space
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
-        check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
+        need = check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
                          optimizer=cfg.optimizer.name)
 
     if cfg.data.pack:
@@ -252,6 +253,10 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                            start=start, validate=validate, save=save, cursor=batches.state, stop=stop,
                            beat=watchdog.beat)
+        except (CheckpointWriteError, MetricsWriteError) as err:  # a full disk: where to resume, and the room to make
+            found = resumable_checkpoint(out, say=lambda _line: None)
+            last = f"{found} (resume with --resume)" if found else "none yet (start again)"
+            raise type(err)(f"{err}; a save needs about {human_bytes(need)} free; last good checkpoint: {last}") from None
         except (NonFiniteStep, NonFiniteValues, OutOfMemory) as err:
             found = resumable_checkpoint(out, say=lambda _line: None)  # the newest that verifies
             last = f"{found} (resume with --resume)" if found else "none yet (start again)"
@@ -269,7 +274,12 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
               f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl
-        say(summary_line(write_report(out, resolved), out, out / ad.ADAPTER_FILE))
+        try:
+            summary = write_report(out, resolved)
+        except OSError as err:  # the adapters and checkpoints are written: only the report is missing
+            raise CheckpointWriteError(f"{write_error(out, err)}; the run finished, only report.md or loss.png is "
+                                       "missing (python -m meshtune.training.report writes them again)") from None
+        say(summary_line(summary, out, out / ad.ADAPTER_FILE))
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)

@@ -54,7 +54,7 @@ def checkpoint_bytes(trainable_bytes: int, optimizer: str) -> int:
     return trainable_bytes * (1 + STATE_FACTOR.get(optimizer, 2))
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024:
             return f"{n:.1f} {unit}"
@@ -68,7 +68,7 @@ def check_free_space(out: Path, *, trainable_bytes: int, optimizer: str) -> int:
     here = nearest_existing(out)
     free = shutil.disk_usage(here).free
     if free < need:
-        raise ValueError(f"output.adapter_path={out}: {_human(free)} free on the disk of {here} but two "
-                         f"checkpoints and the adapters need about {_human(need)}; free space there or "
+        raise ValueError(f"output.adapter_path={out}: {human_bytes(free)} free on the disk of {here} but two "
+                         f"checkpoints and the adapters need about {human_bytes(need)}; free space there or "
                          "choose another --adapter-path")
     return need

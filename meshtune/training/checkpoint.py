@@ -97,8 +97,11 @@ def save_safetensors_checked(path: Path, arrays: dict[str, mx.array], metadata: 
     """mx.save_safetensors, raising OSError on any failure, a truncated file included."""
     try:
         mx.save_safetensors(str(path), arrays, metadata=metadata or {})
-    except RuntimeError as err:  # MLX reports an unopenable file as RuntimeError
-        raise OSError(errno.EIO, str(err)) from None
+    except RuntimeError as err:  # MLX reports an unopenable file, and a write that failed, as RuntimeError
+        room = shutil.disk_usage(path.parent).free
+        full = room < sum(v.nbytes for v in arrays.values()) + (1 << 16)  # MLX does not say why: the disk does
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      f"No space left on device ({err})" if full else str(err)) from None
     _check_complete(path)
 
 
