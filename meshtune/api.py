@@ -28,7 +28,8 @@ from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .runtime.device_memory import detect
 from .training.checkpoint import (CheckpointWriteError, NonFiniteValues, TrainingState, atomic_save_safetensors,
-                                  atomic_write_text, require_finite, resumable_checkpoint, write_error)
+                                  atomic_write_text, list_checkpoints, require_finite, resumable_checkpoint,
+                                  verify_checkpoint, write_error)
 from .config import Config
 from .config.resume import run_mismatches
 from .data import BatchIterator, check_packable
@@ -45,6 +46,7 @@ from .runtime.outdir import check_free_space, check_writable, human_bytes
 from .runtime.relaunch import resume_command
 from .runtime.run_lock import FolderLock, lock_folder
 from .training.forced_fault import with_forced_fault
+from .training.divergence import Diverged, DivergenceWatch
 from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
 from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
 from .training.attention import install_chunked_attention, needs_chunked_attention
@@ -252,11 +254,16 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
                            start=start, validate=validate, save=save, cursor=batches.state, stop=stop,
-                           beat=watchdog.beat)
+                           beat=watchdog.beat, watch=DivergenceWatch(vocab_size=vocabulary_size(model),
+                                                                      reports=t.divergence_reports))
         except (CheckpointWriteError, MetricsWriteError) as err:  # a full disk: where to resume, and the room to make
             found = resumable_checkpoint(out, say=lambda _line: None)
             last = f"{found} (resume with --resume)" if found else "none yet (start again)"
             raise type(err)(f"{err}; a save needs about {human_bytes(need)} free; last good checkpoint: {last}") from None
+        except Diverged as err:  # name a checkpoint saved before the loss went bad
+            found = newest_good_checkpoint(out, before=err.since)
+            last = f"{found} (resume with --resume)" if found else "none before it diverged (start again)"
+            raise Diverged(err.step, err.what, since=err.since, last_good=last) from None
         except (NonFiniteStep, NonFiniteValues, OutOfMemory) as err:
             found = resumable_checkpoint(out, say=lambda _line: None)  # the newest that verifies
             last = f"{found} (resume with --resume)" if found else "none yet (start again)"
@@ -311,7 +318,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
         raise ValueError(f"--resume: --iters {iters} is not past the checkpoint's step {step} ({ckpt.path}); "
                          f"give --iters above {step} to train more")
     strategy.restore(ckpt)
-    batches.load_state(ckpt.state.data_cursor)
+    batches.load_state(ckpt.state.data_cursor, changed_ok=resolved["data"]["changed_ok"])
     return ckpt.state
 
 
@@ -321,3 +328,17 @@ def _drop_metrics_after(out: Path, step: int) -> None:
     if path.exists():  # read_metrics leaves out a last record cut off mid-write
         keep = [r for r in read_metrics(out) if r.get("step", 0) <= step]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def vocabulary_size(model: nn.Module) -> int | None:
+    """The model's vocabulary size, from its mlx-lm arguments; None where it has none."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def newest_good_checkpoint(out: Path, *, before: int) -> Path | None:
+    """The newest checkpoint of a step before `before` that verifies."""
+    for path in reversed(list_checkpoints(out)):
+        if int(path.name) < before and verify_checkpoint(path) is None:
+            return path
+    return None

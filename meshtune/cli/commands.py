@@ -68,6 +68,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from ..api import finetune
     from ..runtime.stop_signals import StopSignals
     from ..training import NONFINITE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, STOPPED_EXIT_CODE
+    from ..training.divergence import Diverged
     from ..training.loop import NonFiniteStep, OutOfMemory, StoppedBeforeTraining
 
     cfg = _train_config(args, rest)
@@ -79,7 +80,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except StoppedBeforeTraining as err:
         print(f"meshtune: {err}", file=sys.stderr, flush=True)
         return 128 + err.signum
-    except NonFiniteStep as err:  # every rank stops at the same step and says it
+    except (NonFiniteStep, Diverged) as err:  # every rank stops at the same step and says it
         print(f"meshtune: {err}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE
     except OutOfMemory as err:

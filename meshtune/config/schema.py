@@ -160,6 +160,9 @@ class Config:
             bad("adapter.rank", a.rank, f"must be at least 1 for {a.fine_tune_type}; e.g. 8")
         if t.seed >= 2**32:
             bad("train.seed", t.seed, "must be below 2**32; pick a smaller seed")
+        if t.divergence_reports < 0:
+            bad("train.divergence_reports", t.divergence_reports,
+                "must be 0 (never stop for a diverged loss) or a count of reports")
         if t.skip_nonfinite_steps < 0:
             bad("train.skip_nonfinite_steps", t.skip_nonfinite_steps,
                 "must be 0 (stop at the first non-finite step) or a count of steps to skip")

@@ -32,6 +32,7 @@ import mlx.core as mx
 from ..parallel.mesh import Mesh
 from ..runtime.stop_signals import StopSignals
 from .checkpoint import TrainingState
+from .divergence import DivergenceWatch
 from .metrics import Reporter, Window, report_window
 from .strategy import Strategy
 from .update import StepVerdict
@@ -117,12 +118,14 @@ def step_seed(seed: int, step: int) -> int:
 def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings, seed: int, mesh: Mesh,
           reporter: Reporter, start: TrainingState, validate: Callable[[], tuple[float, int]] | None,
           save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]], stop: StopSignals,
-          beat: Callable[[int], None] = lambda step: None) -> LoopResult:
+          beat: Callable[[int], None] = lambda step: None, watch: DivergenceWatch | None = None) -> LoopResult:
     """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule.
 
     `stop` records SIGTERM/SIGINT for the whole run (the caller holds it from set-up to the report):
     the first request is agreed, saved and stops the loop; later ones change nothing, so no save is
-    ever cut short. A request from set-up, agreed here before any step, trains nothing."""
+    ever cut short. A request from set-up, agreed here before any step, trains nothing. `watch` judges
+    each reported loss and raises Diverged (training/divergence.py) before that step's save."""
+    watch = watch or DivergenceWatch(vocab_size=None, reports=0)
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
     step, skipped, stopping, running = start.step, 0, False, start.step + 1
@@ -186,6 +189,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
                     reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
                     trained_tokens=trained_tokens, waited=strategy.take_waits())
                 window = Window()
+                watch.check(step, train_loss)  # every rank reports the same loss: all stop here together
             if eval_now:
                 val_loss = run_eval(step)
             if save_now:
