@@ -12,8 +12,8 @@ included), so what a checkpoint counts is what has been reported.
 The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
 costs time and buys nothing at a steady shape mix).
 
-A step whose update was not applied (a non-finite gradient norm, or no target tokens
-in the global batch: training/update.py) is skipped with one line while
+A step whose update was not applied (a non-finite gradient norm, no target tokens in
+the global batch, or an update that would make a non-finite value: training/update.py) is skipped with one line while
 `skip_nonfinite` allows, else the loop raises NonFiniteStep and nothing more is
 saved. Its verdict is read one step late where steps overlap, but always before a
 report, an eval or a save, so nothing is written between a bad step and its discovery.
