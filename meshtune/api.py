@@ -164,7 +164,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     need = 0  # bytes a save needs free: said when a save or a report fails for space
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         need = check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
-                         optimizer=cfg.optimizer.name)
+                                optimizer=cfg.optimizer.name)
 
     if cfg.data.pack:
         check_packable(model)
@@ -256,20 +256,9 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
                            start=start, validate=validate, save=save, cursor=batches.state, stop=stop,
                            beat=watchdog.beat, watch=DivergenceWatch(vocab_size=vocabulary_size(model),
                                                                       reports=t.divergence_reports))
-        except (CheckpointWriteError, MetricsWriteError) as err:  # a full disk: where to resume, and the room to make
-            found = resumable_checkpoint(out, say=lambda _line: None)
-            last = f"{found} (resume with --resume)" if found else "none yet (start again)"
-            raise type(err)(f"{err}; a save needs about {human_bytes(need)} free; last good checkpoint: {last}") from None
-        except Diverged as err:  # name a checkpoint saved before the loss went bad
-            found = newest_good_checkpoint(out, before=err.since)
-            last = f"{found} (resume with --resume)" if found else "none before it diverged (start again)"
-            raise Diverged(err.step, err.what, since=err.since, last_good=last) from None
-        except (NonFiniteStep, NonFiniteValues, OutOfMemory) as err:
-            found = resumable_checkpoint(out, say=lambda _line: None)  # the newest that verifies
-            last = f"{found} (resume with --resume)" if found else "none yet (start again)"
-            if isinstance(err, OutOfMemory):
-                raise OutOfMemory(err.step, err.what, advice=fitting_advice(cfg), last_good=last) from None
-            raise NonFiniteStep(err.step, err.what, last_good=last, applied=isinstance(err, NonFiniteValues)) from None
+        except (CheckpointWriteError, MetricsWriteError, Diverged, NonFiniteStep, NonFiniteValues,
+                OutOfMemory) as err:
+            raise with_last_good(err, out, cfg, need) from None
         test_loss = None
         if test_batches is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)
@@ -342,3 +331,19 @@ def newest_good_checkpoint(out: Path, *, before: int) -> Path | None:
         if int(path.name) < before and verify_checkpoint(path) is None:
             return path
     return None
+
+
+def with_last_good(err: Exception, out: Path, cfg: Config, need: int) -> Exception:
+    """The error a run that stopped in its loop ends with: its own line and the checkpoint to resume from
+    (the newest that verifies; for a diverged loss, the newest saved before it diverged)."""
+    if isinstance(err, Diverged):
+        found = newest_good_checkpoint(out, before=err.since)
+        last = f"{found} (resume with --resume)" if found else "none before it diverged (start again)"
+        return Diverged(err.step, err.what, since=err.since, last_good=last)
+    found = resumable_checkpoint(out, say=lambda _line: None)
+    last = f"{found} (resume with --resume)" if found else "none yet (start again)"
+    if isinstance(err, (CheckpointWriteError, MetricsWriteError)):  # a full disk: and the room to make
+        return type(err)(f"{err}; a save needs about {human_bytes(need)} free; last good checkpoint: {last}")
+    if isinstance(err, OutOfMemory):
+        return OutOfMemory(err.step, err.what, advice=fitting_advice(cfg), last_good=last)
+    return NonFiniteStep(err.step, err.what, last_good=last, applied=isinstance(err, NonFiniteValues))

@@ -100,3 +100,17 @@ def test_an_update_that_overflows_is_not_applied_on_any_rank(tmp_path, ranks, la
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000005"]
     assert _train(ranks, reference, 5, *layout).returncode == 0
     assert _digests(run) == _digests(reference)
+
+
+def test_a_loss_flattened_at_ln_vocab_stops_the_run_unless_told_to_go_on(tmp_path):
+    """A learning rate of 1e10 blows the weights up while every step stays finite: the loss sits at
+    ln(103) = 4.6347; after train.divergence_reports reports the run stops (exit 65) naming a checkpoint
+    from before; --train.divergence_reports 0 trains on to the end (exit 0)."""
+    stopped = _train(1, tmp_path / "run", 40, "--learning-rate", "1e10", save_every=1)
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode == NONFINITE_EXIT_CODE, out[-3000:]
+    said = [l for l in out.splitlines() if "training diverged" in l]
+    assert len(said) == 1 and "= ln(103), the loss of predicting every token alike, for 5 reports" in said[0], out
+    assert "--train.divergence_reports 0" in said[0] and re.search(r"last good checkpoint: \S+/0000001 ", said[0])
+    on = _train(1, tmp_path / "on", 40, "--learning-rate", "1e10", "--train.divergence_reports", "0", save_every=40)
+    assert on.returncode == 0, on.stdout[-2000:] + on.stderr[-2000:]
