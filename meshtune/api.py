@@ -47,7 +47,7 @@ from .runtime.relaunch import resume_command
 from .runtime.run_lock import FolderLock, lock_folder
 from .training.forced_fault import with_forced_fault
 from .training.divergence import Diverged, DivergenceWatch
-from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
+from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, stop_if_requested, train
 from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
 from .training.attention import install_chunked_attention, needs_chunked_attention
 from .training.step import enable_grad_checkpoint, overlaps_steps
@@ -209,6 +209,8 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     mx.eval(model.parameters(), optimizer.state)
     setup_bytes = mx.get_active_memory()
     mx.reset_peak_memory()
+    if stop is not None:  # a request during set-up ends the run here, before its first write to the folder
+        stop_if_requested(stop, mesh, start.step)
     if mesh.is_writer:
         # Only now, with every input checked, does an overwrite remove the earlier run: all of it, before
         # the new run writes its first file.

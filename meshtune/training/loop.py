@@ -51,6 +51,14 @@ class StoppedBeforeTraining(Exception):
         self.signum = signum
 
 
+def stop_if_requested(stop: StopSignals, mesh: Mesh, step: int) -> None:
+    """Raise StoppedBeforeTraining on every rank if any rank got a stop request (a collective): before the
+    first step, a request from set-up ends the run with nothing trained."""
+    if mesh.agree(stop.requested):
+        raise StoppedBeforeTraining(step, stop.signals[0] if stop.signals else signal.SIGTERM,
+                                    stop.name() or "on another rank")
+
+
 class NonFiniteStep(Exception):
     """A step's update was not applied and no skips were left: the run stops (exit training.NONFINITE_EXIT_CODE)."""
 
@@ -154,9 +162,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
         reporter.eval(at, split="val", loss=loss, tokens=n, seconds=time.perf_counter() - tic)
         return loss
 
-    if mesh.agree(stop.requested):
-        raise StoppedBeforeTraining(step, stop.signals[0] if stop.signals else signal.SIGTERM,
-                                    stop.name() or "on another rank")
+    stop_if_requested(stop, mesh, step)
     if validate is not None and step == 0:
         val_loss = run_eval(0)
     with out_of_memory_names_the_step(lambda: running):
