@@ -19,7 +19,7 @@ gradients in another order). Cases:
     nonfinite_step     step 7 made non-finite (the test hook MESHTUNE_TEST_NONFINITE_STEP): every
                        rank stops at step 7 with exit 65, nothing written after checkpoint 4
 
-and what a run saves (bench/faults_save.py): overflow_step (1 rank, DP 2, PP 2), two_runs_one_folder,
+and what a run saves (bench/faults_save.py): overflow_step (1 rank, DP 2, PP 2), two_runs,
 repeated_signals, full_disk; each is described there.
 
 The bad-input corpus (`meshtune bench badinput`) runs too and its summary line is printed.
@@ -180,12 +180,12 @@ CASES: dict[str, Callable[[Bench], Outcome]] = {
 
 
 def table(outcomes: list[Outcome]) -> str:
-    rows = [f"{'case':<19} | ranks | exit | s to exit | left | resumed on | max abs diff | weights    | ok",
-            f"{'-' * 19}-|-------|------|-----------|------|------------|--------------|------------|----"]
+    rows = [f"{'case':<17} | ranks | exit | s to exit | left | resumed on | max abs diff | weights    | ok",
+            f"{'-' * 17}-|-------|------|-----------|------|------------|--------------|------------|----"]
     for o in outcomes:
         secs = f"{o.seconds_to_exit:9.1f}" if o.seconds_to_exit is not None else f"{'-':>9}"
         diff = f"{o.max_abs_diff:12.3g}" if o.max_abs_diff is not None else f"{'-':>12}"
-        rows.append(f"{o.case:<19} | {o.ranks:>5} | {str(o.exit_code or '-'):>4} | {secs} | {o.left_running:>4} | "
+        rows.append(f"{o.case:<17} | {o.ranks:>5} | {str(o.exit_code or '-'):>4} | {secs} | {o.left_running:>4} | "
                     f"{o.resumed_on or '-':>10} | {diff} | {o.reproduced:<10} | {'yes' if o.ok else 'NO'}")
     rows.append("messages:")
     rows += [f"  {o.case}: {o.message}" + (f"  [{o.note}]" if o.note else "") for o in outcomes]

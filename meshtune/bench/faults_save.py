@@ -4,8 +4,9 @@ folder, never a cut record on a full disk, and one save however many signals com
     overflow_step      step 7 at an infinite learning rate (MESHTUNE_TEST_OVERFLOW_STEP): a finite gradient
                        whose update is not; on 1 rank, 2 (data parallel) and 2 pipeline stages every rank
                        stops at step 7 with exit 65 and nothing is written after checkpoint 4
-    two_runs_one_folder a second 2-rank run on a folder a 2-rank run holds: exit 2 at once, one line naming
-                       the holder's pid and host; the holder trains on, then stops on SIGTERM and resumes
+    two_runs           a second 2-rank run on a folder a 2-rank run holds: exit 2 at once, one line naming
+                       the holder's pid and host; the holder trains on, then stops on SIGTERM (exit 3),
+                       every checkpoint in the folder its own and verifying
     repeated_signals   SIGTERM to the launcher three times and SIGINT to every rank (Ctrl-C to the process
                        group), all within 0.1 s: one save, one stop line, the resume line, exit 3
     full_disk          a 4 MB tmpfs filled by the saves (checkpoint every step), then one filled between
@@ -64,8 +65,8 @@ def overflow_step(b: Bench) -> Outcome:
                    "; ".join(notes))
 
 
-def two_runs_one_folder(b: Bench) -> Outcome:
-    out = b.root / "two_runs_one_folder"
+def two_runs(b: Bench) -> Outcome:
+    out = b.root / "two_runs"
     holder = FaultRun.launch(2, b.args(out, *LONG))
     try:
         holder.wait_for(r"step 2: train loss")
@@ -84,7 +85,7 @@ def two_runs_one_folder(b: Bench) -> Outcome:
     intact = bool(saved) and all(verify_checkpoint(p) is None for p in saved)
     ok = (second.returncode == 2 and said and re.search(r"\(pid \d+ on \S+", said[0]) is not None
           and holder_trains and code == 3 and intact and len(survivors(str(out))) == 0)
-    return Outcome("two_runs_one_folder", 2, second.returncode, seconds, said[0] if said else "(none)", 0, 0, None,
+    return Outcome("two_runs", 2, second.returncode, seconds, said[0] if said else "(none)", 0, 0, None,
                    "not resumed", bool(ok), f"the holder trained on and stopped with exit {code}; "
                    f"{len(saved)} checkpoints, all verifying: {intact}")
 
@@ -160,4 +161,4 @@ def _full_disk_run(b: Bench, out: Path, fill: bool) -> tuple[bool, str]:
     return ok, line
 
 
-CASES = (overflow_step, two_runs_one_folder, repeated_signals, full_disk)
+CASES = (overflow_step, two_runs, repeated_signals, full_disk)
