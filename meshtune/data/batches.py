@@ -72,10 +72,11 @@ def _left_out_message(name: str, left_out: np.ndarray, unit_lengths: np.ndarray,
                       packed: bool) -> str:
     unit = "packed rows" if packed else "examples"
     fits = [b for b in range(batch_size, 0, -1) if n % b == 0][0]
+    which = ("the least filled rows (rows go fullest first)" if packed else
+             f"the longest examples (up to {int(unit_lengths[left_out].max())} tokens)")
     return (f"{name}: {len(left_out)} of {n} {unit} do not fill a last batch of {batch_size} (--batch-size) and are "
             f"never trained on: mlx-lm's batching sorts by length and leaves out the incomplete last batch, "
-            f"here the longest{'' if packed else f' (up to {int(unit_lengths[left_out].max())} tokens)'}; "
-            f"a --batch-size that divides {n} ({fits}) trains on all of them")
+            f"here {which}; a --batch-size that divides {n} ({fits}) trains on all of them")
 
 
 # Widening a batch for inputs_multiple_of costs its padding columns in every layer, so it is done

@@ -531,7 +531,8 @@ def test_the_examples_a_training_epoch_leaves_out_are_counted_in_one_line():
     longest = int(np.sort(ds.lengths)[-1])
     assert said == [f"train: 3 of 43 examples do not fill a last batch of 8 (--batch-size) and are never trained "
                     f"on: mlx-lm's batching sorts by length and leaves out the incomplete last batch, here the "
-                    f"longest (up to {longest} tokens); a --batch-size that divides 43 (1) trains on all of them"]
+                    f"longest examples (up to {longest} tokens); a --batch-size that divides 43 (1) trains on all "
+                    f"of them"]
     said.clear()
     BatchIterator(synthetic(40), batch_size=8, max_seq_length=4096, warn=said.append)
     BatchIterator(ds, batch_size=8, max_seq_length=4096, warn=said.append, loop=False)  # evaluation: not training
