@@ -73,24 +73,28 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     cfg = _train_config(args, rest)
     mesh = _mesh(cfg)
-    try:
-        # Held from set-up to the report: a signal at any moment is a stop request, never a traceback.
-        with StopSignals() as stop:
+    # Held from set-up to the exit: a signal at any moment is a stop request, never a traceback.
+    with StopSignals() as stop:
+        try:
             result = finetune(cfg, mesh=mesh, stop=stop)
-    except StoppedBeforeTraining as err:
-        print(f"meshtune: {err}", file=sys.stderr, flush=True)
-        return 128 + err.signum
-    except (NonFiniteStep, Diverged) as err:  # every rank stops at the same step and says it
-        print(f"meshtune: {err}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT_CODE
-    except OutOfMemory as err:
-        print(f"meshtune: {err}", file=sys.stderr, flush=True)
-        return OUT_OF_MEMORY_EXIT_CODE
-    if not result.stopped_early:
-        return 0
-    if mesh.is_writer:  # one line for the run, from the writer (rank 0)
-        print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
-    return STOPPED_EXIT_CODE
+        except StoppedBeforeTraining as err:
+            print(f"meshtune: {err}", file=sys.stderr, flush=True)
+            stop.keep_until_exit()
+            return 128 + err.signum
+        except (NonFiniteStep, Diverged) as err:  # every rank stops at the same step and says it
+            print(f"meshtune: {err}", file=sys.stderr, flush=True)
+            return NONFINITE_EXIT_CODE
+        except OutOfMemory as err:
+            print(f"meshtune: {err}", file=sys.stderr, flush=True)
+            return OUT_OF_MEMORY_EXIT_CODE
+        if not result.stopped_early:
+            return 0
+        if mesh.is_writer:  # one line for the run, from the writer (rank 0)
+            print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
+        # A request that comes late (a launcher passing on a signal its rank has already acted on) must not
+        # turn this exit 3 into a kill while the interpreter shuts down.
+        stop.keep_until_exit()
+        return STOPPED_EXIT_CODE
 
 
 def _mesh(cfg: Any) -> Any:

@@ -36,6 +36,11 @@ class StopSignals:
                 pass
         return self
 
+    def keep_until_exit(self) -> None:
+        """Leave the signals recorded, not restored, on exit: for a process that has stopped on request
+        and is about to end, where a late signal's old action (a kill) would change its exit code."""
+        self._old.clear()
+
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)

@@ -147,3 +147,17 @@ def test_a_request_before_the_first_step_trains_and_saves_nothing(tmp_path):
         with pytest.raises(StoppedBeforeTraining, match=r"\(SIGINT\) during set-up, before step 1: nothing was trained"):
             run(tmp_path, 1, saves=saves, stop=stop)
     assert saves == [] and stop.signals == [signal.SIGINT]
+
+
+def test_a_stopped_process_keeps_taking_late_signals_as_requests():
+    """After keep_until_exit a late SIGTERM (a launcher passing on a signal its rank already acted on)
+    is recorded, not the old action: the process ends with its own exit code."""
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        with StopSignals() as stop:
+            stop.keep_until_exit()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.signals == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
