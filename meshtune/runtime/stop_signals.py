@@ -37,8 +37,12 @@ class StopSignals:
         return self
 
     def keep_until_exit(self) -> None:
-        """Leave the signals recorded, not restored, on exit: for a process that has stopped on request
-        and is about to end, where a late signal's old action (a kill) would change its exit code."""
+        """Ignore SIGTERM/SIGINT from now to the process's end, not restoring the old actions: for a process
+        that has stopped on request and is about to end, where a late signal (a launcher passing on one its
+        rank already acted on) would kill it and change its exit code. Ignored, not recorded: Python resets
+        a handler of its own to the default action as it shuts down, but leaves an ignored signal ignored."""
+        for sig in self._old:
+            signal.signal(sig, signal.SIG_IGN)
         self._old.clear()
 
     def __exit__(self, *exc: object) -> None:

@@ -149,15 +149,17 @@ def test_a_request_before_the_first_step_trains_and_saves_nothing(tmp_path):
     assert saves == [] and stop.signals == [signal.SIGINT]
 
 
-def test_a_stopped_process_keeps_taking_late_signals_as_requests():
-    """After keep_until_exit a late SIGTERM (a launcher passing on a signal its rank already acted on)
-    is recorded, not the old action: the process ends with its own exit code."""
-    old = signal.getsignal(signal.SIGTERM)
+def test_a_stopped_process_ignores_late_signals_until_it_exits():
+    """After keep_until_exit a late SIGTERM or SIGINT (a launcher passing on a signal its rank already acted
+    on) is ignored, not the old action (a kill): the process ends with its own exit code."""
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with StopSignals() as stop:
             stop.keep_until_exit()
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in old)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)
-        assert stop.signals == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # still here: neither killed this process nor raised
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
