@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,8 +27,9 @@ from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .runtime.device_memory import detect
-from .training.checkpoint import (CheckpointWriteError, TrainingState, atomic_write_text,
-                                  list_checkpoints, write_error)
+from .training.checkpoint import (CheckpointWriteError, NonFiniteValues, TrainingState, atomic_write_text,
+                                  list_checkpoints, require_finite, resumable_checkpoint, verify_checkpoint,
+                                  write_error)
 from .config import Config
 from .config.resume import run_mismatches
 from .data import BatchIterator, check_packable
@@ -37,19 +38,22 @@ from .parallel.data_parallel import DataParallel
 from .runtime.mesh import Mesh
 from .parallel.pipeline.executor import Pipeline
 from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
-from .training.metrics import METRICS_FILE, Reporter, read_metrics
+from .training.metrics import METRICS_FILE, MetricsWriteError, Reporter, read_metrics
 from .report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
-from .runtime.outdir import check_free_space, check_writable
+from .runtime.outdir import check_free_space, check_writable, human_bytes
 from .runtime.relaunch import resume_command
+from .runtime.run_lock import FolderLock, lock_folder
 from .training.forced_fault import with_forced_fault
-from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, train
+from .training.divergence import Diverged, DivergenceWatch
+from .training.loop import LoopSettings, NonFiniteStep, OutOfMemory, stop_if_requested, train
 from .training import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
 from .training.attention import install_chunked_attention, needs_chunked_attention
 from .training.grad_checkpoint import enable_grad_checkpoint
 from .training.in_flight import overlaps_steps
 from .training.strategy import Strategy
+from .runtime.stop_signals import StopSignals
 from .runtime.watchdog import Watchdog, heartbeat_folder
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
 from .prompt_format import recorded_prompt_format
@@ -120,15 +124,31 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
 
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
-             show_progress: bool = True) -> RunResult:
-    """Fine-tune as `cfg` says on `mesh` (default: this one process)."""
+             show_progress: bool = True, stop: StopSignals | None = None) -> RunResult:
+    """Fine-tune as `cfg` says on `mesh` (default: this one process).
+
+    `stop` records SIGTERM/SIGINT; the command line holds it from before set-up to after the report,
+    so a signal at any moment is a stop request. Without one, the run takes them from its first step
+    to its report."""
     mesh = mesh or Mesh.single()
     cfg.validate(world_size=mesh.world_size)
     cfg = cfg.with_absolute_paths()  # what the run saves names its model and data from anywhere
-    # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
-    layout = Pipeline if mesh.pp > 1 else DataParallel
     say = log if mesh.is_writer else (lambda _line: None)
     out = Path(cfg.output.adapter_path)
+    # One run per folder (runtime/run_lock.py): taken before the folder is read, held until the run ends.
+    lock = on_writer(mesh, lambda: (check_writable(out), lock_folder(out, say))[1])
+    try:
+        return _run(cfg, mesh, out, say, lock, show_progress=show_progress, stop=stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: FolderLock | None, *,
+         show_progress: bool, stop: StopSignals | None) -> RunResult:
+    """The run, its folder held by `lock` on the writer (finetune)."""
+    # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
+    layout = Pipeline if mesh.pp > 1 else DataParallel
     on_writer(mesh, lambda: (check_output_folder(cfg, out), check_writable(out)))
     say(describe_blas())
     if mesh.world_size > 1:  # every rank says it is alive, so a launcher's log shows all of them
@@ -147,9 +167,10 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
             "as the run took them")
     machine = detect()  # the memory a rank may use, taken before the model takes its share
     model, tokenizer = _prepare_model(cfg, model_path, say)
+    need = 0  # bytes a save needs free: said when a save or a report fails for space
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
-        check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
-                         optimizer=cfg.optimizer.name)
+        need = check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
+                                optimizer=cfg.optimizer.name)
 
     if cfg.data.pack:
         check_packable(model)
@@ -199,13 +220,13 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     mx.eval(model.parameters(), optimizer.state)
     setup_bytes, setup_peak = mx.get_active_memory(), mx.get_peak_memory()  # the load's peak included
     mx.reset_peak_memory()
+    if stop is not None:  # a request during set-up ends the run here, before its first write to the folder
+        stop_if_requested(stop, mesh, start.step)
     if mesh.is_writer:
-        # Only now, with every input checked, does an overwrite remove the earlier run.
+        # Only now, with every input checked, does an overwrite remove the earlier run: all of it, before
+        # the new run writes its first file.
         if cfg.output.overwrite and not cfg.output.resume and out.exists():
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            (out / METRICS_FILE).unlink(missing_ok=True)
-            for kept_file in out.glob(base_path.run_file("*")):
-                kept_file.unlink()
+            lock.clear()
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / ad.CONFIG_FILE, json.dumps(adapter_config, indent=2))
 
@@ -216,6 +237,8 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
         if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))
+        if mesh.pp == 1 and mesh.is_writer:  # a pipeline's stages checked theirs with the checkpoint (state.py)
+            require_finite(state.step, ad.trainable_parameters(model), "the trained weight")
         try:
             strategy.write_weights(out / ad.ADAPTER_FILE)
         except OSError as err:
@@ -229,20 +252,21 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
                             save_every=t.save_every, skip_nonfinite=t.skip_nonfinite_steps)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
     model.train()
-    with watchdog, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
-                            log=say, show_progress=show_progress,
-                            trackers=open_trackers(trackers, out, config=resolved, project=cfg.output.project_name)
-                            ) as reporter:
+    signals = nullcontext(stop) if stop is not None else StopSignals()
+    with watchdog, signals as stop, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
+                                             log=say, show_progress=show_progress,
+                                             trackers=open_trackers(trackers, out, config=resolved,
+                                                                    project=cfg.output.project_name)) as reporter:
         # How to start these ranks again, for the report of a run that is cut off (no line printed).
         reporter.note("start", start.step, None, resume=resume_command(out, mesh))
         try:
             result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                           start=start, validate=validate, save=save, cursor=batches.state, beat=watchdog.beat)
-        except (NonFiniteStep, OutOfMemory) as err:
-            found = list_checkpoints(out)  # the loop saved nothing after the bad step
-            last = f"{found[-1]} (resume with --resume)" if found else "none yet (start again)"
-            advice = {} if isinstance(err, NonFiniteStep) else {"advice": fitting_advice(cfg)}
-            raise type(err)(err.step, err.what, last_good=last, **advice) from None
+                           start=start, validate=validate, save=save, cursor=batches.state, stop=stop,
+                           beat=watchdog.beat, watch=DivergenceWatch(vocab_size=vocabulary_size(model),
+                                                                      reports=t.divergence_reports))
+        except (CheckpointWriteError, MetricsWriteError, Diverged, NonFiniteStep, NonFiniteValues,
+                OutOfMemory) as err:
+            raise with_last_good(err, out, cfg, need) from None
         test_loss = None
         if test_batches is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)
@@ -255,7 +279,12 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
               f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
               flush=True)
     if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl
-        say(summary_line(write_report(out, resolved), out, out / ad.ADAPTER_FILE))
+        try:
+            summary = write_report(out, resolved)
+        except OSError as err:  # the adapters and checkpoints are written: only the report is missing
+            raise CheckpointWriteError(f"{write_error(out, err)}; the run finished, only report.md or loss.png is "
+                                       f"missing (meshtune report --adapter-path {out} writes them again)") from None
+        say(summary_line(summary, out, out / ad.ADAPTER_FILE))
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
@@ -287,7 +316,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
         raise ValueError(f"--resume: --iters {iters} is not past the checkpoint's step {step} ({ckpt.path}); "
                          f"give --iters above {step} to train more")
     strategy.restore(ckpt)
-    batches.load_state(ckpt.state.data_cursor)
+    batches.load_state(ckpt.state.data_cursor, changed_ok=resolved["data"]["changed_ok"])
     return ckpt.state
 
 
@@ -297,3 +326,33 @@ def _drop_metrics_after(out: Path, step: int) -> None:
     if path.exists():  # read_metrics leaves out a last record cut off mid-write
         keep = [r for r in read_metrics(out) if r.get("step", 0) <= step]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def vocabulary_size(model: nn.Module) -> int | None:
+    """The model's vocabulary size, from its mlx-lm arguments; None where it has none."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def newest_good_checkpoint(out: Path, *, before: int) -> Path | None:
+    """The newest checkpoint of a step before `before` that verifies."""
+    for path in reversed(list_checkpoints(out)):
+        if int(path.name) < before and verify_checkpoint(path) is None:
+            return path
+    return None
+
+
+def with_last_good(err: Exception, out: Path, cfg: Config, need: int) -> Exception:
+    """The error a run that stopped in its loop ends with: its own line and the checkpoint to resume from
+    (the newest that verifies; for a diverged loss, the newest saved before it diverged)."""
+    if isinstance(err, Diverged):
+        found = newest_good_checkpoint(out, before=err.since)
+        last = f"{found} (resume with --resume)" if found else "none before it diverged (start again)"
+        return Diverged(err.step, err.what, since=err.since, last_good=last)
+    found = resumable_checkpoint(out, say=lambda _line: None)
+    last = f"{found} (resume with --resume)" if found else "none yet (start again)"
+    if isinstance(err, (CheckpointWriteError, MetricsWriteError)):  # a full disk: and the room to make
+        return type(err)(f"{err}; a save needs about {human_bytes(need)} free; last good checkpoint: {last}")
+    if isinstance(err, OutOfMemory):
+        return OutOfMemory(err.step, err.what, advice=fitting_advice(cfg), last_good=last)
+    return NonFiniteStep(err.step, err.what, last_good=last, applied=isinstance(err, NonFiniteValues))

@@ -21,7 +21,12 @@ from .data import check_source
 from .runtime.mesh import Mesh
 from .parallel.pipeline.split import declared_layers
 from .run_data import split_names
-from .training.checkpoint import list_checkpoints
+from .training.checkpoint import CHECKPOINTS, list_checkpoints
+from .training.metrics import METRICS_FILE
+from .report import REPORT_FILE
+
+RUN_FILES = (ad.ADAPTER_FILE, ad.CONFIG_FILE, METRICS_FILE, REPORT_FILE)
+"""Files of a run's folder besides its checkpoints: any one of them marks an earlier run."""
 from .training.trackers import check_trackers
 
 T = TypeVar("T")
@@ -122,12 +127,14 @@ def check_init_from(a: Any, model_path: str) -> None:
 
 
 def check_output_folder(cfg: Config, out: Path) -> None:
-    """Refuse to overwrite an earlier run unless resuming or told to."""
+    """Refuse to overwrite an earlier run unless resuming or told to: a folder holding any file a run
+    writes (a run that died before its first save leaves only metrics.jsonl and adapter_config.json)."""
     if cfg.output.resume or cfg.output.overwrite:
         return
     found = list_checkpoints(out)
-    if found or (out / ad.ADAPTER_FILE).exists():
-        what = f"checkpoints up to step {int(found[-1].name)}" if found else ad.ADAPTER_FILE
+    left = [name for name in RUN_FILES if (out / name).exists()]
+    if found or left or (out / CHECKPOINTS).is_dir():
+        what = f"checkpoints up to step {int(found[-1].name)}" if found else (left[0] if left else CHECKPOINTS)
         raise ValueError(f"output.adapter_path={out} already holds a run ({what}); pass --resume to "
                          "continue it, --output.overwrite true to replace it, or choose another --adapter-path")
 

@@ -13,12 +13,14 @@ validation losses against the step (matplotlib, Agg backend: no display needed).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .runtime.relaunch import resume_on_ranks
+from .training.checkpoint import atomic_write_text
 from .training.metrics import read_metrics
 
 REPORT_FILE = "report.md"
@@ -176,8 +178,12 @@ def write_report(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     """Write report.md and loss.png into the run folder `out`; returns what they say."""
     out = Path(out)
     s = summarize(out, config)
-    (out / REPORT_FILE).write_text(markdown(s))
-    plot(s, out / PLOT_FILE)
+    atomic_write_text(out / REPORT_FILE, markdown(s))  # whole or not at all, on a full disk too
+    tmp = out / f".{PLOT_FILE}.tmp-{os.getpid()}.png"
+    try:
+        os.replace(plot(s, tmp), out / PLOT_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
     return s
 
 

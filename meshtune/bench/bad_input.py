@@ -53,7 +53,7 @@ NOTHING = ", so the example has nothing to learn; "  # every such error, then it
 class Case:
     """One bad input: files to write (relative to the case folder), CLI args, expected fragment.
 
-    `{tmp}` in args, files' text and `expect` is the case folder; `{shared}` the data
+    `{tmp}` in args, files' text and `expect` is the case folder; `{shared}` (in args and `expect`) the data
     folder the earlier run was trained on (a resume must name it to match). Train cases get BASE
     plus `--data {tmp}/data --adapter-path {tmp}/run` (and `--output.overwrite true`
     unless `overwrite` is false or --resume is given), so each one aims at the earlier run.
@@ -109,6 +109,31 @@ def _corrupt_checkpoint(tmp: Path) -> None:
         f.write_bytes(f.read_bytes()[:-1] + b"\x00")
 
 
+def _dangling_link(tmp: Path) -> None:
+    (tmp / "link").symlink_to(tmp / "gone")
+
+
+def _held_by_another_run() -> Callable[[Path], None]:
+    """A setup that takes run/'s lock (runtime/run_lock.py) and keeps it for as long as this process lives,
+    as another run would hold it: the case's run, in this process or a child, must find it held."""
+    held = []
+
+    def setup(tmp: Path) -> None:
+        from ..runtime.run_lock import lock_folder
+
+        held.append(lock_folder(tmp / "run", say=lambda line: None))
+    return setup
+
+
+def _data_changed_since(tmp: Path) -> None:
+    """The checkpoint's cursor records a digest of other data (as if train.jsonl had been edited since)."""
+    for manifest in (tmp / "run" / "checkpoints").glob("*/state.json"):
+        state = json.loads(manifest.read_text())
+        state["data_cursor"]["digest"] = "0" * 32
+        manifest.write_text(json.dumps(state, indent=2))
+
+
+NOT_FINITE = "expected a finite number (nan and inf are never a setting)"
 TRAIN = "data/train.jsonl"
 CASES: list[Case] = [
     Case("malformed_json", (), "data/train.jsonl:2: invalid JSON",
@@ -166,6 +191,19 @@ CASES: list[Case] = [
     Case("yaml_syntax", ("-c", "{tmp}/run.yaml"), "run.yaml:3: YAML syntax error",
          {"run.yaml": "train:\n  iters: [1, 2\n  batch_size: 4\n"}, subprocess=True),
     Case("config_missing", ("-c", "{tmp}/nope.yaml"), "nope.yaml: cannot read the config file"),
+    Case("config_empty", ("-c", "{tmp}/run.yaml"), "run.yaml: the config file is empty (no settings)",
+         {"run.yaml": "# settings to come\n"}),
+    Case("nan_weight_decay", ("--optimizer", "adamw", "--optimizer.weight_decay", ".nan"),
+         "optimizer.weight_decay = nan (float): " + NOT_FINITE),
+    Case("nan_warmup_init", ("--schedule.warmup", "1", "--schedule.warmup_init", ".nan"),
+         "schedule.warmup_init = nan (float): " + NOT_FINITE),
+    Case("nan_max_grad_norm", ("--train.max_grad_norm", ".nan"), "train.max_grad_norm = nan (float): " + NOT_FINITE),
+    Case("nan_adapter_scale", ("--adapter.scale", ".nan"), "adapter.scale = nan (float): " + NOT_FINITE,
+         subprocess=True),
+    Case("inf_learning_rate", ("--learning-rate", ".inf"), "optimizer.learning_rate = inf (float): " + NOT_FINITE),
+    Case("lr_past_float32", ("--learning-rate", "1e39"), "optimizer.learning_rate = 1e+39 (float): is inf in float32"),
+    Case("nan_optimizer_option", ("--optimizer", "sgd", "--optimizer.options", "{momentum: .nan}"),
+         "optimizer.options.momentum = nan: " + NOT_FINITE),
     Case("negative_lr", ("--learning-rate", "-1e-4"), "optimizer.learning_rate = -0.0001"),
     Case("zero_lr", ("--learning-rate", "0"), "optimizer.learning_rate = 0.0"),
     Case("two_problems", ("--iters", "0", "--learning-rate", "-1"),
@@ -207,6 +245,17 @@ CASES: list[Case] = [
     Case("eval_without_a_run", ("eval", "--adapter-path", "{tmp}/nothing"), "no adapter_config.json there",
          train=False),
     Case("existing_run", (), "output.adapter_path={tmp}/run already holds a run", overwrite=False),
+    Case("earlier_run_without_a_save", ("--adapter-path", "{tmp}/died"),
+         "output.adapter_path={tmp}/died already holds a run (metrics.jsonl)",
+         {"died/metrics.jsonl": '{"type": "start", "step": 0, "time": 0}\n'}, overwrite=False),
+    Case("folder_in_use", (), "output.adapter_path={tmp}/run is in use by another run (pid ",
+         setup=_held_by_another_run(), subprocess=True),
+    Case("dangling_adapter_path", ("--adapter-path", "{tmp}/link"),
+         "output.adapter_path={tmp}/link is a symbolic link to {tmp}/gone, which does not exist",
+         setup=_dangling_link),
+    Case("resume_on_changed_data", ("--resume", "--iters", "4", "--data", "{shared}"),
+         "--resume: the train data ({shared}/train.jsonl) is not the data the checkpoint was trained on",
+         setup=_data_changed_since),
     Case("output_under_a_file", ("--adapter-path", "{tmp}/run/adapter_config.json/x"), "is a file, not a folder"),
     Case("adapters_of_another_model", ("generate", "--model", str(TINY), "--adapter-path", "{tmp}/other",
                                        "--prompt", "hi"), "other/adapters.safetensors does not match the model",
@@ -311,7 +360,8 @@ def run_case(case: Case, root: Path, template: Path, *, force_subprocess: bool =
     tic = time.perf_counter()
     code, stderr = (_subprocess if case.subprocess or force_subprocess else _in_process)(case.argv(tmp))
     seconds = time.perf_counter() - tic
-    problems = judge(code, stderr, case.expect.replace("{tmp}", str(tmp)), before, _snapshot(tmp / "run"))
+    expect = case.expect.replace("{tmp}", str(tmp)).replace("{shared}", str(template / "data"))
+    problems = judge(code, stderr, expect, before, _snapshot(tmp / "run"))
     lines = [l for l in stderr.splitlines() if l.strip()]
     return Result(case.name, code, not problems, seconds, problems, lines[-1] if lines else "")
 

@@ -5,7 +5,9 @@ started without the launcher), reads its merged output on a thread, learns each
 rank's pid from the line every rank prints at start, and lets a caller wait for a
 step, signal a rank and time how long the whole tree takes to exit. `survivors`
 finds any process still holding the run's folder on its command line, so a test can
-show that nothing was left behind. Used by `meshtune bench faults` and the tests.
+show that nothing was left behind. `Bench` holds what every case of `meshtune bench faults`
+shares (its settings, the uninterrupted 2-rank reference run, resuming and comparing) and
+`Outcome` one case's row. Used by `meshtune bench faults` and the tests.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
@@ -129,3 +133,67 @@ def max_abs_diff(a: Path, b: Path) -> float:
     if wa.keys() != wb.keys():
         return float("inf")
     return max(float(mx.abs(wa[k].astype(mx.float32) - wb[k].astype(mx.float32)).max()) for k in wa)
+
+
+BATCH, SAVE_EVERY, FAULT_AFTER = 6, 4, 6
+ADAPTERS = "adapters.safetensors"
+
+
+@dataclass
+class Outcome:
+    case: str
+    ranks: int
+    exit_code: int | None
+    seconds_to_exit: float | None
+    message: str
+    left_running: int
+    resumed_on: int
+    max_abs_diff: float | None
+    reproduced: str  # "exact", "within tol", "NO", or why it was not checked
+    ok: bool
+    note: str = ""
+
+
+class Bench:
+    """One temp folder, the shared settings and the 2-rank reference run."""
+
+    def __init__(self, root: Path, iters: int, watchdog_s: float) -> None:
+        self.root, self.iters, self.watchdog_s = root, iters, watchdog_s
+
+    def args(self, out: Path, *extra: str, save_every: int = SAVE_EVERY) -> list[str]:
+        return train_args(out, iters=self.iters, batch=BATCH, save_every=save_every, watchdog_s=self.watchdog_s,
+                          extra=extra)
+
+    def train(self, n: int, out: Path, *extra: str, save_every: int = SAVE_EVERY) -> subprocess.CompletedProcess:
+        argv = [*CLI, "launch", "-n", str(n), "--", *CLI, *self.args(out, *extra, save_every=save_every)]
+        proc = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[-12:])} failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        return proc
+
+    def reference(self) -> Path:
+        out = self.root / "reference"
+        if not (out / ADAPTERS).exists():
+            self.train(2, out)
+        return out / ADAPTERS
+
+    def resume(self, out: Path, n: int = 2, save_every: int = SAVE_EVERY) -> tuple[float, str, list[str]]:
+        """--resume on n ranks; (max abs diff to the reference, verdict, warning lines said)."""
+        proc = self.train(n, out, "--resume", save_every=save_every)
+        warnings = [l.split("] ", 1)[-1] for l in proc.stdout.splitlines() if "warning: skipping checkpoint" in l]
+        diff = max_abs_diff(out / ADAPTERS, self.reference())
+        a, b = mx.load(str(out / ADAPTERS)), mx.load(str(self.reference()))
+        close = all(mx.allclose(a[k], b[k], rtol=1e-4, atol=1e-5).item() for k in a)
+        return diff, "exact" if diff == 0 else "within tol" if close else "NO", warnings
+
+
+def through_fault(b: Bench, run: FaultRun, hurt: Callable[[], None], after: int = FAULT_AFTER) -> tuple[int, float]:
+    """Wait for step `after`, `hurt` the run, wait for its end: (exit code, seconds after the fault)."""
+    try:
+        run.wait_for(rf"step {after}: train loss")
+        hurt()
+        run.fault_at = run.fault_at or time.monotonic()
+        return run.finish(timeout=b.watchdog_s + 60)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()

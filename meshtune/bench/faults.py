@@ -19,6 +19,9 @@ gradients in another order). Cases:
     nonfinite_step     step 7 made non-finite (the test hook MESHTUNE_TEST_NONFINITE_STEP): every
                        rank stops at step 7 with exit 65, nothing written after checkpoint 4
 
+and what a run saves (bench/faults_save.py): overflow_step (1 rank, DP 2, PP 2), two_runs,
+repeated_signals, full_disk; each is described there.
+
 The bad-input corpus (`meshtune bench badinput`) runs too and its summary line is printed.
 """
 
@@ -32,67 +35,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-import mlx.core as mx
-
-from .faultkit import CLI, FaultRun, env, max_abs_diff, survivors, train_args
+from .faultkit import (ADAPTERS, BATCH, CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
+                       survivors, through_fault)
+from .faults_save import CASES as SAVE_CASES
 from .fit import Load, embedded_line
 from .flags import BenchParser
-
-BATCH, SAVE_EVERY, FAULT_AFTER = 6, 4, 6
-ADAPTERS = "adapters.safetensors"
-
-
-@dataclass
-class Outcome:
-    case: str
-    ranks: int
-    exit_code: int | None
-    seconds_to_exit: float | None
-    message: str
-    left_running: int
-    resumed_on: int
-    max_abs_diff: float | None
-    reproduced: str  # "exact", "within tol", "NO", or why it was not checked
-    ok: bool
-    note: str = ""
-
-
-class Bench:
-    """One temp folder, the shared settings and the 2-rank reference run."""
-
-    def __init__(self, root: Path, iters: int, watchdog_s: float) -> None:
-        self.root, self.iters, self.watchdog_s = root, iters, watchdog_s
-
-    def args(self, out: Path, *extra: str, save_every: int = SAVE_EVERY) -> list[str]:
-        return train_args(out, iters=self.iters, batch=BATCH, save_every=save_every, watchdog_s=self.watchdog_s,
-                          extra=extra)
-
-    def train(self, n: int, out: Path, *extra: str, save_every: int = SAVE_EVERY) -> subprocess.CompletedProcess:
-        argv = [*CLI, "launch", "-n", str(n), "--", *CLI, *self.args(out, *extra, save_every=save_every)]
-        proc = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[-12:])} failed ({proc.returncode}): {proc.stderr[-1500:]}")
-        return proc
-
-    def reference(self) -> Path:
-        out = self.root / "reference"
-        if not (out / ADAPTERS).exists():
-            self.train(2, out)
-        return out / ADAPTERS
-
-    def resume(self, out: Path, n: int = 2, save_every: int = SAVE_EVERY) -> tuple[float, str, list[str]]:
-        """--resume on n ranks; (max abs diff to the reference, verdict, warning lines said)."""
-        proc = self.train(n, out, "--resume", save_every=save_every)
-        warnings = [l.split("] ", 1)[-1] for l in proc.stdout.splitlines() if "warning: skipping checkpoint" in l]
-        diff = max_abs_diff(out / ADAPTERS, self.reference())
-        a, b = mx.load(str(out / ADAPTERS)), mx.load(str(self.reference()))
-        close = all(mx.allclose(a[k], b[k], rtol=1e-4, atol=1e-5).item() for k in a)
-        return diff, "exact" if diff == 0 else "within tol" if close else "NO", warnings
-
 
 def _said(run: FaultRun) -> str:
     """The line naming the lost rank: the launcher's, else a rank's own; else whatever the launcher said."""
@@ -101,18 +52,6 @@ def _said(run: FaultRun) -> str:
     ranks = [l.split("] ", 1)[-1] for l in run.lines if "stopped answering" in l and mark not in l]
     naming = [l for l in launcher if "stopped answering" in l] or ranks or launcher
     return naming[0] if naming else "(none)"
-
-
-def _through_fault(b: Bench, run: FaultRun, hurt: Callable[[], None], after: int = FAULT_AFTER) -> tuple[int, float]:
-    """Wait for step `after`, `hurt` the run, wait for its end: (exit code, seconds after the fault)."""
-    try:
-        run.wait_for(rf"step {after}: train loss")
-        hurt()
-        run.fault_at = run.fault_at or time.monotonic()
-        return run.finish(timeout=b.watchdog_s + 60)
-    finally:
-        if run.proc.poll() is None:
-            run.kill()
 
 
 def _aftermath(b: Bench, out: Path, run: FaultRun, **resume: int) -> tuple[int, str, float | None, str, list[str]]:
@@ -125,7 +64,7 @@ def _aftermath(b: Bench, out: Path, run: FaultRun, **resume: int) -> tuple[int, 
 def _signal_case(b: Bench, name: str, n: int, victim: int, sig: int, expect_code: int) -> Outcome:
     out = b.root / name
     run = FaultRun.launch(n, b.args(out))
-    code, seconds = _through_fault(b, run, lambda: run.hurt(victim, sig))
+    code, seconds = through_fault(b, run, lambda: run.hurt(victim, sig))
     left, message, diff, verdict, _ = _aftermath(b, out, run)
     ok = (code == expect_code and f"rank {victim} stopped answering" in message and left == 0
           and seconds < b.watchdog_s + 5 and verdict != "NO")
@@ -157,7 +96,7 @@ def kill_during_save(b: Bench) -> Outcome:
             time.sleep(0.0005)
         run.hurt(0, signal.SIGKILL)  # without a save window seen, still a kill (the note says which)
 
-    code, seconds = _through_fault(b, run, kill_inside_a_save, after=FAULT_AFTER - 2)
+    code, seconds = through_fault(b, run, kill_inside_a_save, after=FAULT_AFTER - 2)
     temp_left = [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
     left, message, diff, verdict, warnings = _aftermath(b, out, run, save_every=1)
     skipped = any("temp folder of an interrupted save" in w for w in warnings)
@@ -196,7 +135,7 @@ def link_cut(b: Bench) -> Outcome:
             f"wrap=lambda r: ['ip', 'netns', 'exec', f'mtbed{{r}}']))")
     with netbed.shaped_link(2, rate="10gbit") as bed:
         run = FaultRun([sys.executable, "-c", code])
-        rc, seconds = _through_fault(b, run, lambda: subprocess.run(
+        rc, seconds = through_fault(b, run, lambda: subprocess.run(
             ["ip", "-n", netbed.BRIDGE_NS, "link", "set", "mtp1", "down"], check=True))
     left, message, diff, verdict, _ = _aftermath(b, out, run)
     ok = rc == 75 and "stopped answering" in message and left == 0 and seconds < b.watchdog_s + 5 and verdict != "NO"
@@ -212,7 +151,7 @@ def nonfinite_step(b: Bench) -> Outcome:
     out, bad = b.root / "nonfinite_step", FAULT_AFTER + 1
     run = FaultRun([*CLI, "launch", "-n", "2", "--", *CLI, *b.args(out)],
                    environ=env() | {"MESHTUNE_TEST_NONFINITE_STEP": str(bad)})
-    code, seconds = _through_fault(b, run, lambda: None)  # the clock starts at step 6's report
+    code, seconds = through_fault(b, run, lambda: None)  # the clock starts at step 6's report
     said = [l for l in run.lines if f"meshtune: step {bad}: " in l]
     ranks_said = sorted(l.split("]")[0] for l in said)
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -237,7 +176,7 @@ def _netns_refused() -> str | None:
 
 CASES: dict[str, Callable[[Bench], Outcome]] = {
     f.__name__: f for f in (kill9_rank1, sigstop_rank1, kill_during_save, corrupt_latest, link_cut, kill9_3ranks,
-                            nonfinite_step)}
+                            nonfinite_step, *SAVE_CASES)}
 
 
 def table(outcomes: list[Outcome]) -> str:

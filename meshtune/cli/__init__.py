@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"meshtune: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (train's config being read, generate)
+        print(f"meshtune: {args.command}: interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 def one_line(err: ValueError) -> str:

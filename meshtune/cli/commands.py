@@ -67,26 +67,38 @@ def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str]
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    """0 finished, 3 stopped on request, 65 a non-finite step stopped it, 71 out of memory (docs/reliability.md, exit codes)."""
+    """0 finished, 3 stopped on request, 65 a non-finite step stopped it, 71 out of memory, 128 + n stopped by
+    signal n during set-up (docs/reliability.md, exit codes)."""
     from ..api import finetune
+    from ..runtime.stop_signals import StopSignals
     from ..training import NONFINITE_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, STOPPED_EXIT_CODE
-    from ..training.loop import NonFiniteStep, OutOfMemory
+    from ..training.divergence import Diverged
+    from ..training.loop import NonFiniteStep, OutOfMemory, StoppedBeforeTraining
 
     cfg = _train_config(args, rest)
     mesh = _mesh(cfg)
-    try:
-        result = finetune(cfg, mesh=mesh)
-    except NonFiniteStep as err:  # every rank stops at the same step and says it
-        print(f"meshtune: {err}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT_CODE
-    except OutOfMemory as err:
-        print(f"meshtune: {err}", file=sys.stderr, flush=True)
-        return OUT_OF_MEMORY_EXIT_CODE
-    if not result.stopped_early:
-        return 0
-    if mesh.is_writer:  # one line for the run, from the writer (rank 0)
-        print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
-    return STOPPED_EXIT_CODE
+    # Held from set-up to the exit: a signal at any moment is a stop request, never a traceback.
+    with StopSignals() as stop:
+        try:
+            result = finetune(cfg, mesh=mesh, stop=stop)
+        except StoppedBeforeTraining as err:
+            print(f"meshtune: {err}", file=sys.stderr, flush=True)
+            stop.keep_until_exit()
+            return 128 + err.signum
+        except (NonFiniteStep, Diverged) as err:  # every rank stops at the same step and says it
+            print(f"meshtune: {err}", file=sys.stderr, flush=True)
+            return NONFINITE_EXIT_CODE
+        except OutOfMemory as err:
+            print(f"meshtune: {err}", file=sys.stderr, flush=True)
+            return OUT_OF_MEMORY_EXIT_CODE
+        if not result.stopped_early:
+            return 0
+        if mesh.is_writer:  # one line for the run, from the writer (rank 0)
+            print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
+        # A request that comes late (a launcher passing on a signal its rank has already acted on) must not
+        # turn this exit 3 into a kill while the interpreter shuts down.
+        stop.keep_until_exit()
+        return STOPPED_EXIT_CODE
 
 
 def _mesh(cfg: Any) -> Any:

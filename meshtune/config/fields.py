@@ -12,6 +12,7 @@ import copy
 import difflib
 import functools
 import inspect
+import math
 import types
 import typing
 from pathlib import Path
@@ -146,13 +147,26 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         return False, value, f"expected int{hint}"
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value), ""
+            return finite_float(float(value))
         return False, value, "expected float, e.g. 1e-5"
     if tp is str:
         if isinstance(value, str):
             return True, value, ""
         return False, value, "expected str: quote it"
     raise TypeError(f"unsupported config field type {tp!r}")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a run's numbers are float32 on the device, so a larger setting is inf there."""
+
+
+def finite_float(value: float) -> tuple[bool, float, str]:
+    """(ok, value, why not) for a float setting: nan and inf, or a number float32 turns into inf, never are one."""
+    if not math.isfinite(value):
+        return False, value, "expected a finite number (nan and inf are never a setting), e.g. 1e-5"
+    if abs(value) > FLOAT32_MAX:
+        return False, value, "is inf in float32, which the run computes in; give a number below 3.4e38"
+    return True, value, ""
 
 
 def describe_value(value: Any) -> str:

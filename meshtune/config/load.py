@@ -265,6 +265,9 @@ def load_config(
         except OSError as e:
             raise ConfigError(f"{source}: cannot read the config file ({e.strerror or e}); check the path") from None
         raw, lines, problems = _read_yaml(text, source)
+        if raw is None and not problems:  # else a run of defaults, as if the file named none of its settings
+            raise ConfigError(f"{source}: the config file is empty (no settings); write its settings into it, "
+                              "or drop -c to run on the command line's flags alone")
         if isinstance(raw, dict) and isinstance(raw.get("meshtune"), dict) and "fine_tune_type" in raw:
             # A run's adapter_config.json: its "meshtune" entry is the run's whole resolved config,
             # less where and how that run was launched (its folder, layout and runtime: this launch's).

@@ -35,6 +35,9 @@ LAUNCH_KEYS = ("output.adapter_path", "output.resume", "output.overwrite")
 EXTENDABLE = ("train.iters",)
 # Settings a resumed run does not use, so they may differ: the checkpoint holds the weights since.
 UNUSED_ON_RESUME = ("adapter.init_from",)
+# How a run answers trouble, not what it trains: a resumed run may answer differently.
+ANSWERS_TO_TROUBLE = ("train.divergence_reports", "data.changed_ok")
+RESUMABLE_CHANGES = EXTENDABLE + UNUSED_ON_RESUME + ANSWERS_TO_TROUBLE
 
 
 def saved_run_config(adapter_path: str | Path) -> tuple[dict[str, Any], str] | None:
@@ -86,7 +89,7 @@ def same_source(dotted: str, new: Any, old: Any) -> bool:
 
 def run_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]:
     """The run keys (RUN_SECTIONS) whose value in `resolved` differs from the checkpoint's `saved`,
-    less those a resumed run may change (EXTENDABLE, UNUSED_ON_RESUME): the rule resume_config
+    less those a resumed run may change (RESUMABLE_CHANGES): the rule resume_config
     applies to what a command gives, for a config built any other way (meshtune.api.finetune).
 
     A key the checkpoint lacks was written by a meshtune without it: that run had its default. The
@@ -96,7 +99,7 @@ def run_mismatches(resolved: dict[str, Any], saved: dict[str, Any]) -> list[str]
     for section in RUN_SECTIONS:
         old = {**defaults[section], **saved.get(section, {})}
         changed += [f"{section}.{k}" for k in sorted(set(resolved[section]) | set(old))
-                    if resolved[section].get(k) != old.get(k) and f"{section}.{k}" not in EXTENDABLE + UNUSED_ON_RESUME
+                    if resolved[section].get(k) != old.get(k) and f"{section}.{k}" not in RESUMABLE_CHANGES
                     and not same_source(f"{section}.{k}", resolved[section].get(k), old.get(k))]
     return changed
 
@@ -158,7 +161,7 @@ def resume_config(given: Config, saved: dict[str, Any], source: str,
     for dotted, where in given.origins.items():
         section, _, key = dotted.partition(".")
         new, old = ours[section][key], had[section][key]
-        if section not in RUN_SECTIONS or dotted in EXTENDABLE + UNUSED_ON_RESUME:
+        if section not in RUN_SECTIONS or dotted in RESUMABLE_CHANGES:
             merged[section][key] = new
         elif _moved(dotted, new, old):
             merged[section][key] = new

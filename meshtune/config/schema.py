@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .build import Built, build
-from .fields import type_problems
+from .fields import finite_float, type_problems
 from .sections import (
     DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH, OPTIMIZER_OPTIONS, SECTIONS, AdapterConfig, ConfigError, DataConfig,
     ModelConfig, OptimizerConfig, OutputConfig, ParallelConfig, RuntimeConfig, ScheduleConfig, TrainConfig,
@@ -160,6 +160,9 @@ class Config:
             bad("adapter.rank", a.rank, f"must be at least 1 for {a.fine_tune_type}; e.g. 8")
         if t.seed >= 2**32:
             bad("train.seed", t.seed, "must be below 2**32; pick a smaller seed")
+        if t.divergence_reports < 0:
+            bad("train.divergence_reports", t.divergence_reports,
+                "must be 0 (never stop for a diverged loss) or a count of reports")
         if t.skip_nonfinite_steps < 0:
             bad("train.skip_nonfinite_steps", t.skip_nonfinite_steps,
                 "must be 0 (stop at the first non-finite step) or a count of steps to skip")
@@ -200,6 +203,13 @@ class Config:
                 bad("optimizer.weight_decay", o.weight_decay,
                     "adam has no weight decay; use --optimizer adamw, or --optimizer.weight_decay null")
         known = OPTIMIZER_OPTIONS[o.name]
+        for key, value in o.options.items():
+            numbers = value if isinstance(value, (list, tuple)) else [value]
+            why = next((finite_float(float(v))[2] for v in numbers
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and not finite_float(float(v))[0]),
+                       None)
+            if why:
+                bad(f"optimizer.options.{key}", value, why)
         for key in o.options:
             if key == "learning_rate":
                 bad("optimizer.options", o.options,

@@ -59,6 +59,9 @@ class DataConfig:
     completion cut off by max_seq_length), with one warning per split giving the count and the
     first file:line; false (the default) makes such an example an error naming its file and line.
     A message with a role other than system/user/assistant/tool is an error either way."""
+    changed_ok: bool = False
+    """With --resume: go on from the saved position even though the training data's content changed
+    since the checkpoint (its digest differs); false (the default) makes that an error."""
     pad_to: int = 32
     """Pad batch lengths up to a multiple of this many tokens."""
     prompt_feature: str = "prompt"
@@ -161,6 +164,9 @@ class TrainConfig:
     skip_nonfinite_steps: int = 0
     """Bad steps (non-finite gradient norm, or no target tokens) to skip, update not applied, before
     the next one stops the run with exit 65; 0: the first one stops it."""
+    divergence_reports: int = 5
+    """Train reports in a row whose loss sits at ln(vocabulary size) (every token predicted alike) or
+    far above the first report's, after which the run stops as diverged (exit 65); 0 trains on."""
     seed: int = 0
     """Seed for shuffling, initialisation and dropout."""
     steps_per_report: int = 10

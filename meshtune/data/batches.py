@@ -28,6 +28,7 @@ and resumed exactly as examples are; ``lengths`` is then [B, K, 3] (packing.py).
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -56,6 +57,30 @@ class TruncationWarning(UserWarning):
 
 class LongRowsWarning(UserWarning):
     """data.pack's rows are far longer than the examples (LONG_ROW_FACTOR): they train slower than short rows."""
+
+
+class LeftOutWarning(UserWarning):
+    """The longest examples of a training split do not fill a last batch and are never trained on."""
+
+
+def content_digest(dataset: TokenizedDataset) -> str:
+    """A digest of what a split trains on (its tokens, lengths and prompt offsets): a checkpoint's cursor keeps
+    it, so a resume on data that changed (the same row count included) is seen."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (dataset.tokens, dataset.lengths, dataset.offsets):
+        h.update(np.ascontiguousarray(part))
+    return h.hexdigest()
+
+
+def _left_out_message(name: str, left_out: np.ndarray, unit_lengths: np.ndarray, n: int, batch_size: int,
+                      packed: bool) -> str:
+    unit = "packed rows" if packed else "examples"
+    fits = [b for b in range(batch_size, 0, -1) if n % b == 0][0]
+    which = ("the least filled rows (rows go fullest first)" if packed else
+             f"the longest examples (up to {int(unit_lengths[left_out].max())} tokens)")
+    return (f"{name}: {len(left_out)} of {n} {unit} do not fill a last batch of {batch_size} (--batch-size) and are "
+            f"never trained on: mlx-lm's batching sorts by length and leaves out the incomplete last batch, "
+            f"here {which}; a --batch-size that divides {n} ({fits}) trains on all of them")
 
 
 # Widening a batch for inputs_multiple_of costs its padding columns in every layer, so it is done
@@ -185,6 +210,14 @@ class BatchIterator:
                 warnings.warn(message, TruncationWarning, stacklevel=2)
             else:
                 warn(message)
+        left_out = order[n_batches * batch_size:]
+        if loop and len(left_out):  # training: these are never seen, epoch after epoch; say so once
+            message = _left_out_message(name, left_out, unit_lengths, len(unit_lengths), batch_size, packed=pack)
+            if warn is None:
+                warnings.warn(message, LeftOutWarning, stacklevel=2)
+            else:
+                warn(message)
+        self.digest = content_digest(dataset)
 
         # Padded once here: every later step only wraps cached arrays.
         self._cache: List[Tuple[np.ndarray, np.ndarray]] = [
@@ -243,18 +276,28 @@ class BatchIterator:
         return Batch(mx.array(tokens), mx.array(lengths))
 
     # ----------------------------------------------------------------- cursor
-    def state(self) -> Dict[str, int]:
-        """JSON-serialisable cursor: the next batch is ``position`` of ``epoch``."""
+    def state(self) -> Dict[str, Any]:
+        """JSON-serialisable cursor: the next batch is ``position`` of ``epoch`` of the data ``digest`` names."""
         return {
             "epoch": self._epoch,
             "position": self._position,
             "seed": self.seed,
             "batches_per_epoch": self.batches_per_epoch,
+            "digest": self.digest,
         }
 
-    def load_state(self, state: Dict[str, Any]) -> None:
-        """Restore a cursor from ``state()``; the next batch is the one that was due."""
+    def load_state(self, state: Dict[str, Any], *, changed_ok: bool = False) -> None:
+        """Restore a cursor from ``state()``; the next batch is the one that was due. A cursor of other
+        data (its digest) is refused unless ``changed_ok`` (data.changed_ok)."""
         name = self.dataset.name
+        saved = state.get("digest") if isinstance(state, dict) else None
+        if saved is not None and saved != self.digest and not changed_ok:
+            where = f" ({self.dataset.path})" if self.dataset.path else ""
+            raise ValueError(
+                f"--resume: the {name} data{where} is not the data the checkpoint was trained on (its "
+                "content changed since: the digest in the checkpoint's cursor differs); restore it, or "
+                "give --data.changed_ok true to go on with the new data from the saved position"
+            )
         try:
             epoch, position = int(state["epoch"]), int(state["position"])
         except (KeyError, TypeError, ValueError):

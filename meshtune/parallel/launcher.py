@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from ..runtime.hostfile import JACCL_BACKENDS, Host, Hostfile
+from .launch_ports import HeldPorts
 from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
 from ..runtime.relaunch import LAUNCH_ENV
 from ..runtime.stop_signals import StopSignals
@@ -57,32 +57,24 @@ from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_pee
 BACKENDS = ("ring", "nccl", *JACCL_BACKENDS)
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports that were free a moment ago on 127.0.0.1."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-def write_ring_hostfile(n: int, folder: Path, addresses: list[list[str]] | None = None) -> Path:
+def write_ring_hostfile(n: int, folder: Path, addresses: list[list[str]] | None = None,
+                        held: HeldPorts | None = None) -> Path:
     """The ring backend's hostfile: per rank, one "ip:port" per address of `addresses[rank]` (its links;
-    127.0.0.1 unless given), each with a port of its own."""
+    127.0.0.1 unless given), each with a port of its own; the ports stay `held` against other launchers
+    until it closes (a caller without one holds them only while picking)."""
     path = folder / "hostfile.json"
     links = addresses or [["127.0.0.1"]] * n
-    ports = iter(free_ports(sum(len(ips) for ips in links)))
+    with HeldPorts() as own:
+        ports = iter((held or own).take(sum(len(ips) for ips in links)))
     path.write_text(json.dumps([[f"{ip}:{next(ports)}" for ip in ips] for ips in links]))
     return path
 
 
-def jaccl_env(hostfile: Hostfile, backend: str) -> tuple[dict[str, str], dict[str, str]]:
+def jaccl_env(hostfile: Hostfile, backend: str, held: HeldPorts | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """(variables, files: variable -> content) every rank gets for JACCL, as mlx.launch's launch_jaccl gives."""
-    coordinator = f"{hostfile.hosts[0].ips[0]}:{free_ports(1)[0]}"
+    with HeldPorts() as own:
+        port = (held or own).take(1)[0]
+    coordinator = f"{hostfile.hosts[0].ips[0]}:{port}"
     variables = {"MLX_JACCL_COORDINATOR": coordinator, **({"MLX_JACCL_RING": "1"} if backend == "jaccl-ring" else {})}
     return variables, {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hostfile.hosts])}
 
@@ -155,10 +147,10 @@ def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -
         out.flush()
 
 
-def nccl_env(n: int, env: dict[str, str]) -> list[dict[str, str]]:
+def nccl_env(n: int, env: dict[str, str], held: HeldPorts) -> list[dict[str, str]]:
     """Per rank, what joins n ranks on this machine over NCCL: rank 0's address and port, one GPU each."""
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    port = str(free_ports(1)[0])
+    port = str(held.take(1)[0])
     return [dict(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=port,
                  CUDA_VISIBLE_DEVICES=visible[i % len(visible)] if visible else str(i)) for i in range(n)]
 
@@ -200,16 +192,17 @@ def launch_ranks(n: int, command: list[str], *, pin: bool = False, env: dict[str
     cores = sorted(os.sched_getaffinity(0)) if pin else []
     if backend != "ring":
         base.pop("MLX_HOSTFILE", None)  # an outer ring launcher's; the ranks must not try it
-    per_rank = nccl_env(n, base) if backend == "nccl" else [{} for _ in range(n)]
     variables = dict(e.split("=", 1) for e in hostfile.envs if "=" in e) if hostfile else {}
     files: dict[str, str] = {}
-    if backend in JACCL_BACKENDS:
-        jaccl_variables, files = jaccl_env(hostfile, backend)
-        variables.update(jaccl_variables)
-    with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp:
+    # The ports stay held until the ranks have ended: no launcher started meanwhile picks them (launch_ports.py).
+    with tempfile.TemporaryDirectory(prefix="meshtune-launch-") as tmp, HeldPorts() as held:
+        per_rank = nccl_env(n, base, held) if backend == "nccl" else [{} for _ in range(n)]
+        if backend in JACCL_BACKENDS:
+            jaccl_variables, files = jaccl_env(hostfile, backend, held)
+            variables.update(jaccl_variables)
         addresses = ([h.ips for h in ssh_hosts] if ssh_hosts else
                      [[ip] if isinstance(ip, str) else list(ip) for ip in hosts] if hosts else None)
-        ring = write_ring_hostfile(n, Path(tmp), addresses) if n > 1 and backend == "ring" else None
+        ring = write_ring_hostfile(n, Path(tmp), addresses, held) if n > 1 and backend == "ring" else None
         if ring is not None:
             files = {"MLX_HOSTFILE": ring.read_text()}
         beats = Path(tmp) / "heartbeats"
@@ -264,8 +257,8 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     """Wait for every rank; on the first lost or failed rank say one line and stop the rest.
 
     A signal in `interrupts` (Ctrl-C or SIGTERM to the launcher) is passed on to every rank as
-    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a second one
-    stops them at once.
+    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a later one
+    is said and changes nothing, so no save is cut short.
 
     Returns (exit code, whether a lost rank was named). Lost: killed by a signal
     (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
@@ -279,12 +272,12 @@ def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
     while True:
         if len(interrupts) > passed_on:
             name = signal.Signals(interrupts[-1]).name
-            if passed_on:
-                print(f"meshtune launch: {name} again: stopping the ranks now", file=err, flush=True)
-                _stop(ranks, grace=0)
-                return 128 + interrupts[-1], False
-            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops ({name} again stops "
-                  "them now)", file=err, flush=True)
+            if passed_on:  # a save cut short would lose the run's last steps: the ranks finish theirs
+                print(f"meshtune launch: {name} again: the ranks are already saving and stopping (kill -9 "
+                      "stops them now, losing the steps since their last checkpoint)", file=err, flush=True)
+                passed_on = len(interrupts)
+                continue
+            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops", file=err, flush=True)
             for r in ranks:
                 if r.proc.poll() is None:
                     _signal_rank(r, signal.SIGTERM, rank_only=True)

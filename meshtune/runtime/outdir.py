@@ -11,6 +11,7 @@ optimizer state each) and the final adapters file. Neither creates the folder.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +33,10 @@ def nearest_existing(path: Path) -> Path:
 
 def check_writable(out: Path) -> None:
     """Raise a one-line ValueError unless files can be created in (or above) `out`."""
+    link = Path(out).expanduser()
+    if link.is_symlink() and not link.exists():  # mkdir would fail on it after the model loads
+        raise ValueError(f"output.adapter_path={out} is a symbolic link to {os.readlink(link)}, which does not "
+                         "exist; create that folder, remove the link, or choose another --adapter-path")
     here = nearest_existing(out)
     if not here.is_dir():
         raise ValueError(f"output.adapter_path={out}: {here} is a file, not a folder; "
@@ -49,7 +54,7 @@ def checkpoint_bytes(trainable_bytes: int, optimizer: str) -> int:
     return trainable_bytes * (1 + STATE_FACTOR.get(optimizer, 2))
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024:
             return f"{n:.1f} {unit}"
@@ -63,7 +68,7 @@ def check_free_space(out: Path, *, trainable_bytes: int, optimizer: str) -> int:
     here = nearest_existing(out)
     free = shutil.disk_usage(here).free
     if free < need:
-        raise ValueError(f"output.adapter_path={out}: {_human(free)} free on the disk of {here} but two "
-                         f"checkpoints and the adapters need about {_human(need)}; free space there or "
+        raise ValueError(f"output.adapter_path={out}: {human_bytes(free)} free on the disk of {here} but two "
+                         f"checkpoints and the adapters need about {human_bytes(need)}; free space there or "
                          "choose another --adapter-path")
     return need

@@ -47,6 +47,29 @@ class CheckpointWriteError(ValueError):
     """A save failed (disk full, folder not writable); the last good checkpoint is untouched."""
 
 
+class NonFiniteValues(Exception):
+    """A save found a value that is not finite and wrote nothing: the run stops as a non-finite step does."""
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"step {step}: {what}")
+        self.step, self.what = step, what
+
+
+def require_finite(step: int, arrays: dict[str, mx.array], what: str) -> None:
+    """Raise NonFiniteValues naming the first tensor of `arrays` (flat) holding nan or inf; nothing is written.
+
+    The update never applies a non-finite value (training/update.py); this is the save's own check, one
+    reduction per tensor at save time only."""
+    floating = [(k, v) for k, v in arrays.items() if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating)]
+    if not floating:
+        return
+    flags = mx.stack([mx.isfinite(v).all() for _, v in floating])
+    if flags.all().item():
+        return
+    bad = next(k for (k, _), ok in zip(floating, flags.tolist()) if not ok)
+    raise NonFiniteValues(step, f"{what} {bad} holds nan or inf, so nothing was saved for this step")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -73,8 +96,11 @@ def save_safetensors_checked(path: Path, arrays: dict[str, mx.array], metadata: 
     """mx.save_safetensors, raising OSError on any failure, a truncated file included."""
     try:
         mx.save_safetensors(str(path), arrays, metadata=metadata or {})
-    except RuntimeError as err:  # MLX reports an unopenable file as RuntimeError
-        raise OSError(errno.EIO, str(err)) from None
+    except RuntimeError as err:  # MLX reports an unopenable file, and a write that failed, as RuntimeError
+        room = shutil.disk_usage(path.parent).free
+        full = room < sum(v.nbytes for v in arrays.values()) + (1 << 16)  # MLX does not say why: the disk does
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      f"No space left on device ({err})" if full else str(err)) from None
     _check_complete(path)
 
 
@@ -151,6 +177,9 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
     goes, older checkpoints stay.
     """
     final = checkpoint_dir(adapter_path, state.step)
+    opt = dict(tree_flatten(optimizer_state))
+    require_finite(state.step, trainable, "the trained weight")
+    require_finite(state.step, opt, "the optimizer state")
     tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +187,6 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
         tmp = final.parent / f".{final.name}.tmp-{os.urandom(6).hex()}"
         tmp.mkdir()
         save_safetensors_checked(tmp / "adapters.safetensors", trainable)
-        opt = dict(tree_flatten(optimizer_state))
         save_safetensors_checked(tmp / "optimizer.safetensors", opt)
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         for extra in alongside:
@@ -193,6 +221,8 @@ def write_stage(folder: Path, k: int, *, state: TrainingState, trainable: dict[s
     `layout` (stage count and block ranges) tells a resumed run whether the shard fits its own stages.
     """
     weights, optimizer, name = stage_names(k)
+    require_finite(state.step, trainable, "the trained weight")
+    require_finite(state.step, optimizer_state, "the optimizer state")
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors_checked(folder / weights, trainable)
     save_safetensors_checked(folder / optimizer, optimizer_state)

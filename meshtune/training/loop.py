@@ -12,8 +12,8 @@ included), so what a checkpoint counts is what has been reported.
 The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
 costs time and buys nothing at a steady shape mix).
 
-A step whose update was not applied (a non-finite gradient norm, or no target tokens
-in the global batch: training/update.py) is skipped with one line while
+A step whose update was not applied (a non-finite gradient norm, no target tokens in
+the global batch, or an update that would make a non-finite value: training/update.py) is skipped with one line while
 `skip_nonfinite` allows, else the loop raises NonFiniteStep and nothing more is
 saved. Its verdict is read one step late where steps overlap, but always before a
 report, an eval or a save, so nothing is written between a bad step and its discovery.
@@ -21,6 +21,7 @@ report, an eval or a save, so nothing is written between a bad step and its disc
 
 from __future__ import annotations
 
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import mlx.core as mx
 from ..runtime.mesh import Mesh
 from ..runtime.stop_signals import StopSignals
 from .checkpoint import TrainingState
+from .divergence import DivergenceWatch
 from .metrics import Reporter, Window, report_window
 from .strategy import Strategy
 from .update import StepVerdict
@@ -38,12 +40,31 @@ from .update import StepVerdict
 AGREE_EVERY = 8  # steps between the ranks' agreements on a stop request
 
 
+class StoppedBeforeTraining(Exception):
+    """A stop request came during set-up, before this invocation's first step: nothing was trained or saved
+    (exit 128 + the signal's number, as a shell reports a process its signal ended)."""
+
+    def __init__(self, step: int, signum: int, name: str) -> None:
+        done = f"step {step}'s checkpoint stands; --resume continues from it" if step else "start it again"
+        super().__init__(f"stopped on request ({name}) during set-up, before step {step + 1}: nothing was "
+                         f"trained or saved; {done}")
+        self.signum = signum
+
+
+def stop_if_requested(stop: StopSignals, mesh: Mesh, step: int) -> None:
+    """Raise StoppedBeforeTraining on every rank if any rank got a stop request (a collective): before the
+    first step, a request from set-up ends the run with nothing trained."""
+    if mesh.agree(stop.requested):
+        raise StoppedBeforeTraining(step, stop.signals[0] if stop.signals else signal.SIGTERM,
+                                    stop.name() or "on another rank")
+
+
 class NonFiniteStep(Exception):
     """A step's update was not applied and no skips were left: the run stops (exit training.NONFINITE_EXIT_CODE)."""
 
-    def __init__(self, step: int, what: str, *, last_good: str = "") -> None:
+    def __init__(self, step: int, what: str, *, last_good: str = "", applied: bool = False) -> None:
         tail = f"; last good checkpoint: {last_good}" if last_good else ""
-        super().__init__(f"step {step}: {what}; the update was not applied{tail}")
+        super().__init__(f"step {step}: {what}{'' if applied else '; the update was not applied'}{tail}")
         self.step, self.what = step, what
 
 
@@ -104,9 +125,15 @@ def step_seed(seed: int, step: int) -> int:
 
 def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings, seed: int, mesh: Mesh,
           reporter: Reporter, start: TrainingState, validate: Callable[[], tuple[float, int]] | None,
-          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]],
-          beat: Callable[[int], None] = lambda step: None) -> LoopResult:
-    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule."""
+          save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]], stop: StopSignals,
+          beat: Callable[[int], None] = lambda step: None, watch: DivergenceWatch | None = None) -> LoopResult:
+    """Run optimizer steps start.step+1 .. settings.iters; eval, report and save on schedule.
+
+    `stop` records SIGTERM/SIGINT for the whole run (the caller holds it from set-up to the report):
+    the first request is agreed, saved and stops the loop; later ones change nothing, so no save is
+    ever cut short. A request from set-up, agreed here before any step, trains nothing. `watch` judges
+    each reported loss and raises Diverged (training/divergence.py) before that step's save."""
+    watch = watch or DivergenceWatch(vocab_size=None, reports=0)
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
     step, skipped, stopping, running = start.step, 0, False, start.step + 1
@@ -135,9 +162,10 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
         reporter.eval(at, split="val", loss=loss, tokens=n, seconds=time.perf_counter() - tic)
         return loss
 
+    stop_if_requested(stop, mesh, step)
     if validate is not None and step == 0:
         val_loss = run_eval(0)
-    with StopSignals(second_interrupts=True) as stop, out_of_memory_names_the_step(lambda: running):
+    with out_of_memory_names_the_step(lambda: running):
         while step < settings.iters:
             running = step + 1  # the step an allocation failure is reported at
             tic = time.perf_counter()
@@ -167,6 +195,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
                     reporter, window, mesh, step, learning_rate=float(strategy.optimizer.learning_rate),
                     trained_tokens=trained_tokens, waited=strategy.take_waits())
                 window = Window()
+                watch.check(step, train_loss)  # every rank reports the same loss: all stop here together
             if eval_now:
                 val_loss = run_eval(step)
             if save_now:

@@ -5,12 +5,16 @@ ranks and micro-batches, so 1 rank and N ranks report the same number for the sa
 global batch. Reports go to `metrics.jsonl` (one JSON object per line), to the
 trackers of `output.report_to` (training/trackers.py) and as one line each to the log
 function; on a terminal a progress bar (loss, tokens/s, peak memory, ETA) stands
-below the lines, never in a file or pipe. Only the writer rank writes.
+below the lines, never in a file or pipe. Only the writer rank writes. Each record is
+appended whole or not at all: a write that fails part way (a full disk) is cut back to
+the file's length before it, and the run stops with one line (MetricsWriteError).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import warnings
 import sys
 import time
@@ -82,6 +86,29 @@ def report_window(reporter: "Reporter", window: Window, mesh: Any, step: int, *,
     return loss, trained_tokens
 
 
+class MetricsWriteError(ValueError):
+    """metrics.jsonl could not take a record (disk full, folder gone); the file ends at its last whole record."""
+
+
+def append_record(fd: int, line: bytes, path: Path) -> None:
+    """Append one whole line to the file open as `fd` (O_APPEND), or raise MetricsWriteError leaving the
+    file as it was: a part written before the failure is cut off again."""
+    before = os.fstat(fd).st_size
+    try:
+        done = 0
+        while done < len(line):
+            done += os.write(fd, line[done:])
+    except OSError as err:
+        try:
+            os.ftruncate(fd, before)
+        except OSError:
+            pass
+        why = err.strerror or str(err)
+        fix = "free disk space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+        raise MetricsWriteError(f"cannot append to {path} ({why}); {fix}, then --resume from the last good "
+                                "checkpoint; the file ends at its last whole record") from None
+
+
 @dataclass
 class Reporter:
     """Writes metrics.jsonl and drives the progress bar; silent on non-writer ranks."""
@@ -99,7 +126,7 @@ class Reporter:
     def __enter__(self) -> "Reporter":
         if self.writer and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.out_dir / METRICS_FILE, "a", buffering=1)
+            self._file = os.open(self.out_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self.writer and self.show_progress and sys.stderr.isatty():
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
                              dynamic_ncols=True, file=sys.stderr, leave=True)
@@ -109,7 +136,7 @@ class Reporter:
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
-            self._file.close()
+            os.close(self._file)
         for tracker in self.trackers:
             tracker.close()
 
@@ -122,7 +149,7 @@ class Reporter:
         if not self.writer:
             return
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            append_record(self._file, (json.dumps(record) + "\n").encode(), self.out_dir / METRICS_FILE)
         for tracker in self.trackers:
             tracker.log(record)
         if line is None:

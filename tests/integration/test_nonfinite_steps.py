@@ -24,10 +24,11 @@ LINE = re.compile(rf"meshtune: step {BAD}: the global batch has no trainable tok
                   r"the update was not applied; last good checkpoint: \S+/checkpoints/0000005 \(resume with --resume\)")
 
 
-def _train(n: int, out, iters: int, *extra: str, bad: int | None = None, save_every: int = 5):
+def _train(n: int, out, iters: int, *extra: str, bad: int | None = None, save_every: int = 5,
+           hook: str = "MESHTUNE_TEST_NONFINITE_STEP"):
     args = train_args(out, iters=iters, save_every=save_every, extra=extra)
     argv = [*CLI, "launch", "-n", str(n), "--", *CLI, *args] if n > 1 else [*CLI, *args]
-    environ = env() | ({"MESHTUNE_TEST_NONFINITE_STEP": str(bad)} if bad else {})
+    environ = env() | ({hook: str(bad)} if bad else {})
     return subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=300)
 
 
@@ -76,3 +77,40 @@ def test_skip_nonfinite_steps_skips_one_and_keeps_the_weights(tmp_path):
     # A second bad step with no skips left stops the run.
     again = _train(1, tmp_path / "again", 8, bad=BAD, save_every=1)
     assert again.returncode == 65 and f"meshtune: step {BAD}:" in again.stderr
+
+
+OVERFLOW = re.compile(rf"meshtune: step {BAD}: the update would make non-finite weights or optimizer state "
+                      r"\(gradient norm is [0-9.e+-]+\); lower --learning-rate or check the optimizer's settings; "
+                      r"the update was not applied; last good checkpoint: \S+/checkpoints/0000005 "
+                      r"\(resume with --resume\)")
+
+
+@pytest.mark.parametrize("ranks, layout", [(1, ()), (2, ()), (2, ("--parallel.pp", "2"))],
+                         ids=["one-process", "dp2", "pp2"])
+def test_an_update_that_overflows_is_not_applied_on_any_rank(tmp_path, ranks, layout):
+    """A finite gradient at an infinite learning rate (the test hook MESHTUNE_TEST_OVERFLOW_STEP): the
+    update's own check holds it back on every rank (a pipeline's stages agree), nothing is saved for it,
+    and checkpoint 5 and adapters.safetensors stay as a run that ended at step 5 left them."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    proc = _train(ranks, run, 10, *layout, bad=BAD, hook="MESHTUNE_TEST_OVERFLOW_STEP")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == NONFINITE_EXIT_CODE, out[-3000:]
+    said = [l for l in out.splitlines() if OVERFLOW.search(l)]
+    assert len(said) == ranks, out[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000005"]
+    assert _train(ranks, reference, 5, *layout).returncode == 0
+    assert _digests(run) == _digests(reference)
+
+
+def test_a_loss_flattened_at_ln_vocab_stops_the_run_unless_told_to_go_on(tmp_path):
+    """A learning rate of 1e10 blows the weights up while every step stays finite: the loss sits at
+    ln(103) = 4.6347; after train.divergence_reports reports the run stops (exit 65) naming a checkpoint
+    from before; --train.divergence_reports 0 trains on to the end (exit 0)."""
+    stopped = _train(1, tmp_path / "run", 40, "--learning-rate", "1e10", save_every=1)
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode == NONFINITE_EXIT_CODE, out[-3000:]
+    said = [l for l in out.splitlines() if "training diverged" in l]
+    assert len(said) == 1 and "= ln(103), the loss of predicting every token alike, for 5 reports" in said[0], out
+    assert "--train.divergence_reports 0" in said[0] and re.search(r"last good checkpoint: \S+/0000001 ", said[0])
+    on = _train(1, tmp_path / "on", 40, "--learning-rate", "1e10", "--train.divergence_reports", "0", save_every=40)
+    assert on.returncode == 0, on.stdout[-2000:] + on.stderr[-2000:]

@@ -112,3 +112,61 @@ def test_ctrl_c_on_the_launcher_saves_on_every_rank_and_stops_them(tmp_path, ran
         in report.stdout, report.stdout + report.stderr
     assert "exited with code" not in out  # an agreed stop, not a failed rank
     assert subprocess.run(["pgrep", "-f", str(run)], capture_output=True).returncode == 1  # no rank left
+
+
+def _signal_training(cmd, env, run: Path, signals: list[int], cwd=None) -> tuple[subprocess.Popen, int, str]:
+    """`_signal_once_training` with several signals sent one after another (Ctrl-C twice, a scheduler's
+    SIGTERM after a user's SIGINT)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    deadline = time.monotonic() + 120
+    while len(_train_records(run)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    seen = _train_records(run)[-1]["step"]
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=120)
+    return proc, seen, out
+
+
+@pytest.mark.parametrize("launcher", [False, True], ids=["one-process", "launch-n2"])
+def test_repeated_signals_end_with_one_save_the_report_and_exit_3(tmp_path, launcher):
+    """SIGTERM, SIGINT, SIGTERM, SIGINT in quick succession: still one checkpoint, one stop line, the report,
+    the resume line and exit 3, with no traceback (a later signal never interrupts the save or the report)."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    train = ["meshtune", "train", "--iters", "100000", *ARGS, "--adapter-path", str(run)]
+    cmd = ([sys.executable, "-m", "meshtune.cli", "launch", "-n", "2", "--", *train] if launcher
+           else [sys.executable, "-m", "meshtune.cli", *train[1:]])
+    proc, seen, out = _signal_training(cmd, env, run, [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT])
+    assert proc.returncode == 3, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    stopped = [line for line in out.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1, out[-3000:]
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"{step:07d}"]
+    assert verify_checkpoint(run / "checkpoints" / f"{step:07d}") is None
+    assert f"to continue from step {step}: " in out and (run / "report.md").exists(), out[-3000:]
+
+
+def test_ctrl_c_during_set_up_is_one_line_and_writes_no_checkpoint(tmp_path):
+    """SIGINT while the model loads: one `meshtune:` line naming the signal and set-up, exit 130, no traceback."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "meshtune.cli", "train", "--iters", "50", *ARGS,
+                             "--adapter-path", str(run)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("loading model"):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in out + err
+    said = [line for line in err.splitlines() if line.startswith("meshtune:")]
+    assert len(said) == 1 and "stopped on request (SIGINT) during set-up, before step 1" in said[0], err
+    assert not run.exists()  # nothing written: the same command starts the run afresh
+    again = subprocess.run([sys.executable, "-m", "meshtune.cli", "train", "--iters", "2", *ARGS,
+                            "--adapter-path", str(run)], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]

@@ -217,7 +217,34 @@ def test_missing_file_and_non_mapping(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(write(tmp_path, "- a\n- b\n"))
-    assert load_config(write(tmp_path, "# only a comment\n")) == Config()
+    # An empty file (or one of comments) is refused rather than read as "all defaults" (issue: a run of
+    # 1,000 default iterations from a file whose settings never got written).
+    for text in ("", "# only a comment\n"):
+        with pytest.raises(ConfigError, match="the config file is empty"):
+            load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("section, key, value, why", [
+    ("optimizer", "learning_rate", float("nan"), "expected a finite number"),
+    ("optimizer", "learning_rate", 1e39, "is inf in float32"),
+    ("optimizer", "weight_decay", float("nan"), "expected a finite number"),
+    ("schedule", "warmup_init", float("nan"), "expected a finite number"),
+    ("train", "max_grad_norm", float("nan"), "expected a finite number"),
+    ("adapter", "scale", float("nan"), "expected a finite number"),
+    ("adapter", "scale", float("inf"), "expected a finite number"),
+    ("schedule", "arguments", [1e-5, float("nan")], "item 1 = nan"),
+])
+def test_a_setting_that_is_not_finite_names_its_key(section, key, value, why) -> None:
+    """nan, inf and numbers float32 cannot hold are refused when the config is read, before any model loads."""
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({section: {key: value}}, "t.yaml")
+    assert any(p.startswith(f"t.yaml: {section}.{key} = ") and why in p for p in problems_of(e)), problems_of(e)
+
+
+def test_a_non_finite_optimizer_option_names_its_key() -> None:
+    cfg = Config.from_dict({"optimizer": {"name": "sgd", "options": {"momentum": float("nan")}}})
+    with pytest.raises(ConfigError, match="optimizer.options.momentum = nan: expected a finite number"):
+        cfg.validate()
 
 
 def test_validate_reports_every_problem() -> None:

@@ -528,3 +528,36 @@ def test_too_long_is_an_error_only_when_asked(tmp_path, tok):
     with pytest.raises(ValueError, match=r"train\.jsonl:2: example is \d+ tokens, longer than "
                                          r"data\.max_seq_length=8; .*data\.truncate true"):
         load_split(path, tok, max_length=8)
+
+
+def test_the_examples_a_training_epoch_leaves_out_are_counted_in_one_line():
+    ds = synthetic(43)  # 43 = 5 batches of 8 and 3 left over: the 3 longest
+    said = []
+    BatchIterator(ds, batch_size=8, max_seq_length=4096, warn=said.append)
+    longest = int(np.sort(ds.lengths)[-1])
+    assert said == [f"train: 3 of 43 examples do not fill a last batch of 8 (--batch-size) and are never trained "
+                    f"on: mlx-lm's batching sorts by length and leaves out the incomplete last batch, here the "
+                    f"longest examples (up to {longest} tokens); a --batch-size that divides 43 (1) trains on all "
+                    f"of them"]
+    said.clear()
+    BatchIterator(synthetic(40), batch_size=8, max_seq_length=4096, warn=said.append)
+    BatchIterator(ds, batch_size=8, max_seq_length=4096, warn=said.append, loop=False)  # evaluation: not training
+    assert said == []
+
+
+def test_a_cursor_of_changed_data_is_refused_unless_told():
+    ds = synthetic(40)
+    it = BatchIterator(ds, batch_size=8, max_seq_length=4096)
+    take(it, 3)
+    cursor = it.state()
+    assert BatchIterator(synthetic(40), batch_size=8, max_seq_length=4096).digest == cursor["digest"]
+    changed = TokenizedDataset(name="train", path=None, format="tokens", tokens=ds.tokens.copy(), starts=ds.starts,
+                               lengths=ds.lengths, offsets=ds.offsets)
+    changed.tokens[5] += 1  # one token, same row count and lengths
+    other = BatchIterator(changed, batch_size=8, max_seq_length=4096)
+    with pytest.raises(ValueError, match=r"--resume: the train data is not the data the checkpoint was trained on.*"
+                                         r"give --data\.changed_ok true"):
+        other.load_state(cursor)
+    other.load_state(cursor, changed_ok=True)
+    assert other.state()["position"] == cursor["position"]
+    other.load_state({k: v for k, v in cursor.items() if k != "digest"})  # a cursor saved before digests: taken

@@ -6,6 +6,8 @@ Here the device is a verdict whose read takes DEVICE_S: the window's seconds mus
 """
 
 import json
+import os
+import signal
 import time
 
 import mlx.core as mx
@@ -13,7 +15,8 @@ import pytest
 
 from meshtune.runtime.mesh import Mesh
 from meshtune.training.checkpoint import TrainingState
-from meshtune.training.loop import LoopSettings, OutOfMemory, train
+from meshtune.runtime.stop_signals import StopSignals
+from meshtune.training.loop import LoopSettings, OutOfMemory, StoppedBeforeTraining, train
 from meshtune.training.metrics import Reporter
 from meshtune.training.update import StepVerdict
 
@@ -42,12 +45,13 @@ class DispatchOnly:
         return {}
 
 
-def run(tmp_path, steps_per_report, strategy=None, saves=None, save_every=100):
+def run(tmp_path, steps_per_report, strategy=None, saves=None, save_every=100, stop=None, save=None):
     settings = LoopSettings(iters=6, steps_per_report=steps_per_report, steps_per_eval=100, save_every=save_every)
     with Reporter(tmp_path, total_steps=6, log=lambda line: None, show_progress=False) as reporter:
         train(strategy or DispatchOnly(), iter(range(100)), settings=settings, seed=0, mesh=Mesh.single(), reporter=reporter,
               start=TrainingState(step=0, data_cursor={}, trained_tokens=0), validate=None,
-              save=lambda state: (saves if saves is not None else []).append(state.step), cursor=lambda: {})
+              save=save or (lambda state: (saves if saves is not None else []).append(state.step)),
+              cursor=lambda: {}, stop=stop or StopSignals())
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -103,3 +107,59 @@ def test_the_advice_names_the_flags_that_make_a_run_smaller():
         assert flag in advice, (flag, advice)
     cfg.train.grad_checkpoint = True
     assert "--grad-checkpoint" not in fitting_advice(cfg)
+
+
+class SignalsAt(DispatchOnly):
+    """A strategy whose step `at` sends this process SIGINT and SIGTERM, as Ctrl-C and a scheduler would."""
+
+    def __init__(self, at: int):
+        self.at, self.done = at, 0
+
+    def step(self, batches):
+        self.done += 1
+        if self.done == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().step(batches)
+
+
+def test_any_number_of_signals_end_the_loop_after_one_save_and_none_interrupts_it(tmp_path):
+    """Two signals at step 2 and three more during the save: one save (at step 2), the loop ends stopped, and
+    no KeyboardInterrupt is raised from any of them."""
+    saves = []
+
+    def save(state):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):  # Ctrl-C again, mid-write
+            os.kill(os.getpid(), sig)
+        time.sleep(0.05)  # a handler runs between bytecodes: give it room to (not) interrupt
+        saves.append(state.step)
+
+    with StopSignals() as stop:
+        records = run(tmp_path, 1, strategy=SignalsAt(2), save=save, stop=stop)
+    assert saves == [2] and len(stop.signals) == 5
+    assert [r["step"] for r in records if r["type"] == "stop"] == [2]
+
+
+def test_a_request_before_the_first_step_trains_and_saves_nothing(tmp_path):
+    saves = []
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(StoppedBeforeTraining, match=r"\(SIGINT\) during set-up, before step 1: nothing was trained"):
+            run(tmp_path, 1, saves=saves, stop=stop)
+    assert saves == [] and stop.signals == [signal.SIGINT]
+
+
+def test_a_stopped_process_ignores_late_signals_until_it_exits():
+    """After keep_until_exit a late SIGTERM or SIGINT (a launcher passing on a signal its rank already acted
+    on) is ignored, not the old action (a kill): the process ends with its own exit code."""
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with StopSignals() as stop:
+            stop.keep_until_exit()
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in old)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # still here: neither killed this process nor raised
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

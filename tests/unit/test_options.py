@@ -200,7 +200,7 @@ def test_a_stopped_run_says_how_to_resume_once(monkeypatch, capsys, tmp_path, en
     run = tmp_path / "my run"
     result = RunResult(adapter_path=run, step=7, train_loss=None, val_loss=None, test_loss=None,
                        trained_tokens=0, stopped_early=True)
-    monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None: result)
+    monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None, stop=None: result)
     # the writer is the mesh's rank 0 (a launcher's MLX_RANK 0, or one process)
     monkeypatch.setattr(commands, "_mesh", lambda cfg: SimpleNamespace(world_size=1 if env_rank is None else 2,
                                                                        is_writer=env_rank in (None, "0")))

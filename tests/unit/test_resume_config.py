@@ -143,7 +143,7 @@ def test_a_stopped_multi_rank_run_says_the_launch_command(monkeypatch, capsys, t
     run = tmp_path / "run"
     result = RunResult(adapter_path=run, step=7, train_loss=None, val_loss=None, test_loss=None,
                        trained_tokens=0, stopped_early=True)
-    monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None: result)
+    monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None, stop=None: result)
     monkeypatch.setattr(commands, "_mesh", lambda cfg: _Mesh(4))
     monkeypatch.setenv("MLX_RANK", "0")
     monkeypatch.delenv("MLX_HOSTFILE", raising=False)

@@ -210,7 +210,12 @@ def apply_gradients(stage: PipelineStage, grads: Any, n_local: mx.array, optimiz
     # adds no squares, so its norm's all_sum would depend on nothing and could run before
     # the sums above: those finish first, on every rank.
     mx.eval(n, grads)
-    verdict = apply_update(stage.model, optimizer, grads, n, max_grad_norm=max_grad_norm, square_sum=square_sum)
+    def all_ranks(finite: mx.array) -> mx.array:
+        # each stage checks the values it makes; one rank's non-finite value holds back every stage's update
+        return mesh.all_sum((~finite).astype(mx.int32)) == 0
+
+    verdict = apply_update(stage.model, optimizer, grads, n, max_grad_norm=max_grad_norm, square_sum=square_sum,
+                           all_ranks=all_ranks)
     mx.eval(stage.model.state, optimizer.state, verdict.arrays())
     return verdict
 

@@ -45,7 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ...training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState,
                                    checkpoint_dir, leftover_temps, load_checkpoint, load_stage, prune_checkpoints,
                                    publish_stage, stage_names, verify_checkpoint, verify_stage, write_error,
-                                   write_stage)
+                                   write_stage, NonFiniteValues)
 from ...training.streamed_safetensors import StreamedSafetensors
 from .stage import PipelineStage
 
@@ -121,14 +121,14 @@ def save_stages(out: Path, stage: PipelineStage, optimizer: Any, *, state: Train
     writer = mesh.dp_rank == 0
     final = checkpoint_dir(out, state.step)
     tmp = final.parent / f".{final.name}.tmp-stages"
-    error: OSError | None = None
+    error: OSError | NonFiniteValues | None = None
 
     def attempt(do: Callable[[], None]) -> None:
         nonlocal error
         if writer and error is None:
             try:
                 do()
-            except OSError as err:
+            except (OSError, NonFiniteValues) as err:
                 error = err
 
     def write() -> None:
@@ -144,6 +144,9 @@ def save_stages(out: Path, stage: PipelineStage, optimizer: Any, *, state: Train
     if mesh.agree(error is not None):
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
+        if mesh.agree(isinstance(error, NonFiniteValues)):  # every rank stops as at a non-finite step
+            raise error if isinstance(error, NonFiniteValues) else NonFiniteValues(
+                state.step, "another stage's weights hold nan or inf (its line), so nothing was saved for this step")
         if error is not None:
             raise CheckpointWriteError(write_error(final.parent, error))
         raise CheckpointWriteError(f"another stage's writer could not save checkpoint {final} (see its message); "
