@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from meshtune.cli import ports as ports_module
+from meshtune.parallel import launch_ports as ports_module
 from meshtune.parallel.launch_ports import HeldPorts
 from meshtune.runtime.run_lock import LOCK_FILE, lock_folder
 
