@@ -31,7 +31,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_reduce
 
-from . import IN_PLACE_FROM  # a module global here, read at each update, so a test can change it
+from . import IN_PLACE_FROM
 
 
 def local_square_sum(grads: Any) -> mx.array:
@@ -92,14 +92,16 @@ def same_rank(finite: mx.array) -> mx.array:
 
 def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, tokens: mx.array, *,
                  max_grad_norm: float, square_sum: Callable[[Any], mx.array] = local_square_sum,
-                 all_ranks: Callable[[mx.array], mx.array] = same_rank) -> StepVerdict:
+                 all_ranks: Callable[[mx.array], mx.array] = same_rank, in_place_from: int = IN_PLACE_FROM
+                 ) -> StepVerdict:
     """Update `model` from summed `grads` and the global `tokens`; clip to `max_grad_norm` (0: off).
 
     `square_sum(grads)` is the square of the global gradient norm, over every parameter
     of the model once, whichever rank holds it (a collective where ranks hold different
     parameters: every rank calls it every step). `all_ranks(finite)` is every rank's AND of
     its own update's finiteness (a collective where ranks hold different parameters). A bad
-    step (see above) changes nothing.
+    step (see above) changes nothing. Adam's parameters of `in_place_from` elements or more are
+    updated in place (`_gated_adam`).
     """
     if max_grad_norm > 0:  # mlx's clip_grad_norm, bit for bit: the norm of the divided gradients
         # `tokens * 1`: an equal count from a node of its own, so that MLX's compiler does not merge these
@@ -120,12 +122,13 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     ok = mx.isfinite(norm) & (tokens > 0)
     if type(optimizer) in (optim.Adam, optim.AdamW):
         counters = {k: optimizer.state[k] for k in ("step", "learning_rate") if k in optimizer.state}
-        finite = _adam_stays_finite(optimizer, model, grads, factor)
+        finite = _adam_stays_finite(optimizer, model, grads, factor, in_place_from)
         optimizer.state.update(counters)  # the probe advanced them; the update below advances them once
         # `& ok`: the finiteness waits for the norm, so a pipeline's collectives run in one order everywhere.
         finite = all_ranks(finite & ok)
         ok = ok & finite
-        optimizer.apply_single = _gated_adam(optimizer, ok, prepare, tokens)  # this update's only: removed below
+        # this update's only: removed below
+        optimizer.apply_single = _gated_adam(optimizer, ok, prepare, tokens, in_place_from)
         try:
             optimizer.update(model, grads)
         finally:
@@ -144,8 +147,9 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     return StepVerdict(ok=ok, norm=norm, tokens=tokens, finite=finite)
 
 
-def _adam_stays_finite(optimizer: optim.Adam, model: nn.Module, grads: Any, factor: mx.array) -> mx.array:
-    """Whether Adam's (AdamW's) update of every parameter under IN_PLACE_FROM elements keeps every value
+def _adam_stays_finite(optimizer: optim.Adam, model: nn.Module, grads: Any, factor: mx.array,
+                       in_place_from: int) -> mx.array:
+    """Whether Adam's (AdamW's) update of every parameter under `in_place_from` elements keeps every value
     finite, before any is made.
 
     Each parameter's new value and second moment are recomputed inside one reduction (its kernel
@@ -160,7 +164,7 @@ def _adam_stays_finite(optimizer: optim.Adam, model: nn.Module, grads: Any, fact
     flags: list[mx.array] = []
 
     def probe(summed: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        if parameter.size >= IN_PLACE_FROM:  # gated element by element in its own kernels (`_gated_adam`)
+        if parameter.size >= in_place_from:  # gated element by element in its own kernels (`_gated_adam`)
             return parameter
         gradient = summed * factor.astype(summed.dtype)
         lr = optimizer.learning_rate.astype(gradient.dtype)
@@ -187,14 +191,14 @@ def _adam_stays_finite(optimizer: optim.Adam, model: nn.Module, grads: Any, fact
 
 
 def _gated_adam(optimizer: optim.Adam, ok: mx.array, prepare: Callable[[mx.array, mx.array], mx.array],
-                tokens: mx.array) -> Callable[[mx.array, mx.array, dict], mx.array]:
+                tokens: mx.array, in_place_from: int) -> Callable[[mx.array, mx.array, dict], mx.array]:
     """mlx's Adam (and AdamW) `apply_single` with the gate inside, taking the summed gradient and
     `prepare(summed, tokens)` to make the one it applies. m and v are selected as they are made and
     the parameter's update reads the selected ones; a step with `ok` gives mlx's arithmetic bit for
     bit (a test compares). Selecting after the optimizer instead leaves each new moment two readers
     and costs each parameter five more kernels.
 
-    A parameter of at least IN_PLACE_FROM elements is updated in place: m, v and the parameter are
+    A parameter of at least `in_place_from` elements is updated in place: m, v and the parameter are
     each made by a kernel of its own, so each takes the buffer of the array it replaces (MLX hands
     an input's buffer to a kernel's output only where the kernel has one output). Fused into one
     kernel with three outputs, the update holds a second copy of the weights and both moments until
@@ -204,14 +208,14 @@ def _gated_adam(optimizer: optim.Adam, ok: mx.array, prepare: Callable[[mx.array
     the merged division would be one more array that both kernels read. A smaller parameter's
     division, moments, parameter and selects are one kernel.
 
-    `ok` covers every parameter under IN_PLACE_FROM elements (`_adam_stays_finite`). A parameter
+    `ok` covers every parameter under `in_place_from` elements (`_adam_stays_finite`). A parameter
     updated in place cannot wait for a flag over its own new values without a second copy of
     them, so its kernels hold back, element by element, each second moment and weight whose new
     value would not be finite (inside the same kernel: no extra pass); the save checks again."""
     decoupled = isinstance(optimizer, optim.AdamW)
 
     def apply_single(summed: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        in_place = parameter.size >= IN_PLACE_FROM
+        in_place = parameter.size >= in_place_from
         gradient = prepare(summed, tokens)
         lr = optimizer.learning_rate.astype(gradient.dtype)
         start = parameter * (1 - lr * optimizer.weight_decay) if decoupled else parameter

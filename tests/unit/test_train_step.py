@@ -296,15 +296,12 @@ def test_a_finite_step_is_bit_identical_to_the_plain_update(model_factory):
     lambda: optim.AdamW(learning_rate=0.01, weight_decay=0.1),
     lambda: optim.AdamW(learning_rate=optim.cosine_decay(0.01, 10), bias_correction=True),
 ], ids=["adam", "adam-bias-correction", "adamw", "adamw-schedule-bias-correction"])
-def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile, in_place_from, monkeypatch):
+def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile, in_place_from):
     """Adam and AdamW take the gate inside their update (training/update._gated_adam): on good steps the
     parameters and every optimizer state array equal mlx's own optimizer's, bit for bit, in float32 and
     bfloat16, whether a parameter's update is one kernel or runs in place (here every parameter's, by
     IN_PLACE_FROM); then a bad step (no tokens) changes nothing, its step counter and learning rate included."""
-    from meshtune.training import update as update_module
     from meshtune.training.update import apply_update
-
-    monkeypatch.setattr(update_module, "IN_PLACE_FROM", in_place_from)
 
     class Holder(nn.Module):
         def __init__(self):
@@ -320,7 +317,7 @@ def test_the_gated_adam_is_mlx_adam_bit_for_bit(make, compile, in_place_from, mo
     state = [ours.state, opt_ours.state]
 
     def update(grads, tokens):
-        return apply_update(ours, opt_ours, grads, tokens, max_grad_norm=0.0).arrays()
+        return apply_update(ours, opt_ours, grads, tokens, max_grad_norm=0.0, in_place_from=in_place_from).arrays()
 
     update = mx.compile(update, inputs=state, outputs=state) if compile else update
     for i in range(3):
@@ -350,40 +347,36 @@ def test_a_large_parameter_s_adam_update_runs_in_place(dtype, clip):
     moments take the old ones' buffers), with or without clipping, where the update fused into one
     kernel per parameter allocates a second copy of the weights and both moments (3 x their bytes,
     checked as the contrast)."""
-    from meshtune.training import update as update_module
     from meshtune.training.update import IN_PLACE_FROM, apply_update
 
     def new_bytes(in_place_from: int) -> float:
-        update_module.IN_PLACE_FROM = in_place_from
-        try:
-            class Holder(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.a = mx.ones((IN_PLACE_FROM // 512, 512), dtype=dtype)
-                    self.b = mx.ones((IN_PLACE_FROM // 256, 512), dtype=dtype)
-                    self.c = mx.ones((IN_PLACE_FROM,), dtype=dtype)
+        class Holder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = mx.ones((IN_PLACE_FROM // 512, 512), dtype=dtype)
+                self.b = mx.ones((IN_PLACE_FROM // 256, 512), dtype=dtype)
+                self.c = mx.ones((IN_PLACE_FROM,), dtype=dtype)
 
-            model, opt = Holder(), optim.AdamW(learning_rate=1e-3)
-            opt.init(model.trainable_parameters())
-            state = [model.state, opt.state]
-            weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-            update = mx.compile(lambda g, t: apply_update(model, opt, g, t, max_grad_norm=clip).arrays(),
-                                inputs=state, outputs=state)
-            grown = []
-            for i in range(3):
-                grads = tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(i)).astype(dtype),
-                                 model.trainable_parameters())
-                mx.eval(grads, state)
-                before = mx.get_active_memory()
-                mx.reset_peak_memory()
-                outputs = update(grads, mx.array(3))
-                del grads
-                mx.eval(outputs, state)
-                assert outputs[0].item()
-                grown.append(max(0, mx.get_peak_memory() - before) / weights)
-            return max(grown[1:])  # the first update makes the moments' first values
-        finally:
-            update_module.IN_PLACE_FROM = IN_PLACE_FROM
+        model, opt = Holder(), optim.AdamW(learning_rate=1e-3)
+        opt.init(model.trainable_parameters())
+        state = [model.state, opt.state]
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        update = mx.compile(lambda g, t: apply_update(model, opt, g, t, max_grad_norm=clip,
+                                                      in_place_from=in_place_from).arrays(),
+                            inputs=state, outputs=state)
+        grown = []
+        for i in range(3):
+            grads = tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(i)).astype(dtype),
+                             model.trainable_parameters())
+            mx.eval(grads, state)
+            before = mx.get_active_memory()
+            mx.reset_peak_memory()
+            outputs = update(grads, mx.array(3))
+            del grads
+            mx.eval(outputs, state)
+            assert outputs[0].item()
+            grown.append(max(0, mx.get_peak_memory() - before) / weights)
+        return max(grown[1:])  # the first update makes the moments' first values
 
     # The gradients' squares for the norm and a few scalars are the update's only new arrays.
     assert new_bytes(IN_PLACE_FROM) <= 1.05
