@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -11,12 +12,16 @@ import pytest
 from meshtune.bench import netbed
 from meshtune.parallel.launcher import launch_ranks
 
+# The bed's namespaces have fixed names (mtbed<i>): two beds at once would tear each other down.
+pytestmark = pytest.mark.serial
+
 
 def _usable() -> str | None:
     reason = netbed.available()
     if reason is None:
-        probe = subprocess.run(["ip", "netns", "add", "mtbed-probe"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", "mtbed-probe"], capture_output=True)
+        name = f"mtbed-probe-{os.getpid()}"  # each test worker its own: two probing at once must not collide
+        probe = subprocess.run(["ip", "netns", "add", name], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
         if probe.returncode != 0:
             reason = "network namespaces are not permitted here"
     return reason
