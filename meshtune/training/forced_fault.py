@@ -22,14 +22,18 @@ ENV = "MESHTUNE_TEST_NONFINITE_STEP"
 OVERFLOW_ENV = "MESHTUNE_TEST_OVERFLOW_STEP"
 
 
-class _EmptiedStep:
-    """`strategy`, whose step number `at` (counted from `done` steps) sees batches without targets."""
+class _FaultAtStep:
+    """`strategy`, with a fault at its step number `at` (counted from `done` steps); all else passed through."""
 
     def __init__(self, strategy: Strategy, at: int, done: int) -> None:
         self._strategy, self._at, self._done = strategy, at, done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._strategy, name)
+
+
+class _EmptiedStep(_FaultAtStep):
+    """The faulty step sees batches without targets."""
 
     def step(self, batches: Iterator[Any]) -> Any:
         self._done += 1
@@ -38,15 +42,9 @@ class _EmptiedStep:
         return self._strategy.step(batches)
 
 
-class _OverflowingStep:
-    """`strategy`, whose step number `at` (counted from `done` steps) runs at an infinite learning rate
-    (a constant rate's optimizer state; the rate it had is put back after the step)."""
-
-    def __init__(self, strategy: Strategy, at: int, done: int) -> None:
-        self._strategy, self._at, self._done = strategy, at, done
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._strategy, name)
+class _OverflowingStep(_FaultAtStep):
+    """The faulty step runs at an infinite learning rate (a constant rate's optimizer state; the rate it
+    had is put back after the step)."""
 
     def step(self, batches: Iterator[Any]) -> Any:
         self._done += 1
