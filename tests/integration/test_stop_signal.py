@@ -29,15 +29,7 @@ def _train_records(run: Path) -> list[dict]:
 
 def _signal_once_training(cmd, env, run: Path, sig: int, cwd=None) -> tuple[subprocess.Popen, int, str]:
     """Start `cmd`, send `sig` once three reports are written: (the process, the last reported step, its output)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
-    deadline = time.monotonic() + 120
-    while len(_train_records(run)) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
-    seen = _train_records(run)[-1]["step"]
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=120)
-    return proc, seen, out
+    return _signal_training(cmd, env, run, [sig], cwd=cwd)
 
 
 def test_sigterm_saves_and_stops_then_resume_continues(tmp_path):
