@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..parallel.launcher import BACKENDS, check_hosts, launch_ranks
+from ..parallel.link_check import check_links
 from ..runtime.hostfile import JACCL_BACKENDS, read_hostfile
 from ..runtime.relaunch import LAUNCH_ENV
 
@@ -42,6 +43,10 @@ def main(argv: list[str]) -> int:
                    help="ring (CPU, Thunderbolt, Ethernet), nccl (one rank per GPU of this machine, MLX's CUDA "
                         "build), jaccl or jaccl-ring (RDMA over Thunderbolt 5, hosts from --hostfile with their "
                         '"rdma" devices). Default: the hostfile\'s "backend", else ring.')
+    p.add_argument("--link-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="With --hostfile on the ring: before any rank starts, check over ssh that every address is "
+                        "its host's, answers from the host before it, and has an interface of its own "
+                        "(parallel/link_check.py). --no-link-check skips it.")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs.")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -72,6 +77,8 @@ def main(argv: list[str]) -> int:
         raise ValueError("--backend nccl: this MLX has no NCCL (MLX's CUDA build has it: pip install mlx[cuda]); "
                          "use --backend ring")
     preflight(n, command)
+    if hostfile is not None and backend == "ring" and n > 1 and a.link_check:
+        check_links(hostfile, cwd=os.getcwd(), python=sys.executable, env=dict(os.environ))
     # How the ranks' resume line says to start them again (runtime/relaunch.resume_command).
     again = (f"meshtune launch --hostfile {shlex.quote(str(Path(a.hostfile).resolve()))}" if a.hostfile
              else f"meshtune launch -n {n}") + (f" --backend {backend}" if backend != "ring" else "")

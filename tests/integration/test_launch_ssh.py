@@ -42,7 +42,10 @@ def test_ranks_start_over_ssh_and_all_sum(tmp_path):
         assert f"[rank {rank}] sum 6 rank {rank} of 3 cwd {tmp_path} pp True" in proc.stdout, proc.stdout
         # what the run's resume line starts again (runtime/relaunch.resume_command): this launch, not -n 3 here
         assert f"[rank {rank}] again: meshtune launch --hostfile {tmp_path / 'hosts.json'}\n" in proc.stdout
-    log = (tmp_path / "ssh.log").read_text().splitlines()
+    calls = (tmp_path / "ssh.log").read_text().splitlines()
+    checks = [line for line in calls if "meshtune.parallel.link_check" in line]  # one link check per host first
+    log = [line for line in calls if line not in checks]
+    assert sorted(line.split()[0] for line in checks) == ["node0", "node1", "node2"]
     assert sorted(line.split()[0] for line in log) == ["node0", "node1", "node2"]
     assert all("MLX_RANK=" in line and "MLX_HOSTFILE=" in line for line in log)
     assert "meshtune-remote-pid" not in proc.stdout  # the launcher's own line is not shown
@@ -113,11 +116,40 @@ def test_an_ssh_that_cannot_connect_is_named(tmp_path):
     ssh.write_text('#!/bin/sh\necho "ssh: connect to host $1 port 22: Connection refused" >&2\nexit 255\n')
     ssh.chmod(0o755)
     environ = dict(env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.run([*CLI, "launch", "--hostfile", str(_hostfile(tmp_path, 2)), "--", sys.executable, "-c",
+    hosts = str(_hostfile(tmp_path, 2))
+    # Before any rank starts, the link check's ssh fails first: one line naming the host.
+    proc = subprocess.run([*CLI, "launch", "--hostfile", hosts, "--", sys.executable, "-c", "pass"], env=environ,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"meshtune: error: --hostfile {hosts}: the link check on host node0 failed (exit 255: ssh: connect to host "
+        "node0 port 22: Connection refused); check that `ssh node0 true` works without a password prompt, or pass "
+        "--no-link-check"]
+    # Without it, the ranks' own ssh fails and the launcher names it.
+    proc = subprocess.run([*CLI, "launch", "--hostfile", hosts, "--no-link-check", "--", sys.executable, "-c",
                            "pass"], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 255, proc.stdout + proc.stderr
     assert "exited with code 255 (ssh's own failure code: check that `ssh node" in proc.stderr
     assert "true` works without a password prompt)" in proc.stderr
+
+
+def test_an_address_that_is_not_its_host_s_is_named_before_any_rank_starts(tmp_path):
+    """Host node1 lists an address no interface here has (TEST-NET-2): the link check run on it over ssh
+    says so in one line, and no rank starts."""
+    environ = _fake_ssh(tmp_path)
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": "node0", "ips": ["127.0.0.1"]}, {"ssh": "node1", "ips": ["198.51.100.77"]}]))
+    proc = subprocess.run([*CLI, "launch", "--hostfile", str(path), "--", sys.executable, "-c", "print('started')"],
+                          env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"meshtune: error: --hostfile {path}: host node1 cannot use address 198.51.100.77 ("), lines
+    assert "it is not on any of its interfaces" in lines[0] and lines[0].endswith(
+        "--no-link-check starts the ranks anyway"), lines
+    assert "started" not in proc.stdout
+    calls = (tmp_path / "ssh.log").read_text().splitlines()
+    assert calls and all("meshtune.parallel.link_check" in line for line in calls), calls
 
 
 def test_every_address_a_host_lists_is_a_link_of_the_ring(tmp_path):
