@@ -69,7 +69,7 @@ def _prepare(model: Any, data: Any, pack: bool, a: argparse.Namespace) -> tuple[
                        warn=lambda _m: None)
     seen: set[tuple] = set()
     for batch in BatchIterator(data, batch_size=a.batch_size, max_seq_length=a.max_seq_length, loop=False,
-                               pack=pack, warn=lambda _m: None):
+                               fill_last=True, pack=pack, warn=lambda _m: None):  # the batches `it` holds
         shapes = (batch.tokens.shape, batch.lengths.shape)
         if shapes not in seen:  # compile every shape before the clock starts
             seen.add(shapes)

@@ -1,12 +1,11 @@
 """Length-sorted, padded, rank-sharded batches with a resumable cursor.
 
 Semantics follow ``mlx_lm.tuner.trainer.iterate_batches``: examples are sorted
-by token length (stable), cut into complete global batches of ``batch_size``
-(the incomplete tail of longest examples is dropped), rank ``r`` of ``W`` takes
-every ``W``-th example of each global batch starting at ``r``, and each local
-batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)`` columns
-(at most ``max_seq_length``), truncating longer examples.  Batches come out as
-``Batch(tokens, lengths)`` with ``lengths[:, 0]`` the prompt offset and
+by token length (stable), cut into global batches of ``batch_size``, rank ``r``
+of ``W`` takes every ``W``-th example of each global batch starting at ``r``, and
+each local batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)``
+columns (at most ``max_seq_length``), truncating longer examples.  Batches come
+out as ``Batch(tokens, lengths)`` with ``lengths[:, 0]`` the prompt offset and
 ``lengths[:, 1]`` the (truncated) length, so mlx-lm's ``default_loss`` applies.
 
 With ``inputs_multiple_of`` (meshtune passes 128 on an NVIDIA GPU, runtime/cuda.py) that
@@ -14,16 +13,22 @@ width is then widened with padding until the model inputs are a multiple of it, 
 at most 1/16 of the inputs and they stay within ``max_seq_length`` (the batch may be one column
 wider than it): no example gains a token, only masked columns.
 
-Two things differ on purpose: the padded arrays of every batch are built once
-and cached rather than re-padded each step, and the batch order of epoch ``e``
-is a permutation drawn only from ``(seed, e)``.  The cursor ``(epoch,
-position)`` therefore fully determines what comes next, so training resumes
+Three things differ on purpose. mlx-lm drops the incomplete last batch, the longest
+examples; training completes it instead (``fill_last``) with the shortest examples,
+which an epoch then trains twice, as torch's DistributedSampler repeats examples to
+fill its last batch: every epoch trains every example, each rank's share and the batch
+count stay those of full batches, and short repeats weigh least in the token-weighted
+loss (a single pass, evaluation, keeps mlx-lm's complete batches). The padded arrays
+of every batch are built once and cached rather than re-padded each step. And the
+batch order of epoch ``e`` is a permutation drawn only from ``(seed, e)``.  The cursor
+``(epoch, position)`` therefore fully determines what comes next, so training resumes
 exactly, and since it counts global batches it is the same on every rank.
 
 With ``pack`` (data.pack) the unit is a packed row instead of an example: the split is
 packed once into rows of at most ``max_seq_length`` tokens (packing.py), rows are sorted by
-fill (fullest first), cut into global batches of ``batch_size`` rows and sharded, shuffled
-and resumed exactly as examples are; ``lengths`` is then [B, K, 3] (packing.py).
+fill (fullest first), cut into global batches of ``batch_size`` rows (the last completed with
+the least filled rows of the others) and sharded, shuffled and resumed exactly as examples
+are; ``lengths`` is then [B, K, 3] (packing.py).
 """
 
 from __future__ import annotations
@@ -59,10 +64,6 @@ class LongRowsWarning(UserWarning):
     """data.pack's rows are far longer than the examples (LONG_ROW_FACTOR): they train slower than short rows."""
 
 
-class LeftOutWarning(UserWarning):
-    """The longest examples of a training split do not fill a last batch and are never trained on."""
-
-
 def content_digest(dataset: TokenizedDataset) -> str:
     """A digest of what a split trains on (its tokens, lengths and prompt offsets): a checkpoint's cursor keeps
     it, so a resume on data that changed (the same row count included) is seen."""
@@ -70,17 +71,6 @@ def content_digest(dataset: TokenizedDataset) -> str:
     for part in (dataset.tokens, dataset.lengths, dataset.offsets):
         h.update(np.ascontiguousarray(part))
     return h.hexdigest()
-
-
-def _left_out_message(name: str, left_out: np.ndarray, unit_lengths: np.ndarray, n: int, batch_size: int,
-                      packed: bool) -> str:
-    unit = "packed rows" if packed else "examples"
-    fits = [b for b in range(batch_size, 0, -1) if n % b == 0][0]
-    which = ("the least filled rows (rows go fullest first)" if packed else
-             f"the longest examples (up to {int(unit_lengths[left_out].max())} tokens)")
-    return (f"{name}: {len(left_out)} of {n} {unit} do not fill a last batch of {batch_size} (--batch-size) and are "
-            f"never trained on: mlx-lm's batching sorts by length and leaves out the incomplete last batch, "
-            f"here {which}; a --batch-size that divides {n} ({fits}) trains on all of them")
 
 
 # Widening a batch for inputs_multiple_of costs its padding columns in every layer, so it is done
@@ -137,10 +127,12 @@ class BatchIterator:
     ``len(it)`` and ``it.batches_per_epoch`` count batches per epoch (global
     batches, of which this rank yields its share).  With ``loop=False`` one pass
     is made in sorted order (unless ``shuffle=True``); iterating again after the
-    pass has finished starts a new pass.  ``state()``/``load_state()`` save and
-    restore the cursor.  ``warn`` receives the one truncation message of the
-    split (default: ``warnings.warn`` with ``TruncationWarning``).  ``way_out``: how the caller
-    does without this split ("leave out --test"), offered when it has too few examples.
+    pass has finished starts a new pass.  ``fill_last`` (default: ``loop``) completes
+    the last batch (``global_batches``), so an epoch trains every example.
+    ``state()``/``load_state()`` save and restore the cursor.  ``warn`` receives the
+    one truncation message of the split (default: ``warnings.warn`` with
+    ``TruncationWarning``).  ``way_out``: how the caller does without this split
+    ("leave out --test"), offered when it has too few examples.
     """
 
     def __init__(
@@ -155,6 +147,7 @@ class BatchIterator:
         world_size: int = 1,
         loop: bool = True,
         shuffle: Optional[bool] = None,
+        fill_last: Optional[bool] = None,
         warn: Optional[Callable[[str], None]] = None,
         pack: bool = False,
         inputs_multiple_of: Optional[int] = None,
@@ -166,9 +159,9 @@ class BatchIterator:
         self.rows = pack_rows(dataset.lengths, max_seq_length) if pack else None
         if self.rows is not None:
             _warn_long_rows(dataset, max_seq_length, pad_to, warn)
-            fill = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
+            unit_tokens = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
             self._slots = max(len(r) for r in self.rows)
-            unit_lengths = -fill  # fullest rows first: the dropped tail is the emptiest rows
+            unit_lengths = -unit_tokens  # fullest rows first: the last batch holds the least filled
             if len(self.rows) < batch_size:
                 raise ValueError(
                     f"{name}: its {len(dataset)} examples pack into {len(self.rows)} rows of "
@@ -177,6 +170,7 @@ class BatchIterator:
                 )
         else:
             unit_lengths = dataset.lengths
+            unit_tokens = np.minimum(dataset.lengths, max_seq_length)
             if len(dataset) < batch_size:
                 where = f"{name} ({dataset.path})" if dataset.path is not None else name
                 raise ValueError(
@@ -193,28 +187,24 @@ class BatchIterator:
         self.world_size = world_size
         self.loop = loop
         self.shuffle = loop if shuffle is None else bool(shuffle)
+        self.fill_last = loop if fill_last is None else bool(fill_last)
 
         # A stable sort keeps equal-length examples in file order, as Python's
         # sorted() does in mlx-lm, so both libraries form the same batches.
         order = np.argsort(unit_lengths, kind="stable")
-        n_batches = len(unit_lengths) // batch_size
-        global_idx = order[: n_batches * batch_size].reshape(n_batches, batch_size)
+        global_idx = global_batches(order, unit_tokens, batch_size, fill_last=self.fill_last)
+        n_batches = global_idx.shape[0]
         # idx[i + r : i + batch_size : W] of mlx-lm is column r, r+W, ... of the row.
         self._batch_indices = np.ascontiguousarray(global_idx[:, rank::world_size])
         self._batch_indices.flags.writeable = False
 
-        used = global_idx if self.rows is None else np.concatenate([self.rows[i] for i in global_idx.reshape(-1)])
+        used = np.unique(global_idx)  # a unit the last batch repeats is counted once
+        if self.rows is not None:
+            used = np.concatenate([self.rows[i] for i in used])
         message = _truncation_message(name, used, dataset, max_seq_length)
         if message is not None:
             if warn is None:
                 warnings.warn(message, TruncationWarning, stacklevel=2)
-            else:
-                warn(message)
-        left_out = order[n_batches * batch_size:]
-        if loop and len(left_out):  # training: these are never seen, epoch after epoch; say so once
-            message = _left_out_message(name, left_out, unit_lengths, len(unit_lengths), batch_size, packed=pack)
-            if warn is None:
-                warnings.warn(message, LeftOutWarning, stacklevel=2)
             else:
                 warn(message)
         self.digest = content_digest(dataset)
@@ -245,7 +235,7 @@ class BatchIterator:
     @property
     def batch_indices(self) -> np.ndarray:
         """Dataset indices (packed: row indices into ``rows``) of this rank's batches in sorted order,
-        [batches, local]."""
+        [batches, local]; with ``fill_last`` the last batch repeats some of the first (global_batches)."""
         return self._batch_indices
 
     # -------------------------------------------------------------- iteration
@@ -361,6 +351,27 @@ class BatchIterator:
         return tokens, slots
 
 
+def global_batches(order: np.ndarray, unit_tokens: np.ndarray, batch_size: int, *,
+                   fill_last: bool) -> np.ndarray:
+    """One epoch's global batches, [batches, batch_size] unit indices: ``order`` (the units sorted) cut into
+    runs of ``batch_size``.
+
+    The units an incomplete last run holds are the longest examples (packed: the least filled rows). Without
+    ``fill_last`` they are left out, as mlx-lm does. With it they are completed to a batch with the
+    ``batch_size - left`` other units of the fewest tokens (``unit_tokens``: the shortest examples, the least
+    filled rows), the units kept in sorted order; the split has at least one full batch, so there are enough.
+    """
+    n_full = len(order) // batch_size
+    placed = order[: n_full * batch_size]
+    left = order[n_full * batch_size:]
+    batches = placed.reshape(n_full, batch_size)
+    if not fill_last or len(left) == 0:
+        return batches
+    # The stable sort takes the earlier of equal units; sorting the picks keeps the batch in the split's order.
+    picks = np.sort(np.argsort(unit_tokens[placed], kind="stable")[: batch_size - len(left)])
+    return np.concatenate([batches, np.concatenate([placed[picks], left])[None]])
+
+
 def _check_options(
     name: str,
     batch_size: int,
@@ -394,10 +405,9 @@ def _check_options(
 
 
 def _truncation_message(
-    name: str, global_idx: np.ndarray, ds: TokenizedDataset, max_seq_length: int
+    name: str, used: np.ndarray, ds: TokenizedDataset, max_seq_length: int
 ) -> Optional[str]:
-    """One message for the whole split, counting examples that are actually batched."""
-    used = np.asarray(global_idx).reshape(-1)
+    """One message for the whole split, counting examples that are actually batched (``used``, each once)."""
     long = ds.lengths[used] > max_seq_length
     n_long = int(long.sum())
     if n_long == 0:

@@ -473,7 +473,9 @@ def test_loop_false_yields_each_batch_once_and_restarts():
     shuffled = [np_batch(b) for b in BatchIterator(ds, batch_size=4, max_seq_length=2048, loop=False, shuffle=True)]
     assert sorted(t.tobytes() for t, _ in shuffled) == sorted(t.tobytes() for t, _ in first)
     looping = BatchIterator(ds, batch_size=4, max_seq_length=2048, shuffle=False)
-    assert same(take(looping, 14), first + first)
+    epoch = take(looping, len(looping))
+    assert len(looping) == 8 and same(epoch[:7], first)  # training completes the last batch (fill_last)
+    assert same(take(looping, 8), epoch)
 
 
 class FakeGroup:
@@ -530,19 +532,79 @@ def test_too_long_is_an_error_only_when_asked(tmp_path, tok):
         load_split(path, tok, max_length=8)
 
 
-def test_the_examples_a_training_epoch_leaves_out_are_counted_in_one_line():
-    ds = synthetic(43)  # 43 = 5 batches of 8 and 3 left over: the 3 longest
-    said = []
-    BatchIterator(ds, batch_size=8, max_seq_length=4096, warn=said.append)
-    longest = int(np.sort(ds.lengths)[-1])
-    assert said == [f"train: 3 of 43 examples do not fill a last batch of 8 (--batch-size) and are never trained "
-                    f"on: mlx-lm's batching sorts by length and leaves out the incomplete last batch, here the "
-                    f"longest examples (up to {longest} tokens); a --batch-size that divides 43 (1) trains on all "
-                    f"of them"]
-    said.clear()
-    BatchIterator(synthetic(40), batch_size=8, max_seq_length=4096, warn=said.append)
-    BatchIterator(ds, batch_size=8, max_seq_length=4096, warn=said.append, loop=False)  # evaluation: not training
-    assert said == []
+def numbered(n: int, seed: int = 0) -> TokenizedDataset:
+    """Like synthetic(), but the first token of example i is 1000 + i: a batch row names its example."""
+    rng = np.random.default_rng(seed)
+    examples = [(np.concatenate([[1000 + i], rng.integers(1, 90, size=k - 1)]), int(rng.integers(0, k)))
+                for i, k in enumerate(rng.integers(2, 100, size=n))]
+    return TokenizedDataset.from_examples("train", examples)
+
+
+def examples_in(batch: Batch) -> list[int]:
+    """The examples a batch holds, by their first token (numbered()); a packed row holds several."""
+    tokens, lengths = np_batch(batch)
+    if lengths.ndim == 2:
+        return [int(t) - 1000 for t in tokens[:, 0]]
+    return [int(tokens[b, start]) - 1000 for b in range(tokens.shape[0]) for start, _, end in lengths[b] if end]
+
+
+@pytest.mark.parametrize("n, batch_size, world, pack", [
+    (43, 8, 1, False), (43, 8, 2, False), (50, 4, 2, False), (7, 4, 2, False), (101, 6, 3, False),
+    (43, 4, 1, True), (43, 4, 2, True)])
+def test_every_example_is_trained_each_epoch_with_the_shortest_completing_the_last_batch(n, batch_size, world, pack):
+    ds = numbered(n)
+    said: list[str] = []
+    ranks = [BatchIterator(ds, batch_size=batch_size, max_seq_length=128 if pack else 2048, seed=3, rank=r,
+                           world_size=world, pack=pack, warn=said.append) for r in range(world)]
+    units = len(ranks[0].rows) if pack else n
+    assert units % batch_size  # the split does not divide into batches
+    assert all(len(r) == -(-units // batch_size) for r in ranks)  # every rank the same count: full batches
+    order = np.argsort(ds.lengths, kind="stable")
+    for _ in range(2):
+        epoch: list[int] = []
+        for _ in range(len(ranks[0])):
+            shares = [next(r) for r in ranks]
+            assert sum(b.tokens.shape[0] for b in shares) == batch_size  # a global batch, whole
+            epoch += [i for b in shares for i in examples_in(b)]
+        assert sorted(set(epoch)) == list(range(n))  # every example, the longest included
+        if not pack:  # the repeats are the shortest, the ones the first batch holds
+            repeated = sorted(i for i in set(epoch) if epoch.count(i) > 1)
+            assert len(epoch) == len(ranks[0]) * batch_size and repeated == sorted(order[:len(epoch) - n].tolist())
+    assert said == []  # nothing is left out, so nothing to say
+
+
+def test_one_pass_keeps_mlx_lm_s_complete_batches_unless_told_to_fill():
+    ds = numbered(43)
+    order = np.argsort(ds.lengths, kind="stable")
+    kept = [i for b in BatchIterator(ds, batch_size=8, max_seq_length=2048, loop=False) for i in examples_in(b)]
+    assert sorted(kept) == sorted(order[:40].tolist())  # evaluation: the 3 longest are not in a full batch
+    filled = BatchIterator(ds, batch_size=8, max_seq_length=2048, loop=False, fill_last=True)
+    assert [examples_in(b) for b in filled][-1] == [*order[:5].tolist(), *order[40:].tolist()]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_cursor_resumes_across_the_epoch_boundary_and_the_completed_batch(world):
+    ds = numbered(43)  # 5 full batches of 8; the sixth holds the 3 longest and the 5 shortest
+    kw = dict(batch_size=8, max_seq_length=2048, seed=7)
+    single = BatchIterator(ds, **kw)
+    n = len(single)
+    assert n == 6
+    # Where epochs 0 and 1 visit the completed batch (index n - 1 in sorted order).
+    at = [int(np.flatnonzero(single.epoch_order(e) == n - 1)[0]) for e in range(2)]
+    longest = set(np.argsort(ds.lengths, kind="stable")[40:].tolist())
+    for stop in (at[0], n - 1, n, n + at[1]):
+        saved = BatchIterator(ds, **kw)  # saved on one rank, resumed on `world`: the cursor counts global batches
+        take(saved, stop)
+        state = json.loads(json.dumps(saved.state()))
+        for rank in range(world):
+            reference = take(BatchIterator(ds, rank=rank, world_size=world, **kw), 3 * n)
+            resumed = BatchIterator(ds, rank=rank, world_size=world, **kw)
+            resumed.load_state(state)
+            assert same(take(resumed, 3 * n - stop), reference[stop:])
+        if stop in (at[0], n + at[1]):  # the next batch is the completed one: the longest examples train
+            resumed = BatchIterator(ds, **kw)
+            resumed.load_state(state)
+            assert longest <= set(examples_in(next(resumed)))
 
 
 def test_a_cursor_of_changed_data_is_refused_unless_told():

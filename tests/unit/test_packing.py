@@ -173,7 +173,7 @@ def test_packed_rows_far_longer_than_the_examples_are_said_once_with_the_length_
 
     ds = _examples(400)  # at most 42 tokens
     longest = int(ds.lengths.max())
-    said: list[str] = []  # batches of 1: no row is left out of a last batch (its own warning)
+    said: list[str] = []
     BatchIterator(ds, batch_size=1, max_seq_length=2048, pad_to=32, pack=True, warn=said.append)
     assert len(said) == 1 and said[0].startswith(
         f"train: data.pack fills rows of max_seq_length=2048 tokens with examples of at most {longest}; ")
