@@ -35,20 +35,31 @@ CUDNN_ATTENTION_DTYPES = (mx.bfloat16, mx.float16)
 CUDNN_MAX_HEAD_DIM = 128
 
 
-def attention_inputs_multiple(model: nn.Module) -> int | None:
+def attention_inputs_multiple(model: nn.Module, cuda: bool | None = None) -> int | None:
     """What `model`'s inputs' length must be a multiple of for its fused attention backward here:
-    FUSED_ATTENTION_MULTIPLE on an NVIDIA GPU where cuDNN takes its attention, else None."""
-    if not on_cuda():
+    FUSED_ATTENTION_MULTIPLE on an NVIDIA GPU (`cuda`, default: on_cuda()) where cuDNN takes its
+    attention, else None."""
+    if not (on_cuda() if cuda is None else cuda):
         return None
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", 0) or 0
     head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // heads if heads else 0)
     if head_dim and (head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM):
         return None
-    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
-    if floats and max(set(floats), key=floats.count) not in CUDNN_ATTENTION_DTYPES:
-        return None  # the activations take the dtype most weights have (a quantized model's scales)
+    if activation_dtype(model) not in CUDNN_ATTENTION_DTYPES:
+        return None
     return FUSED_ATTENTION_MULTIPLE
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype | None:
+    """The floating dtype most of `model`'s parameter elements have: its activations' (a quantized model's
+    scales'). Counted by elements, not arrays: float32 adapters on every block are more arrays than the
+    bfloat16 base weights they adapt, and far fewer elements."""
+    sizes: dict[mx.Dtype, int] = {}
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            sizes[v.dtype] = sizes.get(v.dtype, 0) + v.size
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):
