@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels
-from .base_path import dense_weight_for, is_quantized, uses_dense_weight
+from .base_path import is_quantized
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
     for layer in modules:
         if not _covered(layer):
             continue
-        if not uses_dense_weight(layer.linear, tokens):
+        if not layer.base_path.uses_dense_weight(layer.linear, tokens):
             continue  # the quantized kernel's token count: the layer takes its own norm
         r = layer.lora_a.shape[-1]
         # Folded and without dropout, the launch writes the whole adapted weight: the branch's input is x itself.
@@ -104,7 +104,7 @@ def step_row_norms(model: nn.Module | list[nn.Module], tokens: int) -> Iterator[
             groups.setdefault((packed.shape, packed.dtype, r, packed.bits, packed.group_size, merged), []).append(
                 (layer, packed))
         else:
-            dense = dense_weight_for(layer.linear, tokens)
+            dense = layer.base_path.dense_weight_for(layer.linear, tokens)
             groups.setdefault((dense.shape, dense.dtype, r, merged), []).append((layer, dense))
     # A dense base's W' is a second copy of it; a quantized one's replaces the dequantized copy.
     fold_dense = fold and (kernels.FOLD_ROW_SCALE is True or _copies_fit(sum(

@@ -36,17 +36,16 @@ def test_merged_fold_layer_matches_the_dense_reference(simulated, monkeypatch, q
     fold's (LoRA's branch on W' = rs W)."""
     import mlx.nn as nn
 
-    from meshtune.adapters import DoRALinear, base_path, kernels
+    from meshtune.adapters import BasePath, DoRALinear, kernels
     from meshtune.adapters.base_path import dequantized_weight
     from meshtune.adapters.step_norms import step_row_norms, taken
 
-    monkeypatch.setattr(base_path, "_mode", "dequantized")
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
     k = mx.random.split(mx.random.key(11), 4)
     base = nn.Linear(64, 24, bias=False)
     if quantized:
         base = nn.QuantizedLinear.from_linear(base, group_size=32, bits=4)
-    layer = DoRALinear.from_base(base, r=4, scale=2.0)
+    layer = DoRALinear.from_base(base, r=4, scale=2.0, base_path=BasePath("dequantized"))
     layer.lora_b = mx.random.normal(layer.lora_b.shape, key=k[0]) / 4
     layer.m = layer.m * mx.random.uniform(0.5, 1.5, layer.m.shape, key=k[1])
     layer.train()
@@ -119,16 +118,19 @@ def _step_norm_kernel(fold: bool, layers: int, quantized: bool = False, merged: 
 
 
 def _dora_layers(quantize: bool):
-    """DoRA layers of three shapes (two share one), one on a 4-bit base, with nonzero B."""
+    """DoRA layers of three shapes (two share one), one on a 4-bit base, with nonzero B; the 4-bit base takes
+    the dense path, as at training sizes."""
     import mlx.nn as nn
 
-    from meshtune.adapters import DoRALinear
+    from meshtune.adapters import BasePath, DoRALinear
 
     mx.random.seed(3)
     bases = [nn.Linear(64, out, bias=False) for out in (16, 16, 24, 32)]
     if quantize:
         bases[3] = nn.QuantizedLinear.from_linear(bases[3], group_size=32, bits=4)
-    layers = [DoRALinear.from_base(base, r=4, scale=s) for base, s in zip(bases, (2.0, 0.5, 2.0, 1.0))]
+    paths = BasePath("dequantized")
+    layers = [DoRALinear.from_base(base, r=4, scale=s, base_path=paths)
+              for base, s in zip(bases, (2.0, 0.5, 2.0, 1.0))]
     for layer in layers:
         layer.lora_b = mx.random.normal(layer.lora_b.shape) / 4
     mx.eval([layer.parameters() for layer in layers])
@@ -157,36 +159,32 @@ def test_step_row_norms_take_every_layer_at_once(simulated, monkeypatch, fold):
     default, W' = rs W written by the same launch) or not (MESHTUNE_DORA_FOLD=0)."""
     import mlx.nn as nn
 
-    from meshtune.adapters import base_path, kernels
+    from meshtune.adapters import kernels
     from meshtune.adapters.step_norms import step_row_norms, taken
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", fold)
 
-    base_path.set_base_path("dequantized")  # the 4-bit base takes the dense path, as at training sizes
-    try:
-        model = _fan(_dora_layers(quantize=True))
-        model.train()
-        x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
-        loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
-        want_v, want = loss_and_grad(x)
-        mx.eval(want_v, want)
-        assert simulated["meshtune_dora_row_norm_1"].calls == 4  # a launch a layer
-        with step_row_norms(model, 10):
-            assert taken(model.layers[0], 10) is not None and taken(model.layers[0], 11) is None
-            got_v, got = loss_and_grad(x)
-            mx.eval(got_v, got)
-        assert taken(model.layers[0], 10) is None  # nothing left behind
-        assert simulated[_step_norm_kernel(fold, layers=2)].calls == 1  # the two 16-row layers together
-        # The 24-row layer and the 4-bit 32-row one: folded, the 4-bit weight is read packed by a launch of its
-        # own (no dequantized copy); unfolded it is dequantized, then the same kernel as a dense base's.
-        assert simulated[_step_norm_kernel(fold, layers=1)].calls == (1 if fold else 4 + 2)
-        if fold:
-            assert simulated[_step_norm_kernel(fold, layers=1, quantized=True)].calls == 1
-            assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
-            # m's and B's gradients from the sums a layer, each reading its norms in its launch's array.
-            assert simulated[FOLDED_GRAD].calls == 4
-    finally:
-        base_path.set_base_path("auto")
+    model = _fan(_dora_layers(quantize=True))
+    model.train()
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+    loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
+    want_v, want = loss_and_grad(x)
+    mx.eval(want_v, want)
+    assert simulated["meshtune_dora_row_norm_1"].calls == 4  # a launch a layer
+    with step_row_norms(model, 10):
+        assert taken(model.layers[0], 10) is not None and taken(model.layers[0], 11) is None
+        got_v, got = loss_and_grad(x)
+        mx.eval(got_v, got)
+    assert taken(model.layers[0], 10) is None  # nothing left behind
+    assert simulated[_step_norm_kernel(fold, layers=2)].calls == 1  # the two 16-row layers together
+    # The 24-row layer and the 4-bit 32-row one: folded, the 4-bit weight is read packed by a launch of its
+    # own (no dequantized copy); unfolded it is dequantized, then the same kernel as a dense base's.
+    assert simulated[_step_norm_kernel(fold, layers=1)].calls == (1 if fold else 4 + 2)
+    if fold:
+        assert simulated[_step_norm_kernel(fold, layers=1, quantized=True)].calls == 1
+        assert simulated["meshtune_dora_row_norm_1"].calls == 4  # none unfolded in the step
+        # m's and B's gradients from the sums a layer, each reading its norms in its launch's array.
+        assert simulated[FOLDED_GRAD].calls == 4
     # Folded, W' = rs W is rounded once per element (the sum of the fan's outputs cancels: ~1e-5 of it).
     assert mx.allclose(got_v, want_v, rtol=1e-4 if fold else 1e-6).item()
     from mlx.utils import tree_flatten
@@ -204,25 +202,21 @@ def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simula
     dequantized copy). Declining says so once on stderr, naming the setting that forces it."""
     import mlx.nn as nn
 
-    from meshtune.adapters import base_path, kernels, step_norms
+    from meshtune.adapters import kernels, step_norms
     from meshtune.adapters.step_norms import step_row_norms, taken
 
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", setting)
     monkeypatch.setattr(step_norms, "_gpu_memory", lambda: memory)
     monkeypatch.setattr(step_norms, "_declined", [])
-    base_path.set_base_path("dequantized")
-    try:
-        model = _fan(_dora_layers(quantize=True))
-        model.train()
-        x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
-        loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
-        for _ in range(2):
-            with step_row_norms(model, 10):
-                assert (taken(model.layers[0], 10).scaled_weight is not None) == dense_folded  # a dense base
-                assert taken(model.layers[3], 10).scaled_weight is not None  # the 4-bit base
-                mx.eval(loss_and_grad(x))
-    finally:
-        base_path.set_base_path("auto")
+    model = _fan(_dora_layers(quantize=True))
+    model.train()
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+    loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
+    for _ in range(2):
+        with step_row_norms(model, 10):
+            assert (taken(model.layers[0], 10).scaled_weight is not None) == dense_folded  # a dense base
+            assert taken(model.layers[3], 10).scaled_weight is not None  # the 4-bit base
+            mx.eval(loss_and_grad(x))
     err = capsys.readouterr().err
     if dense_folded:
         assert "folded step is off" not in err
@@ -261,12 +255,13 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
     """Two steps of meshtune's step (parallel.data_parallel_step.build_step, uncompiled, SGD: the update is the gradient,
     which Adam's per-element normalisation would blow up at ~0) on a 2-block model, 4-bit where
     `quantized`, with DoRA on q_proj and down_proj and non-zero B (the row scale moves off 1):
-    (the two losses, the trainable parameters after). `built(model)` runs before the steps."""
+    (the two losses, the trainable parameters after). `built(model)` runs before the steps. A quantized base takes
+    the dense path at 16 tokens too."""
     import mlx.nn as nn
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from meshtune.adapters import apply_adapters
+    from meshtune.adapters import BasePath, apply_adapters
     from meshtune.runtime.mesh import Mesh
     from meshtune.parallel.data_parallel_step import build_step
 
@@ -274,7 +269,7 @@ def _two_dora_sgd_steps(model_factory, *, quantized: bool, built=None):
     if quantized:
         nn.quantize(model, group_size=32, bits=4)
     apply_adapters(model, fine_tune_type="dora", num_layers=2, keys=["self_attn.q_proj", "mlp.down_proj"],
-                   rank=4, scale=2.0, dropout=0.0)
+                   rank=4, scale=2.0, dropout=0.0, base_path=BasePath("dequantized"))
     for _, layer in model.named_modules():
         if hasattr(layer, "lora_b"):
             layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(2)) * 0.05
@@ -301,7 +296,6 @@ def test_folded_training_step_trains_as_the_current_one(simulated, model_factory
     summed with m's sums."""
     from meshtune.adapters import base_path, kernels
 
-    monkeypatch.setattr(base_path, "_mode", "dequantized")  # a quantized base takes the dense path at 16 tokens too
     dequantized = []  # the bases dequantize_weight was asked for, by id
     original_dequantized = base_path.dequantized_weight
     monkeypatch.setattr(base_path, "dequantized_weight", lambda layer: dequantized.append(id(layer))
@@ -335,9 +329,8 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
     """The folded step's norm launches write every DoRA layer's A and B' = B rs, and the layers use them in place
     of their own casts; two steps give the same losses and parameters as the layers' casts (the step handing them
     no factors), to the bit."""
-    from meshtune.adapters import adapted_linear as AL, base_path, dora, kernels
+    from meshtune.adapters import adapted_linear as AL, dora, kernels
 
-    monkeypatch.setattr(base_path, "_mode", "dequantized")
     monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
 
     def unmerged(model):  # the factors against the casts in LoRA's branch too; merged: its own test
@@ -374,33 +367,29 @@ def test_step_row_norms_leave_dequantizing_to_recomputed_blocks(simulated, monke
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from meshtune.adapters import base_path, kernels
+    from meshtune.adapters import kernels
     from meshtune.adapters.step_norms import step_row_norms, taken
 
-    base_path.set_base_path("dequantized")
-    try:
-        model = _fan(_dora_layers(quantize=True))
-        model.train()
-        for recomputed in (False, True):
-            monkeypatch.setattr(type(model).__call__, "recomputes_in_backward", recomputed, raising=False)
-            monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
-            with step_row_norms(model, 10):
-                assert (taken(model.layers[0], 10).scaled_weight is None) == recomputed
-        monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", False)  # the same product both ways, to the bit
-        x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
-        loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
-        results = {}
-        for recomputed in (False, True):
-            monkeypatch.setattr(type(model).__call__, "recomputes_in_backward", recomputed, raising=False)
-            with step_row_norms(model, 10):
-                dense_q = taken(model.layers[3], 10).dense_weight  # the 4-bit layer
-                dense_d = taken(model.layers[0], 10).dense_weight
-                assert (dense_q is None) == recomputed
-                assert dense_d is model.layers[0].linear.weight
-                results[recomputed] = loss_and_grad(x)
-                mx.eval(results[recomputed])
-    finally:
-        base_path.set_base_path("auto")
+    model = _fan(_dora_layers(quantize=True))
+    model.train()
+    for recomputed in (False, True):
+        monkeypatch.setattr(type(model).__call__, "recomputes_in_backward", recomputed, raising=False)
+        monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", True)
+        with step_row_norms(model, 10):
+            assert (taken(model.layers[0], 10).scaled_weight is None) == recomputed
+    monkeypatch.setattr(kernels, "FOLD_ROW_SCALE", False)  # the same product both ways, to the bit
+    x = mx.random.normal((2, 5, 64), key=mx.random.key(4))
+    loss_and_grad = nn.value_and_grad(model, lambda x: model(x))
+    results = {}
+    for recomputed in (False, True):
+        monkeypatch.setattr(type(model).__call__, "recomputes_in_backward", recomputed, raising=False)
+        with step_row_norms(model, 10):
+            dense_q = taken(model.layers[3], 10).dense_weight  # the 4-bit layer
+            dense_d = taken(model.layers[0], 10).dense_weight
+            assert (dense_q is None) == recomputed
+            assert dense_d is model.layers[0].linear.weight
+            results[recomputed] = loss_and_grad(x)
+            mx.eval(results[recomputed])
     (v0, g0), (v1, g1) = results[False], results[True]
     assert mx.allclose(v0, v1, rtol=1e-6).item()
     for (name, a), (_, b) in zip(tree_flatten(g0), tree_flatten(g1)):

@@ -260,7 +260,7 @@ def test_inference_cache_follows_weight_changes(variant):
 
 
 def test_dora_inference_on_4bit_base_folds_the_row_scale_into_the_quantized_base():
-    from meshtune.adapters import DoRALinear, set_base_path
+    from meshtune.adapters import BasePath, DoRALinear
 
     base = _bases()["qlinear"]
     layer = DoRALinear.from_base(base, r=4, scale=2.0)
@@ -268,7 +268,7 @@ def test_dora_inference_on_4bit_base_folds_the_row_scale_into_the_quantized_base
     layer.m = layer.m * (1 + 0.1 * mx.random.normal(layer.m.shape))
     x = _input("linear")
     for path in ("quantized", "dequantized"):
-        set_base_path(path)
+        layer.base_path = BasePath(path)
         layer.train()
         want = layer(x)
         layer.eval()
@@ -277,7 +277,6 @@ def test_dora_inference_on_4bit_base_folds_the_row_scale_into_the_quantized_base
         assert folded is not None and folded["weight"] is base["weight"]  # packed weight shared
         assert not mx.array_equal(folded["scales"], base["scales"])
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-3), path
-    set_base_path("auto")
 
 
 def test_dora_base_row_norms_are_computed_when_the_base_is_set(monkeypatch):
