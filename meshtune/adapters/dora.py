@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import step_norms
-from .adapted_linear import adapted_linear, adapted_row_norm
+from .adapted_linear import adapted_row_norm, dora_linear, folded_dora_linear, merged_dora_linear
 from .base_path import dequantized_weight, is_quantized
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
 from .switch import LoRASwitchLinear
@@ -126,25 +126,7 @@ class DoRALinear(DoRA, LoRALinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.training:
-            # One dense base weight (dequantized once on the dense path); its product with the
-            # activations carries the norm's r rows of A too (adapted_linear).
-            tokens = x.size // x.shape[-1]
-            # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
-            step = step_norms.taken(self, tokens)
-            if step is not None and step.scaled_weight is not None:
-                dense, rs = step.scaled_weight, step.row_scale  # the step wrote W' = rs W: LoRA's product on W', B rs
-            elif step is not None and step.dense_weight is not None:
-                dense, rs = step.dense_weight, None
-            else:
-                dense, rs = self.base_path.dense_weight_for(self.linear, tokens), None
-            if dense is not None:
-                y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=None if step is None else step.norm,
-                                   row_scale=rs, factors=None if step is None else step.factors,
-                                   merged=step is not None and step.merged)
-            else:
-                y = self.row_scale(x.dtype) * (self.base_path.linear_forward(self.linear, x, bias=False)
-                                               + self.lora_out(x))
+            y = self._training_product(x)
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
         else:
             # Inference: the row scale folded into B, so the branch costs what LoRA's does.
@@ -157,6 +139,29 @@ class DoRALinear(DoRA, LoRALinear):
             else:
                 y = scale * self.base_path.linear_forward(self.linear, x, bias=False) + (x @ a) @ b
         return y + self.linear["bias"] if "bias" in self.linear else y
+
+
+    def _training_product(self, x: mx.array) -> mx.array:
+        """The training forward: on the dense path one dense base weight (dequantized once), its product with
+        the activations carrying the norm's r rows of A too (adapted_linear); on CUDA what the step took for
+        this layer before the forward (step_norms.py): its norm, and W' = rs W (or the merged weight) where
+        the step folded the row scale."""
+        tokens = x.size // x.shape[-1]
+        step = step_norms.taken(self, tokens)
+        args = (self.lora_a, self.lora_b, self.scale)
+        if step is not None and step.merged:  # no dropout: LoRA's branch takes x itself
+            return merged_dora_linear(x, step.scaled_weight, *args, magnitude=self.m, norm=step.norm,
+                                      row_scale=step.row_scale, factors=step.factors)
+        if step is not None and step.scaled_weight is not None:  # LoRA's product on W', B rs
+            return folded_dora_linear(x, step.scaled_weight, *args, magnitude=self.m, norm=step.norm,
+                                      row_scale=step.row_scale, x_lora=self.dropout(x), factors=step.factors)
+        dense = step.dense_weight if step is not None else None
+        dense = dense if dense is not None else self.base_path.dense_weight_for(self.linear, tokens)
+        if dense is None:  # the quantized kernel's token count
+            return self.row_scale(x.dtype) * (self.base_path.linear_forward(self.linear, x, bias=False)
+                                              + self.lora_out(x))
+        return dora_linear(x, dense, *args, magnitude=self.m, w_sq=self._w_sq, x_lora=self.dropout(x),
+                           norm=None if step is None else step.norm)
 
 
 class DoRAEmbedding(DoRA, LoRAEmbedding):

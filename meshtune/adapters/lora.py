@@ -18,7 +18,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .adapted_linear import adapted_linear
+from .adapted_linear import lora_linear
 from .base_path import BasePath, dequantized_weight, is_quantized
 
 
@@ -128,7 +128,7 @@ class LoRALinear(LowRankAdapter):
         if dense is None:
             return self.base_path.linear_forward(self.linear, x) + self.lora_out(x)
         # Training on a dense (or dequantized) weight: the product with its own backward.
-        y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x))
+        y = lora_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x))
         return y + self.linear["bias"] if "bias" in self.linear else y
 
     def delta(self) -> mx.array:

@@ -344,13 +344,13 @@ def test_factors_from_the_norm_kernel_train_as_the_layers_casts(simulated, model
     with_factors = kernels.row_norm_kernel_name(2, True, packed=quantized)
     monkeypatch.setattr(kernels, "writes_factors", writes_factors)
     seen = []
-    original = AL.adapted_linear
+    original = AL.folded_dora_linear
 
     def recording(*args, factors=None, **kw):
         seen.append(factors is not None)
         return original(*args, factors=factors, **kw)
 
-    monkeypatch.setattr(dora, "adapted_linear", recording)
+    monkeypatch.setattr(dora, "folded_dora_linear", recording)
     losses, got = _two_dora_sgd_steps(model_factory, quantized=quantized, built=unmerged)
     assert simulated[with_factors].calls >= 1
     assert seen and all(seen)  # every DoRA layer call was handed its factors
