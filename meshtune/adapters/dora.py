@@ -24,10 +24,10 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import step_norms
 from .adapted_linear import adapted_row_norm, dora_linear, folded_dora_linear, merged_dora_linear
 from .base_path import dequantized_weight, is_quantized
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
+from .step_norms import StepNorms, taken
 from .switch import LoRASwitchLinear
 
 
@@ -114,6 +114,8 @@ class DoRALinear(DoRA, LoRALinear):
     """y = m / ||W + s B^T A^T||_row * (x W^T + s (x A) B) + bias."""
 
     takes_step_norms = True  # on CUDA a training step takes its norm with the step's others (step_norms.py)
+    step_norms: StepNorms | None = None
+    """What the current training step took for this layer (step_norms.StepRowNorms sets it for the step)."""
 
     def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         # Outside the dense training path (its norm rides on adapted_linear's product):
@@ -147,7 +149,7 @@ class DoRALinear(DoRA, LoRALinear):
         this layer before the forward (step_norms.py): its norm, and W' = rs W (or the merged weight) where
         the step folded the row scale."""
         tokens = x.size // x.shape[-1]
-        step = step_norms.taken(self, tokens)
+        step = taken(self, tokens)
         args = (self.lora_a, self.lora_b, self.scale)
         if step is not None and step.merged:  # no dropout: LoRA's branch takes x itself
             return merged_dora_linear(x, step.scaled_weight, *args, magnitude=self.m, norm=step.norm,

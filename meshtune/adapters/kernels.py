@@ -128,11 +128,6 @@ def reads_packed(weight: PackedWeight, r: int) -> bool:
     return _packed_layout(r, weight) is not None
 
 
-def writes_factors() -> bool:
-    """Whether a step's folded norm launches write the layers' A and B' too: always (adapted_linear's factors)."""
-    return True
-
-
 def _tile_floats(r: int) -> int:
     """Floats of A a shared tile holds: about 32 KiB (16 KiB past rank 32), under a block's 48 KiB of static
     shared memory."""

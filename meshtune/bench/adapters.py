@@ -190,16 +190,20 @@ def _stock_runner(model: nn.Module, optimizer: optim.Optimizer) -> StepRunner:
     return run
 
 
-def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False) -> StepRunner:
-    """One optimizer step of meshtune's loop (one micro-batch, one process).
+def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False,
+                         recomputed: tuple[type, ...] = ()) -> StepRunner:
+    """One optimizer step of meshtune's loop (one micro-batch, one process); `recomputed`: the block classes
+    gradient checkpointing recomputes (enable_grad_checkpoint's), as `meshtune train` tells its step.
 
     Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
     for the previous call's, as meshtune.training.loop.train does; `run.finish()` waits for the last one.
     """
+    from ..adapters import StepContext
     from ..runtime.mesh import Mesh
     from ..parallel.data_parallel_step import build_step
 
-    step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
+    step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True,
+                      step_context=StepContext.for_run(recomputed=recomputed))
     state = [model.state, optimizer.state, mx.random.state]
     in_flight = OneInFlight(overlap)
 
