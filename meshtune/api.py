@@ -120,7 +120,7 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None],
         say(f"note: stock mlx-lm cannot load the adapters of {n} layer{'s' * (n != 1)} ({first}: {kind}, ...); "
             "meshtune generate and fuse can, and the fused model loads anywhere")
     recomputed = (enable_grad_checkpoint(model.layers[0]),) if cfg.train.grad_checkpoint else ()
-    return model, tokenizer, StepContext.for_run(recomputed=recomputed)
+    return model, tokenizer, StepContext.for_run(dora_fold=a.dora_fold, recomputed=recomputed)
 
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,

@@ -15,7 +15,6 @@ adapted_linear computes the same in MLX ops; tests/cuda/ compares the two.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,28 +22,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..runtime.cuda import kernel as _kernel, kernel_constant, on_cuda, read_source  # noqa: F401 (on_cuda: asked here)
-from ..runtime.env import choice
 
 SOURCES = Path(__file__).with_name("cuda")
 ROW_NORMS, COTANGENT, MAGNITUDE_GRAD = "dora_row_norms.cuh", "dora_cotangent.cuh", "dora_magnitude_grad.cuh"
 
-# Whether a training step folds DoRA's row scale into the weights (step_norms.py writes W' = rs W beside the
-# norms; adapted_linear's folded product): LoRA's product on W' and B', m's gradient the only pass DoRA adds.
-# On a quantized base W' takes the place of the dequantized copy; on a dense base it is a copy held through the
-# step, so "auto" (the default) folds those only while their copies take at most FOLD_MEMORY_SHARE of the GPU's
-# memory. MESHTUNE_DORA_FOLD=1 folds always, 0 never (the row scale then rides on the fused sum and the
-# cotangent kernel).
-FOLD_ENV = "MESHTUNE_DORA_FOLD"
-FOLD_SETTINGS = {"auto": "auto", "1": True, "0": False}
+# A folded training step (adapter.dora_fold; step_norms.py writes W' = rs W beside the norms) holds a dense base's
+# W' as a copy through the step: "auto" folds those only while the copies take at most this share of the GPU's
+# memory (a quantized base's W' takes the place of its dequantized copy).
 FOLD_MEMORY_SHARE = 0.125
-
-
-def _fold_setting(value: str) -> bool | str:
-    return choice(FOLD_ENV, value, FOLD_SETTINGS, "auto (the default: fold DoRA's row scale into the weights while a "
-                  "dense base's folded copies fit in 1/8 of the GPU's memory), 1 (always) or 0 (never)")
-
-
-FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "auto"))
 
 # The largest rank the row-norm kernels take (their accumulators live in registers); adapted_linear computes
 # larger ones in MLX ops.

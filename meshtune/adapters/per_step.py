@@ -14,7 +14,6 @@ from typing import Iterator, Protocol
 
 import mlx.nn as nn
 
-from . import kernels
 from .step_norms import StepRowNorms
 
 
@@ -32,11 +31,10 @@ class StepContext:
         self.work: tuple[PerStepWork, ...] = work or (StepRowNorms(),)
 
     @classmethod
-    def for_run(cls, *, dora_fold: bool | str = kernels.FOLD_ROW_SCALE,
-                recomputed: tuple[type, ...] = ()) -> "StepContext":
-        """A run's: `dora_fold`, whether DoRA's step folds the row scale into the weights (True, False or
-        "auto": StepRowNorms.fold); `recomputed`, the block classes recomputed in the backward
-        (training/grad_checkpoint.enable_grad_checkpoint returns each)."""
+    def for_run(cls, *, dora_fold: bool | str = "auto", recomputed: tuple[type, ...] = ()) -> "StepContext":
+        """A run's: `dora_fold` (adapter.dora_fold), whether DoRA's step folds the row scale into the weights
+        (True, False or "auto": StepRowNorms.fold); `recomputed`, the block classes recomputed in the
+        backward (training/grad_checkpoint.enable_grad_checkpoint returns each)."""
         return cls(StepRowNorms(fold=dora_fold, recomputed=recomputed))
 
     @contextmanager

@@ -73,9 +73,9 @@ class StepRowNorms:
     backward, DoRA layers of `modules` (a module or a list of them) called on `tokens` rows use
     norms taken together (CUDA only)."""
 
-    fold: bool | str = kernels.FOLD_ROW_SCALE
-    """Whether the step folds the row scale into the weights (W' = rs W beside the norms; adapted_linear's
-    folded product): True, False, or "auto", dense bases only while their copies fit in
+    fold: bool | str = "auto"
+    """adapter.dora_fold: whether the step folds the row scale into the weights (W' = rs W beside the norms;
+    adapted_linear's folded product): True, False, or "auto", dense bases only while their copies fit in
     kernels.FOLD_MEMORY_SHARE of the GPU's memory (a quantized base's W' replaces its dequantized copy)."""
     recomputed: tuple[type, ...] = ()
     """Block classes recomputed in the backward (training/grad_checkpoint.enable_grad_checkpoint's)."""
@@ -147,7 +147,7 @@ class StepRowNorms:
             self.said_unfolded = True
             print(f"meshtune: DoRA's folded step is off for dense bases: their folded copies would take "
                   f"{nbytes / 2**30:.1f} GiB of the GPU's {self.memory / 2**30:.0f} GiB (more than "
-                  f"{kernels.FOLD_MEMORY_SHARE:.0%}); {kernels.FOLD_ENV}=1 folds them anyway", file=sys.stderr,
+                  f"{kernels.FOLD_MEMORY_SHARE:.0%}); adapter.dora_fold: true folds them anyway", file=sys.stderr,
                   flush=True)
         return False
 

@@ -214,7 +214,7 @@ def test_auto_fold_leaves_dense_bases_unfolded_where_copies_would_not_fit(simula
     if dense_folded:
         assert "folded step is off" not in err
     else:
-        assert err.count("folded step is off for dense bases") == 1 and "MESHTUNE_DORA_FOLD=1" in err
+        assert err.count("folded step is off for dense bases") == 1 and "adapter.dora_fold: true" in err
 
 
 @pytest.mark.parametrize("fold", [True, False])
