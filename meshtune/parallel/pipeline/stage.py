@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from ...adapters import StepContext
 from ...data.packing import packed_caches
+from ...training import HEAD_CHUNK_TOKENS
 from ...training.head_loss import head_ce_sum, split_head
 from ...training.losses import masked_ce_sum, target_mask
 from ...runtime.mesh import Mesh
@@ -75,6 +76,8 @@ class PipelineStage:
     one graph per micro-batch shape, traced once, with its elementwise operations fused."""
     step_context: StepContext = field(default_factory=StepContext)
     """The run's adapters' per-step work (adapters/per_step.py), around each backward of the stage's blocks."""
+    head_chunk_tokens: int = HEAD_CHUNK_TOKENS
+    """Tokens the last stage's head and its loss take at a time (training/head_loss.py)."""
 
     def __post_init__(self) -> None:
         self.inner, _ = _parts(self.model)
@@ -133,7 +136,8 @@ class PipelineStage:
         head, h = split_head(self.model), self.inner.norm(h)
         if head is None:
             return masked_ce_sum(self.head(h), targets, lengths)[0]
-        return head_ce_sum(head, h, targets, target_mask(lengths, targets.shape[1]))
+        mask = target_mask(lengths, targets.shape[1])
+        return head_ce_sum(head, h, targets, mask, chunk_tokens=self.head_chunk_tokens)
 
     def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
                  ) -> tuple[mx.array, Any, mx.array | None]:
