@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import adapters as ad
-from .adapters import base_path
+from .adapters import BasePath, StepContext, base_path
 from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
@@ -77,8 +77,10 @@ class RunResult:
     stopped_early: bool
 
 
-def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> tuple[nn.Module, Any]:
-    """Load the base, pick the CPU activation and base path, freeze and add adapters."""
+def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None],
+                   paths: BasePath) -> tuple[nn.Module, Any, StepContext]:
+    """Load the base, pick the CPU activation, freeze and add adapters (their bases multiplying through `paths`);
+    (model, tokenizer, the adapters' per-step work for the training step)."""
     if cfg.runtime.keep_freed_memory:
         keep_freed_memory()  # before the model's arrays: they and every step's reuse kept pages
     say(f"loading model {model_path}")
@@ -101,9 +103,8 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
     if a.num_layers > blocks and "adapter.num_layers" in cfg.origins and not cfg.output.resume:
         say(f"note: adapter.num_layers {a.num_layers} (--num-layers) is more than the model's {blocks} blocks: "
             f"adapting all {blocks}")
-    ad.set_base_path(a.base_path)
     touched = ad.apply_adapters(model, fine_tune_type=a.fine_tune_type, num_layers=a.num_layers,
-                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout, lazy=True)
+                                keys=a.keys, rank=a.rank, scale=a.scale, dropout=a.dropout, lazy=True, base_path=paths)
     trainable = sum(v.size for v in ad.trainable_parameters(model).values())
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     say(f"{a.fine_tune_type} on {touched} layers: {trainable / 1e6:.3f}M trainable parameters "
@@ -118,9 +119,8 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None]) -> 
         n = len(only_ours)
         say(f"note: stock mlx-lm cannot load the adapters of {n} layer{'s' * (n != 1)} ({first}: {kind}, ...); "
             "meshtune generate and fuse can, and the fused model loads anywhere")
-    if cfg.train.grad_checkpoint:
-        enable_grad_checkpoint(model.layers[0])
-    return model, tokenizer
+    recomputed = (enable_grad_checkpoint(model.layers[0]),) if cfg.train.grad_checkpoint else ()
+    return model, tokenizer, StepContext.for_run(dora_fold=a.dora_fold, recomputed=recomputed)
 
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
@@ -161,12 +161,13 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
     trackers = check_before_load(cfg, mesh, layout, out)  # the data, layout, adapters, trackers, ranks
+    paths = BasePath(cfg.adapter.base_path)  # how quantized bases multiply (adapters/base_path.py)
     kept = out / base_path.run_file(mesh.rank)
     if cfg.output.resume and kept.exists():  # before apply_adapters measures any
-        say(f"base path: {base_path.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
+        say(f"base path: {paths.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
             "as the run took them")
     machine = detect()  # the memory a rank may use, taken before the model takes its share
-    model, tokenizer = _prepare_model(cfg, model_path, say)
+    model, tokenizer, step_context = _prepare_model(cfg, model_path, say, paths)
     need = 0  # bytes a save needs free: said when a save or a report fails for space
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         need = check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
@@ -204,7 +205,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     adapter_config = ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, model=model,
                                               extra={"meshtune": resolved, **recorded_prompt_format(data.train)})
     # A pipeline rank holds and trains only its stage's parts from here on.
-    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlap, say=say)
+    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlap, say=say, step_context=step_context)
     ad.settle_norms(model)  # DoRA's base norms, of the layers this rank holds: the first weights read
 
     start = TrainingState(step=0, data_cursor=batches.state())
@@ -233,7 +234,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     def save(state: TrainingState) -> None:
         """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
         strategy.save(out, state, config=resolved, keep=cfg.output.keep_last_n)
-        crossovers = base_path.measured()
+        crossovers = paths.measured()
         if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))

@@ -24,6 +24,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..config.resume import same_source
 from ..config.sections import full_needs_dense
+from .base_path import BasePath
 from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear, settle_norms
 from .frozen import route_frozen_quantized
 from .lora import LoRAEmbedding, LoRALinear
@@ -78,11 +79,12 @@ def _check_keys(model: nn.Module, keys: list[str]) -> None:
             raise ValueError(f"adapter.keys: '{key}' names no module of the model{hint}")
 
 
-def _to_adapter(module: nn.Module, variant: str, rank: int, scale: float, dropout: float) -> nn.Module:
+def _to_adapter(module: nn.Module, variant: str, rank: int, scale: float, dropout: float,
+                base_path: BasePath) -> nn.Module:
     for bases, lora_cls, dora_cls in FAMILY:
         if isinstance(module, bases):
             cls = dora_cls if variant == "dora" else lora_cls
-            return cls.from_base(module, r=rank, scale=scale, dropout=dropout, settle=False)
+            return cls.from_base(module, r=rank, scale=scale, dropout=dropout, settle=False, base_path=base_path)
     raise ValueError(f"cannot put {variant} on a {type(module).__name__}; adapter.keys may name only "
                      "Linear, Embedding or SwitchLinear layers (quantized or not)")
 
@@ -113,16 +115,20 @@ def _target_modules(model: nn.Module, num_layers: int, keys: list[str] | None,
 
 
 def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, keys: list[str] | None,
-                   rank: int, scale: float, dropout: float, lazy: bool = False) -> int:
+                   rank: int, scale: float, dropout: float, lazy: bool = False,
+                   base_path: BasePath | None = None) -> int:
     """Freeze the model, then add LoRA or DoRA layers (or unfreeze for `full`); returns layers touched.
 
-    With `lazy` nothing of the base is read: DoRA's row norms stay unevaluated until `settle_norms`
-    (a pipeline stage calls it once it has dropped the other stages' blocks)."""
+    Every adapter layer and every frozen quantized layer multiplies its base through `base_path`
+    (the run's; by default one for this model, "auto"). With `lazy` nothing of the base is read:
+    DoRA's row norms stay unevaluated until `settle_norms` (a pipeline stage calls it once it has
+    dropped the other stages' blocks)."""
     if fine_tune_type not in FINE_TUNE_TYPES:
         raise ValueError(f"adapter.fine_tune_type={fine_tune_type!r} is unknown; use lora, dora or full")
     if keys:
         _check_keys(model, keys)
     model.freeze()
+    base_path = base_path or BasePath()
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
 
     def visit(owner: nn.Module, name: str, module: nn.Module) -> None:
@@ -131,7 +137,7 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
                 raise ValueError(full_needs_dense(f"layer {name} ({type(module).__name__})"))
             module.unfreeze()
         else:
-            replacements.append((owner, name, _to_adapter(module, fine_tune_type, rank, scale, dropout)))
+            replacements.append((owner, name, _to_adapter(module, fine_tune_type, rank, scale, dropout, base_path)))
 
     count = _target_modules(model, num_layers, keys, visit)
     if fine_tune_type == "full" and keys is None:  # as mlx_lm.lora: the chosen blocks whole, norms included
@@ -145,7 +151,7 @@ def apply_adapters(model: nn.Module, *, fine_tune_type: str, num_layers: int, ke
     if count == 0:
         raise ValueError(f"no layers matched adapter.keys={keys} in the last {num_layers} blocks; "
                          "name modules relative to a block, e.g. --adapter.keys '[self_attn.q_proj]'")
-    route_frozen_quantized(model)
+    route_frozen_quantized(model, base_path)
     if not lazy:
         settle_norms(model)
     return count

@@ -7,8 +7,8 @@ a few tokens (generation reads 4x less memory); the dense kernel wins at trainin
 counts (docs/performance.md).
 Where the crossover lies depends on the machine, the backend and the layer shape, so
 `auto` measures it once per (shape, bits, group size, mode, dtype) with
-`measure_crossover` and caches it for the process; `set_base_path` pins either path.
-Every LoRA and DoRA layer over a quantized base takes its base output from here.
+`measure_crossover`; "quantized" and "dequantized" pin either path. A `BasePath`, built once
+for a run and handed to every adapter layer, holds the mode and those crossovers.
 """
 
 from __future__ import annotations
@@ -26,27 +26,9 @@ NEVER = sys.maxsize  # crossover when dequantizing never won the measurement
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
 def run_file(rank: int | str) -> str:
-    """Where a run keeps rank `rank`'s crossovers (measured()) in its folder, for --resume: each rank
+    """Where a run keeps rank `rank`'s crossovers (BasePath.measured()) in its folder, for --resume: each rank
     measures its own ("*": every rank's, as a glob)."""
     return f"base_path.rank{rank}.json"
-
-
-_mode = "auto"
-_crossovers: dict[tuple, int] = {}
-
-
-def set_base_path(mode: str) -> None:
-    """Choose how quantized bases multiply: "auto" (measured), "quantized" or "dequantized"."""
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"base path mode {mode!r} is not one of {', '.join(MODES)}; use auto unless "
-                         "you have measured otherwise")
-    _mode = mode
-
-
-def get_base_path() -> str:
-    """The current base path mode."""
-    return _mode
 
 
 def is_quantized(layer: nn.Module) -> bool:
@@ -79,102 +61,112 @@ def _key(layer: nn.Module) -> tuple:
     return (experts, out_dims, packed * 32 // layer.bits, layer.bits, layer.group_size, layer.mode, dtype)
 
 
-def crossover_for(layer: nn.Module) -> int:
-    """Token count from which the dequantized path is faster for this layer (measured once)."""
-    key = _key(layer)
-    if key not in _crossovers:
-        experts, out_dims, in_dims, bits, group_size, mode, dtype = key
-        _crossovers[key] = measure_crossover(out_dims, in_dims, bits=bits, group_size=group_size,
-                                             mode=mode, num_experts=experts, dtype=dtype)
-    return _crossovers[key]
+class BasePath:
+    """How one run's (or one loaded model's) quantized bases multiply: `mode`, and in "auto" the
+    crossovers measured (or adopted from a run's folder), by layer shape.
 
-
-def measured() -> dict[str, int]:
-    """The crossovers this process measured or adopted, by layer shape: what a run keeps in its
-    folder, so that a resumed run multiplies as the run did (a measurement can fall either way
-    where the two paths are close, and their results differ in the last bits)."""
-    return {",".join(map(str, key[:-1])) + f",{str(key[-1]).rpartition('.')[2]}": value
-            for key, value in _crossovers.items()}
-
-
-def adopt(saved: dict[str, int]) -> int:
-    """Take crossovers a run kept (measured()'s), in place of measuring them; returns how many."""
-    for text, value in saved.items():
-        experts, out_dims, in_dims, bits, group_size, mode, dtype = text.split(",")
-        key = (int(experts), int(out_dims), int(in_dims), int(bits), int(group_size), mode, getattr(mx, dtype))
-        _crossovers[key] = int(value)
-    return len(saved)
-
-
-def warm(layer: nn.Module) -> None:
-    """Measure the quantized/dense crossover now, at start-up, rather than in the first step."""
-    if is_quantized(layer) and _mode == "auto":
-        crossover_for(layer)
-
-
-def use_dequantized(layer: nn.Module, tokens: int) -> bool:
-    """Whether `layer` should multiply `tokens` rows through a dequantized weight."""
-    if _mode == "quantized" or not is_quantized(layer):
-        return False
-    # Per layer, once: this runs for every layer on every generated token.
-    threshold = layer.__dict__.get("_dequantize_from")
-    if threshold is None or threshold[0] != _mode:
-        if layer.get("global_scale") is not None:
-            at = NEVER  # per-expert global scales: only the quantized kernel takes them as a batch
-        else:
-            at = 0 if _mode == "dequantized" else crossover_for(layer)
-        threshold = layer.__dict__["_dequantize_from"] = (_mode, at)
-    return tokens >= threshold[1]
-
-
-def uses_dense_weight(layer: nn.Module, tokens: int) -> bool:
-    """Whether `layer` multiplies `tokens` rows through a dense weight (its own, or dequantized)."""
-    return not is_quantized(layer) or use_dequantized(layer, tokens)
-
-
-def dense_weight_for(layer: nn.Module, tokens: int) -> mx.array | None:
-    """The dense (out, in) weight the base path multiplies `tokens` rows by; None for the quantized kernel.
-
-    A caller that needs more products with the same weight (DoRA's norm on A's r rows)
-    reuses this one array instead of sending r rows through a quantized kernel or
-    dequantizing twice.
+    Built once (api.finetune from `adapter.base_path`, and on --resume the crossovers the run kept;
+    load_for_inference for a model it adapts) and handed to apply_adapters, which gives it to every
+    adapter layer and routed frozen layer: they multiply through its methods. `measure` is what
+    "auto" calls for a shape it has no crossover for (measure_crossover's signature).
     """
-    if not uses_dense_weight(layer, tokens):
-        return None
-    return dequantized_weight(layer) if is_quantized(layer) else layer.weight
 
+    def __init__(self, mode: str = "auto", *, measure: Callable[..., int] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"base path mode {mode!r} is not one of {', '.join(MODES)}; use auto unless "
+                             "you have measured otherwise")
+        self.mode = mode
+        self._measure = measure or measure_crossover
+        self._crossovers: dict[tuple, int] = {}
 
-def linear_forward(layer: nn.Module, x: mx.array, *, bias: bool = True) -> mx.array:
-    """x @ W^T (+ bias) for Linear / QuantizedLinear, or a (quantized) embedding's as_linear."""
-    if not is_quantized(layer):
+    def crossover_for(self, layer: nn.Module) -> int:
+        """Token count from which the dequantized path is faster for this layer (measured once a shape)."""
+        key = _key(layer)
+        if key not in self._crossovers:
+            experts, out_dims, in_dims, bits, group_size, mode, dtype = key
+            self._crossovers[key] = self._measure(out_dims, in_dims, bits=bits, group_size=group_size, mode=mode,
+                                                  num_experts=experts, dtype=dtype)
+        return self._crossovers[key]
+
+    def measured(self) -> dict[str, int]:
+        """The crossovers measured or adopted, by layer shape: what a run keeps in its folder, so that a
+        resumed run multiplies as the run did (a measurement can fall either way where the two paths are
+        close, and their results differ in the last bits)."""
+        return {",".join(map(str, key[:-1])) + f",{str(key[-1]).rpartition('.')[2]}": value
+                for key, value in self._crossovers.items()}
+
+    def adopt(self, saved: dict[str, int]) -> int:
+        """Take crossovers a run kept (measured()'s), in place of measuring them; returns how many."""
+        for text, value in saved.items():
+            experts, out_dims, in_dims, bits, group_size, mode, dtype = text.split(",")
+            key = (int(experts), int(out_dims), int(in_dims), int(bits), int(group_size), mode, getattr(mx, dtype))
+            self._crossovers[key] = int(value)
+        return len(saved)
+
+    def warm(self, layer: nn.Module) -> None:
+        """Measure the quantized/dense crossover now, at start-up, rather than in the first step."""
+        if is_quantized(layer) and self.mode == "auto":
+            self.crossover_for(layer)
+
+    def use_dequantized(self, layer: nn.Module, tokens: int) -> bool:
+        """Whether `layer` should multiply `tokens` rows through a dequantized weight."""
+        if self.mode == "quantized" or not is_quantized(layer):
+            return False
+        # Per layer, once: this runs for every layer on every generated token.
+        threshold = layer.__dict__.get("_dequantize_from")
+        if threshold is None or threshold[0] is not self:
+            if layer.get("global_scale") is not None:
+                at = NEVER  # per-expert global scales: only the quantized kernel takes them as a batch
+            else:
+                at = 0 if self.mode == "dequantized" else self.crossover_for(layer)
+            threshold = layer.__dict__["_dequantize_from"] = (self, at)
+        return tokens >= threshold[1]
+
+    def uses_dense_weight(self, layer: nn.Module, tokens: int) -> bool:
+        """Whether `layer` multiplies `tokens` rows through a dense weight (its own, or dequantized)."""
+        return not is_quantized(layer) or self.use_dequantized(layer, tokens)
+
+    def dense_weight_for(self, layer: nn.Module, tokens: int) -> mx.array | None:
+        """The dense (out, in) weight `layer` multiplies `tokens` rows by; None for the quantized kernel.
+
+        A caller that needs more products with the same weight (DoRA's norm on A's r rows)
+        reuses this one array instead of sending r rows through a quantized kernel or
+        dequantizing twice.
+        """
+        if not self.uses_dense_weight(layer, tokens):
+            return None
+        return dequantized_weight(layer) if is_quantized(layer) else layer.weight
+
+    def linear_forward(self, layer: nn.Module, x: mx.array, *, bias: bool = True) -> mx.array:
+        """x @ W^T (+ bias) for Linear / QuantizedLinear, or a (quantized) embedding's as_linear."""
+        if not is_quantized(layer):
+            if bias and "bias" in layer:
+                return layer(x)  # the layer's own addmm, so an adapter at step 0 is bit-exact
+            return x @ layer.weight.T
+        if self.use_dequantized(layer, x.size // x.shape[-1]):
+            y = x @ dequantized_weight(layer).T
+        else:
+            y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
+                                    transpose=True, group_size=layer.group_size, bits=layer.bits,
+                                    mode=layer.mode)
+        return y + layer["bias"] if bias and "bias" in layer else y
+
+    def switch_forward(self, layer: nn.Module, x: mx.array, indices: mx.array, *, sorted_indices: bool = False,
+                       bias: bool = True) -> mx.array:
+        """The SwitchLinear / QuantizedSwitchLinear product on the model's own gather kernels."""
+        if not is_quantized(layer):
+            y = mx.gather_mm(x, layer["weight"].swapaxes(-1, -2), rhs_indices=indices,
+                             sorted_indices=sorted_indices)
+        elif self.use_dequantized(layer, indices.size * x.shape[-2]):
+            y = mx.gather_mm(x, dequantized_weight(layer).swapaxes(-1, -2), rhs_indices=indices,
+                             sorted_indices=sorted_indices)
+        else:
+            y = mx.gather_qmm(x, layer["weight"], layer["scales"], layer.get("biases"), rhs_indices=indices,
+                              transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+                              global_scale=layer.get("global_scale"), sorted_indices=sorted_indices)
         if bias and "bias" in layer:
-            return layer(x)  # the layer's own addmm, so an adapter at step 0 is bit-exact
-        return x @ layer.weight.T
-    if use_dequantized(layer, x.size // x.shape[-1]):
-        y = x @ dequantized_weight(layer).T
-    else:
-        y = mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
-                                transpose=True, group_size=layer.group_size, bits=layer.bits,
-                                mode=layer.mode)
-    return y + layer["bias"] if bias and "bias" in layer else y
-
-
-def switch_forward(layer: nn.Module, x: mx.array, indices: mx.array, *, sorted_indices: bool = False,
-                   bias: bool = True) -> mx.array:
-    """The SwitchLinear / QuantizedSwitchLinear product on the model's own gather kernels."""
-    if not is_quantized(layer):
-        y = mx.gather_mm(x, layer["weight"].swapaxes(-1, -2), rhs_indices=indices,
-                         sorted_indices=sorted_indices)
-    elif use_dequantized(layer, indices.size * x.shape[-2]):
-        y = mx.gather_mm(x, dequantized_weight(layer).swapaxes(-1, -2), rhs_indices=indices,
-                         sorted_indices=sorted_indices)
-    else:
-        y = mx.gather_qmm(x, layer["weight"], layer["scales"], layer.get("biases"), rhs_indices=indices,
-                          transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
-                          global_scale=layer.get("global_scale"), sorted_indices=sorted_indices)
-    if bias and "bias" in layer:
-        y = y + mx.expand_dims(layer["bias"][indices], -2)
-    return y
+            y = y + mx.expand_dims(layer["bias"][indices], -2)
+        return y
 
 
 MIN_TIMED_SECONDS = 2e-3  # a timing shorter than this is mostly launch and synchronisation jitter on a GPU

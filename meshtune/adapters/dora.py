@@ -12,7 +12,7 @@ so stock mlx-lm loads those; DoRASwitchLinear (m: (E, out)) exists only here.
 The unfused row norm never builds W + s B^T A^T:
 ||w_i + s c_i V||^2 = ||w_i||^2 + 2s c_i . (w_i V^T) + s^2 c_i (V V^T) c_i^T,
 with ||w_i||^2 cached when the base is set (it is frozen), w_i V^T for every row from
-one base product on the r rows of V (through `base_path`, quantized or not), and the
+one base product on the r rows of V (through the layer's `base_path`, quantized or not), and the
 r x r Gram V V^T. For a Linear V = A^T and c_i = b_i; for a tied embedding head
 V = B and c_j = a_j; for experts the same per expert.
 """
@@ -24,10 +24,10 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import step_norms
-from .adapted_linear import adapted_linear, adapted_row_norm
-from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, switch_forward
+from .adapted_linear import adapted_row_norm, dora_linear, folded_dora_linear, merged_dora_linear
+from .base_path import dequantized_weight, is_quantized
 from .lora import LoRAEmbedding, LoRALinear, while_frozen
+from .step_norms import StepNorms, taken
 from .switch import LoRASwitchLinear
 
 
@@ -114,35 +114,21 @@ class DoRALinear(DoRA, LoRALinear):
     """y = m / ||W + s B^T A^T||_row * (x W^T + s (x A) B) + bias."""
 
     takes_step_norms = True  # on CUDA a training step takes its norm with the step's others (step_norms.py)
+    step_norms: StepNorms | None = None
+    """What the current training step took for this layer (step_norms.StepRowNorms sets it for the step)."""
 
     def _norm_terms(self, dense: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         # Outside the dense training path (its norm rides on adapted_linear's product):
         # base(A^T) = A^T W^T = (W A)^T, one product of r rows, however the base is stored.
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
-        proj = linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)), bias=False).astype(mx.float32).T
+        proj = self.base_path.linear_forward(self.linear, a.T.astype(compute_dtype(self.linear)),
+                                             bias=False).astype(mx.float32).T
         return proj, b.T, a.T @ a
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.training:
-            # One dense base weight (dequantized once on the dense path); its product with the
-            # activations carries the norm's r rows of A too (adapted_linear).
-            tokens = x.size // x.shape[-1]
-            # On CUDA a training step takes every layer's norm before the forward (step_norms.py).
-            step = step_norms.taken(self, tokens)
-            if step is not None and step.scaled_weight is not None:
-                dense, rs = step.scaled_weight, step.row_scale  # the step wrote W' = rs W: LoRA's product on W', B rs
-            elif step is not None and step.dense_weight is not None:
-                dense, rs = step.dense_weight, None
-            else:
-                dense, rs = dense_weight_for(self.linear, tokens), None
-            if dense is not None:
-                y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x),
-                                   magnitude=self.m, w_sq=self._w_sq, norm=None if step is None else step.norm,
-                                   row_scale=rs, factors=None if step is None else step.factors,
-                                   merged=step is not None and step.merged)
-            else:
-                y = self.row_scale(x.dtype) * (linear_forward(self.linear, x, bias=False) + self.lora_out(x))
+            y = self._training_product(x)
             # The bias sits outside the normalised weight (mlx-lm's DoRALinear, PEFT).
         else:
             # Inference: the row scale folded into B, so the branch costs what LoRA's does.
@@ -151,10 +137,33 @@ class DoRALinear(DoRA, LoRALinear):
                 self.lora_a.astype(x.dtype), (self.scale * self.lora_b * scale).astype(x.dtype)))
             folded = while_frozen(self, "_scaled_base", x.dtype, lambda: scaled_quantized(self.linear, scale))
             if folded is not None:
-                y = linear_forward(folded, x, bias=False) + (x @ a) @ b
+                y = self.base_path.linear_forward(folded, x, bias=False) + (x @ a) @ b
             else:
-                y = scale * linear_forward(self.linear, x, bias=False) + (x @ a) @ b
+                y = scale * self.base_path.linear_forward(self.linear, x, bias=False) + (x @ a) @ b
         return y + self.linear["bias"] if "bias" in self.linear else y
+
+
+    def _training_product(self, x: mx.array) -> mx.array:
+        """The training forward: on the dense path one dense base weight (dequantized once), its product with
+        the activations carrying the norm's r rows of A too (adapted_linear); on CUDA what the step took for
+        this layer before the forward (step_norms.py): its norm, and W' = rs W (or the merged weight) where
+        the step folded the row scale."""
+        tokens = x.size // x.shape[-1]
+        step = taken(self, tokens)
+        args = (self.lora_a, self.lora_b, self.scale)
+        if step is not None and step.merged:  # no dropout: LoRA's branch takes x itself
+            return merged_dora_linear(x, step.scaled_weight, *args, magnitude=self.m, norm=step.norm,
+                                      row_scale=step.row_scale, factors=step.factors)
+        if step is not None and step.scaled_weight is not None:  # LoRA's product on W', B rs
+            return folded_dora_linear(x, step.scaled_weight, *args, magnitude=self.m, norm=step.norm,
+                                      row_scale=step.row_scale, x_lora=self.dropout(x), factors=step.factors)
+        dense = step.dense_weight if step is not None else None
+        dense = dense if dense is not None else self.base_path.dense_weight_for(self.linear, tokens)
+        if dense is None:  # the quantized kernel's token count
+            return self.row_scale(x.dtype) * (self.base_path.linear_forward(self.linear, x, bias=False)
+                                              + self.lora_out(x))
+        return dora_linear(x, dense, *args, magnitude=self.m, w_sq=self._w_sq, x_lora=self.dropout(x),
+                           norm=None if step is None else step.norm)
 
 
 class DoRAEmbedding(DoRA, LoRAEmbedding):
@@ -167,7 +176,8 @@ class DoRAEmbedding(DoRA, LoRAEmbedding):
         if dense is not None:
             proj = (dense @ b.T.astype(dense.dtype)).astype(mx.float32)
         else:
-            proj = linear_forward(self.embedding, b.astype(compute_dtype(self.embedding)), bias=False).astype(mx.float32).T
+            proj = self.base_path.linear_forward(self.embedding, b.astype(compute_dtype(self.embedding)),
+                                                 bias=False).astype(mx.float32).T
         return proj, a, b @ b.T
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -181,8 +191,8 @@ class DoRAEmbedding(DoRA, LoRAEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         # Tied head: logits_j = x . row j of the same adapted, normalised table as the lookup.
-        dense = dense_weight_for(self.embedding, x.size // x.shape[-1]) if self.training else None
-        base = x @ dense.T if dense is not None else linear_forward(self.embedding, x, bias=False)
+        dense = self.base_path.dense_weight_for(self.embedding, x.size // x.shape[-1]) if self.training else None
+        base = x @ dense.T if dense is not None else self.base_path.linear_forward(self.embedding, x, bias=False)
         return self.row_scale(x.dtype, dense) * (base + self.lora_head_out(x))
 
 
@@ -198,11 +208,12 @@ class DoRASwitchLinear(DoRA, LoRASwitchLinear):
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)  # (E, out, r)
         # Expert e's r rows of A_e^T through expert e's weight, on the model's own gather kernel.
         experts = mx.arange(self.num_experts, dtype=mx.uint32)
-        proj = switch_forward(self.linear, a.astype(compute_dtype(self.linear)), experts, sorted_indices=True, bias=False)
+        proj = self.base_path.switch_forward(self.linear, a.astype(compute_dtype(self.linear)), experts,
+                                             sorted_indices=True, bias=False)
         return proj.astype(mx.float32).swapaxes(-1, -2), b, a @ a.swapaxes(-1, -2)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = switch_forward(self.linear, x, indices, sorted_indices=sorted_indices, bias=False)
+        y = self.base_path.switch_forward(self.linear, x, indices, sorted_indices=sorted_indices, bias=False)
         y = y + self.lora_out(x, indices, sorted_indices)
         scale = mx.expand_dims(self.row_scale(x.dtype)[indices], -2)  # routed experts' rows
         y = scale * y

@@ -15,7 +15,7 @@ adapted_linear computes the same in MLX ops; tests/cuda/ compares the two.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,28 +23,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..runtime.cuda import kernel as _kernel, kernel_constant, on_cuda, read_source  # noqa: F401 (on_cuda: asked here)
-from ..runtime.env import choice
 
 SOURCES = Path(__file__).with_name("cuda")
 ROW_NORMS, COTANGENT, MAGNITUDE_GRAD = "dora_row_norms.cuh", "dora_cotangent.cuh", "dora_magnitude_grad.cuh"
 
-# Whether a training step folds DoRA's row scale into the weights (step_norms.py writes W' = rs W beside the
-# norms; adapted_linear's folded product): LoRA's product on W' and B', m's gradient the only pass DoRA adds.
-# On a quantized base W' takes the place of the dequantized copy; on a dense base it is a copy held through the
-# step, so "auto" (the default) folds those only while their copies take at most FOLD_MEMORY_SHARE of the GPU's
-# memory. MESHTUNE_DORA_FOLD=1 folds always, 0 never (the row scale then rides on the fused sum and the
-# cotangent kernel).
-FOLD_ENV = "MESHTUNE_DORA_FOLD"
-FOLD_SETTINGS = {"auto": "auto", "1": True, "0": False}
+# A folded training step (adapter.dora_fold; step_norms.py writes W' = rs W beside the norms) holds a dense base's
+# W' as a copy through the step: "auto" folds those only while the copies take at most this share of the GPU's
+# memory (a quantized base's W' takes the place of its dequantized copy).
 FOLD_MEMORY_SHARE = 0.125
-
-
-def _fold_setting(value: str) -> bool | str:
-    return choice(FOLD_ENV, value, FOLD_SETTINGS, "auto (the default: fold DoRA's row scale into the weights while a "
-                  "dense base's folded copies fit in 1/8 of the GPU's memory), 1 (always) or 0 (never)")
-
-
-FOLD_ROW_SCALE = _fold_setting(os.environ.get(FOLD_ENV, "auto"))
 
 # The largest rank the row-norm kernels take (their accumulators live in registers); adapted_linear computes
 # larger ones in MLX ops.
@@ -79,6 +65,22 @@ SPLIT_PARTS = 10
 
 # Bit widths whose elements tile a 32-bit word (the 3-, 5- and 6-bit packings straddle words).
 PACKED_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class RowNormLaunch:
+    """How the row-norm launches lay out their work: the constants above (LAUNCH). A test takes others to reach,
+    on small shapes, the layouts large ones take: several launches, other tiles and blocks, the staged layout."""
+
+    max_layers: int = MAX_LAYERS_A_LAUNCH
+    folded_tile_rows: int = FOLDED_TILE_ROWS
+    resident_rows: int = RESIDENT_ROWS
+    resident_batch: int = RESIDENT_BATCH
+    resident: bool = True
+    """Whether a folded launch holds A in registers where the layout allows (else A is staged)."""
+
+
+LAUNCH = RowNormLaunch()
 
 
 class PackedWeight(NamedTuple):
@@ -128,25 +130,21 @@ def reads_packed(weight: PackedWeight, r: int) -> bool:
     return _packed_layout(r, weight) is not None
 
 
-def writes_factors() -> bool:
-    """Whether a step's folded norm launches write the layers' A and B' too: always (adapted_linear's factors)."""
-    return True
-
-
 def _tile_floats(r: int) -> int:
     """Floats of A a shared tile holds: about 32 KiB (16 KiB past rank 32), under a block's 48 KiB of static
     shared memory."""
     return 8192 if r <= 32 else 4096
 
 
-def _row_scale_layout(r: int, inp: int, weight_bytes: int, folded: bool = False) -> tuple[int, int, int]:
+def _row_scale_layout(r: int, inp: int, weight_bytes: int, folded: bool = False,
+                      tile_rows: int = FOLDED_TILE_ROWS) -> tuple[int, int, int]:
     """(rows of W a warp takes, columns a lane loads at once, rows of A a shared tile holds) of the staged launch:
-    one 16-byte load of W where the input width allows; a tile a multiple of a warp's columns, FOLDED_TILE_ROWS
-    rows where `folded` and that is less."""
+    one 16-byte load of W where the input width allows; a tile a multiple of a warp's columns, `tile_rows`
+    (FOLDED_TILE_ROWS) rows where `folded` and that is less."""
     rows = 2 if r <= 16 else 1
     floats = _tile_floats(r)
-    if folded and FOLDED_TILE_ROWS >= 32 * (16 // weight_bytes):  # a warp's 16-byte loads
-        floats = min(floats, FOLDED_TILE_ROWS * r)
+    if folded and tile_rows >= 32 * (16 // weight_bytes):  # a warp's 16-byte loads
+        floats = min(floats, tile_rows * r)
     vec = 16 // weight_bytes
     while vec > 1 and (inp % vec or floats // r < 32 * vec):
         vec //= 2
@@ -198,49 +196,49 @@ def row_norm_kernel_name(layers: int, folded: bool, packed: bool = False, reside
 
 
 def row_norms_cuda(weights: list[mx.array], a: list[mx.array], b: list[mx.array],
-                   scales: list[float]) -> list[mx.array]:
+                   scales: list[float], launch: RowNormLaunch = LAUNCH) -> list[mx.array]:
     """||W + s (A B)^T||_row float32 of each layer, for layers of one shape: W (out, in), A (in, r), B (r, out).
 
     One launch takes up to MAX_LAYERS_A_LAUNCH layers (a layer per row of blocks), so a
     model's layers of one shape cost a launch or two, not one each.
     """
-    return _row_norms(weights, a, b, scales, None)[0]
+    return _row_norms(weights, a, b, scales, None, launch=launch)[0]
 
 
 def row_norms_and_scaled_cuda(weights: list, a: list[mx.array], b: list[mx.array], scales: list[float],
                               magnitudes: list[mx.array], factors: bool = True, stacked: bool = False,
-                              merged: bool = False) -> tuple[list, ...]:
+                              merged: bool = False, launch: RowNormLaunch = LAUNCH) -> tuple[list, ...]:
     """(row_norms_cuda's norms, W' = rs W in W's dtype, rs float32, A and B' = B rs in W's dtype) of each layer,
     in the same launches, rs = m / norm rounded to W's dtype: DoRA's row scale folded into the weights
     (adapted_linear's row_scale and factors). `weights` may be PackedWeight (read packed where reads_packed()).
     With `factors` False the result stops after rs (the launch writes A and B' either way).
     With `stacked`, the norms are StackedNorm entries (what magnitude_and_b_grad_cuda takes without a view).
     With `merged`, W' = rs (W + s (A B)^T): the whole adapted weight (adapted_linear's `merged`)."""
-    out = _row_norms(weights, a, b, scales, magnitudes, stacked, merged)
+    out = _row_norms(weights, a, b, scales, magnitudes, stacked, merged, launch=launch)
     return out if factors else out[:3]
 
 
 def _row_norms(weights: list, a: list[mx.array], b: list[mx.array], scales: list[float],
-               magnitudes: list[mx.array] | None, stacked: bool = False, merged: bool = False) -> tuple[list, ...]:
+               magnitudes: list[mx.array] | None, stacked: bool = False, merged: bool = False, *,
+               launch: RowNormLaunch = LAUNCH) -> tuple[list, ...]:
     """(norms,) or, with magnitudes, (norms, W', rs, A, B'): a list each, a layer's entry at its index; with
     `stacked` the norms are StackedNorm entries, not views."""
-    if len(weights) > MAX_LAYERS_A_LAUNCH:
-        cut = MAX_LAYERS_A_LAUNCH
+    if len(weights) > launch.max_layers:
+        cut = launch.max_layers
 
         def part(sl: slice) -> tuple[list, ...]:
-            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], stacked, merged)
+            return _row_norms(weights[sl], a[sl], b[sl], scales[sl], magnitudes and magnitudes[sl], stacked, merged,
+                              launch=launch)
         return tuple(x + y for x, y in zip(part(slice(None, cut)), part(slice(cut, None))))
     n = len(weights)
     out, inp = weights[0].shape
     wt = weights[0].dtype
     r = a[0].shape[-1]
     packed = isinstance(weights[0], PackedWeight)
-    if any(isinstance(w, PackedWeight) != packed or w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r)
-           or y.shape != (r, out) or packed and w[3:] != weights[0][3:] for w, x, y in zip(weights, a, b)):
-        raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype "
-                         "(and one packing: bits and group size)")
+    _check_one_shape(weights, a, b)
     folded = magnitudes is not None
-    layout = _packed_layout(r, weights[0]) if packed else _row_scale_layout(r, inp, wt.size, folded)
+    layout = (_packed_layout(r, weights[0]) if packed
+              else _row_scale_layout(r, inp, wt.size, folded, launch.folded_tile_rows))
     if packed and (layout is None or not folded):
         raise ValueError("row_norms_cuda: a packed weight goes to the folded launch only, where reads_packed()")
     if merged and not folded:
@@ -258,12 +256,12 @@ def _row_norms(weights: list, a: list[mx.array], b: list[mx.array], scales: list
     # float32 W must not run a bfloat16 W's kernel. QB = 0: W dense.
     weight = [("QB", weights[0].bits if packed else 0), ("GS", weights[0].group_size if packed else 0), ("WT", wt)]
     resident_vec = layout[1] if packed else 16 // wt.size  # a packed word a thread, else a 16-byte load
-    resident = folded and _resident_layout(r, inp, resident_vec)
+    resident = folded and launch.resident and _resident_layout(r, inp, resident_vec)
     if resident:
-        template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", RESIDENT_ROWS),
-                    ("RB", RESIDENT_BATCH), ("MERGED", int(merged))]
+        template = [("R", r), ("IN", inp), ("OUT", out), ("VEC", resident_vec), ("RPB", launch.resident_rows),
+                    ("RB", launch.resident_batch), ("MERGED", int(merged))]
         threads = inp // resident_vec
-        grid = (-(-out // RESIDENT_ROWS) * threads, n, 1)
+        grid = (-(-out // launch.resident_rows) * threads, n, 1)
     else:
         rows, vec, tile = layout
         template = [("WARPS", WARPS), ("R", r), ("IN", inp), ("OUT", out), ("RPW", rows), ("VEC", vec), ("TJ", tile),
@@ -275,6 +273,16 @@ def _row_norms(weights: list, a: list[mx.array], b: list[mx.array], scales: list
     res = k(inputs=inputs, template=template + weight, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=output_shapes, output_dtypes=output_dtypes)
     return _per_layer(res, n, stacked)
+
+
+def _check_one_shape(weights: list, a: list[mx.array], b: list[mx.array]) -> None:
+    """One launch takes layers of one shape, rank, weight dtype and packing."""
+    (out, inp), wt, r = weights[0].shape, weights[0].dtype, a[0].shape[-1]
+    packed = isinstance(weights[0], PackedWeight)
+    if any(isinstance(w, PackedWeight) != packed or w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r)
+           or y.shape != (r, out) or packed and w[3:] != weights[0][3:] for w, x, y in zip(weights, a, b)):
+        raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype "
+                         "(and one packing: bits and group size)")
 
 
 def _per_layer(outputs: list[mx.array], n: int, stacked: bool = False) -> tuple[list, ...]:

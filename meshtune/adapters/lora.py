@@ -3,8 +3,8 @@
 Parameter names (`linear` / `embedding`, `lora_a`, `lora_b`) and shapes match
 mlx-lm's, so adapters we save load in stock mlx-lm and theirs load in ours. Quantized
 bases (QuantizedLinear, QuantizedEmbedding) are wrapped as they are and stay frozen;
-their products go through `base_path` (quantized kernel or dequantize-then-dense, by
-token count). `fuse` merges the update and requantizes with the base's own group
+their products go through the layer's `base_path` (base_path.BasePath: quantized kernel or
+dequantize-then-dense, by token count). `fuse` merges the update and requantizes with the base's own group
 size, bits and mode. DoRA (dora.py) is a variant of these classes that overrides only
 `set_base` (the magnitude), the forward and `_merge` (the fused weight).
 LoRA: Hu et al. 2021, h = W x + s * B A x with B = 0 at init (output unchanged at step 0).
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .adapted_linear import adapted_linear
-from .base_path import dense_weight_for, dequantized_weight, is_quantized, linear_forward, warm
+from .adapted_linear import lora_linear
+from .base_path import BasePath, dequantized_weight, is_quantized
 
 
 def logical_dims(layer: nn.Module) -> tuple[int, ...]:
@@ -58,15 +58,25 @@ def while_frozen(module: nn.Module, slot: str, dtype: mx.Dtype, build: Callable[
 
 
 class LowRankAdapter(nn.Module):
-    """What every LoRA class shares: built around a frozen base, fused as W + delta()."""
+    """What every LoRA class shares: built around a frozen base, fused as W + delta().
+
+    `base_path` (not a parameter) is how the base multiplies: the run's BasePath where from_base
+    is given one (apply_adapters gives every layer of a model the same), else the layer's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_path = BasePath()
 
     @classmethod
-    def _around(cls, base: nn.Module, *dims: int, r: int, dropout: float, scale: float, settle: bool = True) -> Any:
+    def _around(cls, base: nn.Module, *dims: int, r: int, dropout: float, scale: float, settle: bool = True,
+                base_path: BasePath | None = None) -> Any:
         layer = cls(*dims, r=r, dropout=dropout, scale=scale)
         layer.set_base(base)
+        if base_path is not None:
+            layer.base_path = base_path
         if settle:
             layer.settle()
-        warm(base)  # the quantized/dense crossover is measured now, not in the first step
+        layer.base_path.warm(base)  # the quantized/dense crossover is measured now, not in the first step
         return layer
 
     def settle(self) -> None:
@@ -81,9 +91,10 @@ class LoRALinear(LowRankAdapter):
 
     @classmethod
     def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0,
-                  settle: bool = True) -> "LoRALinear":
+                  settle: bool = True, base_path: BasePath | None = None) -> "LoRALinear":
         output_dims, input_dims = logical_dims(linear)
-        return cls._around(linear, input_dims, output_dims, r=r, dropout=dropout, scale=scale, settle=settle)
+        return cls._around(linear, input_dims, output_dims, r=r, dropout=dropout, scale=scale, settle=settle,
+                           base_path=base_path)
 
     def __init__(self, input_dims: int, output_dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0, bias: bool = False) -> None:
@@ -113,11 +124,11 @@ class LoRALinear(LowRankAdapter):
         return (self.scale * z).astype(x.dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
-        dense = dense_weight_for(self.linear, x.size // x.shape[-1]) if self.training else None
+        dense = self.base_path.dense_weight_for(self.linear, x.size // x.shape[-1]) if self.training else None
         if dense is None:
-            return linear_forward(self.linear, x) + self.lora_out(x)
+            return self.base_path.linear_forward(self.linear, x) + self.lora_out(x)
         # Training on a dense (or dequantized) weight: the product with its own backward.
-        y = adapted_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x))
+        y = lora_linear(x, dense, self.lora_a, self.lora_b, self.scale, x_lora=self.dropout(x))
         return y + self.linear["bias"] if "bias" in self.linear else y
 
     def delta(self) -> mx.array:
@@ -141,8 +152,9 @@ class LoRAEmbedding(LowRankAdapter):
 
     @classmethod
     def from_base(cls, embedding: nn.Module, r: int = 8, dropout: float = 0.0, scale: float = 20.0,
-                  settle: bool = True) -> "LoRAEmbedding":
-        return cls._around(embedding, *logical_dims(embedding), r=r, dropout=dropout, scale=scale, settle=settle)
+                  settle: bool = True, base_path: BasePath | None = None) -> "LoRAEmbedding":
+        return cls._around(embedding, *logical_dims(embedding), r=r, dropout=dropout, scale=scale, settle=settle,
+                           base_path=base_path)
 
     def __init__(self, num_embeddings: int, dims: int, r: int = 8, dropout: float = 0.0,
                  scale: float = 20.0) -> None:
@@ -170,7 +182,7 @@ class LoRAEmbedding(LowRankAdapter):
 
     def as_linear(self, x: mx.array) -> mx.array:
         # Tied head: logits = x @ (E + s A B)^T, the same adapted table as the lookup.
-        return linear_forward(self.embedding, x) + self.lora_head_out(x)
+        return self.base_path.linear_forward(self.embedding, x) + self.lora_head_out(x)
 
     def delta(self) -> mx.array:
         """The dense update s * A B, shaped like the table (num_embeddings, dims)."""

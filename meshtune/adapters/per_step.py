@@ -1,10 +1,10 @@
 """The per-step hook: work an adapter does once per training step rather than once per layer call.
 
-A training step (parallel/data_parallel_step.build_step, a pipeline stage's backward) runs
-its forward and backward inside `step_context(modules, tokens)` and knows nothing
-else of it. Each adapter that needs such work lists a `PerStepWork` in
-`PER_STEP_WORK`: today DoRA's row norms, taken for every layer at once on CUDA
-(step_norms.py); on other devices they enter and leave doing nothing.
+A run builds one `StepContext` (api.finetune, from the config and the blocks gradient checkpointing
+recomputes) and hands it to its training step (parallel/data_parallel_step.build_step, a pipeline
+stage), which runs each forward and backward inside `step_context(modules, tokens)` and knows nothing
+else of it. It holds a `PerStepWork` for each adapter that needs one: today DoRA's row norms, taken for
+every layer at once on CUDA (step_norms.py); on other devices they enter and leave doing nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Iterator, Protocol
 
 import mlx.nn as nn
 
-from .step_norms import step_row_norms
+from .step_norms import StepRowNorms
 
 
 class PerStepWork(Protocol):
@@ -23,13 +23,24 @@ class PerStepWork(Protocol):
     def __call__(self, modules: nn.Module | list[nn.Module], tokens: int) -> AbstractContextManager[None]: ...
 
 
-PER_STEP_WORK: tuple[PerStepWork, ...] = (step_row_norms,)
+class StepContext:
+    """Every adapter's per-step work for one run's training step: `work`, or without it each adapter's
+    default (for_run builds a run's)."""
 
+    def __init__(self, *work: PerStepWork) -> None:
+        self.work: tuple[PerStepWork, ...] = work or (StepRowNorms(),)
 
-@contextmanager
-def step_context(modules: nn.Module | list[nn.Module], tokens: int) -> Iterator[None]:
-    """Every adapter's per-step work for a step of `modules` (a model, or a stage's blocks) on `tokens` rows."""
-    with ExitStack() as stack:
-        for work in PER_STEP_WORK:
-            stack.enter_context(work(modules, tokens))
-        yield
+    @classmethod
+    def for_run(cls, *, dora_fold: bool | str = "auto", recomputed: tuple[type, ...] = ()) -> "StepContext":
+        """A run's: `dora_fold` (adapter.dora_fold), whether DoRA's step folds the row scale into the weights
+        (True, False or "auto": StepRowNorms.fold); `recomputed`, the block classes recomputed in the
+        backward (training/grad_checkpoint.enable_grad_checkpoint returns each)."""
+        return cls(StepRowNorms(fold=dora_fold, recomputed=recomputed))
+
+    @contextmanager
+    def __call__(self, modules: nn.Module | list[nn.Module], tokens: int) -> Iterator[None]:
+        """Every adapter's per-step work for a step of `modules` (a model, or a stage's blocks) on `tokens` rows."""
+        with ExitStack() as stack:
+            for work in self.work:
+                stack.enter_context(work(modules, tokens))
+            yield

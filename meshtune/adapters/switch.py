@@ -3,7 +3,7 @@
 Layout matches mlx-lm's LoRASwitchLinear (`linear`, `lora_a` (E, r, in), `lora_b`
 (E, out, r)) so stock mlx-lm loads the adapters we save. The base runs on the model's
 own gather kernels (`gather_mm` / `gather_qmm`, with the router's `indices` and
-`sorted_indices`), through `base_path` for quantized experts; the update for the
+`sorted_indices`), through the layer's `base_path` for quantized experts; the update for the
 routed experts is two more gathers, never a dense per-expert weight. DoRA's variant
 (one magnitude per expert and output row) is `DoRASwitchLinear` in dora.py.
 """
@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .base_path import dequantized_weight, switch_forward
+from .base_path import BasePath, dequantized_weight
 from .lora import LowRankAdapter, logical_dims, requantize_like
 
 
@@ -25,10 +25,11 @@ class LoRASwitchLinear(LowRankAdapter):
 
     @classmethod
     def from_base(cls, linear: nn.Module, r: int = 8, dropout: float = 0.0,
-                  scale: float = 20.0, settle: bool = True) -> "LoRASwitchLinear":
+                  scale: float = 20.0, settle: bool = True,
+                  base_path: BasePath | None = None) -> "LoRASwitchLinear":
         num_experts, output_dims, input_dims = logical_dims(linear)
         return cls._around(linear, input_dims, output_dims, num_experts, r=r, dropout=dropout, scale=scale,
-                           settle=settle)
+                           settle=settle, base_path=base_path)
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, r: int = 8,
                  dropout: float = 0.0, scale: float = 20.0, bias: bool = False) -> None:
@@ -55,7 +56,7 @@ class LoRASwitchLinear(LowRankAdapter):
         return (self.scale * z).astype(x.dtype)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = switch_forward(self.linear, x, indices, sorted_indices=sorted_indices)
+        y = self.base_path.switch_forward(self.linear, x, indices, sorted_indices=sorted_indices)
         return y + self.lora_out(x, indices, sorted_indices)
 
     def delta(self) -> mx.array:

@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,6 +57,9 @@ from .fit import Load, choose_preset
 from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
 from .flags import BenchParser, COUNT, at_least
+
+if TYPE_CHECKING:
+    from ..adapters import BasePath
 
 IMPLS = ("stock", "meshtune")
 KINDS = ("lora", "dora")
@@ -187,16 +190,20 @@ def _stock_runner(model: nn.Module, optimizer: optim.Optimizer) -> StepRunner:
     return run
 
 
-def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False) -> StepRunner:
-    """One optimizer step of meshtune's loop (one micro-batch, one process).
+def meshtune_step_runner(model: nn.Module, optimizer: optim.Optimizer, overlap: bool = False,
+                         recomputed: tuple[type, ...] = ()) -> StepRunner:
+    """One optimizer step of meshtune's loop (one micro-batch, one process); `recomputed`: the block classes
+    gradient checkpointing recomputes (enable_grad_checkpoint's), as `meshtune train` tells its step.
 
     Overlapped (the loop's runtime.overlap_steps), a call dispatches its step and then waits
     for the previous call's, as meshtune.training.loop.train does; `run.finish()` waits for the last one.
     """
+    from ..adapters import StepContext
     from ..runtime.mesh import Mesh
     from ..parallel.data_parallel_step import build_step
 
-    step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True)
+    step = build_step(model, optimizer, Mesh.single(), max_grad_norm=0.0, compile=True,
+                      step_context=StepContext.for_run(recomputed=recomputed))
     state = [model.state, optimizer.state, mx.random.state]
     in_flight = OneInFlight(overlap)
 
@@ -217,10 +224,11 @@ def _release() -> None:
 
 
 def build_step(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Shape,
-               dtype: mx.Dtype) -> Callable[[], mx.array]:
-    """This configuration's model, optimizer and batch, as a call that runs one step."""
+               dtype: mx.Dtype, paths: BasePath) -> Callable[[], mx.array]:
+    """This configuration's model, optimizer and batch, as a call that runs one step (meshtune's bases
+    multiplying through `paths`)."""
     model = build_model(shape, dtype, quantized=base == "4bit", seed=a.seed)
-    add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
+    add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale, base_path=paths)
     model.train()
     optimizer = optim.Adam(learning_rate=1e-5)
     run = _stock_runner(model, optimizer) if impl == "stock" else meshtune_step_runner(model, optimizer, a.overlap)
@@ -309,10 +317,10 @@ def _decode_tok_s(model: nn.Module, prompt: mx.array, tokens: int) -> float:
 
 
 def generation_model(impl: str, kind: str, base: str, a: argparse.Namespace, shape: Shape,
-                     dtype: mx.Dtype) -> Callable[[], float]:
+                     dtype: mx.Dtype, paths: BasePath) -> Callable[[], float]:
     """This configuration's model with its unfused adapter, as a call that decodes and returns tokens/s."""
     model = build_model(shape, dtype, quantized=base == "4bit", seed=a.seed)
-    add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale)
+    add_adapters(model, impl=impl, kind=kind, num_layers=a.num_layers, rank=a.rank, scale=a.scale, base_path=paths)
     perturb_adapters(model, seed=a.seed + 1)
     model.eval()
     prompt = mx.random.randint(0, shape.vocab, (PROMPT_TOKENS,), key=mx.random.key(a.seed + 2))
@@ -320,14 +328,15 @@ def generation_model(impl: str, kind: str, base: str, a: argparse.Namespace, sha
     return lambda: _decode_tok_s(model, prompt, a.gen_tokens)
 
 
-def time_generate(base: str, a: argparse.Namespace, shape: Shape, dtype: mx.Dtype) -> dict[str, float]:
+def time_generate(base: str, a: argparse.Namespace, shape: Shape, dtype: mx.Dtype,
+                  paths: BasePath) -> dict[str, float]:
     """Median decode tokens/s of the four configurations on this base, timed in interleaved rounds.
 
     Batch-1 decoding is launch-bound, so it moves with the host's load: each of
     generation_rounds(a) rounds decodes once with each of the four models, all four
     loaded, so drift falls on all of them and the DoRA / LoRA ratio compares like with like.
     """
-    runs = {f"{impl}_{kind}_{base}": generation_model(impl, kind, base, a, shape, dtype)
+    runs = {f"{impl}_{kind}_{base}": generation_model(impl, kind, base, a, shape, dtype, paths)
             for kind in KINDS for impl in IMPLS}
     tok_s: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(generation_rounds(a)):
@@ -349,12 +358,12 @@ def ratios(step_s: dict[str, float], gen: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _crossovers() -> dict[str, int | None]:
-    """meshtune's measured quantized/dense crossover per layer shape (None: never dense)."""
-    from ..adapters import base_path
+def _crossovers(paths: BasePath) -> dict[str, int | None]:
+    """meshtune's measured quantized/dense crossover per layer shape (None: never dense): what `auto` chose."""
+    from ..adapters.base_path import NEVER
 
-    # The cache is module state of base_path; reading it here names what `auto` chose.
-    return {f"{k[1]}x{k[2]}": (None if v == base_path.NEVER else v) for k, v in base_path._crossovers.items()}
+    # measured()'s keys: experts, out, in, bits, group size, mode, dtype.
+    return {"x".join(k.split(",")[1:3]): (None if v == NEVER else v) for k, v in paths.measured().items()}
 
 
 def print_table(a: argparse.Namespace, shape: Shape, dense: str, step_s: dict[str, float],
@@ -420,15 +429,15 @@ def main(argv: list[str]) -> int:
         return combine_runs(a.combine, a.json)
     print(a.fit_line, flush=True)
     a.keep_freed_memory = a.keep_freed_memory and keep_freed_memory()  # before any model exists
-    from ..adapters import set_base_path
+    from ..adapters import BasePath
 
-    set_base_path(a.base_path)
+    paths = BasePath(a.base_path)  # every meshtune model's, as one run's layers share one
     shape = shape_of(a)
     dense = dense_dtype_name(a)
     dtype = DTYPES[dense]
     configs = [(impl, kind, base) for base in BASES for kind in KINDS for impl in IMPLS]
     progress = _Progress()
-    steps = {f"{i}_{k}_{b}": build_step(i, k, b, a, shape, dtype) for i, k, b in configs}
+    steps = {f"{i}_{k}_{b}": build_step(i, k, b, a, shape, dtype, paths) for i, k, b in configs}
     rounds = time_step_rounds(steps, a, progress)
     step_s = median_steps(rounds)
     by_round = round_ratios(rounds)
@@ -437,11 +446,11 @@ def main(argv: list[str]) -> int:
     _release()
     gen: dict[str, float] = {}
     for base in BASES:
-        gen.update(measured := time_generate(base, a, shape, dtype))
+        gen.update(measured := time_generate(base, a, shape, dtype, paths))
         progress(f"generation on the {base} base: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in measured.items()))
         _release()
     r = ratios(step_s, gen)
-    crossovers = _crossovers()
+    crossovers = _crossovers(paths)
     print_table(a, shape, dense, step_s, gen, r, crossovers, by_round)
     if a.json:
         tokens = a.batch_size * a.seq_len

@@ -191,10 +191,9 @@ def _step_child(spec: dict[str, Any]) -> dict[str, Any]:
         install_chunked_attention()
     apply_adapters(model, fine_tune_type="dora" if spec["kind"] == "dora" else "lora", num_layers=-1, keys=None,
                    rank=RANK, scale=SCALE, dropout=0.0)
-    if spec["grad_checkpoint"]:
-        enable_grad_checkpoint(model.layers[0])
+    recomputed = (enable_grad_checkpoint(model.layers[0]),) if spec["grad_checkpoint"] else ()
     model.train()
-    run = meshtune_step_runner(model, optim.AdamW(learning_rate=LR), overlaps_steps("auto"))
+    run = meshtune_step_runner(model, optim.AdamW(learning_rate=LR), overlaps_steps("auto"), recomputed)
     vocab = model.model.embed_tokens.weight.shape[0]
     batch, seq_len = spec["batch_size"], spec["seq_len"]
     tokens = mx.random.randint(0, vocab, (batch, seq_len + 1), key=mx.random.key(0))

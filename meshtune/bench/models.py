@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
+
+if TYPE_CHECKING:
+    from ..adapters import BasePath
 
 GROUP_SIZE = 64
 BITS = 4
@@ -90,8 +94,9 @@ def build_model(shape: Shape, dtype: mx.Dtype, *, quantized: bool, seed: int = 0
 
 
 def add_adapters(model: nn.Module, *, impl: str, kind: str, num_layers: int, rank: int,
-                 scale: float) -> None:
-    """LoRA or DoRA on every linear layer of the last `num_layers` blocks, by stock or meshtune."""
+                 scale: float, base_path: BasePath | None = None) -> None:
+    """LoRA or DoRA on every linear layer of the last `num_layers` blocks, by stock or meshtune (its
+    quantized bases multiplying through `base_path`; None: the model's own)."""
     if impl == "stock":
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -103,7 +108,7 @@ def add_adapters(model: nn.Module, *, impl: str, kind: str, num_layers: int, ran
         from ..adapters import apply_adapters
 
         apply_adapters(model, fine_tune_type=kind, num_layers=num_layers, keys=None, rank=rank,
-                       scale=scale, dropout=0.0)
+                       scale=scale, dropout=0.0, base_path=base_path)
 
 
 def perturb_adapters(model: nn.Module, seed: int = 1) -> None:

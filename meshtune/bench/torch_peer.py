@@ -278,9 +278,6 @@ def main(argv: list[str]) -> int:
         from ..runtime.fastmath import install_fast_swiglu
 
         install_fast_swiglu()  # runtime.fast_cpu_activations, on by default
-    from ..adapters import set_base_path
-
-    set_base_path("auto")
     start = time.perf_counter()
 
     def progress(message: str) -> None:

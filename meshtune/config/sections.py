@@ -112,6 +112,10 @@ class AdapterConfig:
     base_path: Literal["auto", "quantized", "dequantized"] = "auto"
     """How a quantized base multiplies: auto picks quantized_matmul for few tokens and
     dequantize + dense matmul for many, by a measurement at start-up; or force either."""
+    dora_fold: bool | Literal["auto"] = "auto"
+    """On an NVIDIA GPU, whether DoRA's training step folds each layer's row scale into its weights
+    (one product on the adapted weight, docs/performance.md): "auto" folds a quantized base always and
+    dense bases while their folded copies take at most 1/8 of the GPU's memory; true always, false never."""
     init_from: str = ""
     """Trained adapters to start from: a run folder or its adapters.safetensors (stock mlx-lm's
     too), of this kind and shape; the optimizer and the step start fresh (mlx-lm's

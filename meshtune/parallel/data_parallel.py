@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
-from ..adapters import ADAPTER_FILE, CONFIG_FILE, load_trainable, trainable_parameters
+from ..adapters import ADAPTER_FILE, CONFIG_FILE, StepContext, load_trainable, trainable_parameters
 from ..runtime.mesh import Mesh
 from ..training.checkpoint import (LoadedCheckpoint, TrainingState, atomic_save_safetensors, load_checkpoint,
                                    resumable_checkpoint, save_checkpoint)
@@ -44,7 +44,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, accumulation: int = 1,
                  max_grad_norm: float = 0.0, compile: bool = True, sync: str = "after_backward",
-                 bucket_mb: float = 25.0, transport: str = "mlx", overlap: bool = False, sample_comm: bool = False):
+                 bucket_mb: float = 25.0, transport: str = "mlx", overlap: bool = False, sample_comm: bool = False,
+                 step_context: StepContext | None = None):
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
         self.accumulation, self.overlap = accumulation, overlap
         sampled = sample_comm and transport == "mlx" and mesh.world_size > 1
@@ -52,9 +53,11 @@ class DataParallel:
         # Built at the first step: the compiled step holds the optimizer's state container, which a
         # resume replaces.
         self._build = partial(build_step, model, optimizer, mesh, max_grad_norm=max_grad_norm, compile=compile,
-                              sync=sync, bucket_mb=bucket_mb, transport=transport, clock=self.clock)
+                              sync=sync, bucket_mb=bucket_mb, transport=transport, clock=self.clock,
+                              step_context=step_context)
         self._build_sampled = partial(build_sampled_step, model, optimizer, mesh, max_grad_norm=max_grad_norm,
-                                      compile=compile, sync=sync, bucket_mb=bucket_mb) if sampled else None
+                                      compile=compile, sync=sync, bucket_mb=bucket_mb,
+                                      step_context=step_context) if sampled else None
         self._step: Step | None = None
         self._sampled: Callable[..., Any] | None = None
         self._comm: float | None = None  # the window's sampled comm seconds; None: sample the next step
@@ -68,11 +71,11 @@ class DataParallel:
 
     @classmethod
     def from_config(cls, cfg: "Config", mesh: Mesh, model: nn.Module, optimizer: optim.Optimizer, *,
-                    overlap: bool, say: Callable[[str], None]) -> "DataParallel":
+                    overlap: bool, say: Callable[[str], None], step_context: StepContext) -> "DataParallel":
         t, p = cfg.train, cfg.parallel
         return cls(model, optimizer, mesh, accumulation=t.grad_accumulation_steps, max_grad_norm=t.max_grad_norm,
                    compile=t.compile, sync=p.grad_sync, bucket_mb=p.bucket_mb, transport=p.transport, overlap=overlap,
-                   sample_comm=True)
+                   sample_comm=True, step_context=step_context)
 
     def step(self, batches: Iterator[Any]) -> tuple[list[tuple[mx.array, mx.array]], StepVerdict]:
         self._step = self._step or self._build()

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from ..adapters import step_context
+from ..adapters import StepContext
 from ..runtime.mesh import Mesh
 from ..training.model_loss import training_loss_terms
 from ..training.strategy import WaitClock
@@ -29,9 +29,11 @@ from .gradient_sums import TimedPump, sum_for_update
 from .socket_ring import BucketPump, SocketRing, hostfile_links
 
 
-def _step_parts(model: nn.Module, optimizer: optim.Optimizer, *, max_grad_norm: float, compile: bool
-                ) -> tuple[Callable, Callable, Callable]:
-    """(backward, apply, compiled): a step's two halves, and what compiles a function over the step's state."""
+def _step_parts(model: nn.Module, optimizer: optim.Optimizer, *, max_grad_norm: float, compile: bool,
+                step_context: StepContext | None) -> tuple[Callable, Callable, Callable]:
+    """(backward, apply, compiled): a step's two halves, and what compiles a function over the step's state.
+    The backward runs inside `step_context` (the adapters' per-step work; default: the config's defaults)."""
+    step_context = step_context or StepContext()
     loss_and_grad = nn.value_and_grad(model, training_loss_terms)
     state = [model.state, optimizer.state, mx.random.state]
     compiled = partial(mx.compile, inputs=state, outputs=state) if compile else (lambda f: f)
@@ -77,14 +79,17 @@ def _with_verdict(finish: Callable[..., tuple[mx.array, mx.array, Any]]
 
 def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
                compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
-               transport: str = "mlx", clock: WaitClock | None = None) -> Step:
-    """The step `meshtune train` runs (see Step), compiled with `compile`.
+               transport: str = "mlx", clock: WaitClock | None = None,
+               step_context: StepContext | None = None) -> Step:
+    """The step `meshtune train` runs (see Step), compiled with `compile`, its forward and backward inside
+    `step_context` (the run's adapters' per-step work, adapters/per_step.py).
 
     On the socket transport the backward and the update are compiled apart and the
     gradient buckets go to the socket ring's threads between them as they come due
     (sum_for_update with a pump); `clock` gets each step's exposed communication (TimedPump).
     """
-    backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile)
+    backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile,
+                                            step_context=step_context)
     sockets = transport == "sockets" and mesh.world_size > 1
     if sockets:
         backward, apply = compiled(backward), compiled(apply)
@@ -119,7 +124,8 @@ def build_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_
 
 
 def build_sampled_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, max_grad_norm: float,
-                       compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0
+                       compile: bool, sync: str = "after_backward", bucket_mb: float = 25.0,
+                       step_context: StepContext | None = None
                        ) -> Callable[..., tuple[tuple[mx.array, mx.array, StepVerdict], float]]:
     """sampled(tokens, lengths, grads, ntoks) -> (Step.finish's outputs, comm seconds).
 
@@ -131,7 +137,8 @@ def build_sampled_step(model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh,
     wait the compiled step exposes. The weights equal the compiled step's within float
     rounding; the evaluations are the host syncs of this one step.
     """
-    backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile)
+    backward, apply, compiled = _step_parts(model, optimizer, max_grad_norm=max_grad_norm, compile=compile,
+                                            step_context=step_context)
     backward, apply = compiled(backward), compiled(apply)
 
     def sampled(tokens: mx.array, lengths: mx.array, acc_grads: Any, acc_tokens: Any):

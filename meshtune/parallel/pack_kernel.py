@@ -26,13 +26,14 @@ def _body(n: int) -> str:
     return f"switch (blockIdx.y) {{\n{cases}\n}}"
 
 
-def pack_cuda(arrays: list[mx.array], dtype: mx.Dtype) -> mx.array:
-    """concatenate([a.reshape(-1).astype(dtype) for a in arrays]) with one kernel per MAX_ARRAYS arrays."""
+def pack_cuda(arrays: list[mx.array], dtype: mx.Dtype, max_arrays: int = MAX_ARRAYS) -> mx.array:
+    """concatenate([a.reshape(-1).astype(dtype) for a in arrays]) with one kernel per `max_arrays` arrays."""
     arrays = [a for a in arrays if a.size]  # an empty array adds nothing (and has no buffer to pass)
     if len(arrays) <= 1:
         return arrays[0].reshape(-1).astype(dtype) if arrays else mx.zeros((0,), dtype=dtype)
-    if len(arrays) > MAX_ARRAYS:
-        return mx.concatenate([pack_cuda(arrays[i:i + MAX_ARRAYS], dtype) for i in range(0, len(arrays), MAX_ARRAYS)])
+    if len(arrays) > max_arrays:
+        return mx.concatenate([pack_cuda(arrays[i:i + max_arrays], dtype, max_arrays)
+                               for i in range(0, len(arrays), max_arrays)])
     n = len(arrays)
     offsets = [0]
     for a in arrays:

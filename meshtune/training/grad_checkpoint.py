@@ -9,8 +9,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 
-def enable_grad_checkpoint(block: nn.Module) -> None:
-    """Recompute every block of this type in the backward pass instead of storing activations.
+def enable_grad_checkpoint(block: nn.Module) -> type[nn.Module]:
+    """Recompute every block of this type in the backward pass instead of storing activations; returns
+    the class now recomputed, which the training step's per-step work is told (adapters.StepContext's
+    `recomputed`: a DoRA step then hands no dequantized weight to a recomputed block's layers).
 
     A block keeps only its input; its forward runs again when the backward reaches it. The
     recomputation waits for the cotangent of the block's output (`mx.depends`), so it cannot run
@@ -18,7 +20,8 @@ def enable_grad_checkpoint(block: nn.Module) -> None:
     for the forward's output, so a scheduler may recompute every block early and hold all their
     activations at once; torch's non-reentrant checkpoint also recomputes when the gradient arrives.
     """
-    fn = type(block).__call__
+    cls = type(block)
+    fn = cls.__call__
 
     def checkpointed(module: nn.Module, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         flat = tree_flatten(module.trainable_parameters())
@@ -39,5 +42,5 @@ def enable_grad_checkpoint(block: nn.Module) -> None:
 
         return block_forward(x, *params)
 
-    checkpointed.recomputes_in_backward = True  # adapters/step_norms.py asks
-    type(block).__call__ = checkpointed
+    cls.__call__ = checkpointed
+    return cls

@@ -2,7 +2,7 @@
 
 A step's logits are tokens x vocabulary: 4096 x 151,936 in bfloat16 is 1.2 GB, and the plain
 loss (losses.masked_ce_sum) keeps them for the backward pass, which then forms their gradient,
-as large again. `head_ce_sum` computes, for CHUNK_TOKENS tokens at a time, the head's logits,
+as large again. `head_ce_sum` computes, for HEAD_CHUNK_TOKENS tokens at a time, the head's logits,
 their summed cross entropy and its gradient with respect to the hidden states (and to the
 head's weight when that trains), each chunk after the one before (mx.depends), so one chunk's
 logits are alive at a time. The backward pass only scales the stored gradients by the loss's
@@ -24,7 +24,6 @@ from mlx.utils import tree_flatten
 
 from . import HEAD_CHUNK_TOKENS, HEAD_THEN_LOGITS
 
-CHUNK_TOKENS = HEAD_CHUNK_TOKENS  # read at each call, so a test can shrink it
 SUM_IN_FLOAT32_ABOVE = 4
 """Chunks beyond which a trained head's weight gradient is summed in float32. Summed in bfloat16,
 4 chunks come as close to a float32 reference as the plain loss's one matmul (7.5e-3 against
@@ -57,13 +56,15 @@ def split_head(model: nn.Module) -> Head | None:
     return None
 
 
-def head_ce_sum(head: Head, hidden: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+def head_ce_sum(head: Head, hidden: mx.array, targets: mx.array, mask: mx.array, *,
+                chunk_tokens: int = HEAD_CHUNK_TOKENS) -> mx.array:
     """The summed cross entropy of the counted (`mask`) targets, in float32, as masked_ce_sum's
-    first value, with its gradient to `hidden` (and the head's weight) taken in the forward pass."""
+    first value, with its gradient to `hidden` (and the head's weight) taken in the forward pass,
+    `chunk_tokens` tokens at a time."""
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     m = mask.reshape(-1)
-    bounds = [(a, min(a + CHUNK_TOKENS, x.shape[0])) for a in range(0, x.shape[0], CHUNK_TOKENS)]
+    bounds = [(a, min(a + chunk_tokens, x.shape[0])) for a in range(0, x.shape[0], chunk_tokens)]
     trained = head.weight_module is not None
 
     @mx.custom_function

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..data.packing import packed_caches
+from . import HEAD_CHUNK_TOKENS
 from .head_loss import head_ce_sum, split_head
 from .losses import masked_ce_sum, target_mask
 
@@ -24,9 +25,10 @@ def loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[m
     return masked_ce_sum(model(inputs) if cache is None else model(inputs, cache=cache), tokens[:, 1:], lengths)
 
 
-def training_loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+def training_loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array, *,
+                        chunk_tokens: int = HEAD_CHUNK_TOKENS) -> tuple[mx.array, mx.array]:
     """`loss_terms` as the training step differentiates it: where the model's head allows
-    (training/head_loss.py), the head and its loss run a chunk of tokens at a time with their
+    (training/head_loss.py), the head and its loss run `chunk_tokens` tokens at a time with their
     gradient taken on the way, so the step never holds the whole batch's logits."""
     head = split_head(model)
     if head is None:
@@ -34,7 +36,7 @@ def training_loss_terms(model: nn.Module, tokens: mx.array, lengths: mx.array) -
     inputs, cache = _model_inputs(model, tokens, lengths)
     mask = target_mask(lengths, inputs.shape[1])
     hidden = head.body(inputs) if cache is None else head.body(inputs, cache)
-    return head_ce_sum(head, hidden, tokens[:, 1:], mask), mask.sum()
+    return head_ce_sum(head, hidden, tokens[:, 1:], mask, chunk_tokens=chunk_tokens), mask.sum()
 
 
 def _model_inputs(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, list | None]:

@@ -6,8 +6,8 @@ one) and `parallel/pipeline.Pipeline` (stages, with data-parallel replicas of th
 pipeline). The loop and `finetune` call only these methods, so neither knows which
 layout runs, how gradients travel or where the weights live. Each class also has
 `check(cfg, mesh, model_path)`, what the layout refuses before the model loads, and
-`from_config(cfg, mesh, model, optimizer, overlap=, say=)`, which `finetune` calls on
-the class it picks.
+`from_config(cfg, mesh, model, optimizer, overlap=, say=, step_context=)`, which `finetune`
+calls on the class it picks (step_context: the adapters' per-step work, adapters.StepContext).
 """
 
 from __future__ import annotations

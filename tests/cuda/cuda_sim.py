@@ -49,6 +49,7 @@ class SimulatedKernel:
         self.source, self.header = source, header
         self.calls = 0
         self.seen = {}
+        self.smallest_input = 1 << 62  # bytes of the smallest array any call handed it
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
         assert threadgroup[1:] == (1, 1) and grid[2] == 1, "the simulator takes x blocks and a y grid"
@@ -57,6 +58,7 @@ class SimulatedKernel:
         key = (self.name, tuple((n, str(v)) for n, v in template))
         dtypes = tuple(a.dtype for a in inputs)
         assert self.seen.setdefault(key, dtypes) == dtypes, f"{self.name}: one cached kernel for inputs {dtypes}"
+        self.smallest_input = min(self.smallest_input, *(a.nbytes for a in inputs))
         consts = []
         for name, value in template:
             if isinstance(value, mx.Dtype):

@@ -1,9 +1,9 @@
-"""The adapted linear product's hand-written backward equals autodiff of the plain expression."""
+"""The adapted linear products' hand-written backwards equal autodiff of the plain expression."""
 
 import mlx.core as mx
 import pytest
 
-from meshtune.adapters.adapted_linear import adapted_linear
+from meshtune.adapters.adapted_linear import dora_linear, folded_dora_linear, lora_linear, merged_dora_linear
 
 T, IN, OUT, R, S = 12, 16, 24, 4, 2.0
 
@@ -40,7 +40,9 @@ def test_gradients_match_autodiff(dora, dropout, tokens):
         return (fn(x, a, b, m if dora else None, xl) * probe).sum()
 
     def ours(x, a, b, m, xl):
-        return adapted_linear(x, w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w * w).sum(-1))
+        if m is None:
+            return lora_linear(x, w, a, b, S, x_lora=xl)
+        return dora_linear(x, w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w * w).sum(-1))
 
     def ref(x, a, b, m, xl):
         return _reference(x, w, a, b, m, xl)
@@ -69,14 +71,14 @@ def test_a_given_norm_is_the_constant_norm(dropout):
         return (fn(x, a, b, m, x * mask if dropout else x) * probe).sum()
 
     def ours(x, a, b, m, xl, norm=norm):
-        return adapted_linear(x, w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w * w).sum(-1), norm=norm)
+        return dora_linear(x, w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w * w).sum(-1), norm=norm)
 
     got_v, got = mx.value_and_grad(lambda *p: loss(ours, *p), argnums=(0, 1, 2, 3))(x, a, b, m)
     want_v, want = mx.value_and_grad(lambda *p: loss(lambda x, a, b, m, xl: _reference(x, w, a, b, m, xl), *p), argnums=(0, 1, 2, 3))(x, a, b, m)
     assert abs(got_v.item() - want_v.item()) <= 1e-4 * abs(want_v.item())
     for name, g, h in zip("x a b m".split(), got, want):
         assert mx.allclose(g, h, rtol=1e-4, atol=1e-5).item(), (name, mx.abs(g - h).max().item())
-    doubled = adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), norm=2 * norm)
+    doubled = dora_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), norm=2 * norm)
     assert mx.allclose(2 * doubled, ours(x, a, b, m, x), rtol=1e-5, atol=1e-6).item()
 
 
@@ -84,14 +86,14 @@ def test_a_given_norm_is_the_constant_norm(dropout):
 def test_zero_magnitude_gets_zero_gradient_not_nan(tokens):
     x, w, a, b, m, _ = _inputs(1, tokens)
     m = m.at[0].multiply(0.0)
-    g = mx.grad(lambda m: adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1)).sum())(m)
+    g = mx.grad(lambda m: dora_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1)).sum())(m)
     assert g[0].item() == 0.0 and mx.isfinite(g).all().item()
 
 
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_folded_product_is_doras(dropout, dtype):
-    """DoRA's row scale folded into W' = rs W and B' = B rs (kernels.FOLD_ROW_SCALE): the product
+    """DoRA's row scale folded into W' = rs W and B' = B rs (folded_dora_linear): the product
     and every gradient (m's from the output kept) are those of the plain expression."""
     x, w, a, b, m, mask = _inputs(3)
     x, w, mask = x.astype(dtype), w.astype(dtype), mask.astype(dtype)
@@ -105,8 +107,8 @@ def test_folded_product_is_doras(dropout, dtype):
 
     def folded(x, a, b, m, xl):
         rs = (m / norm).astype(dtype)
-        return adapted_linear(x, rs[:, None] * w, a, b, S, x_lora=xl, magnitude=m, w_sq=(w32 * w32).sum(-1),
-                              norm=norm, row_scale=rs.astype(mx.float32))
+        return folded_dora_linear(x, rs[:, None] * w, a, b, S, x_lora=xl, magnitude=m, norm=norm,
+                                  row_scale=rs.astype(mx.float32))
 
     def ref(x, a, b, m, xl):
         return _reference(x.astype(mx.float32), w32, a, b, m, xl.astype(mx.float32))
@@ -136,8 +138,8 @@ def test_merged_product_is_doras(dtype):
         dense = w32 + S * (mx.stop_gradient(a) @ mx.stop_gradient(b)).T
         norm = mx.sqrt((dense * dense).sum(-1))
         rs = (mx.stop_gradient(m) / norm).astype(dtype).astype(mx.float32)
-        return adapted_linear(x, (rs[:, None] * dense).astype(dtype), a, b, S, magnitude=m, w_sq=(w32 * w32).sum(-1),
-                              norm=norm, row_scale=rs, merged=True)
+        return merged_dora_linear(x, (rs[:, None] * dense).astype(dtype), a, b, S, magnitude=m, norm=norm,
+                                  row_scale=rs)
 
     def ref(x, a, b, m):
         return _reference(x.astype(mx.float32), w32, a, b, m, x.astype(mx.float32))
@@ -151,31 +153,6 @@ def test_merged_product_is_doras(dtype):
     for name, g, h in zip("x a b m".split(), got, want):
         g, h = g.astype(mx.float32), h.astype(mx.float32)
         assert mx.allclose(g, h, rtol=tol, atol=tol * mx.abs(h).max().item()).item(), (name, mx.abs(g - h).max().item())
-
-
-def test_merged_product_needs_the_fold_and_the_branch_on_x():
-    """A merged weight holds LoRA's branch on x itself: with another branch input (dropout), or unfolded, it is
-    an error, not a product that drops the branch's own input."""
-    x, w, a, b, m, mask = _inputs()
-    w_sq, norm = (w * w).sum(-1), mx.ones((OUT,))
-    with pytest.raises(ValueError, match="merged"):
-        adapted_linear(x, w, a, b, S, x_lora=x * mask, magnitude=m, w_sq=w_sq, norm=norm, row_scale=m, merged=True)
-    with pytest.raises(ValueError, match="merged"):
-        adapted_linear(x, w, a, b, S, magnitude=m, w_sq=w_sq, norm=norm, merged=True)
-
-
-def test_folded_product_needs_the_magnitude_and_its_norm():
-    x, w, a, b, m, _ = _inputs()
-    with pytest.raises(ValueError, match="folded"):
-        adapted_linear(x, w, a, b, S, row_scale=m)
-    with pytest.raises(ValueError, match="folded"):
-        adapted_linear(x, w, a, b, S, magnitude=m, w_sq=(w * w).sum(-1), row_scale=m)
-
-
-def test_magnitude_without_base_norms_is_an_error():
-    x, w, a, b, m, _ = _inputs()
-    with pytest.raises(ValueError, match="w_sq"):
-        adapted_linear(x, w, a, b, S, magnitude=m)
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="CUDA kernels")

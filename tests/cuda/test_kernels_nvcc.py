@@ -45,7 +45,7 @@ def _compile(path: Path) -> tuple[Path, subprocess.CompletedProcess]:
                                  str(path.with_suffix(".ptx"))], capture_output=True, text=True, timeout=300)
 
 
-def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
+def test_every_kernel_compiles_for_sm90(recorded, tmp_path):
     from meshtune.adapters import kernels
     from meshtune.parallel.pack_kernel import pack_cuda
 
@@ -59,19 +59,17 @@ def test_every_kernel_compiles_for_sm90(recorded, monkeypatch, tmp_path):
             kernels.row_norms_cuda(ws, a, b, [2.0, 2.0])
             # The folded launch with A resident (where the layout takes it: rank 8, 2048 wide) and staged.
             for resident in (True, False):
-                with monkeypatch.context() as patch:
-                    if not resident:
-                        patch.setattr(kernels, "_resident_layout", lambda *_: False)
+                launch = kernels.RowNormLaunch(resident=resident)
+                for merged in (False, True):
+                    kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, merged=merged, launch=launch)
+                # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator
+                # runs them).
+                packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32),
+                                               mx.ones((48, inp // 64), dtype=dtype),
+                                               mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
+                if kernels.reads_packed(packed[0], r):
                     for merged in (False, True):
-                        kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 2.0], m, merged=merged)
-                    # A quantized base read packed, 4 bits (2 and 8 differ in template constants only: the simulator
-                    # runs them).
-                    packed = [kernels.PackedWeight(mx.zeros((48, inp // 8), dtype=mx.uint32),
-                                                   mx.ones((48, inp // 64), dtype=dtype),
-                                                   mx.zeros((48, inp // 64), dtype=dtype), 4, 64)] * 2
-                    if kernels.reads_packed(packed[0], r):
-                        for merged in (False, True):
-                            kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, merged=merged)
+                        kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 2.0], m, merged=merged, launch=launch)
         for cols in (6144, 6150):  # 16-byte accesses, then a column a thread
             g = mx.random.normal((64, cols), key=next(k)).astype(dtype)
             y = mx.random.normal((64, cols), key=next(k)).astype(dtype)

@@ -23,8 +23,8 @@ def test_cotangent_kernel(simulated, rows, cols):
 
 
 def test_dora_layer_gradients_on_the_cuda_path(simulated):
-    """adapted_linear with both DoRA kernels simulated: value and every gradient as autodiff of the dense reference."""
-    from meshtune.adapters.adapted_linear import adapted_linear
+    """dora_linear with both DoRA kernels simulated: value and every gradient as autodiff of the dense reference."""
+    from meshtune.adapters.adapted_linear import dora_linear
 
     k = mx.random.split(mx.random.key(7), 6)
     x = mx.random.normal((2, 6, 24), key=k[0])
@@ -35,7 +35,7 @@ def test_dora_layer_gradients_on_the_cuda_path(simulated):
     probe = mx.random.normal((2, 6, 20), key=k[5])
 
     def ours(x, a, b, m):
-        return (adapted_linear(x, w, a, b, 2.0, magnitude=m, w_sq=(w * w).sum(-1)) * probe).sum()
+        return (dora_linear(x, w, a, b, 2.0, magnitude=m, w_sq=(w * w).sum(-1)) * probe).sum()
 
     def reference(x, a, b, m):
         dense = w + 2.0 * (a @ b).T

@@ -15,12 +15,11 @@ def test_pack_kernel(simulated):
     assert mx.array_equal(pack_cuda(half, mx.float32), mx.concatenate([a.reshape(-1) for a in half])).item()
 
 
-def test_more_arrays_than_a_launch_takes_are_packed_a_launch_per_group(simulated, monkeypatch):
+def test_more_arrays_than_a_launch_takes_are_packed_a_launch_per_group(simulated):
     import meshtune.parallel.pack_kernel as pack_kernel
 
-    monkeypatch.setattr(pack_kernel, "MAX_ARRAYS", 2)
     arrays = [mx.arange(k * 10, k * 10 + 3 + k, dtype=mx.float32) for k in range(5)]
-    got = pack_kernel.pack_cuda(arrays, mx.float32)
+    got = pack_kernel.pack_cuda(arrays, mx.float32, max_arrays=2)
     assert mx.array_equal(got, mx.concatenate(arrays)).item()
     # 5 arrays at 2 a launch: two launches of 2 and the last array alone, which needs no kernel.
     assert sum(k.calls for name, k in simulated.items() if name.startswith("meshtune_pack_2_")) == 2

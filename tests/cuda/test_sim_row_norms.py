@@ -26,18 +26,17 @@ def test_row_norm_kernel(simulated, r, inp, out):
 
 
 @pytest.mark.parametrize("most", [32, 2])  # one launch for the three layers; then two
-def test_row_norms_of_several_layers_share_a_launch(simulated, monkeypatch, most):
+def test_row_norms_of_several_layers_share_a_launch(simulated, most):
     """Layers of one shape, each with its own W, A, B and scale: each gets its own norms."""
     from meshtune.adapters import adapted_linear as AL, kernels
 
-    monkeypatch.setattr(kernels, "MAX_LAYERS_A_LAUNCH", most)
     r, inp, out = 4, 300, 21
     k = mx.random.split(mx.random.key(11), 9)
     ws = [mx.random.normal((out, inp), key=k[i]) / 8 for i in range(3)]
     as_ = [mx.random.normal((inp, r), key=k[3 + i]) / 8 for i in range(3)]
     bs = [mx.random.normal((r, out), key=k[6 + i]) / 8 for i in range(3)]
     scales = [2.0, 0.5, 7.0]
-    got = kernels.row_norms_cuda(ws, as_, bs, scales)
+    got = kernels.row_norms_cuda(ws, as_, bs, scales, launch=kernels.RowNormLaunch(max_layers=most))
     assert len(got) == 3
     for w, a, b, s, norm in zip(ws, as_, bs, scales, got):
         want, _ = AL.dora_row_scale(a.T @ w.T, a, b, (w * w).sum(-1), mx.ones((out,)), s, mx.float32)
@@ -63,28 +62,30 @@ def _one_layer(seed: int, r: int, inp: int, dtype=mx.bfloat16, out: int = 37) ->
     return ws, as_, bs, [mx.random.uniform(0.5, 2.0, (out,), key=k[3])]
 
 
-def _both_kernels(ws, as_, bs, ms) -> tuple:
-    """row_norms_and_scaled_cuda's (norms, W', rs, A, B') and row_norms_cuda's norms, scale 2."""
+def _both_kernels(ws, as_, bs, ms, launch=None) -> tuple:
+    """row_norms_and_scaled_cuda's (norms, W', rs, A, B') and row_norms_cuda's norms, scale 2, laid out as
+    `launch` (a kernels.RowNormLaunch; default the constants) says."""
     from meshtune.adapters import kernels
 
-    return kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms) + (kernels.row_norms_cuda(ws, as_, bs, [2.0]),)
+    launch = launch or kernels.LAUNCH
+    return (kernels.row_norms_and_scaled_cuda(ws, as_, bs, [2.0], ms, launch=launch)
+            + (kernels.row_norms_cuda(ws, as_, bs, [2.0], launch=launch),))
 
 
-def test_folded_launch_stages_a_by_smaller_tiles(simulated, monkeypatch):
+def test_folded_launch_stages_a_by_smaller_tiles(simulated):
     """kernels.FOLDED_TILE_ROWS: the staged folded launch (norms and W') holds 256 rows of A a tile at rank 8
     (the norms-only kernel 1024), and gives what 1024-row tiles give, to the bit; a tile under a warp's
     16-byte loads of W is not taken."""
     from meshtune.adapters import kernels
 
+    assert kernels.FOLDED_TILE_ROWS == 256
     assert kernels._row_scale_layout(8, 6144, 2, folded=True)[1:] == (8, 256)  # the 1B model's down projection
     assert kernels._row_scale_layout(8, 6144, 2)[1:] == (8, 1024)
     assert kernels._row_scale_layout(64, 6144, 2, folded=True)[2] == kernels._row_scale_layout(64, 6144, 2)[2]
-    monkeypatch.setattr(kernels, "FOLDED_TILE_ROWS", 128)
-    assert kernels._row_scale_layout(8, 6144, 2, folded=True)[1:] == (8, 1024)  # 128 < 32 lanes x 8 columns
+    # 128 < 32 lanes x 8 columns
+    assert kernels._row_scale_layout(8, 6144, 2, folded=True, tile_rows=128)[1:] == (8, 1024)
     case = _one_layer(9, 8, 2100)
-    monkeypatch.setattr(kernels, "FOLDED_TILE_ROWS", 1024)
-    want = _both_kernels(*case)
-    monkeypatch.setattr(kernels, "FOLDED_TILE_ROWS", 256)
+    want = _both_kernels(*case, launch=kernels.RowNormLaunch(folded_tile_rows=1024))
     _assert_same_bits(_both_kernels(*case), want, 256)
 
 
@@ -93,23 +94,21 @@ def test_folded_launch_stages_a_by_smaller_tiles(simulated, monkeypatch):
     (512, 70, 8, mx.bfloat16, 64, 2),  # 64 threads (two warps added through shared memory); one block, part-filled
     (384, 19, 5, mx.float32, 8, 2),  # 4 columns a thread (float32), rank 5, three warps
 ])
-def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, inp, out, r, dtype, rows, batch):
+def test_resident_folded_kernel_matches_the_staged_one(simulated, inp, out, r, dtype, rows, batch):
     """The folded launch with A held in registers (a thread's columns of every row) gives the
     staged kernel's norms and rs (float32 sums in another order: within 1e-6), W' = rs W from those rs, and A and
     B' = B rs, two layers a launch, rows not a multiple of a block or a batch."""
     from meshtune.adapters import kernels
 
-    monkeypatch.setattr(kernels, "RESIDENT_BATCH", batch)
     k = mx.random.split(mx.random.key(inp + out), 8)
     ws = [(mx.random.normal((out, inp), key=k[i]) / 8).astype(dtype) for i in (0, 1)]
     a = [mx.random.normal((inp, r), key=k[i]) / 8 for i in (2, 3)]
     b = [mx.random.normal((r, out), key=k[i]) / 8 for i in (4, 5)]
     ms = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (6, 7)]
-    monkeypatch.setattr(kernels, "RESIDENT_ROWS", rows)
-    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
+    resident = kernels.RowNormLaunch(resident_rows=rows, resident_batch=batch)
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, launch=resident)
     assert simulated[kernels.row_norm_kernel_name(2, True, resident=True)].calls == 1
-    monkeypatch.setattr(kernels, "_resident_layout", lambda *_: False)  # the staged layout
-    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms)
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, [2.0, 0.5], ms, launch=kernels.RowNormLaunch(resident=False))
     assert simulated[kernels.row_norm_kernel_name(2, True)].calls == 1
     norms, scaled, row_scales, a_cast, b_scaled = got
     for n, want_n, rs, want_rs, m, w, sw, ac, a_l, bs, b_l in zip(norms, want[0], row_scales, want[2], ms, ws,
@@ -120,7 +119,7 @@ def test_resident_folded_kernel_matches_the_staged_one(simulated, monkeypatch, i
         assert mx.array_equal(ac, a_l.astype(dtype)).item() and mx.array_equal(bs, (b_l * rs).astype(dtype)).item()
 
 
-def test_resident_folded_kernel_reads_quantized_weights_packed(simulated, monkeypatch):
+def test_resident_folded_kernel_reads_quantized_weights_packed(simulated):
     """The resident-A launch on a 4-bit base read packed gives what it gives on the dequantized weight."""
     import mlx.nn as nn
 
@@ -133,9 +132,9 @@ def test_resident_folded_kernel_reads_quantized_weights_packed(simulated, monkey
     a = [mx.random.normal((512, 8), key=k[i]) / 8 for i in range(2)]
     b = [mx.random.normal((8, 37), key=k[2 + i]) for i in range(2)]
     ms = [mx.random.uniform(0.5, 2.0, (37,), key=k[4 + i]) for i in range(2)]
-    monkeypatch.setattr(kernels, "RESIDENT_ROWS", 16)
-    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [2.0, 0.5], ms)
-    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 0.5], ms)
+    launch = kernels.RowNormLaunch(resident_rows=16)
+    want = kernels.row_norms_and_scaled_cuda(dense, a, b, [2.0, 0.5], ms, launch=launch)
+    got = kernels.row_norms_and_scaled_cuda(packed, a, b, [2.0, 0.5], ms, launch=launch)
     assert simulated[kernels.row_norm_kernel_name(2, True, packed=True, resident=True)].calls == 1
     assert simulated[kernels.row_norm_kernel_name(2, True, resident=True)].calls == 1
     for kind, gots, wants in zip(("norm", "W'", "rs", "A", "B'"), got, want):
@@ -168,8 +167,7 @@ def test_row_norm_kernel_writing_scaled_weights(simulated, inp, out):
     (384, 19, 5, mx.float32, False),  # rank 5, 4 columns a lane
     (512, 37, 8, mx.bfloat16, True),  # a 4-bit base read packed
 ])
-def test_merged_folded_launch_writes_the_whole_adapted_weight(simulated, monkeypatch, resident, inp, out, r, dtype,
-                                                               quantized):
+def test_merged_folded_launch_writes_the_whole_adapted_weight(simulated, resident, inp, out, r, dtype, quantized):
     """With `merged` (a folded step's layers without dropout) the folded launch (A resident or staged, dense or packed base) writes
     W' = rs (W + s (A B)^T), each element the one its norm was taken of; norms, rs, A and B' are the unmerged
     launch's, bit for bit."""
@@ -177,9 +175,7 @@ def test_merged_folded_launch_writes_the_whole_adapted_weight(simulated, monkeyp
 
     from meshtune.adapters import kernels
 
-    if not resident:
-        monkeypatch.setattr(kernels, "_resident_layout", lambda *_: False)
-    monkeypatch.setattr(kernels, "RESIDENT_ROWS", 16)
+    launch = kernels.RowNormLaunch(resident_rows=16, resident=resident)
     k = mx.random.split(mx.random.key(inp + out + r), 8)
     if quantized:
         layers = [nn.QuantizedLinear.from_linear(nn.Linear(inp, out, bias=False), group_size=64, bits=4)
@@ -192,8 +188,8 @@ def test_merged_folded_launch_writes_the_whole_adapted_weight(simulated, monkeyp
     b = [mx.random.normal((r, out), key=k[i]) / 2 for i in (4, 5)]
     ms = [mx.random.uniform(0.5, 2.0, (out,), key=k[i]) for i in (6, 7)]
     scales = [2.0, 0.5]
-    got = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms, factors=True, merged=True)
-    want = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms)
+    got = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms, factors=True, merged=True, launch=launch)
+    want = kernels.row_norms_and_scaled_cuda(ws, a, b, scales, ms, launch=launch)
     vec = 16 // dense[0].dtype.size if not quantized else kernels._packed_layout(r, ws[0])[1]
     on_resident = resident and kernels._resident_layout(r, inp, vec)
     assert on_resident == resident  # each case takes the layout it names

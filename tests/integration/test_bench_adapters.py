@@ -125,7 +125,7 @@ def test_generation_is_timed_in_interleaved_rounds(monkeypatch):
     calls: list[str] = []
     rates = iter(range(1, 1000))
 
-    def fake_model(impl, kind, base, a, shape, dtype):
+    def fake_model(impl, kind, base, a, shape, dtype, paths):
         name = f"{impl}_{kind}_{base}"
         calls.append("load " + name)
 
@@ -136,7 +136,7 @@ def test_generation_is_timed_in_interleaved_rounds(monkeypatch):
 
     monkeypatch.setattr(B, "generation_model", fake_model)
     a = B._settings(["--preset", "tiny", "--rounds", "4"])
-    got = B.time_generate("4bit", a, B.shape_of(a), None)
+    got = B.time_generate("4bit", a, B.shape_of(a), None, None)
     names = [f"{i}_{k}_4bit" for k in B.KINDS for i in B.IMPLS]
     assert calls == ["load " + n for n in names] + names * 4
     # Decode calls return 1, 2, 3, ... in call order: model j's rounds return j+1, j+5, j+9, j+13.

@@ -13,20 +13,14 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from meshtune.adapters import (DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRAEmbedding, LoRALinear,
-                               LoRASwitchLinear, get_base_path, measure_crossover, set_base_path)
+from meshtune.adapters import (BasePath, DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRAEmbedding, LoRALinear,
+                               LoRASwitchLinear, measure_crossover)
 from meshtune.adapters import base_path
 
 KINDS = ["linear", "qlinear", "embedding", "qembedding", "switch", "qswitch"]
 VARIANTS = ["lora", "dora"]
 E, IN, OUT, N, R, S = 4, 64, 48, 40, 4, 2.0
 ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _restore_base_path():
-    yield
-    set_base_path("auto")
 
 
 def _base(kind):
@@ -49,10 +43,10 @@ def _base(kind):
     return layer
 
 
-def _wrap(kind, variant, base):
+def _wrap(kind, variant, base, path="auto"):
     family = {"linear": (LoRALinear, DoRALinear), "embedding": (LoRAEmbedding, DoRAEmbedding),
               "switch": (LoRASwitchLinear, DoRASwitchLinear)}[kind.lstrip("q")]
-    return family[variant == "dora"].from_base(base, r=R, scale=S)
+    return family[variant == "dora"].from_base(base, r=R, scale=S, base_path=BasePath(path))
 
 
 def _input(kind, sorted_experts=False):
@@ -103,10 +97,10 @@ def _reference_out(kind, layer, inputs):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_output_unchanged_at_step0(kind, variant):
-    set_base_path("quantized")  # the base's own kernel, so LoRA must match it bit for bit
     base = _base(kind)
     inputs = _input(kind)
-    want, got = base(*inputs), _wrap(kind, variant, base)(*inputs)
+    # The base's own kernel, so LoRA must match it bit for bit.
+    want, got = base(*inputs), _wrap(kind, variant, base, "quantized")(*inputs)
     if variant == "lora":
         assert mx.array_equal(got, want)
     else:  # m / ||W|| is exactly 1; only where the bias is added can rounding differ
@@ -117,8 +111,7 @@ def test_output_unchanged_at_step0(kind, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_equals_dense_reference(kind, variant, path):
-    set_base_path(path)
-    layer = _wrap(kind, variant, _base(kind))
+    layer = _wrap(kind, variant, _base(kind), path)
     _randomize(layer)
     for inputs in [_input(kind)] + ([_input(kind, sorted_experts=True)] if "switch" in kind else []):
         assert mx.allclose(layer(*inputs), _reference_out(kind, layer, inputs), atol=ATOL)
@@ -230,46 +223,39 @@ def test_base_paths_agree(kind):
     layer = _base(kind)
     if kind == "qswitch":
         x, idx = _input(kind)
-        run = lambda: base_path.switch_forward(layer, x, idx)
+        run = lambda path: BasePath(path).switch_forward(layer, x, idx)
     else:
         x = mx.random.normal((7, IN))
-        run = lambda: base_path.linear_forward(layer, x)
-    set_base_path("quantized")
-    quantized = run()
-    set_base_path("dequantized")
-    assert mx.allclose(run(), quantized, atol=1e-4)
+        run = lambda path: BasePath(path).linear_forward(layer, x)
+    assert mx.allclose(run("dequantized"), run("quantized"), atol=1e-4)
 
 
-def test_auto_chooses_by_measured_token_count(monkeypatch):
+def test_auto_chooses_by_measured_token_count():
     layer = _base("qlinear")
     calls = []
-    monkeypatch.setattr(base_path, "_crossovers", {})
-    monkeypatch.setattr(base_path, "measure_crossover", lambda *a, **k: calls.append(k) or 16)
-    assert get_base_path() == "auto"
-    assert not base_path.use_dequantized(layer, 15)
-    assert base_path.use_dequantized(layer, 16)
+    auto = BasePath(measure=lambda *a, **k: calls.append(k) or 16)
+    assert BasePath().mode == "auto"
+    assert not auto.use_dequantized(layer, 15)
+    assert auto.use_dequantized(layer, 16)
     assert len(calls) == 1 and calls[0]["bits"] == 4 and calls[0]["group_size"] == 32  # measured once
-    set_base_path("quantized")
-    assert not base_path.use_dequantized(layer, 10_000)
-    set_base_path("dequantized")
-    assert base_path.use_dequantized(layer, 1)
-    assert not base_path.use_dequantized(nn.Linear(4, 4), 10_000)  # dense bases have one path
+    assert not BasePath("quantized").use_dequantized(layer, 10_000)
+    assert BasePath("dequantized").use_dequantized(layer, 1)
+    assert auto.use_dequantized(layer, 16) and not auto.use_dequantized(layer, 15)  # each path its own threshold
+    assert not auto.use_dequantized(nn.Linear(4, 4), 10_000)  # dense bases have one path
 
 
-def test_a_run_s_kept_crossovers_are_taken_instead_of_measured(monkeypatch):
+def test_a_run_s_kept_crossovers_are_taken_instead_of_measured():
     """What a run keeps in base_path.json (measured()) a resumed run adopts: the same paths, no measurement."""
     import json
 
     layer = _base("qlinear")
-    monkeypatch.setattr(base_path, "_crossovers", {})
-    monkeypatch.setattr(base_path, "measure_crossover", lambda *a, **k: 16)
-    base_path.crossover_for(layer)
-    kept = json.loads(json.dumps(base_path.measured()))
+    run = BasePath(measure=lambda *a, **k: 16)
+    run.crossover_for(layer)
+    kept = json.loads(json.dumps(run.measured()))
     assert list(kept.values()) == [16]
-    monkeypatch.setattr(base_path, "_crossovers", {})
-    monkeypatch.setattr(base_path, "measure_crossover", lambda *a, **k: pytest.fail("measured again"))
-    assert base_path.adopt(kept) == 1
-    assert base_path.crossover_for(layer) == 16 and base_path.measured() == kept
+    resumed = BasePath(measure=lambda *a, **k: pytest.fail("measured again"))
+    assert resumed.adopt(kept) == 1
+    assert resumed.crossover_for(layer) == 16 and resumed.measured() == kept
 
 
 def test_measure_crossover_returns_a_measured_count():
@@ -300,4 +286,4 @@ def test_crossover_timing_runs_fast_calls_in_batches_and_picks_the_faster():
 
 def test_bad_base_path_names_the_choices():
     with pytest.raises(ValueError, match="auto, quantized, dequantized"):
-        set_base_path("fast")
+        BasePath("fast")

@@ -8,13 +8,14 @@ logits (O(1) to O(10)) agree to 1e-3 after a dense fuse and to 1e-4 against stoc
 
 from __future__ import annotations
 
+import copy
 import json
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from meshtune.adapters import (DoRAEmbedding, DoRALinear, DoRASwitchLinear, LoRASwitchLinear, apply_adapters,
@@ -163,15 +164,23 @@ def test_stock_mlx_lm_loads_our_linear_and_embedding_dora(model_factory, tmp_pat
     assert mx.allclose(stock(TOKENS), trained(TOKENS), atol=1e-4)
 
 
-def _record_routing(monkeypatch):
-    routed: dict[int, set[int]] = {}
-    original = DoRASwitchLinear.__call__
+def _record_routing(model):
+    """Each DoRASwitchLinear of `model` replaced by a copy (the same arrays and names) that records the experts it
+    is routed to: path -> those experts."""
+    routed: dict[str, set[int]] = {}
 
-    def recording(self, x, indices, sorted_indices=False):
-        routed.setdefault(id(self), set()).update(int(i) for i in indices.flatten().tolist())
-        return original(self, x, indices, sorted_indices)
+    class Recording(DoRASwitchLinear):
+        def __call__(self, x, indices, sorted_indices=False):
+            routed[self.path].update(int(i) for i in indices.flatten().tolist())
+            return super().__call__(x, indices, sorted_indices)
 
-    monkeypatch.setattr(DoRASwitchLinear, "__call__", recording)
+    swaps = []
+    for path, layer in model.named_modules():
+        if isinstance(layer, DoRASwitchLinear):
+            recording = copy.copy(layer)
+            recording.__class__, recording.path, routed[path] = Recording, path, set()
+            swaps.append((path, recording))
+    model.update_modules(tree_unflatten(swaps))
     return routed
 
 
@@ -180,11 +189,11 @@ def _lengths(tokens):
 
 
 @pytest.mark.parametrize("quantize", [False, True])
-def test_dora_experts_get_gradients_where_routed(monkeypatch, quantize):
+def test_dora_experts_get_gradients_where_routed(quantize):
     model = tiny_moe(experts=8, quantize=quantize)
     apply_adapters(model, fine_tune_type="dora", num_layers=-1, keys=EXPERT_KEYS, rank=4, scale=10.0, dropout=0.0)
     _randomize(model)  # B != 0 so lora_a has a gradient too
-    routed = _record_routing(monkeypatch)
+    routed = _record_routing(model)
     tokens = TOKENS[:1, :3]  # 3 tokens x top-2 of 8 experts: some experts stay idle
 
     def loss(model):
@@ -200,8 +209,8 @@ def test_dora_experts_get_gradients_where_routed(monkeypatch, quantize):
         for e in range(8):
             for leaf in ("lora_a", "lora_b", "m"):
                 g = mx.abs(grads[f"{path}.{leaf}"][e]).max().item()
-                assert (g > 0) == (e in routed[id(layer)]), (path, e, leaf)
-        idle += 8 - len(routed[id(layer)])
+                assert (g > 0) == (e in routed[path]), (path, e, leaf)
+        idle += 8 - len(routed[path])
     assert idle > 0
 
 

@@ -17,6 +17,7 @@ PRELUDE = textwrap.dedent('''
     import json, sys
     import mlx.core as mx, mlx.optimizers as optim
     from mlx.utils import tree_flatten
+    from meshtune.adapters import StepContext
     from meshtune.bench.models import Shape, build_model, add_adapters
     from meshtune.parallel.data_parallel_step import build_step
     from meshtune.runtime.mesh import Mesh
@@ -33,9 +34,10 @@ PRELUDE = textwrap.dedent('''
         m.train()
         return m
 
-    def step(m, tokens, lengths, clip=0.0):
+    def step(m, tokens, lengths, clip=0.0, recomputed=()):
         opt = optim.AdamW(learning_rate=1e-3)
-        s = build_step(m, opt, Mesh.single(), max_grad_norm=clip, compile=True)
+        s = build_step(m, opt, Mesh.single(), max_grad_norm=clip, compile=True,
+                       step_context=StepContext.for_run(recomputed=recomputed))
         return s, opt
 ''')
 
@@ -53,9 +55,8 @@ def test_checkpointed_steps_make_the_same_update(kind):
         weights = []
         for checkpointed in (False, True):
             m = model(3, "{kind}")
-            if checkpointed:
-                enable_grad_checkpoint(m.layers[0])
-            s, opt = step(m, tokens, lengths, clip=1.0)
+            recomputed = (enable_grad_checkpoint(m.layers[0]),) if checkpointed else ()
+            s, opt = step(m, tokens, lengths, clip=1.0, recomputed=recomputed)
             for _ in range(2):
                 ce, n, verdict = s.finish(tokens, lengths, None, None)
                 mx.eval(ce, m.state, opt.state)
@@ -79,8 +80,7 @@ def test_a_checkpointed_step_keeps_one_hidden_state_per_block():
         peaks = {}
         for layers in (4, 12):
             m = model(layers, "lora", hidden)
-            enable_grad_checkpoint(m.layers[0])
-            s, opt = step(m, tokens, lengths)
+            s, opt = step(m, tokens, lengths, recomputed=(enable_grad_checkpoint(m.layers[0]),))
             run = lambda: mx.eval(s.finish(tokens, lengths, None, None)[0], m.state, opt.state)
             run(); run()
             mx.reset_peak_memory(); live = mx.get_active_memory()

@@ -13,7 +13,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-import meshtune.training.head_loss as head_loss
+from functools import partial
+
 from meshtune.training.head_loss import HEAD_THEN_LOGITS, split_head
 from meshtune.training.model_loss import loss_terms, training_loss_terms
 
@@ -44,6 +45,11 @@ def batch(vocab: int = 96, rows: int = 3, width: int = 41, packed: bool = False)
     return tokens, mx.array(([[0, width], [3, 30], [5, width]] * rows)[:rows])
 
 
+def chunked(tokens: int):
+    """training_loss_terms with the head's loss `tokens` tokens at a time."""
+    return partial(training_loss_terms, chunk_tokens=tokens)
+
+
 def grads_of(model: nn.Module, loss, tokens, lengths, compiled: bool = False):
     value_and_grad = nn.value_and_grad(model, loss)
     if compiled:
@@ -70,8 +76,7 @@ def test_each_listed_family_s_logits_are_its_head_of_its_body(model_type, tie):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("frozen_head", [False, True])
 @pytest.mark.parametrize("tie", [True, False])
-def test_values_and_gradients_equal_the_plain_loss_s(monkeypatch, tie, frozen_head, packed, compiled):
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)  # 120 tokens: five chunks
+def test_values_and_gradients_equal_the_plain_loss_s(tie, frozen_head, packed, compiled):
     model = make(tie=tie)
     if frozen_head:
         model.freeze()
@@ -79,7 +84,7 @@ def test_values_and_gradients_equal_the_plain_loss_s(monkeypatch, tie, frozen_he
     assert split_head(model) is not None
     tokens, lengths = batch(packed=packed)
     ce, n, want = grads_of(model, loss_terms, tokens, lengths)
-    ce2, n2, got = grads_of(model, training_loss_terms, tokens, lengths, compiled)
+    ce2, n2, got = grads_of(model, chunked(24), tokens, lengths, compiled)  # 120 tokens: five chunks
     assert n2 == n and ce2 == pytest.approx(ce, rel=1e-5)
     assert sorted(got) == sorted(want)
     for k in want:
@@ -89,49 +94,46 @@ def test_values_and_gradients_equal_the_plain_loss_s(monkeypatch, tie, frozen_he
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_in_bfloat16_its_gradients_are_as_close_to_float32_s_as_the_plain_loss_s(monkeypatch, tie):
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)
+def test_in_bfloat16_its_gradients_are_as_close_to_float32_s_as_the_plain_loss_s(tie):
     tokens, lengths = batch()
     _, _, reference = grads_of(make(tie=tie), loss_terms, tokens, lengths)
     model = make(tie=tie, dtype=mx.bfloat16)
     _, _, plain = grads_of(model, loss_terms, tokens, lengths)
-    _, _, chunked = grads_of(model, training_loss_terms, tokens, lengths)
+    _, _, chunks = grads_of(model, chunked(24), tokens, lengths)
 
     def error(grads):
         return max((mx.linalg.norm(grads[k] - reference[k]) / mx.linalg.norm(reference[k])).item() for k in reference)
 
     assert error(plain) < 0.05
-    assert error(chunked) <= 1.25 * error(plain)
+    assert error(chunks) <= 1.25 * error(plain)
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_over_many_chunks_a_trained_head_s_gradient_is_as_close_to_float32_s_as_the_plain_loss_s(monkeypatch, tie):
+def test_over_many_chunks_a_trained_head_s_gradient_is_as_close_to_float32_s_as_the_plain_loss_s(tie):
     """64 chunks: the head weight's gradient is summed in float32 (SUM_IN_FLOAT32_ABOVE); summed in
     bfloat16 chunk by chunk its error grew to 1.6x the plain loss's."""
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 64)
     tokens, lengths = batch(vocab=512, rows=8, width=513)
     key = "model.embed_tokens.weight" if tie else "lm_head.weight"
     reference = grads_of(make(tie=tie, vocab_size=512), loss_terms, tokens, lengths)[2][key]
     model = make(tie=tie, vocab_size=512, dtype=mx.bfloat16)
     plain = grads_of(model, loss_terms, tokens, lengths)[2][key]
-    chunked = grads_of(model, training_loss_terms, tokens, lengths, compiled=True)[2][key]
+    chunks = grads_of(model, chunked(64), tokens, lengths, compiled=True)[2][key]
 
     def error(g):
         return (mx.linalg.norm(g - reference) / mx.linalg.norm(reference)).item()
 
-    assert error(chunked) <= 1.1 * error(plain)
+    assert error(chunks) <= 1.1 * error(plain)
 
 
 @pytest.mark.parametrize("frozen_head", [False, True])
-def test_a_float32_head_on_a_bfloat16_model_gives_the_plain_gradients(monkeypatch, frozen_head):
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)
+def test_a_float32_head_on_a_bfloat16_model_gives_the_plain_gradients(frozen_head):
     model = make(tie=False, dtype=mx.bfloat16)
     model.lm_head.set_dtype(mx.float32)
     if frozen_head:
         model.lm_head.freeze()
     tokens, lengths = batch()
     ce, _, want = grads_of(model, loss_terms, tokens, lengths)
-    ce2, _, got = grads_of(model, training_loss_terms, tokens, lengths, compiled=True)
+    ce2, _, got = grads_of(model, chunked(24), tokens, lengths, compiled=True)
     assert ce2 == pytest.approx(ce, rel=1e-3)
     for k in want:
         assert (mx.linalg.norm(got[k] - want[k]) / mx.linalg.norm(want[k])).item() < 2e-2, k
@@ -139,16 +141,16 @@ def test_a_float32_head_on_a_bfloat16_model_gives_the_plain_gradients(monkeypatc
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_a_pipeline_s_last_stage_gives_the_plain_loss_s_gradients(monkeypatch, tie, kind):
-    """PipelineStage.loss over five chunks against the same stage with the plain loss: the value,
-    the parameter gradients and the gradient sent back to the stage before."""
-    import meshtune.parallel.pipeline.stage as stage_module
+def test_a_pipeline_s_last_stage_gives_the_plain_loss_s_gradients(tie, kind):
+    """PipelineStage.loss over five chunks against the same stage's backward with the plain loss (the whole
+    batch's logits at once): the value, the parameter gradients and the gradient sent back to the stage before."""
     from meshtune.adapters import apply_adapters
     from meshtune.runtime.mesh import Mesh
     from meshtune.parallel.pipeline.stage import PipelineStage
+    from meshtune.training.losses import masked_ce_sum
 
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)
     tokens, lengths = batch()
+    targets = tokens[:, 1:]
 
     def adapted():
         model = make("llama", tie=tie, num_hidden_layers=4)
@@ -158,28 +160,34 @@ def test_a_pipeline_s_last_stage_gives_the_plain_loss_s_gradients(monkeypatch, t
                 module.lora_b = mx.full(module.lora_b.shape, 0.01)
         return model
 
-    def last_stage_backward(chunked: bool):
-        first = PipelineStage(adapted(), 0, 2, Mesh(group=None, world_size=1, rank=0, dp=1, pp=2))
-        hidden = first.forward(tokens[:, :-1], lengths)
-        with monkeypatch.context() as patch:
-            if not chunked:
-                patch.setattr(stage_module, "split_head", lambda model: None)
-            last = PipelineStage(adapted(), 1, 2, Mesh(group=None, world_size=1, rank=1, dp=1, pp=2), compile=True)
-            value, grads, dx = last.backward(hidden, tokens[:, 1:], lengths, None)
-            mx.eval(value, grads, dx)
-        return value.item(), dict(tree_flatten(grads)), dx
+    first = PipelineStage(adapted(), 0, 2, Mesh(group=None, world_size=1, rank=0, dp=1, pp=2))
+    hidden = first.forward(tokens[:, :-1], lengths)
 
-    value, grads, dx = last_stage_backward(chunked=True)
-    plain_value, plain_grads, plain_dx = last_stage_backward(chunked=False)
-    assert value == pytest.approx(plain_value, rel=1e-5)
+    def last_stage():
+        return PipelineStage(adapted(), 1, 2, Mesh(group=None, world_size=1, rank=1, dp=1, pp=2), compile=True,
+                             head_chunk_tokens=24)
+
+    last = last_stage()
+    value, grads, dx = last.backward(hidden, targets, lengths, None)
+    mx.eval(value, grads, dx)
+
+    last = last_stage()
+
+    def plain_loss(params, h):  # the stage's own differentiation, its loss the plain one
+        last.model.update(params)
+        return masked_ce_sum(last.head(last.inner.norm(last.hidden(h, lengths))), targets, lengths)[0]
+
+    plain_value, (plain_grads, plain_dx) = mx.value_and_grad(plain_loss, argnums=(0, 1))(
+        last.model.trainable_parameters(), hidden)
+    grads, plain_grads = dict(tree_flatten(grads)), dict(tree_flatten(plain_grads))
+    assert value.item() == pytest.approx(plain_value.item(), rel=1e-5)
     assert sorted(grads) == sorted(plain_grads) and grads
     for k, want in plain_grads.items():
         assert mx.abs(grads[k] - want).max().item() <= 1e-5 * mx.abs(want).max().item(), k
     assert mx.abs(dx - plain_dx).max().item() <= 1e-5 * mx.abs(plain_dx).max().item()
 
 
-def test_a_quantized_tied_head_which_is_frozen_gives_the_plain_gradients(monkeypatch):
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 24)
+def test_a_quantized_tied_head_which_is_frozen_gives_the_plain_gradients():
     model = make(hidden_size=64, head_dim=16)
     nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Embedding))
     model.freeze()
@@ -187,7 +195,7 @@ def test_a_quantized_tied_head_which_is_frozen_gives_the_plain_gradients(monkeyp
     assert split_head(model) is not None
     tokens, lengths = batch()
     ce, _, want = grads_of(model, loss_terms, tokens, lengths)
-    ce2, _, got = grads_of(model, training_loss_terms, tokens, lengths, compiled=True)
+    ce2, _, got = grads_of(model, chunked(24), tokens, lengths, compiled=True)
     assert ce2 == pytest.approx(ce, rel=1e-5)
     for k in want:
         assert mx.abs(got[k] - want[k]).max().item() <= 1e-5 * mx.abs(want[k]).max().item(), k
@@ -203,12 +211,11 @@ def test_heads_it_does_not_handle_take_the_plain_loss():
     assert split_head(model) is not None  # frozen, any head computes its logits
 
 
-def test_the_whole_batch_s_logits_are_never_alive_at_once(monkeypatch):
+def test_the_whole_batch_s_logits_are_never_alive_at_once():
     """Peak memory of a compiled step over 2048 tokens x a 32,768 vocabulary (float32 logits
     268 MB): the plain loss holds several logits-sized arrays; the chunked loss, 128 tokens at
     a time, each chunk after the one before, stays under 30% of that (about 20%; with the
     chunks left to run in any order, about 40%)."""
-    monkeypatch.setattr(head_loss, "CHUNK_TOKENS", 128)
     model = make(vocab_size=32768, num_hidden_layers=1)
     tokens = mx.random.randint(0, 32768, (2, 1025), key=mx.random.key(2))
     lengths = mx.array([[0, 1025]] * 2)
@@ -224,7 +231,7 @@ def test_the_whole_batch_s_logits_are_never_alive_at_once(monkeypatch):
         del out
         return mx.get_peak_memory() - base
 
-    plain, chunked = peak(loss_terms), peak(training_loss_terms)
+    plain, chunks = peak(loss_terms), peak(chunked(128))
     logits = 2048 * 32768 * 4
     assert plain > 2 * logits
-    assert chunked < 0.3 * plain
+    assert chunks < 0.3 * plain

@@ -36,7 +36,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ...adapters import trainable_parameters
+from ...adapters import StepContext, trainable_parameters
 from ...training.checkpoint import LoadedCheckpoint, TrainingState
 from ...training.losses import masked_ce_sum, target_mask
 from ...training.strategy import WaitClock
@@ -243,14 +243,14 @@ class Pipeline:
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, mesh: Mesh, *, schedule: str,
                  micro_batches: int, stage_layers: list[int] | None = None, accumulation: int = 1,
                  max_grad_norm: float = 0.0, overlap: bool = False, transfer: str | None = None,
-                 compile: bool = False, model_from: Path | str | None = None):
+                 compile: bool = False, model_from: Path | str | None = None, step_context: StepContext | None = None):
         """`model_from`: with full fine-tuning, the base model (a folder or a hub id) whose config and
         tokenizer the trained model's folder takes (stage_model.py); None writes the adapters file alone."""
         self.model, self.optimizer, self.mesh, self.model_from = model, optimizer, mesh, model_from
         self.accumulation, self.max_grad_norm, self.overlap = accumulation, max_grad_norm, overlap
         self.keys = list(trainable_parameters(model))  # every stage's: taken before the stage freezes the others
         self.stage = PipelineStage(model, mesh.pp_rank, mesh.pp, mesh, stage_layers=stage_layers, transfer=transfer,
-                                   compile=compile)
+                                   compile=compile, step_context=step_context or StepContext())
         self.schedule, self.micro_batches = build_schedule(schedule, mesh.pp, micro_batches), micro_batches
         self.clock = WaitClock()
 
@@ -261,12 +261,13 @@ class Pipeline:
 
     @classmethod
     def from_config(cls, cfg: "Config", mesh: Mesh, model: nn.Module, optimizer: optim.Optimizer, *,
-                    overlap: bool, say: Callable[[str], None]) -> "Pipeline":
+                    overlap: bool, say: Callable[[str], None], step_context: StepContext) -> "Pipeline":
         _, _, micro_batches = cfg.parallel_sizes(mesh.world_size)
         pipeline = cls(model, optimizer, mesh, schedule=cfg.parallel.schedule, micro_batches=micro_batches,
                        stage_layers=cfg.parallel.stage_layers, accumulation=cfg.train.grad_accumulation_steps,
                        max_grad_norm=cfg.train.max_grad_norm, overlap=overlap, compile=cfg.train.compile,
-                       model_from=cfg.resolved_model_path() if cfg.adapter.fine_tune_type == "full" else None)
+                       model_from=cfg.resolved_model_path() if cfg.adapter.fine_tune_type == "full" else None,
+                       step_context=step_context)
         say(f"pipeline: {mesh.pp} stages, {cfg.parallel.schedule} schedule, {micro_batches} micro-batches")
         say("pipeline blocks per stage: " + ", ".join(f"{e - s} [{s}, {e})" for s, e in pipeline.stage.bounds))
         if mesh.dp_rank == 0:  # every stage says what it holds, so a launcher's log shows the division

@@ -7,7 +7,7 @@ pipeline_state.py saves and restores, so both import it from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -15,8 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...adapters import step_context
+from ...adapters import StepContext
 from ...data.packing import packed_caches
+from ...training import HEAD_CHUNK_TOKENS
 from ...training.head_loss import head_ce_sum, split_head
 from ...training.losses import masked_ce_sum, target_mask
 from ...runtime.mesh import Mesh
@@ -73,6 +74,10 @@ class PipelineStage:
     compile: bool = False
     """Compile the forward and the backward with mx.compile (`train.compile`, as one process's step):
     one graph per micro-batch shape, traced once, with its elementwise operations fused."""
+    step_context: StepContext = field(default_factory=StepContext)
+    """The run's adapters' per-step work (adapters/per_step.py), around each backward of the stage's blocks."""
+    head_chunk_tokens: int = HEAD_CHUNK_TOKENS
+    """Tokens the last stage's head and its loss take at a time (training/head_loss.py)."""
 
     def __post_init__(self) -> None:
         self.inner, _ = _parts(self.model)
@@ -131,7 +136,8 @@ class PipelineStage:
         head, h = split_head(self.model), self.inner.norm(h)
         if head is None:
             return masked_ce_sum(self.head(h), targets, lengths)[0]
-        return head_ce_sum(head, h, targets, target_mask(lengths, targets.shape[1]))
+        mask = target_mask(lengths, targets.shape[1])
+        return head_ce_sum(head, h, targets, mask, chunk_tokens=self.head_chunk_tokens)
 
     def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
                  ) -> tuple[mx.array, Any, mx.array | None]:
@@ -157,7 +163,7 @@ class PipelineStage:
             # blocks frozen): no backward to run. The value is unused off the last stage.
             return mx.array(0.0), params
         # Adapters' per-step work on the stage's blocks (DoRA's norms on CUDA).
-        with step_context(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
+        with self.step_context(self.inner.layers[self.start:self.end], x.shape[0] * x.shape[1]):
             if self.first:  # token ids have no gradient
                 return mx.value_and_grad(fn)(params, x)
             value, (grads, dx) = mx.value_and_grad(fn, argnums=(0, 1))(params, x)
