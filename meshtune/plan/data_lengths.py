@@ -27,5 +27,5 @@ def data_row_length(cfg: Any) -> tuple[int, str]:
         train = load_splits(cfg, tokenizer, Mesh.single(), need_valid=False, need_test=False, ways_out={}).train
     longest = int(train.lengths.max(initial=0))
     width = padded_width(longest, pad_to=cfg.data.pad_to, max_seq_length=cfg.data.max_seq_length)
-    cut = f", cut to data.max_seq_length" if longest > cfg.data.max_seq_length else ""
+    cut = ", cut to data.max_seq_length" if longest > cfg.data.max_seq_length else ""
     return width, f"--data: the longest of {len(train)} examples, {longest} tokens, padded{cut}"
