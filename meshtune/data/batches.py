@@ -121,10 +121,10 @@ def _warn_long_rows(dataset: TokenizedDataset, max_seq_length: int, pad_to: int,
     if longest == 0 or max_seq_length <= LONG_ROW_FACTOR * longest:
         return
     suggest = pad_to * -(-SUGGESTED_ROW_FACTOR * longest // pad_to)
-    message = (f"{dataset.name}: data.pack fills rows of max_seq_length={max_seq_length} tokens with examples of "
-               f"at most {longest}; attention over a packed row costs more per token the longer the row, so "
-               f"these rows train slower than short ones: give --max-seq-length {suggest} "
-               f"({SUGGESTED_ROW_FACTOR} of the longest example a row)")
+    message = (f"{dataset.name}: data.pack fills rows of {max_seq_length} tokens with examples of at most "
+               f"{longest}; attention over a packed row costs more per token the longer the row, so these rows "
+               f"train slower than short ones: give --data.pack_length {suggest} ({SUGGESTED_ROW_FACTOR} of the "
+               "longest example a row), or leave out --max-seq-length and the run picks rows for the data")
     if warn is None:
         warnings.warn(message, LongRowsWarning, stacklevel=3)
     else:
