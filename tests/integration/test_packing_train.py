@@ -1,6 +1,7 @@
 """`meshtune train --data.pack true` on the embedded model and arithmetic data: one rank, two data-parallel
 ranks resuming the one-rank run's checkpoint, and a two-stage pipeline report the same losses; without
---max-seq-length the rows are the length picked for the data, said, recorded and resumed alike.
+--max-seq-length the rows are the length picked for the data, said, recorded and resumed alike, and
+`meshtune bench packing` times those rows.
 
 Every multi-rank run goes through `meshtune launch -n 2` on the ring backend, and each rank's finish
 line is checked."""
@@ -101,15 +102,18 @@ def test_rows_default_to_what_the_data_needs_and_a_resume_packs_alike(tmp_path):
         assert ours[key] == pytest.approx(ref[key], rel=1e-4), key
 
 
-def test_bench_packing_prints_both_runs_and_json(cli):
-    proc = cli("bench", "packing", "--steps", "2", "--max-seq-length", "64", "--json")
+def test_bench_packing_prints_each_setting_and_json(cli):
+    proc = cli("bench", "packing", "--steps", "2", "--row-lengths", "64", "--json")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # With no --max-seq-length the packed rows are the ones meshtune train picks (the test above).
+    assert "data.pack: rows of 96 tokens (the cheapest per target token" in proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| data.pack | target tokens/s | padding share") and len(table) == 3
+    assert table[0].startswith("| data.pack | row tokens | target tokens/s | padding share") and len(table) == 4
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    plain, packed = result["runs"]
-    assert (plain["pack"], packed["pack"]) == (False, True)
+    plain, packed, other = result["runs"]
+    assert (plain["pack"], packed["pack"], other["pack"]) == (False, True, True)
+    assert (result["row_length"], packed["row_length"], other["row_length"]) == (96, 96, 64)
     # Packed rows carry less padding and more examples a step; the speed-up is the table's own ratio.
     assert packed["padding_share"] < plain["padding_share"] and packed["examples_per_step"] > 4
     assert result["speedup"] == pytest.approx(packed["target_tokens_per_sec"] / plain["target_tokens_per_sec"])
-    assert f"{result['speedup']:.2f}x" in proc.stdout
+    assert f"rows of 96 (target tokens/s): {result['speedup']:.2f}x" in proc.stdout
