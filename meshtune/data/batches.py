@@ -107,9 +107,10 @@ def padded_width(max_len: int, *, pad_to: int, max_seq_length: int,
     return width
 
 
-# A packed row this many times longer than the longest example is said to cost speed: `bench packing`
-# gains 1.11x per target token with rows of 11x the longest arithmetic example (docs/performance.md),
-# while 2,048-token rows of ~70-token chats (29x) ran 250x slower than unpacked batches.
+# A packed row this many times longer than the longest example is said to cost speed: on the embedded
+# model `bench packing` gains 1.62x per target token with rows of 4x the longest arithmetic example and
+# 1.01x with rows of 11x (docs/performance.md), while 2,048-token rows of ~70-token chats (29x) ran 250x
+# slower than unpacked batches. A length the run picks (plan/row_length.py) stays within it.
 LONG_ROW_FACTOR = 16
 SUGGESTED_ROW_FACTOR = 8
 

@@ -26,8 +26,8 @@ from .model_facts import ModelFacts, read_model
 SCORE_COST = 300
 """What one attention score costs in a training step besides its two dot products, in multiply-adds of
 a matmul: the mask, the softmax and their backward, elementwise over heads x L x L. Fitted to the
-packed step's time per token against the row length on two models, the embedded one (hidden 128)
-and a 4 x 512 Llama (docs/performance.md, `meshtune bench packing --row-lengths`)."""
+packed step's time per token against the row length on the 2-core CPU, where the rows it picks are
+the fastest of `meshtune bench packing --row-lengths` (docs/performance.md)."""
 STEP_OVERHEAD = 5e7
 """What a step costs besides its tokens, in the same multiply-adds: about 7 ms on the 2-core CPU, where a token
 of the embedded model (8e5 multiply-adds) takes 0.1 ms; a device whose launches cost more per multiply-add
