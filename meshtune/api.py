@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +55,7 @@ from .training.in_flight import overlaps_steps
 from .training.strategy import Strategy
 from .runtime.stop_signals import StopSignals
 from .runtime.watchdog import Watchdog, heartbeat_folder
+from .plan.row_length import packed_row_length
 from .inference import complete, evaluate_adapters, fuse, generate, load_for_inference, load_model
 from .prompt_format import recorded_prompt_format
 from .preflight import (check_before_load, check_output_folder, check_plan_fits, fitting_advice, init_file,
@@ -182,8 +183,15 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     multiple = attention_inputs_multiple(model)
     if len(set(mesh.all_ints(multiple or 0))) > 1:
         multiple = None
+    row_length = cfg.data.max_seq_length
+    if cfg.data.pack:  # what the data needs, unless the user said
+        rows = packed_row_length(cfg, data.train.lengths)
+        say(rows.line())
+        row_length = rows.tokens
+        if rows.picked:  # recorded in the run's config, so a resume packs the same rows
+            cfg = replace(cfg, data=replace(cfg.data, pack_length=rows.tokens))
     batches = BatchIterator(data.train, batch_size=cfg.train.batch_size,
-                            max_seq_length=cfg.data.max_seq_length, pad_to=cfg.data.pad_to,
+                            max_seq_length=row_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
                             warn=warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
     check_plan_fits(cfg, mesh, int(data.train.lengths.max(initial=0)), machine)

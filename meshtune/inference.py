@@ -184,9 +184,10 @@ def evaluate_adapters(cfg: Config, adapter_path: str | Path, *, split: str = "te
     check_source(data_path, split_names(cfg))  # before the model load
     model_path = str(cfg.resolved_model_path())
     model, tokenizer = load_for_inference(model_path, adapter_path)
-    # No ways out: the split asked for is the whole job (--split and --batch-size are in the errors).
-    data = load_splits(cfg, tokenizer, Mesh.single(), need_valid=split == "valid", need_test=split == "test",
-                       ways_out={})
+    # No ways out: the split asked for is the whole job (--split and --batch-size are in the errors). Only that
+    # split is read: the train split's tokenizing time and warnings are no part of scoring.
+    data = load_splits(cfg, tokenizer, Mesh.single(), need_train=False, need_valid=split == "valid",
+                       need_test=split == "test", ways_out={})
     scored = data.test if split == "test" else data.valid
     chosen = eval_batches(scored, cfg, Mesh.single(), batches, ways_out={})
     size = cfg.train.batch_size

@@ -156,7 +156,8 @@ def fitting_advice(cfg: Config, stages: int | None = None) -> str:
     ways = [f"{stages} pipeline stages, one a rank (--parallel.pp {stages} under meshtune launch -n {stages})"
             ] if stages and stages > cfg.parallel.pp else []
     ways += [] if t.grad_checkpoint or cfg.parallel.pp > 1 else ["--grad-checkpoint"]
-    ways += [f"a shorter --max-seq-length (now {d.max_seq_length})"]
+    ways += [f"shorter packed rows --data.pack_length (now {d.pack_length})" if d.pack and d.pack_length
+             else f"a shorter --max-seq-length (now {d.max_seq_length})"]
     if t.batch_size > 1:
         ways.append(f"a smaller --batch-size with --grad-accumulation-steps (now {t.batch_size})")
     ways.append(f"fewer adapted blocks --num-layers (now {a.num_layers})")
@@ -169,7 +170,8 @@ def check_plan_fits(cfg: Config, mesh: Mesh, longest: int, machine: Any) -> None
     """Stop (ValueError, every rank) where this run's plan needs more than OVER_PLAN x the memory a rank
     may use (runtime.memory_limit_gb; `machine` is runtime.device_memory.detect() from before the load).
 
-    `longest` is the training split's longest example in tokens."""
+    `longest` is the training split's longest example in tokens; packed rows (data.pack) are
+    data.pack_length tokens where the run recorded one, else data.max_seq_length."""
     limit = cfg.runtime.memory_limit_gb
     memory = limit * 1e9 if limit > 0 else machine.memory
     need, stages = _planned_need(cfg, mesh, longest, memory) if limit >= 0 and memory > 0 else (None, None)
@@ -183,11 +185,12 @@ def check_plan_fits(cfg: Config, mesh: Mesh, longest: int, machine: Any) -> None
 
 
 def _planned_need(cfg: Config, mesh: Mesh, longest: int, memory: float) -> tuple[float | None, int | None]:
-    """meshtune plan's total for this run's layout on rows of `longest` tokens (None where it has none), and
+    """meshtune plan's total for this run's layout on its rows (None where it has none), and
     the pipeline stages that would fit `memory` bytes a rank where one process does not."""
     from .plan import plan
 
-    seq = cfg.data.max_seq_length if cfg.data.pack else max(1, min(longest, cfg.data.max_seq_length))
+    d = cfg.data
+    seq = (d.pack_length or d.max_seq_length) if d.pack else max(1, min(longest, d.max_seq_length))
     try:
         result = plan(cfg, mesh.world_size, memory / 1e9, "10gbit", seq_len=seq)
     except (ValueError, KeyError, OSError):  # the planner cannot read this model: no check, not a stop

@@ -26,14 +26,14 @@ def split_names(cfg: Config) -> dict[str, str]:
 
 
 def load_splits(cfg: Config, tokenizer: Any, mesh: Mesh, *, need_valid: bool, need_test: bool,
-                ways_out: dict[str, str]) -> Any:
+                ways_out: dict[str, str], need_train: bool = True) -> Any:
     """The splits of cfg's data, tokenized and checked (data.load_datasets); warnings said once;
     `ways_out` (e.g. TRAINING_WAYS_OUT) is offered in the errors about a split."""
     d = cfg.data
     return load_datasets(str(cfg.resolved_data_path()), tokenizer, mask_prompt=d.mask_prompt,
                          features=Features(prompt_feature=d.prompt_feature, completion_feature=d.completion_feature,
                                            text_feature=d.text_feature, chat_feature=d.chat_feature),
-                         need_valid=need_valid, need_test=need_test,
+                         need_train=need_train, need_valid=need_valid, need_test=need_test,
                          max_length=None if d.truncate else d.max_seq_length, max_seq_length=d.max_seq_length,
                          skip_empty=d.skip_empty, warn=warner(mesh), splits=split_names(cfg), ways_out=ways_out)
 

@@ -165,10 +165,12 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     ranks = len(hostfile.hosts) if hostfile else args.ranks
     links = args.links if args.links is not None else hostfile.links if hostfile else 1
     seq_len, seq_len_from = args.seq_len, None
-    if cfg.data.path and seq_len is None and not cfg.data.pack:  # the lengths the data has, as train reads it
+    if cfg.data.path and seq_len is None:  # the lengths the data has (packed: its rows), as train reads it
         from ..plan.data_lengths import data_row_length
 
         seq_len, seq_len_from = data_row_length(cfg)
+    elif seq_len is None and cfg.data.pack and cfg.data.pack_length:
+        seq_len, seq_len_from = cfg.data.pack_length, "data.pack_length"
     result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=seq_len, seq_len_from=seq_len_from, links=links)
     print(as_json(result) if args.json else table(result))
     return 0
@@ -279,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "each --hostfile host lists, else 1).")
     plan.add_argument("--seq-len", type=int, default=None,
                       help="Tokens per example after padding (default: with --data, the widest batch the data "
-                           "makes; else data.max_seq_length, the worst case).")
+                           "makes, with data.pack the packed row train would take; else data.pack_length or "
+                           "data.max_seq_length, the worst case).")
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
     plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")

@@ -156,6 +156,9 @@ class Config:
         ]:
             if value < 1:
                 bad(option, value, f"must be at least 1; give a positive value, e.g. --{option} 1")
+        if d.pack_length and not 2 <= d.pack_length <= d.max_seq_length:
+            bad("data.pack_length", d.pack_length, f"must be 0 (picked from the data) or 2 to data.max_seq_length "
+                f"({d.max_seq_length}); give --data.pack_length 0, or raise --max-seq-length")
         if a.fine_tune_type != "full" and a.rank < 1:
             bad("adapter.rank", a.rank, f"must be at least 1 for {a.fine_tune_type}; e.g. 8")
         if t.seed >= 2**32:

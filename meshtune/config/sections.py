@@ -80,9 +80,13 @@ class DataConfig:
     test_split: str = ""
     """Split to test on; "" takes test."""
     pack: bool = False
-    """Pack short training examples into rows of max_seq_length tokens (batch_size then counts rows);
+    """Pack short training examples into rows (batch_size then counts rows) of pack_length tokens;
     each example attends only to itself and keeps its own relative positions (RoPE models), and its
     loss is unchanged. Evaluation batches stay unpacked."""
+    pack_length: int = 0
+    """Tokens per packed row (data.pack), at least the longest example; 0: max_seq_length where it was
+    given, else the length that trains the data fastest per target token on this model (the run says
+    it at start and records it here, so a resume packs alike)."""
 
 
 def full_needs_dense(what: str) -> str:

@@ -97,9 +97,10 @@ def padded_width(max_len: int, *, pad_to: int, max_seq_length: int,
     return width
 
 
-# A packed row this many times longer than the longest example is said to cost speed: `bench packing`
-# gains 1.11x per target token with rows of 11x the longest arithmetic example (docs/performance.md),
-# while 2,048-token rows of ~70-token chats (29x) ran 250x slower than unpacked batches.
+# A packed row this many times longer than the longest example is said to cost speed: on the embedded
+# model `bench packing` gains 1.62x per target token with rows of 4x the longest arithmetic example and
+# 1.01x with rows of 11x (docs/performance.md), while 2,048-token rows of ~70-token chats (29x) ran 250x
+# slower than unpacked batches. A length the run picks (plan/row_length.py) stays within it.
 LONG_ROW_FACTOR = 16
 SUGGESTED_ROW_FACTOR = 8
 
@@ -111,10 +112,10 @@ def _warn_long_rows(dataset: TokenizedDataset, max_seq_length: int, pad_to: int,
     if longest == 0 or max_seq_length <= LONG_ROW_FACTOR * longest:
         return
     suggest = pad_to * -(-SUGGESTED_ROW_FACTOR * longest // pad_to)
-    message = (f"{dataset.name}: data.pack fills rows of max_seq_length={max_seq_length} tokens with examples of "
-               f"at most {longest}; attention over a packed row costs more per token the longer the row, so "
-               f"these rows train slower than short ones: give --max-seq-length {suggest} "
-               f"({SUGGESTED_ROW_FACTOR} of the longest example a row)")
+    message = (f"{dataset.name}: data.pack fills rows of {max_seq_length} tokens with examples of at most "
+               f"{longest}; attention over a packed row costs more per token the longer the row, so these rows "
+               f"train slower than short ones: give --data.pack_length {suggest} ({SUGGESTED_ROW_FACTOR} of the "
+               "longest example a row), or leave out --max-seq-length and the run picks rows for the data")
     if warn is None:
         warnings.warn(message, LongRowsWarning, stacklevel=3)
     else:

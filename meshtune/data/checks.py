@@ -39,6 +39,10 @@ class SkippedExamplesWarning(UserWarning):
     """``data.skip_empty`` dropped examples of a split that had nothing to learn."""
 
 
+class NoReplyWarning(UserWarning):
+    """Chat rows of a split hold no assistant message: without the prompt mask they train on the others."""
+
+
 def check_role(message: Dict[str, Any], k: int, key: str, where: str,
                template_keeps: Callable[[str], bool] = lambda role: False) -> None:
     """Raise for a role outside :data:`ROLES` that the tokenizer's chat template drops or rejects
@@ -86,3 +90,11 @@ def skipped_message(name: str, place: Callable[[int], str], skipped: Sequence[Tu
     more = f"; and {len(skipped) - SHOWN} more" if len(skipped) > SHOWN else ""
     return (f"{name}: skipped {len(skipped)} of {total} examples with nothing to learn "
             f"(data.skip_empty): {shown}{more}")
+
+
+def no_reply_message(name: str, place: Callable[[int], str], lines: Sequence[int], total: int) -> str:
+    """The one warning of a split whose chat rows at `lines` have no assistant message (data.mask_prompt off;
+    on, each is an error)."""
+    return (f"{name}: {len(lines)} of {total} chat examples have no assistant reply (first: {place(lines[0])}); "
+            "without --mask-prompt they train on their user and system messages as the text to learn; add the "
+            "assistant's reply as the last message, or remove them")

@@ -26,7 +26,8 @@ class TokenizedDataset:
     "chat" or "tokens" (built directly from token lists).  ``skipped`` lists the
     ``(line, why)`` of rows left out because they had nothing to learn (``data.skip_empty``).
     ``system_prompt`` is the system message every chat row opens with, when they share one
-    (generate and serve put it before a user's message, as the model was trained).
+    (generate and serve put it before a user's message, as the model was trained). ``no_reply`` lists
+    the lines of chat rows kept with no assistant message (unmasked, they train on the other messages).
     """
 
     name: str
@@ -38,6 +39,7 @@ class TokenizedDataset:
     offsets: np.ndarray  # int32, prompt-mask offset of each example
     skipped: Tuple[Tuple[int, str], ...] = ()
     system_prompt: Optional[str] = None
+    no_reply: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.lengths.shape[0]
@@ -58,6 +60,7 @@ class TokenizedDataset:
         format: str = "tokens",
         skipped: Iterable[Tuple[int, str]] = (),
         system_prompt: Optional[str] = None,
+        no_reply: Iterable[int] = (),
     ) -> "TokenizedDataset":
         """Pack ``(tokens, offset)`` pairs into one compact dataset."""
         arrays = []
@@ -80,6 +83,7 @@ class TokenizedDataset:
             offsets=np.asarray(offsets, dtype=np.int32).reshape(-1),
             skipped=tuple((int(line), str(why)) for line, why in skipped),
             system_prompt=system_prompt,
+            no_reply=tuple(int(line) for line in no_reply),
         )
 
     def __len__(self) -> int:

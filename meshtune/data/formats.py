@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import numpy as np
 
-from .checks import EmptyExample, SkippedExamplesWarning, check_example, check_nonempty, check_role, skipped_message
+from .checks import (EmptyExample, NoReplyWarning, SkippedExamplesWarning, check_example, check_nonempty, check_role,
+                     no_reply_message, skipped_message)
 from .dataset import TokenizedDataset
 from .token_cache import cached_split
 
@@ -314,7 +315,7 @@ def load_split(
     data = cached_split(path, tokenizer, options, lambda: tokenize_rows(
         _jsonl_rows(path), tokenizer, name=path.stem, path=path, source=source, mask_prompt=mask_prompt,
         features=features, max_length=max_length, max_seq_length=cut, skip_empty=skip_empty))
-    warn_skipped(data, source, warn)
+    warn_rows(data, source, warn)
     return data
 
 
@@ -326,12 +327,15 @@ def options_key(mask_prompt: bool, features: Features, max_length: Optional[int]
     return cut, repr((mask_prompt, features, max_length, cut, skip_empty))
 
 
-def warn_skipped(data: TokenizedDataset, source: Source, warn: Optional[Callable[[str], None]]) -> None:
-    """The split's one warning about rows data.skip_empty left out, if any."""
-    if data.skipped:
-        message = skipped_message(data.name, source.place, data.skipped, len(data) + len(data.skipped))
+def warn_rows(data: TokenizedDataset, source: Source, warn: Optional[Callable[[str], None]]) -> None:
+    """The split's warnings about its rows, one each: those data.skip_empty left out, chat rows with no reply."""
+    said = [(skipped_message(data.name, source.place, data.skipped, len(data) + len(data.skipped)),
+             SkippedExamplesWarning)] if data.skipped else []
+    if data.no_reply:
+        said.append((no_reply_message(data.name, source.place, data.no_reply, len(data)), NoReplyWarning))
+    for message, kind in said:
         if warn is None:
-            warnings.warn(message, SkippedExamplesWarning, stacklevel=3)
+            warnings.warn(message, kind, stacklevel=3)
         else:
             warn(message)
 
@@ -367,6 +371,7 @@ def tokenize_rows(
     arrays: List[np.ndarray] = []
     offsets: List[int] = []
     skipped: List[Tuple[int, str]] = []
+    no_reply: List[int] = []  # chat rows kept with no assistant message (masked, each is an error)
     system_prompts: set = set()  # of the rows kept; None for a row without one
     for lineno, row in rows:
         where = source.place(lineno)
@@ -411,6 +416,8 @@ def tokenize_rows(
         arrays.append(np.asarray(ids, dtype=np.int32))
         offsets.append(offset)
         system_prompts.add(_system_prompt(row, fmt, features))
+        if fmt == CHAT and not any(m.get("role") == "assistant" for m in row[features.chat_feature]):
+            no_reply.append(lineno)
     if fmt is None:
         fix = "add one JSON object per line or remove the file" if source.unit == "line" else "choose another split"
         raise EmptySplit(f"{source.label}: {source.container} is empty", fix)
@@ -422,7 +429,7 @@ def tokenize_rows(
         )
     shared = next(iter(system_prompts)) if len(system_prompts) == 1 else None
     return TokenizedDataset.from_examples(
-        name, zip(arrays, offsets), path=path, format=fmt, skipped=skipped, system_prompt=shared
+        name, zip(arrays, offsets), path=path, format=fmt, skipped=skipped, system_prompt=shared, no_reply=no_reply
     )
 
 

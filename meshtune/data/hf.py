@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from .dataset import TokenizedDataset
-from .formats import Features, Source, options_key, tokenize_rows, warn_skipped
+from .formats import Features, Source, options_key, tokenize_rows, warn_rows
 from .token_cache import cached_split
 
 INSTALL = "pip install 'meshtune[datasets]'"
@@ -145,7 +145,7 @@ def load_split(source: str, role: str, spec: str, ds: Any, tokenizer: Any, *, ma
     data = cached_split(None, tokenizer, options, lambda: tokenize_rows(
         rows, tokenizer, name=role, path=None, source=where, mask_prompt=mask_prompt, features=features,
         max_length=max_length, max_seq_length=cut, skip_empty=skip_empty), content=_digest(ds), name=role)
-    warn_skipped(data, where, warn)
+    warn_rows(data, where, warn)
     return data
 
 

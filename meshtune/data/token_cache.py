@@ -8,8 +8,8 @@ tokenizer (its whole serialised model, chat template, special tokens and setting
 the format options, max_seq_length, skip_empty, the transformers version and meshtune's own
 tokenizing code (formats.py, checks.py, hf.py, this file). A split read through the datasets
 library (hf.py) is keyed on its Arrow buffers and selected rows in place of a file's bytes.
-The rows skip_empty left out are kept in the entry with the tokens, so a split read back
-warns about them as one tokenized does. Any change is another key, so a stale entry is
+The rows skip_empty left out, and the chat rows without a reply, are kept in the entry with the
+tokens, so a split read back warns about them as one tokenized does. Any change is another key, so a stale entry is
 never read, only left behind (the folder can be deleted at any time).
 
 Where: $MESHTUNE_CACHE_DIR, else $XDG_CACHE_HOME/meshtune, else ~/.cache/meshtune,
@@ -33,7 +33,8 @@ import numpy as np
 from .dataset import TokenizedDataset
 
 CACHE_ENV = "MESHTUNE_CACHE_DIR"
-VERSION = b"meshtune-tokens-3"  # 2: entries hold the rows data.skip_empty left out; 3: the shared system prompt
+# 2: entries hold the rows data.skip_empty left out; 3: the shared system prompt; 4: the chat rows without a reply
+VERSION = b"meshtune-tokens-4"
 # Keys of the tokenizer's init_kwargs that name where it was read from, not what it does.
 _PLACE_KEYS = {"name_or_path", "vocab_file", "tokenizer_file", "is_local", "local_files_only", "_commit_hash"}
 
@@ -110,7 +111,8 @@ def _read(entry: Path, name: str, path: Optional[Path]) -> Optional[TokenizedDat
             return TokenizedDataset(name=name, path=path, format=str(saved["format"]), tokens=saved["tokens"],
                                     starts=saved["starts"], lengths=saved["lengths"], offsets=saved["offsets"],
                                     skipped=skipped, system_prompt=str(saved["system_prompt"][0])
-                                    if saved["system_prompt"].size else None)
+                                    if saved["system_prompt"].size else None,
+                                    no_reply=tuple(saved["no_reply_lines"].tolist()))
     except Exception:  # missing, partial or foreign: tokenize again
         return None
 
@@ -126,7 +128,8 @@ def _write(entry: Path, data: TokenizedDataset) -> None:
                 np.savez(fid, format=np.array(data.format), tokens=data.tokens, starts=data.starts,
                          lengths=data.lengths, offsets=data.offsets, skipped_lines=lines, skipped_why=whys,
                          system_prompt=np.array([] if data.system_prompt is None else [data.system_prompt],
-                                                dtype=np.str_))
+                                                dtype=np.str_),
+                         no_reply_lines=np.array(data.no_reply, dtype=np.int64))
             os.replace(tmp, entry)
         finally:
             if os.path.exists(tmp):

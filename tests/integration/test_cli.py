@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -217,7 +218,7 @@ def test_a_checkpoint_loads_as_adapters_in_stock_mlx_lm_and_meshtune(trained, cl
                               "--max-tokens", "4").stdout
 
 
-def test_eval_scores_a_run_s_adapters_on_its_test_split_as_mlx_lm_evaluates(trained, cli):
+def test_eval_scores_a_run_s_adapters_on_its_test_split_as_mlx_lm_evaluates(trained, cli, tmp_path):
     """meshtune eval (mlx_lm.lora --test without --train): the run's data and mask from its
     adapter_config.json, every example of the split, the loss mlx-lm's evaluate gives once its
     extra padding target is left out (training/losses.target_mask)."""
@@ -253,6 +254,13 @@ def test_eval_scores_a_run_s_adapters_on_its_test_split_as_mlx_lm_evaluates(trai
     big = cli("eval", "--adapter-path", str(run), "--batch-size", "500")  # more than the 100 test rows
     assert big.returncode == 2 and "give --batch-size 100 (or less)" in big.stderr, big.stderr
     assert "--test" not in big.stderr.split("batch_size=500", 1)[1]  # train's way out, not eval's
+    # Only the scored split is read: a folder of test.jsonl alone scores the same.
+    alone = tmp_path / "only_test"
+    alone.mkdir()
+    shutil.copy(ARITH_DATA / "test.jsonl", alone)
+    proc = cli("eval", "--adapter-path", str(run), "--batch-size", "4", "--data", str(alone))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(head + " (352 tokens of 100 examples in 25 batches of 4;"), proc.stdout
 
 
 def test_a_run_on_relative_paths_generates_and_resumes_from_anywhere(tmp_path, cli):

@@ -1,6 +1,7 @@
 """Examples with nothing to learn (meshtune/data/checks.py): each cause is one error line naming
 file:line and the fix; data.skip_empty skips them with one warning per split; an unknown chat role
-is an error either way; the cached split warns as the tokenized one does."""
+is an error either way; the cached split warns as the tokenized one does; chat rows without a reply
+warn once unmasked."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from meshtune.data import SkippedExamplesWarning, load_datasets, load_split
-from meshtune.data.checks import trained_tokens
+from meshtune.data.checks import NoReplyWarning, trained_tokens
 from meshtune.data.token_cache import CACHE_ENV
 from meshtune.training.losses import target_mask
 
@@ -190,3 +191,27 @@ def test_unmasked_splits_do_not_key_the_cache_on_max_seq_length(tmp_path, tok, m
     for msl in (2, 16, 64, None):  # unmasked, every cut keeps a target: one entry serves all
         assert len(load_split(path, tok, max_seq_length=msl)) == 2
     assert len(list((tmp_path / "cache" / "tokens").glob("*.npz"))) == 1
+
+
+def test_chat_rows_without_a_reply_warn_once_unmasked_and_stop_a_masked_run(tmp_path, tok, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    chat = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "v"}]}
+    lone = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    path = write_jsonl(tmp_path, "train", [chat, lone, chat, chat, lone])
+    first, again = [], []
+    data = load_split(path, tok, warn=first.append)
+    load_split(path, tok, warn=again.append)  # read back from the token cache
+    assert len(list((tmp_path / "cache" / "tokens").glob("*.npz"))) == 1
+    assert data.no_reply == (2, 5) and len(data) == 5
+    assert first == again == [
+        f"train: 2 of 5 chat examples have no assistant reply (first: {path}:2); without --mask-prompt they "
+        "train on their user and system messages as the text to learn; add the assistant's reply as the last "
+        "message, or remove them"]
+    with warnings.catch_warnings(record=True) as caught:  # the default warn
+        warnings.simplefilter("always")
+        load_split(path, tok)
+    assert [w.category for w in caught] == [NoReplyWarning]
+    _fails(path, tok, r"train\.jsonl:2: with mask_prompt the loss is on the assistant's reply", mask_prompt=True)
+    said = []
+    assert load_split(write_jsonl(tmp_path, "valid", [chat, chat]), tok, warn=said.append).no_reply == ()
+    assert said == []

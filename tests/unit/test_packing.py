@@ -176,8 +176,9 @@ def test_packed_rows_far_longer_than_the_examples_are_said_once_with_the_length_
     said: list[str] = []
     BatchIterator(ds, batch_size=1, max_seq_length=2048, pad_to=32, pack=True, warn=said.append)
     assert len(said) == 1 and said[0].startswith(
-        f"train: data.pack fills rows of max_seq_length=2048 tokens with examples of at most {longest}; ")
-    assert said[0].endswith(f"give --max-seq-length {32 * -(-8 * longest // 32)} (8 of the longest example a row)")
+        f"train: data.pack fills rows of 2048 tokens with examples of at most {longest}; ")
+    assert said[0].endswith(f"give --data.pack_length {32 * -(-8 * longest // 32)} (8 of the longest example a "
+                            "row), or leave out --max-seq-length and the run picks rows for the data")
     said.clear()
     BatchIterator(ds, batch_size=1, max_seq_length=16 * longest, pad_to=32, pack=True, warn=said.append)
     BatchIterator(ds, batch_size=1, max_seq_length=2048, pad_to=32, pack=False, warn=said.append)
