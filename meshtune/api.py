@@ -38,7 +38,8 @@ from .parallel.data_parallel import DataParallel
 from .runtime.mesh import Mesh
 from .parallel.pipeline.executor import Pipeline
 from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
-from .training.metrics import METRICS_FILE, MetricsWriteError, Reporter, read_metrics
+from .run_dir import PLOT_FILE, REPORT_FILE, RunDir
+from .training.metrics import MetricsWriteError, Reporter, read_metrics
 from .report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
@@ -161,7 +162,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     np.random.seed(cfg.train.seed)
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
     trackers = check_before_load(cfg, mesh, layout, out)  # the data, layout, adapters, trackers, ranks
-    kept = out / base_path.run_file(mesh.rank)
+    kept = RunDir(out).base_path_record(mesh.rank)
     if cfg.output.resume and kept.exists():  # before apply_adapters measures any
         say(f"base path: {base_path.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
             "as the run took them")
@@ -212,7 +213,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         start = _restore(out, strategy, batches, resolved, say)
         if mesh.is_writer:
             _drop_metrics_after(out, start.step)
-        say(f"resumed from step {start.step} ({out / 'checkpoints'})")
+        say(f"resumed from step {start.step} ({RunDir(out).checkpoints})")
     else:
         optimizer.init(model.trainable_parameters())
     strategy = with_forced_fault(strategy, done=start.step)  # a test hook, off unless its variable is set
@@ -228,7 +229,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         if cfg.output.overwrite and not cfg.output.resume and out.exists():
             lock.clear()
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / ad.CONFIG_FILE, json.dumps(adapter_config, indent=2))
+        atomic_write_text(RunDir(out).config, json.dumps(adapter_config, indent=2))
 
     def save(state: TrainingState) -> None:
         """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
@@ -236,11 +237,11 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         crossovers = base_path.measured()
         if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))
+            atomic_write_text(RunDir(out).base_path_record(mesh.rank), json.dumps(crossovers, indent=1))
         if mesh.pp == 1 and mesh.is_writer:  # a pipeline's stages checked theirs with the checkpoint (state.py)
             require_finite(state.step, ad.trainable_parameters(model), "the trained weight")
         try:
-            strategy.write_weights(out / ad.ADAPTER_FILE)
+            strategy.write_weights(RunDir(out).adapters)
         except OSError as err:
             raise CheckpointWriteError(write_error(out, err)) from None
 
@@ -271,7 +272,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         if test_batches is not None and not result.stopped_early:
             test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
-    say(f"adapters written to {out / ad.ADAPTER_FILE}")
+    say(f"adapters written to {RunDir(out).adapters}")
     if mesh.world_size > 1:
         peak = mx.get_peak_memory()
         # The peak since the process started: the load's included (a pipeline rank's shows its stage alone).
@@ -282,9 +283,10 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         try:
             summary = write_report(out, resolved)
         except OSError as err:  # the adapters and checkpoints are written: only the report is missing
-            raise CheckpointWriteError(f"{write_error(out, err)}; the run finished, only report.md or loss.png is "
-                                       f"missing (meshtune report --adapter-path {out} writes them again)") from None
-        say(summary_line(summary, out, out / ad.ADAPTER_FILE))
+            raise CheckpointWriteError(f"{write_error(out, err)}; the run finished, only {REPORT_FILE} or "
+                                       f"{PLOT_FILE} is missing (meshtune report --adapter-path {out} writes "
+                                       "them again)") from None
+        say(summary_line(summary, out, RunDir(out).adapters))
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
@@ -300,7 +302,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
     """
     ckpt = strategy.latest_checkpoint(out, say)
     if ckpt is None:
-        found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+        found = RunDir(out).checkpoints.is_dir() and any(RunDir(out).checkpoints.iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
         raise ValueError(no_checkpoint(out, what))
     changed = run_mismatches(resolved, ckpt.config)
@@ -322,7 +324,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
 
 def _drop_metrics_after(out: Path, step: int) -> None:
     """Forget reports past the checkpoint: the resumed run reports those steps again."""
-    path = out / METRICS_FILE
+    path = RunDir(out).metrics
     if path.exists():  # read_metrics leaves out a last record cut off mid-write
         keep = [r for r in read_metrics(out) if r.get("step", 0) <= step]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ..run_dir import ADAPTER_FILE, CONFIG_FILE, METRICS_FILE, PLOT_FILE, REPORT_FILE, RunDir
 from ..runtime.relaunch import resume_command
 from .run_args import check_adapter_folder, model_from_adapters, no_extra
 
@@ -194,10 +195,10 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     """Score trained adapters on a split: the run's own settings, flags on top."""
     from ..config import load_config, parse_override_args
 
-    config = Path(args.adapter_path) / "adapter_config.json"
+    config = RunDir(args.adapter_path).config
     check_adapter_folder(args.adapter_path)
     if not config.is_file():
-        raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
+        raise ValueError(f"--adapter-path {args.adapter_path}: no {CONFIG_FILE} there; point it at a run of "
                          "meshtune train or mlx_lm.lora (or a data-parallel run's checkpoint)")
     if args.batches == 0 or args.batches < -1:
         raise ValueError(f"--batches {args.batches}: give a count of at least 1, or -1 for every full batch")
@@ -286,23 +287,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--adapter-path", default="runs/demo", help="Where the demo run writes.")
     demo.set_defaults(func=cmd_demo)
     fuse = sub.add_parser("fuse", help="Merge adapters into the base model.")
-    fuse.add_argument("--model", help="Base model (default: the one in adapter_config.json).")
-    fuse.add_argument("--adapter-path", default="adapters", help="Folder with adapters.safetensors.")
+    fuse.add_argument("--model", help=f"Base model (default: the one in {CONFIG_FILE}).")
+    fuse.add_argument("--adapter-path", default="adapters", help=f"Folder with {ADAPTER_FILE}.")
     fuse.add_argument("--save-path", default="fused_model", help="Where to write the fused model.")
     fuse.add_argument("--dequantize", action="store_true", help="Write a dense model instead of requantizing.")
     fuse.add_argument("--overwrite", action="store_true", help="Write into a --save-path that already holds files.")
     fuse.set_defaults(func=cmd_fuse)
     ev = sub.add_parser("eval", help="Loss and perplexity of trained adapters on a data split (mlx_lm.lora --test "
                                      "without --train).",
-                        description="Reads the run's settings from ADAPTER_PATH/adapter_config.json (meshtune's or "
+                        description=f"Reads the run's settings from ADAPTER_PATH/{CONFIG_FILE} (meshtune's or "
                                     "mlx-lm's); flags override them, e.g. --data, --batch-size, --max-seq-length, "
                                     "--model.")
     ev.add_argument("--adapter-path", default="adapters", help="A run folder, or one of its checkpoints.")
     ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
     ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
     ev.set_defaults(func=cmd_eval)
-    rep = sub.add_parser("report", help="Write report.md and loss.png of a run from its metrics.jsonl, e.g. one "
-                                        "cut off by kill -9, and print its summary line.")
+    rep = sub.add_parser("report", help=f"Write {REPORT_FILE} and {PLOT_FILE} of a run from its {METRICS_FILE}, "
+                                        "e.g. one cut off by kill -9, and print its summary line.")
     rep.add_argument("--adapter-path", default="adapters", help="The run's folder.")
     rep.set_defaults(func=cmd_report)
     from .inference_commands import add_export, add_generate, add_serve

@@ -31,6 +31,7 @@ from .. import adapters as ad
 from ..adapters.dora import DoRAEmbedding, DoRALinear
 from ..adapters.lora import LoRAEmbedding, LoRALinear
 from ..adapters.switch import LoRASwitchLinear
+from ..run_dir import RunDir
 
 PEFT_PREFIX = "base_model.model."
 PEFT_CONFIG_FILE = "adapter_config.json"
@@ -129,7 +130,7 @@ def export_peft(adapter_path: str | Path, save_path: str | Path, *, model_path: 
     from ..inference import check_save_path, load_model
 
     check_save_path(save_path, overwrite, "the PEFT adapters")
-    adapter_config = json.loads((Path(adapter_path) / ad.CONFIG_FILE).read_text())
+    adapter_config = json.loads(RunDir(adapter_path).config.read_text())
     if adapter_config.get("fine_tune_type", "lora") not in ("lora", "dora"):
         peft_config(adapter_config, nn.Module(), "")  # the one-line refusal, before the model loads
     model, _ = load_model(model_path)

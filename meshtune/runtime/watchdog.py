@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..run_dir import RunDir, heartbeat_file, heartbeat_temp
+
 EXIT_CODE = 75  # EX_TEMPFAIL: the run can be resumed from its last checkpoint
 HEARTBEAT_ENV = "MESHTUNE_HEARTBEAT_DIR"
 # How MLX's distributed backends word a failed collective (e.g. "[ring] connection to a peer was lost").
@@ -56,7 +58,7 @@ STARTUP_GRACE = 6
 def heartbeat_folder(adapter_path: Path) -> Path:
     """Where this run's ranks exchange heartbeats: the launcher's folder, else one in the run."""
     given = os.environ.get(HEARTBEAT_ENV)
-    return Path(given) if given else Path(adapter_path) / ".heartbeats"
+    return Path(given) if given else RunDir(adapter_path).heartbeats
 
 
 def write_heartbeat(folder: Path, rank: int, step: int, gave_up: bool = False) -> None:
@@ -66,14 +68,14 @@ def write_heartbeat(folder: Path, rank: int, step: int, gave_up: bool = False) -
     """
     record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "step": step, "alive": time.time(),
               "gave_up": gave_up}
-    tmp = folder / f".rank{rank}.json.tmp"
+    tmp = heartbeat_temp(folder, rank)
     tmp.write_text(json.dumps(record))
-    os.replace(tmp, folder / f"rank{rank}.json")
+    os.replace(tmp, heartbeat_file(folder, rank))
 
 
 def read_heartbeat(folder: Path, rank: int) -> dict[str, Any] | None:
     try:
-        return json.loads((folder / f"rank{rank}.json").read_text())
+        return json.loads(heartbeat_file(folder, rank).read_text())
     except (OSError, ValueError):
         return None
 
@@ -158,7 +160,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.heartbeat_dir is not None and exc_type is None:  # a finished run leaves no heartbeat behind
-            (self.heartbeat_dir / f"rank{self.rank}.json").unlink(missing_ok=True)
+            heartbeat_file(self.heartbeat_dir, self.rank).unlink(missing_ok=True)
             try:
                 self.heartbeat_dir.rmdir()
             except OSError:  # peers' files still there, or the launcher's folder

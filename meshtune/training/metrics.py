@@ -25,7 +25,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from ..run_dir import RunDir
 
 
 def peak_memory_per_rank(mesh: Any) -> list[float]:
@@ -126,7 +126,7 @@ class Reporter:
     def __enter__(self) -> "Reporter":
         if self.writer and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = os.open(self.out_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._file = os.open(RunDir(self.out_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self.writer and self.show_progress and sys.stderr.isatty():
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
                              dynamic_ncols=True, file=sys.stderr, leave=True)
@@ -149,7 +149,7 @@ class Reporter:
         if not self.writer:
             return
         if self._file is not None:
-            append_record(self._file, (json.dumps(record) + "\n").encode(), self.out_dir / METRICS_FILE)
+            append_record(self._file, (json.dumps(record) + "\n").encode(), RunDir(self.out_dir).metrics)
         for tracker in self.trackers:
             tracker.log(record)
         if line is None:
@@ -194,7 +194,7 @@ class Reporter:
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     """All records of a run's metrics.jsonl. A last line cut off mid-write (a crash, a full disk) is
     left out with a warning; any other line that is not a JSON object is an error naming it."""
-    path = Path(out_dir) / METRICS_FILE
+    path = RunDir(out_dir).metrics
     lines = path.read_text().splitlines()
     records = []
     for n, line in enumerate(lines, 1):

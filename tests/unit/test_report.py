@@ -18,7 +18,8 @@ from meshtune.parallel.pipeline.schedules import idle_fraction
 from meshtune.parallel.pipeline.schedules import build
 from meshtune.training import trackers
 from meshtune.training.metrics import Reporter, peak_memory_per_rank, read_metrics, wait_shares
-from meshtune.report import PLOT_FILE, REPORT_FILE, summary_line, write_report
+from meshtune.report import summary_line, write_report
+from meshtune.run_dir import PLOT_FILE, REPORT_FILE
 
 TRAIN = [  # (step, loss, tokens, tokens/s)
     (2, 3.5, 100, 50.0), (4, 2.25, 120, 60.0), (6, 1.125, 80, 40.0),

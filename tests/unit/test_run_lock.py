@@ -10,7 +10,8 @@ import pytest
 
 from meshtune.parallel import launch_ports as ports_module
 from meshtune.parallel.launch_ports import HeldPorts
-from meshtune.runtime.run_lock import LOCK_FILE, lock_folder
+from meshtune.run_dir import LOCK_FILE
+from meshtune.runtime.run_lock import lock_folder
 
 
 def test_a_second_holder_is_refused_with_the_first_one_s_pid_and_host(tmp_path):

@@ -42,10 +42,10 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ...training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState,
-                                   checkpoint_dir, leftover_temps, load_checkpoint, load_stage, prune_checkpoints,
-                                   publish_stage, stage_names, verify_checkpoint, verify_stage, write_error,
-                                   write_stage, NonFiniteValues)
+from ...run_dir import RunDir, stage_names
+from ...training.checkpoint import (CheckpointWriteError, LoadedCheckpoint, TrainingState, leftover_temps,
+                                   load_checkpoint, load_stage, prune_checkpoints, publish_stage, verify_checkpoint,
+                                   verify_stage, write_error, write_stage, NonFiniteValues)
 from ...training.streamed_safetensors import StreamedSafetensors
 from .stage import PipelineStage
 
@@ -119,8 +119,8 @@ def save_stages(out: Path, stage: PipelineStage, optimizer: Any, *, state: Train
     """Write this step's checkpoint, each stage's writer its own shard (a collective; see the module doc)."""
     mesh, k = stage.mesh, stage.stage
     writer = mesh.dp_rank == 0
-    final = checkpoint_dir(out, state.step)
-    tmp = final.parent / f".{final.name}.tmp-stages"
+    final = RunDir(out).checkpoint(state.step).path
+    tmp = RunDir(out).checkpoint_temp(state.step, "stages")
     error: OSError | NonFiniteValues | None = None
 
     def attempt(do: Callable[[], None]) -> None:
@@ -178,19 +178,17 @@ def _check(path: Path, stage: PipelineStage) -> tuple[str | None, bool]:
 
 def resumable_step(out: Path, stage: PipelineStage, say: Callable[[str], None]) -> tuple[Path, bool] | None:
     """The newest checkpoint every rank can resume from, and whether it is read per stage (a collective)."""
-    mesh = stage.mesh
-    root = Path(out) / CHECKPOINTS
+    mesh, run = stage.mesh, RunDir(out)
     for leftover in leftover_temps(out):
         say(f"warning: skipping checkpoint {leftover}: temp folder of an interrupted save")
-    local = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir()),
-                   reverse=True) if root.is_dir() else []
+    local = [c.step for c in reversed(run.numbered())]
     tried: set[int] = set()
     while True:
         step = max(mesh.all_ints(next((s for s in local if s not in tried), -1)))
         if step < 0:
             return None
         tried.add(step)
-        path = checkpoint_dir(out, step)
+        path = run.checkpoint(step).path
         why, own = _check(path, stage) if path.is_dir() else ("no such folder on this host", False)
         bad = mesh.all_ints(int(why is not None))
         if not any(bad):
