@@ -250,6 +250,27 @@ def build_parser() -> argparse.ArgumentParser:
     from ..config.show import options_help
 
     every_option = options_help()  # the epilog of train, config and plan
+    _add_train(sub, every_option)
+    _add_plan(sub, every_option)
+    _add_run_tools(sub)
+    from .inference_commands import add_export, add_generate, add_serve
+
+    add_generate(sub)
+    add_serve(sub)
+    add_export(sub)
+    sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
+    from ..bench import SUITES  # names only: no MLX import before the BLAS choice
+
+    # -h/--help goes to the suite (its own flags) or, with no suite, to run_bench (the list of suites).
+    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation "
+                                         "(meshtune bench --help lists them).", add_help=False)
+    bench.add_argument("suite", nargs="?", choices=list(SUITES), help="The suite (meshtune bench --help).")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _add_train(sub: Any, every_option: str) -> None:
+    """`meshtune train` and `meshtune config`: the same options, one runs them and one prints them."""
     for name, func, doc in (
         ("train", cmd_train, "Fine-tune (LoRA, DoRA or full) from YAML and flags."),
         ("config", cmd_config, "Print the resolved config of a train command as YAML (-c reads it back)."),
@@ -263,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--resume", action="store_true",
                          help="Continue the run in --adapter-path with the settings its checkpoint saved.")
         cmd.set_defaults(func=func)
+
+
+def _add_plan(sub: Any, every_option: str) -> None:
+    """`meshtune plan`: train's options, and the machines to plan for."""
     plan = sub.add_parser("plan", help="Memory per rank, bubble and traffic of each layout; which fits.",
                           epilog=every_option, formatter_class=argparse.RawDescriptionHelpFormatter,
                           description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
@@ -283,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "makes; else data.max_seq_length, the worst case).")
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
     plan.set_defaults(func=cmd_plan)
+
+
+def _add_run_tools(sub: Any) -> None:
+    """The commands around a run: the demo, and fuse, eval and report of a run's folder."""
     demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")
     demo.add_argument("--adapter-path", default="runs/demo", help="Where the demo run writes.")
     demo.set_defaults(func=cmd_demo)
@@ -306,17 +335,3 @@ def build_parser() -> argparse.ArgumentParser:
                                         "e.g. one cut off by kill -9, and print its summary line.")
     rep.add_argument("--adapter-path", default="adapters", help="The run's folder.")
     rep.set_defaults(func=cmd_report)
-    from .inference_commands import add_export, add_generate, add_serve
-
-    add_generate(sub)
-    add_serve(sub)
-    add_export(sub)
-    sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
-    from ..bench import SUITES  # names only: no MLX import before the BLAS choice
-
-    # -h/--help goes to the suite (its own flags) or, with no suite, to run_bench (the list of suites).
-    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation "
-                                         "(meshtune bench --help lists them).", add_help=False)
-    bench.add_argument("suite", nargs="?", choices=list(SUITES), help="The suite (meshtune bench --help).")
-    bench.set_defaults(func=cmd_bench)
-    return parser
