@@ -126,7 +126,7 @@ def _warn_long_rows(dataset: TokenizedDataset, max_seq_length: int, pad_to: int,
                f"these rows train slower than short ones: give --max-seq-length {suggest} "
                f"({SUGGESTED_ROW_FACTOR} of the longest example a row)")
     if warn is None:
-        warnings.warn(message, LongRowsWarning, stacklevel=3)
+        warnings.warn(message, LongRowsWarning, stacklevel=4)
     else:
         warn(message)
 
@@ -160,29 +160,10 @@ class BatchIterator:
         inputs_multiple_of: Optional[int] = None,
         way_out: str = "",
     ) -> None:
-        name = dataset.name
-        _check_options(name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
+        _check_options(dataset.name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
         # The unit a batch is made of: an example, or a packed row of examples (data.pack).
         self.rows = pack_rows(dataset.lengths, max_seq_length) if pack else None
-        if self.rows is not None:
-            _warn_long_rows(dataset, max_seq_length, pad_to, warn)
-            fill = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
-            self._slots = max(len(r) for r in self.rows)
-            unit_lengths = -fill  # fullest rows first: the dropped tail is the emptiest rows
-            if len(self.rows) < batch_size:
-                raise ValueError(
-                    f"{name}: its {len(dataset)} examples pack into {len(self.rows)} rows of "
-                    f"max_seq_length={max_seq_length} tokens, fewer than batch_size={batch_size}; lower "
-                    f"--batch-size to at most {len(self.rows)}, lower --max-seq-length, or use --data.pack false"
-                )
-        else:
-            unit_lengths = dataset.lengths
-            if len(dataset) < batch_size:
-                where = f"{name} ({dataset.path})" if dataset.path is not None else name
-                raise ValueError(
-                    f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
-                    f" add examples, give --batch-size {len(dataset)} (or less){f', or {way_out}' if way_out else ''}"
-                )
+        unit_lengths = self._unit_lengths(dataset, batch_size, max_seq_length, pad_to, warn, way_out)
         self.dataset = dataset
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
@@ -202,21 +183,7 @@ class BatchIterator:
         # idx[i + r : i + batch_size : W] of mlx-lm is column r, r+W, ... of the row.
         self._batch_indices = np.ascontiguousarray(global_idx[:, rank::world_size])
         self._batch_indices.flags.writeable = False
-
-        used = global_idx if self.rows is None else np.concatenate([self.rows[i] for i in global_idx.reshape(-1)])
-        message = _truncation_message(name, used, dataset, max_seq_length)
-        if message is not None:
-            if warn is None:
-                warnings.warn(message, TruncationWarning, stacklevel=2)
-            else:
-                warn(message)
-        left_out = order[n_batches * batch_size:]
-        if loop and len(left_out):  # training: these are never seen, epoch after epoch; say so once
-            message = _left_out_message(name, left_out, unit_lengths, len(unit_lengths), batch_size, packed=pack)
-            if warn is None:
-                warnings.warn(message, LeftOutWarning, stacklevel=2)
-            else:
-                warn(message)
+        self._warn_unseen(global_idx, order[n_batches * batch_size:], unit_lengths, warn)
         self.digest = content_digest(dataset)
 
         # Padded once here: every later step only wraps cached arrays.
@@ -227,6 +194,52 @@ class BatchIterator:
         self._position = 0
         self._order_epoch = -1
         self._order = np.arange(n_batches)
+
+    def _unit_lengths(self, dataset: TokenizedDataset, batch_size: int, max_seq_length: int, pad_to: int,
+                      warn: Optional[Callable[[str], None]], way_out: str) -> np.ndarray:
+        """What the batches sort by, per unit (example, or packed row: fullest first); a split too small
+        for one batch is a ValueError naming the fix."""
+        name = dataset.name
+        if self.rows is not None:
+            _warn_long_rows(dataset, max_seq_length, pad_to, warn)
+            fill = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
+            self._slots = max(len(r) for r in self.rows)
+            unit_lengths = -fill  # fullest rows first: the dropped tail is the emptiest rows
+            if len(self.rows) < batch_size:
+                raise ValueError(
+                    f"{name}: its {len(dataset)} examples pack into {len(self.rows)} rows of "
+                    f"max_seq_length={max_seq_length} tokens, fewer than batch_size={batch_size}; lower "
+                    f"--batch-size to at most {len(self.rows)}, lower --max-seq-length, or use --data.pack false"
+                )
+        else:
+            unit_lengths = dataset.lengths
+            if len(dataset) < batch_size:
+                where = f"{name} ({dataset.path})" if dataset.path is not None else name
+                raise ValueError(
+                    f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
+                    f" add examples, give --batch-size {len(dataset)} (or less){f', or {way_out}' if way_out else ''}"
+                )
+        return unit_lengths
+
+    def _warn_unseen(self, global_idx: np.ndarray, left_out: np.ndarray, unit_lengths: np.ndarray,
+                     warn: Optional[Callable[[str], None]]) -> None:
+        """Say once what the batches never see: tokens past max_seq_length, and (training) the units left
+        over after the last whole batch."""
+        name, dataset = self.dataset.name, self.dataset
+        used = global_idx if self.rows is None else np.concatenate([self.rows[i] for i in global_idx.reshape(-1)])
+        message = _truncation_message(name, used, dataset, self.max_seq_length)
+        if message is not None:
+            if warn is None:
+                warnings.warn(message, TruncationWarning, stacklevel=3)  # the caller of __init__
+            else:
+                warn(message)
+        if self.loop and len(left_out):  # training: these are never seen, epoch after epoch; say so once
+            message = _left_out_message(name, left_out, unit_lengths, len(unit_lengths), self.batch_size,
+                                        packed=self.rows is not None)
+            if warn is None:
+                warnings.warn(message, LeftOutWarning, stacklevel=3)
+            else:
+                warn(message)
 
     # ------------------------------------------------------------------ sizes
     @property
