@@ -110,7 +110,8 @@ def _check_string(row: Dict[str, Any], key: str, where: str, *, nonempty: bool =
 ROLE_PROBE = "meshtune-role-probe-7f3a"
 
 
-_ROLES_KEPT: Dict[Tuple[str, str], bool] = {}  # (chat template, role) -> whether it renders that role
+# (chat template, role) -> whether it renders that role: a memo of the template's text, not run state.
+_ROLES_KEPT: Dict[Tuple[str, str], bool] = {}
 
 
 def template_keeps_role(tokenizer: Any, role: str) -> bool:

@@ -3,7 +3,10 @@
 The kernels themselves are .cuh files beside their loaders (adapters/cuda/ for adapters/kernels.py,
 parallel/pack_kernel.cuh for parallel/pack_kernel.py): each launch is an `mx.fast.cuda_kernel` whose
 header is the file and whose body is a short call, compiled by MLX's CUDA build at first use;
-elsewhere (CPU, Metal) their callers compute the same in MLX ops.
+elsewhere (CPU, Metal) their callers compute the same in MLX ops. The three caches below are
+memos, not run state: each entry is a function of its key alone (a kernel of its whole text, a
+file of its path, a constant of its values), so no run's choice reaches them; they spare MLX a
+recompile, the disk a read and the GPU a page move.
 """
 
 from __future__ import annotations
