@@ -159,3 +159,50 @@ def test_no_function_does_many_jobs() -> None:
 def test_every_function_allowed_over_the_limit_still_is() -> None:
     fitting = sorted(set(OVER_THE_LIMIT) - set(_too_long()))
     assert not fitting, f"these now fit: drop them from OVER_THE_LIMIT: {fitting}"
+
+
+# Module variables that change after import, each with why it is kept or what removes it; a test below
+# asks to drop an entry once its variable is gone.
+MODULE_STATE = {
+    "runtime/cuda.py": "memos of kernels, sources and constants, each a function of its key (the module's doc)",
+    "data/formats.py": "a memo of whether a chat template renders a role, a function of the template's text",
+    "adapters/base_path.py": "the multiply mode and crossovers, an object built in api.py in the adapters rework",
+    "adapters/step_norms.py": "the fold's note said once, per run in the adapters rework",
+}
+
+
+def module_state(source: str) -> list[str]:
+    """What of a module can change after import: `global` statements, and module-level names bound to an
+    empty dict, list or set (a registry or a cache filled later)."""
+    tree = ast.parse(source)
+    found = [f"global {', '.join(node.names)}" for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        empty = (isinstance(value, (ast.Dict, ast.List, ast.Set)) and not getattr(value, "keys", None)
+                 and not getattr(value, "elts", None)) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in ("dict", "list", "set") and not value.args and not value.keywords)
+        found += [t.id for t in targets if empty and isinstance(t, ast.Name)]
+    return found
+
+
+def test_module_state_is_found() -> None:
+    source = "A = {'x': 1}\n_cache: dict = {}\nseen = []\nnames = set()\ndef f():\n    global seen\n"
+    assert module_state(source) == ["global seen", "_cache", "seen", "names"]
+
+
+def test_no_module_keeps_state_that_changes_after_import() -> None:
+    found = {}
+    for path in _modules().values():
+        where = path.relative_to(PACKAGE).as_posix()
+        if where not in MODULE_STATE and (names := module_state(path.read_text(encoding="utf-8"))):
+            found[where] = names
+    assert not found, f"module variables a run can change (hand an object down instead): {found}"
+
+
+def test_every_module_allowed_state_still_has_it() -> None:
+    gone = [where for where in sorted(MODULE_STATE)
+            if not module_state((PACKAGE / where).read_text(encoding="utf-8"))]
+    assert not gone, f"these keep no state now: drop them from MODULE_STATE: {gone}"
