@@ -120,6 +120,7 @@ class Reporter:
     log: Callable[[str], None] = print
     show_progress: bool = True  # on a terminal only: in a file each frame would be a line
     trackers: list[Any] = field(default_factory=list)  # training/trackers.py, closed on exit
+    terminal: Any = None  # where the bar draws, if a terminal (None: this process's stderr)
     _bar: Any = field(default=None, init=False)
     _file: Any = field(default=None, init=False)
 
@@ -127,9 +128,10 @@ class Reporter:
         if self.writer and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._file = os.open(RunDir(self.out_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if self.writer and self.show_progress and sys.stderr.isatty():
+        self.terminal = self.terminal or sys.stderr
+        if self.writer and self.show_progress and self.terminal.isatty():
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
-                             dynamic_ncols=True, file=sys.stderr, leave=True)
+                             dynamic_ncols=True, file=self.terminal, leave=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -155,7 +157,7 @@ class Reporter:
         if line is None:
             return
         if self._bar is not None:
-            self._bar.write(line, file=sys.stderr)
+            self._bar.write(line, file=self.terminal)
             if record.get("type") == "train":
                 self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
                                       mem=f"{record['peak_memory_gb']:.2f}GB", refresh=False)
