@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..run_dir import ADAPTER_FILE, CONFIG_FILE, METRICS_FILE, PLOT_FILE, REPORT_FILE, RunDir
 from ..runtime.relaunch import resume_command
@@ -94,12 +94,21 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
             return OUT_OF_MEMORY_EXIT_CODE
         if not result.stopped_early:
             return 0
-        if mesh.is_writer:  # one line for the run, from the writer (rank 0)
-            print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
+        line = continue_line(result, mesh)
+        if line is not None:
+            print(line, flush=True)
         # A request that comes late (a launcher passing on a signal its rank has already acted on) must not
         # turn this exit 3 into a kill while the interpreter shuts down.
         stop.keep_until_exit()
         return STOPPED_EXIT_CODE
+
+
+def continue_line(result: Any, mesh: Any, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The line a run stopped on request ends with: the command that continues it on the ranks it ran on
+    (started as `environ` says). Said once, by the writer (rank 0); None on the other ranks."""
+    if not mesh.is_writer:
+        return None
+    return f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh, environ)}"
 
 
 def _mesh(cfg: Any) -> Any:
