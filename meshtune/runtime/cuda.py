@@ -38,10 +38,11 @@ CUDNN_ATTENTION_DTYPES = (mx.bfloat16, mx.float16)
 CUDNN_MAX_HEAD_DIM = 128
 
 
-def attention_inputs_multiple(model: nn.Module) -> int | None:
-    """What `model`'s inputs' length must be a multiple of for its fused attention backward here:
-    FUSED_ATTENTION_MULTIPLE on an NVIDIA GPU where cuDNN takes its attention, else None."""
-    if not on_cuda():
+def attention_inputs_multiple(model: nn.Module, nvidia: bool | None = None) -> int | None:
+    """What `model`'s inputs' length must be a multiple of for its fused attention backward on an NVIDIA
+    GPU (`nvidia`; None: whether arrays run on one here): FUSED_ATTENTION_MULTIPLE where cuDNN takes its
+    attention, else None."""
+    if not (on_cuda() if nvidia is None else nvidia):
         return None
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", 0) or 0

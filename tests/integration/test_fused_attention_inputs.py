@@ -47,13 +47,12 @@ def test_a_run_s_training_inputs_are_padded_to_the_multiple_and_its_losses_uncha
     assert padded.val_loss == pytest.approx(plain.val_loss, rel=1e-5)
 
 
-def test_only_cuda_with_attention_cudnn_takes_asks_for_the_multiple(monkeypatch):
+def test_only_cuda_with_attention_cudnn_takes_asks_for_the_multiple():
     model = tiny_llama()  # head dim 8
-    monkeypatch.setattr(cuda, "on_cuda", lambda: False)  # the CPU or Metal
-    assert cuda.attention_inputs_multiple(model) is None
-    monkeypatch.setattr(cuda, "on_cuda", lambda: True)
-    assert cuda.attention_inputs_multiple(model) is None  # float32: cuDNN takes half precision only
+    assert cuda.attention_inputs_multiple(model, nvidia=False) is None  # the CPU or Metal
+    assert cuda.attention_inputs_multiple(model, nvidia=True) is None  # float32: cuDNN takes half precision only
     model.set_dtype(mx.bfloat16)
-    assert cuda.attention_inputs_multiple(model) == cuda.FUSED_ATTENTION_MULTIPLE == 128
+    assert cuda.attention_inputs_multiple(model, nvidia=False) is None
+    assert cuda.attention_inputs_multiple(model, nvidia=True) == cuda.FUSED_ATTENTION_MULTIPLE == 128
     model.args.head_dim = 256  # as Gemma's: beyond cuDNN's 128
-    assert cuda.attention_inputs_multiple(model) is None
+    assert cuda.attention_inputs_multiple(model, nvidia=True) is None
