@@ -1,29 +1,12 @@
 """Length-sorted, padded, rank-sharded batches with a resumable cursor.
 
-Semantics follow ``mlx_lm.tuner.trainer.iterate_batches``: examples are sorted
-by token length (stable), cut into complete global batches of ``batch_size``
-(the incomplete tail of longest examples is dropped), rank ``r`` of ``W`` takes
-every ``W``-th example of each global batch starting at ``r``, and each local
-batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)`` columns
-(at most ``max_seq_length``), truncating longer examples.  Batches come out as
-``Batch(tokens, lengths)`` with ``lengths[:, 0]`` the prompt offset and
-``lengths[:, 1]`` the (truncated) length, so mlx-lm's ``default_loss`` applies.
-
-With ``inputs_multiple_of`` (meshtune passes 128 on an NVIDIA GPU, runtime/cuda.py) that
-width is then widened with padding until the model inputs are a multiple of it, where that adds
-at most 1/16 of the inputs and they stay within ``max_seq_length`` (the batch may be one column
-wider than it): no example gains a token, only masked columns.
-
-Two things differ on purpose: the padded arrays of every batch are built once
-and cached rather than re-padded each step, and the batch order of epoch ``e``
-is a permutation drawn only from ``(seed, e)``.  The cursor ``(epoch,
-position)`` therefore fully determines what comes next, so training resumes
-exactly, and since it counts global batches it is the same on every rank.
-
-With ``pack`` (data.pack) the unit is a packed row instead of an example: the split is
-packed once into rows of at most ``max_seq_length`` tokens (packing.py), rows are sorted by
-fill (fullest first), cut into global batches of ``batch_size`` rows and sharded, shuffled
-and resumed exactly as examples are; ``lengths`` is then [B, K, 3] (packing.py).
+As ``mlx_lm.tuner.trainer.iterate_batches``: examples sorted by length (stable), cut into whole global
+batches (the longest tail dropped), rank ``r`` of ``W`` taking every ``W``-th example from ``r``, each
+batch right-padded to ``1 + pad_to * ceil(max_len / pad_to)`` columns (at most ``max_seq_length``);
+``Batch(tokens, lengths)`` suits mlx-lm's ``default_loss``. Unlike it, on purpose: batches are padded
+once and cached, and epoch ``e``'s order is drawn from ``(seed, e)`` alone, so the cursor ``(epoch,
+position)`` resumes exactly on every rank. ``inputs_multiple_of`` (128 on an NVIDIA GPU, runtime/cuda.py)
+widens a batch with masked columns (padded_width); with ``pack`` the unit is a packed row (packing.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """LoRA and DoRA adapters as a PEFT folder: `adapter_config.json` with PEFT's keys and
 `adapter_model.safetensors` with Hugging Face module names, for transformers, vLLM and TGI.
 
-The mapping, layer by layer (mlx-lm's model tree names modules as transformers does for the
-families it shares, e.g. `model.layers.N.self_attn.q_proj`):
-- Linear: meshtune computes y = W x + s (x A) B with A (in, r), B (r, out); PEFT computes
-  y = W x + (lora_alpha / r) B' A' x with lora_A.weight A' (r, in), lora_B.weight B' (out, r).
-  So A' = A^T, B' = B^T and lora_alpha = s r.
-- DoRA (Liu et al. 2024, section 4.1; PEFT's DoraLinearLayer): both compute
-  y = m / ||W + s B'A'||_row * (W x + s B' A' x) + bias; `m` is PEFT's
-  `lora_magnitude_vector`, saved under that name without a `.weight` suffix, as PEFT saves it.
-- Embedding (untied head only): PEFT's lora_embedding_A (r, vocab) = A^T and
-  lora_embedding_B (dims, r) = B^T. A tied head is refused: meshtune adapts the head with the
-  table, PEFT only the lookup.
-Expert (SwitchLinear) adapters, DoRA on an embedding and full fine-tuning have no PEFT form
-here; each is one line naming what to do instead.
+mlx-lm's model tree names modules as transformers does for the families it shares (e.g.
+`model.layers.N.self_attn.q_proj`); `peft_tensors` gives each layer's mapping. Expert
+(SwitchLinear) adapters, DoRA on an embedding and full fine-tuning have no PEFT form here; each is
+one line naming what to do instead.
 """
 
 from __future__ import annotations
@@ -60,7 +51,18 @@ def _adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def peft_tensors(model: nn.Module) -> dict[str, mx.array]:
-    """PEFT's state dict for the model's adapter layers, in their own dtype."""
+    """PEFT's state dict for the model's adapter layers, in their own dtype.
+
+    - Linear: meshtune computes y = W x + s (x A) B with A (in, r), B (r, out); PEFT computes
+      y = W x + (lora_alpha / r) B' A' x with lora_A.weight A' (r, in), lora_B.weight B' (out, r).
+      So A' = A^T, B' = B^T and lora_alpha = s r.
+    - DoRA (Liu et al. 2024, section 4.1; PEFT's DoraLinearLayer): both compute
+      y = m / ||W + s B'A'||_row * (W x + s B' A' x) + bias; `m` is PEFT's
+      `lora_magnitude_vector`, saved under that name without a `.weight` suffix, as PEFT saves it.
+    - Embedding (untied head only): PEFT's lora_embedding_A (r, vocab) = A^T and
+      lora_embedding_B (dims, r) = B^T. A tied head is refused: meshtune adapts the head with the
+      table, PEFT only the lookup.
+    """
     tensors: dict[str, mx.array] = {}
     for name, layer in _adapted(model):
         key = PEFT_PREFIX + name

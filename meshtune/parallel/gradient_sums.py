@@ -1,14 +1,12 @@
 """Gradient sums over the data-parallel ranks, in buckets: after the backward or overlapped with it.
 
-The update must equal one process's update on the whole global batch: gradients of
-the summed token losses are summed over ranks and divided by the global token count.
-Gradients travel in buckets of about `bucket_mb` (one all_sum per bucket, small arrays
-concatenated). `after_backward` reduces the buckets in model order once everything
-is computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back
-and puts every collective of the step on a stream of its own (one stream: split over
-two, ranks took the all_sums in different orders and paired wrong buffers), so a
-bucket's all_sum runs while earlier layers' backward computes. With `transport:
-sockets` the buckets go to the socket ring's threads (socket_ring.py) and `TimedPump`
+The update must equal one process's on the whole global batch: gradients of the summed token losses
+are summed over ranks and divided by the global token count. Gradients travel in buckets of about
+`bucket_mb` (one all_sum per bucket). `after_backward` reduces them in model order once everything is
+computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back and puts every
+collective on one stream of its own (split over two, ranks took the all_sums in different orders and
+paired wrong buffers), so a bucket's all_sum runs while earlier layers' backward computes. With
+`transport: sockets` the buckets go to the socket ring's threads (socket_ring.py) and `TimedPump`
 measures the exposed communication.
 """
 

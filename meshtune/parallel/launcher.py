@@ -1,34 +1,14 @@
 """Start N ranks (ring, NCCL, JACCL; here or over ssh), and fail loudly and together: `meshtune launch`'s engine.
 
     meshtune launch -n 2 -- meshtune train -c run.yaml
-    meshtune launch -n 2 --no-pin -- python my_script.py   # ranks share every core
     meshtune launch --hostfile hosts.json -- meshtune train -c run.yaml   # one rank per host, over ssh
     meshtune launch -n 2 --backend nccl -- meshtune train -c run.yaml     # one rank per GPU of this machine
 
-Ranks are started directly (MLX_RANK plus a ring hostfile on 127.0.0.1 that this
-module writes), not through `mlx.launch`, whose per-rank output threads busy-poll (on
-a 2-core box that cost more throughput than the second rank added) and which exits 0
-when a rank fails. Here each rank's output is read by a blocking thread and prefixed
-`[rank i]`; when any rank is lost (killed by a signal, or stopped: state T in /proc)
-or exits non-zero, one line names it and the step of its last heartbeat (see
-meshtune/runtime/watchdog.py), the others are stopped (SIGKILL after a short grace:
-they sit in a collective) and a non-zero code is returned. Ring ranks on this machine
-are pinned by default when there are no more of them than cores: rank i gets its own
-core and one BLAS thread, since unpinned ranks' BLAS thread pools fight over the same
-cores. `--no-pin` turns it off; with more ranks than cores none is pinned and one note
-says so. An explicit `--pin` also pins NCCL ranks, and more ranks than cores in turn.
-With `--hostfile` (mlx.launch's format) rank i runs
-`ssh host 'cd $PWD && env MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is
-seen only through the survivors' watchdogs, since its state cannot be read from here.
-Every address a host lists is one link: the ring hostfile the ranks get holds them all, a
-port each, and MLX's ring stripes every all-reduce across them, as mlx.launch does.
-`--backend jaccl` (or `jaccl-ring`: MLX's RDMA over Thunderbolt 5) gives each rank the
-environment mlx.launch gives it for the same hostfile: rank 0's first address as the
-coordinator and the hosts' RDMA devices in a file.
-With `--backend nccl` (MLX's CUDA build) the ranks join NCCL through rank 0 on
-127.0.0.1 and rank i sees one GPU, entry i of CUDA_VISIBLE_DEVICES when that is set,
-else GPU i, as mlx.launch does on one host; NCCL_NVLS_ENABLE stays as the environment
-has it.
+Ranks are started directly, not through `mlx.launch` (whose output threads busy-poll and which exits 0
+when a rank fails: docs/performance.md, "Launcher"): each rank's output is read on a blocking thread
+and prefixed `[rank i]`, and rank_watch.py stops them all when one is lost. Local ring ranks are
+pinned one a core by default. Every hostfile address is one ring link; NCCL and JACCL ranks get the
+environment mlx.launch gives them (docs/parallel/cluster.md, docs/parallel/gpus.md).
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Turns a hung collective or a lost peer into a clean exit that names the lost rank.
 
-When a rank is killed, stopped or cut off, its peers block inside an all_sum or a
-recv that never returns (MLX has no timeout there; mlx issue 4475 reports ring
-deadlocks at 3+ ranks). A watchdog thread on every rank expects a heartbeat from the
-training loop; after `timeout_s` without one it prints one line and ends the process
-with EXIT_CODE, so a launcher sees a failure instead of waiting forever.
-
-Before a rank's first finished step, a peer that has written no heartbeat yet is
-still loading, and the watchdog waits for it up to STARTUP_GRACE timeouts.
-
-A rank alone cannot tell which peer stopped answering, so the same thread also keeps
-a small side channel: every `interval` it writes `rank<i>.json` (pid, host, last
-finished step, wall time now) into a run-scoped folder, `$MESHTUNE_HEARTBEAT_DIR`
-(set by `meshtune launch`) or else `<adapter_path>/.heartbeats` (ranks started by
-mlx.launch). The thread keeps writing while its loop is blocked in a collective, so
-a peer whose file went stale, or whose local process is gone or stopped
-(/proc/<pid>/stat), is the one that stopped answering. A peer killed outright
-closes its sockets and the backend raises at once ("[ring] connection to a peer was
-lost"); that also becomes the one line and exit 75, not a traceback. Peers on other
-hosts are seen only through a shared filesystem; without one the line says that no
-peer could be named.
+When a rank is killed, stopped or cut off its peers block in a collective that never returns (MLX
+has no timeout there; mlx issue 4475). A watchdog thread on every rank expects a heartbeat from the
+loop; after `timeout_s` without one it prints one line and exits with EXIT_CODE (a peer still loading
+is waited for up to STARTUP_GRACE timeouts). To name the lost peer the thread also writes
+`rank<i>.json` (pid, host, step, time) into the run's heartbeat folder every `interval`, even while
+its loop is blocked: a peer whose file went stale, or whose local process is gone or stopped, is the
+one. A backend error from a closed connection becomes the same line and exit 75. docs/reliability.md,
+"When a rank is lost", says what a user sees.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Full training state on disk: atomic, checksummed checkpoints and exact resume.
 
-A checkpoint is `checkpoints/<7-digit step>/` holding the trainable weights, the
-optimizer state, the data cursor, the loop counters and the resolved config. The RNG
-state is (seed, step): the loop reseeds MLX's generator every step, since MLX offers
-no way to set its key back to a saved value. It is written into a temporary sibling
-folder, every file fsynced, then renamed into place, so a crash leaves either a
-complete checkpoint or none; the manifest (`state.json`) is written last, marks a
-folder as complete and records the size and sha256 of every other file in it, so a
-resume can tell a damaged checkpoint from a good one (`resumable_checkpoint`).
-MLX's safetensors writer does not report a full disk, so every written file is also
-checked against its own header for truncation. Write failures become one
-`CheckpointWriteError` naming the folder; the partial temp folder is removed.
-A pipeline writes the same folder per stage instead (`stage<k>.safetensors`,
-`stage<k>.optimizer.safetensors`, manifest `state.stage<k>.json`; see
-parallel/pipeline/state.py); verifying and loading such a folder as a whole reads
-every stage's shard, so a single process resumes a pipeline's checkpoint.
+A checkpoint (RunDir.checkpoint(step)) holds the trainable weights, the optimizer state, the data
+cursor, the loop counters and the resolved config; the RNG needs none, as the loop reseeds it from
+(seed, step). It is written into a temp sibling, every file fsynced, then renamed into place; its
+manifest, written last, records each file's size and sha256, so a resume tells a damaged checkpoint
+from a good one (`resumable_checkpoint`). MLX's safetensors writer does not report a full disk, so
+each file is checked against its own header; a failed write is one `CheckpointWriteError`. A
+pipeline writes one shard per stage (parallel/pipeline/state.py), which one process loads whole.
+docs/reliability.md, "Checkpoints and resume", says what a resume promises.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """The training loop: one strategy step per iteration, periodic eval, reports and saves, top to bottom.
 
-One optimizer step is one call of the parallel strategy (training/strategy.py): it
-consumes `grad_accumulation_steps` micro-batches, takes gradients of the summed
-token losses and divides them by the token count of the whole global batch (all
-micro-batches, all ranks), so the update equals the one a single process would make
-on the same global batch. Reported losses are weighted by tokens the same way: the
-ranks' loss sums and token counts are added at each report, with every rank's peak
-memory and the strategy's measured waits (Strategy.take_waits: comm or bubble seconds).
-A report closes its window every `steps_per_report` steps and at every save (a stop's
-included), so what a checkpoint counts is what has been reported.
-The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
-costs time and buys nothing at a steady shape mix).
-
-A step whose update was not applied (a non-finite gradient norm, no target tokens in
-the global batch, or an update that would make a non-finite value: training/update.py) is skipped with one line while
-`skip_nonfinite` allows, else the loop raises NonFiniteStep and nothing more is
-saved. Its verdict is read one step late where steps overlap, but always before a
-report, an eval or a save, so nothing is written between a bad step and its discovery.
+One optimizer step is one call of the parallel strategy (training/strategy.py), whose update equals
+one process's on the whole global batch (gradients of the summed token losses over its token count).
+Reports are token-weighted over the ranks, with every rank's peak memory and the strategy's waits; a
+window closes every `steps_per_report` steps and at every save, so a checkpoint counts what was
+reported. The allocator cache is left alone (stock mlx-lm clears it every step, which costs time).
+A step whose update was not applied (training/update.py) is skipped with one line while
+`skip_nonfinite` allows, else NonFiniteStep; its verdict is read before any report, eval or save, so
+nothing is written between a bad step and its discovery.
 """
 
 from __future__ import annotations
