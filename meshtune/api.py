@@ -1,10 +1,10 @@
 """The Python API: finetune(cfg) -> RunResult; fuse, generate and evaluate_adapters (meshtune/inference.py).
 
-`finetune` is the whole run as the design lays it out: validate -> the mesh's
-strategy, checked -> load model -> freeze and apply adapters -> data iterator for
-this rank -> optimizer -> strategy -> restore a checkpoint when resuming -> loop, which
-saves a checkpoint and the adapters on schedule and at the end. The strategy (training/strategy.py) is picked once, from the mesh;
-everything after goes through it. The CLI calls only these.
+`finetune` reads as its phases. Set up (`_set_up`, `_begin`): validate, pick the layout's strategy
+(training/strategy.py) once from the mesh, load the model and add adapters, read this rank's data, build
+the optimizer, restore a checkpoint when resuming; only then is the folder written. Fit (`_fit`): the
+loop, which saves a checkpoint and the adapters on schedule and at the end. Finish (`_finish`): the
+report and the run's last line. Everything after set-up goes through the strategy. The CLI calls only these.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import adapters as ad
-from .adapters import BasePath, StepContext, base_path
+from .adapters import BasePath, StepContext
 from .adapters.apply import block_count
 from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
@@ -38,7 +38,8 @@ from .parallel.data_parallel import DataParallel
 from .runtime.mesh import Mesh
 from .parallel.pipeline.executor import Pipeline
 from .run_data import TRAINING_WAYS_OUT, eval_batches, load_splits, warner
-from .training.metrics import METRICS_FILE, MetricsWriteError, Reporter, read_metrics
+from .run_dir import PLOT_FILE, REPORT_FILE, RunDir
+from .training.metrics import MetricsWriteError, Reporter, read_metrics
 from .report import summary_line, write_report
 from .training.trackers import open_trackers
 from .training.optimizers import build_optimizer, build_schedule
@@ -126,7 +127,7 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None],
 
 def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None] = print,
              show_progress: bool = True, stop: StopSignals | None = None) -> RunResult:
-    """Fine-tune as `cfg` says on `mesh` (default: this one process).
+    """Fine-tune as `cfg` says on `mesh` (default: this one process): set up, fit, finish.
 
     `stop` records SIGTERM/SIGINT; the command line holds it from before set-up to after the report,
     so a signal at any moment is a stop request. Without one, the run takes them from its first step
@@ -139,15 +140,42 @@ def finetune(cfg: Config, mesh: Mesh | None = None, *, log: Callable[[str], None
     # One run per folder (runtime/run_lock.py): taken before the folder is read, held until the run ends.
     lock = on_writer(mesh, lambda: (check_writable(out), lock_folder(out, say))[1])
     try:
-        return _run(cfg, mesh, out, say, lock, show_progress=show_progress, stop=stop)
+        run = _set_up(cfg, mesh, out, say)
+        run = _begin(run, lock, stop)
+        fitted, test_loss = _fit(run, show_progress=show_progress, stop=stop)
+        return _finish(run, fitted, test_loss)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: FolderLock | None, *,
-         show_progress: bool, stop: StopSignals | None) -> RunResult:
-    """The run, its folder held by `lock` on the writer (finetune)."""
+@dataclass(kw_only=True)
+class _Run:
+    """What set-up hands the fit and the finish: the run's parts, built and checked, and where it starts."""
+
+    cfg: Config
+    mesh: Mesh
+    out: Path
+    say: Callable[[str], None]
+    model: nn.Module
+    optimizer: Any
+    strategy: Strategy
+    paths: BasePath  # how quantized bases multiply, and the crossovers measured so far
+    batches: BatchIterator
+    val_batches: Any
+    test_batches: Any
+    trackers: list[str]
+    resolved: dict[str, Any]
+    adapter_config: dict[str, Any]
+    need: int  # bytes a save needs free: said when a save or a report fails for space
+    start: TrainingState | None = None  # _begin's
+    setup_bytes: int = 0  # what setup holds (weights, adapters, optimizer state): the rest of the peak is activations
+    setup_peak: int = 0  # the load's peak
+
+
+def _set_up(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None]) -> _Run:
+    """Check every input, load the model and the data, build the optimizer and the layout's strategy.
+    Nothing is written to the folder (its lock held by the writer: finetune)."""
     # The one place the layout picks its strategy (training/strategy.py); below, only its interface.
     layout = Pipeline if mesh.pp > 1 else DataParallel
     on_writer(mesh, lambda: (check_output_folder(cfg, out), check_writable(out)))
@@ -163,7 +191,7 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     model_path, data_path = str(cfg.resolved_model_path()), str(cfg.resolved_data_path())
     trackers = check_before_load(cfg, mesh, layout, out)  # the data, layout, adapters, trackers, ranks
     paths = BasePath(cfg.adapter.base_path)  # how quantized bases multiply (adapters/base_path.py)
-    kept = out / base_path.run_file(mesh.rank)
+    kept = RunDir(out).base_path_record(mesh.rank)
     if cfg.output.resume and kept.exists():  # before apply_adapters measures any
         say(f"base path: {paths.adopt(json.loads(kept.read_text()))} measured crossovers from {kept}, "
             "as the run took them")
@@ -173,7 +201,32 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
     if mesh.is_writer:  # the trainable size is known only now; still before step 1
         need = check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
                                 optimizer=cfg.optimizer.name)
+    cfg, data, batches = _training_data(cfg, mesh, model, tokenizer, say)
+    check_plan_fits(cfg, mesh, int(data.train.lengths.max(initial=0)), machine)
+    # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
+    val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches, TRAINING_WAYS_OUT)
+                   if data.valid is not None and cfg.train.val_batches != 0 else None)
+    test_batches = (eval_batches(data.test, cfg, mesh, cfg.train.test_batches, TRAINING_WAYS_OUT)
+                    if cfg.train.test and data.test is not None else None)
+    optimizer = _optimizer(cfg)
+    resolved = cfg.to_dict()
+    # adapter_config.json describes every layer of the model: taken before a pipeline rank drops the others'.
+    # generate and serve frame prompts as the run trained (prompt_format.py).
+    adapter_config = ad.mlx_lm_adapter_config(cfg.adapter, model_path=model_path, data_path=data_path, model=model,
+                                              extra={"meshtune": resolved, **recorded_prompt_format(data.train)})
+    # A pipeline rank holds and trains only its stage's parts from here on.
+    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlaps_steps(cfg.runtime.overlap_steps),
+                                  say=say, step_context=step_context)
+    ad.settle_norms(model)  # DoRA's base norms, of the layers this rank holds: the first weights read
+    return _Run(cfg=cfg, mesh=mesh, out=out, say=say, model=model, optimizer=optimizer, strategy=strategy,
+                paths=paths, batches=batches, val_batches=val_batches, test_batches=test_batches, trackers=trackers,
+                resolved=resolved, adapter_config=adapter_config, need=need)
 
+
+def _training_data(cfg: Config, mesh: Mesh, model: nn.Module, tokenizer: Any, say: Callable[[str], None]
+                   ) -> tuple[Config, Any, BatchIterator]:
+    """The splits this rank reads and its training batches; the config with packed rows' picked length
+    recorded (data.pack_length), so a resume packs the same rows."""
     if cfg.data.pack:
         check_packable(model)
     data = load_splits(cfg, tokenizer, mesh, need_valid=cfg.train.val_batches != 0, need_test=cfg.train.test,
@@ -194,37 +247,31 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
                             max_seq_length=row_length, pad_to=cfg.data.pad_to,
                             seed=cfg.train.seed, rank=mesh.dp_rank, world_size=mesh.dp, loop=True,
                             warn=warner(mesh), pack=cfg.data.pack, inputs_multiple_of=multiple)
-    check_plan_fits(cfg, mesh, int(data.train.lengths.max(initial=0)), machine)
-    # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
-    val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches, TRAINING_WAYS_OUT)
-                   if data.valid is not None and cfg.train.val_batches != 0 else None)
-    test_batches = (eval_batches(data.test, cfg, mesh, cfg.train.test_batches, TRAINING_WAYS_OUT)
-                    if cfg.train.test and data.test is not None else None)
+    return cfg, data, batches
+
+
+def _optimizer(cfg: Config) -> Any:
+    """The optimizer with its learning-rate schedule, as the config names them."""
     schedule = build_schedule(name=cfg.schedule.name, arguments=cfg.schedule_arguments(),
                               warmup=cfg.schedule.warmup, warmup_init=cfg.schedule.warmup_init,
                               learning_rate=cfg.optimizer.learning_rate)
-    o, a = cfg.optimizer, cfg.adapter
-    optimizer = build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay,
-                                options=o.options)
-    overlap = overlaps_steps(cfg.runtime.overlap_steps)
-    resolved = cfg.to_dict()
-    # adapter_config.json describes every layer of the model: taken before a pipeline rank drops the others'.
-    # generate and serve frame prompts as the run trained (prompt_format.py).
-    adapter_config = ad.mlx_lm_adapter_config(a, model_path=model_path, data_path=data_path, model=model,
-                                              extra={"meshtune": resolved, **recorded_prompt_format(data.train)})
-    # A pipeline rank holds and trains only its stage's parts from here on.
-    strategy = layout.from_config(cfg, mesh, model, optimizer, overlap=overlap, say=say, step_context=step_context)
-    ad.settle_norms(model)  # DoRA's base norms, of the layers this rank holds: the first weights read
+    o = cfg.optimizer
+    return build_optimizer(name=o.name, learning_rate=schedule, weight_decay=o.weight_decay, options=o.options)
 
-    start = TrainingState(step=0, data_cursor=batches.state())
+
+def _begin(run: _Run, lock: FolderLock | None, stop: StopSignals | None) -> _Run:
+    """Restore the checkpoint (--resume) or start the optimizer afresh; then, every input checked, the
+    first writes to the folder: an overwritten run cleared, the run's adapter_config.json."""
+    cfg, mesh, out, model, optimizer = run.cfg, run.mesh, run.out, run.model, run.optimizer
+    start = TrainingState(step=0, data_cursor=run.batches.state())
     if cfg.output.resume:
-        start = _restore(out, strategy, batches, resolved, say)
+        start = _restore(out, run.strategy, run.batches, run.resolved, run.say)
         if mesh.is_writer:
             _drop_metrics_after(out, start.step)
-        say(f"resumed from step {start.step} ({out / 'checkpoints'})")
+        run.say(f"resumed from step {start.step} ({RunDir(out).checkpoints})")
     else:
         optimizer.init(model.trainable_parameters())
-    strategy = with_forced_fault(strategy, done=start.step)  # a test hook, off unless its variable is set
+    strategy = with_forced_fault(run.strategy, done=start.step)  # a test hook, off unless its variable is set
     # What setup holds (weights, adapters, optimizer state): the rest of the peak is activations.
     mx.eval(model.parameters(), optimizer.state)
     setup_bytes, setup_peak = mx.get_active_memory(), mx.get_peak_memory()  # the load's peak included
@@ -237,63 +284,83 @@ def _run(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None], lock: F
         if cfg.output.overwrite and not cfg.output.resume and out.exists():
             lock.clear()
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / ad.CONFIG_FILE, json.dumps(adapter_config, indent=2))
+        atomic_write_text(RunDir(out).config, json.dumps(run.adapter_config, indent=2))
+    return replace(run, start=start, strategy=strategy, setup_bytes=setup_bytes, setup_peak=setup_peak)
+
+
+def _saver(run: _Run) -> Callable[[TrainingState], None]:
+    """What the loop calls to save: the step's checkpoint, then the trained weights as the one adapters file."""
+    cfg, mesh, out, strategy = run.cfg, run.mesh, run.out, run.strategy
 
     def save(state: TrainingState) -> None:
         """The step's checkpoint, then the trained weights as the one adapters file (a collective)."""
-        strategy.save(out, state, config=resolved, keep=cfg.output.keep_last_n)
-        crossovers = paths.measured()
+        strategy.save(out, state, config=run.resolved, keep=cfg.output.keep_last_n)
+        crossovers = run.paths.measured()
         if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / base_path.run_file(mesh.rank), json.dumps(crossovers, indent=1))
+            atomic_write_text(RunDir(out).base_path_record(mesh.rank), json.dumps(crossovers, indent=1))
         if mesh.pp == 1 and mesh.is_writer:  # a pipeline's stages checked theirs with the checkpoint (state.py)
-            require_finite(state.step, ad.trainable_parameters(model), "the trained weight")
+            require_finite(state.step, ad.trainable_parameters(run.model), "the trained weight")
         try:
-            strategy.write_weights(out / ad.ADAPTER_FILE)
+            strategy.write_weights(RunDir(out).adapters)
         except OSError as err:
             raise CheckpointWriteError(write_error(out, err)) from None
+    return save
 
+
+def _fit(run: _Run, *, show_progress: bool, stop: StopSignals | None) -> tuple[Any, float | None]:
+    """The training loop from the start step, with its reports, saves and evaluations; then the test split.
+    Returns the loop's result and the test loss (None: not asked, or stopped early)."""
+    cfg, mesh, out, strategy, start = run.cfg, run.mesh, run.out, run.strategy, run.start
+    assert start is not None, "_begin sets the start step"
     validate = None
-    if val_batches is not None:
-        validate = lambda: strategy.evaluate(val_batches, beat=watchdog.alive)  # noqa: E731
+    if run.val_batches is not None:
+        validate = lambda: strategy.evaluate(run.val_batches, beat=watchdog.alive)  # noqa: E731
     t = cfg.train
     settings = LoopSettings(iters=t.iters, steps_per_report=t.steps_per_report, steps_per_eval=t.steps_per_eval,
                             save_every=t.save_every, skip_nonfinite=t.skip_nonfinite_steps)
     watchdog = Watchdog(cfg.runtime.watchdog_s, mesh.rank, mesh.world_size, heartbeat_folder(out))
-    model.train()
+    run.model.train()
     signals = nullcontext(stop) if stop is not None else StopSignals()
     with watchdog, signals as stop, Reporter(out, total_steps=t.iters, start_step=start.step, writer=mesh.is_writer,
-                                             log=say, show_progress=show_progress,
-                                             trackers=open_trackers(trackers, out, config=resolved,
+                                             log=run.say, show_progress=show_progress,
+                                             trackers=open_trackers(run.trackers, out, config=run.resolved,
                                                                     project=cfg.output.project_name)) as reporter:
         # How to start these ranks again, for the report of a run that is cut off (no line printed).
         reporter.note("start", start.step, None, resume=resume_command(out, mesh))
         try:
-            result = train(strategy, iter(batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
-                           start=start, validate=validate, save=save, cursor=batches.state, stop=stop,
-                           beat=watchdog.beat, watch=DivergenceWatch(vocab_size=vocabulary_size(model),
+            result = train(strategy, iter(run.batches), settings=settings, seed=t.seed, mesh=mesh, reporter=reporter,
+                           start=start, validate=validate, save=_saver(run), cursor=run.batches.state, stop=stop,
+                           beat=watchdog.beat, watch=DivergenceWatch(vocab_size=vocabulary_size(run.model),
                                                                       reports=t.divergence_reports))
         except (CheckpointWriteError, MetricsWriteError, Diverged, NonFiniteStep, NonFiniteValues,
                 OutOfMemory) as err:
-            raise with_last_good(err, out, cfg, need) from None
+            raise with_last_good(err, out, cfg, run.need) from None
         test_loss = None
-        if test_batches is not None and not result.stopped_early:
-            test_loss, n = strategy.evaluate(test_batches, beat=watchdog.alive)
+        if run.test_batches is not None and not result.stopped_early:
+            test_loss, n = strategy.evaluate(run.test_batches, beat=watchdog.alive)
             reporter.eval(result.step, split="test", loss=test_loss, tokens=n, seconds=0.0)
-    say(f"adapters written to {out / ad.ADAPTER_FILE}")
+    return result, test_loss
+
+
+def _finish(run: _Run, result: Any, test_loss: float | None) -> RunResult:
+    """The run's last lines and its report (report.md, loss.png, from metrics.jsonl), and what it left."""
+    mesh, out = run.mesh, run.out
+    run.say(f"adapters written to {RunDir(out).adapters}")
     if mesh.world_size > 1:
         peak = mx.get_peak_memory()
         # The peak since the process started: the load's included (a pipeline rank's shows its stage alone).
-        print(f"rank {mesh.rank} finished at step {result.step} (peak memory {max(peak, setup_peak) / 1e9:.4f} GB, "
-              f"activations {(peak - setup_bytes) / 1e9:.4f} GB)",
+        print(f"rank {mesh.rank} finished at step {result.step} (peak memory "
+              f"{max(peak, run.setup_peak) / 1e9:.4f} GB, activations {(peak - run.setup_bytes) / 1e9:.4f} GB)",
               flush=True)
-    if mesh.is_writer:  # report.md, loss.png and the run's last line, from metrics.jsonl
+    if mesh.is_writer:
         try:
-            summary = write_report(out, resolved)
+            summary = write_report(out, run.resolved)
         except OSError as err:  # the adapters and checkpoints are written: only the report is missing
-            raise CheckpointWriteError(f"{write_error(out, err)}; the run finished, only report.md or loss.png is "
-                                       f"missing (meshtune report --adapter-path {out} writes them again)") from None
-        say(summary_line(summary, out, out / ad.ADAPTER_FILE))
+            raise CheckpointWriteError(f"{write_error(out, err)}; the run finished, only {REPORT_FILE} or "
+                                       f"{PLOT_FILE} is missing (meshtune report --adapter-path {out} writes "
+                                       "them again)") from None
+        run.say(summary_line(summary, out, RunDir(out).adapters))
     return RunResult(adapter_path=out, step=result.step, train_loss=result.train_loss,
                      val_loss=result.val_loss, test_loss=test_loss, trained_tokens=result.trained_tokens,
                      stopped_early=result.stopped_early)
@@ -309,7 +376,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
     """
     ckpt = strategy.latest_checkpoint(out, say)
     if ckpt is None:
-        found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+        found = RunDir(out).checkpoints.is_dir() and any(RunDir(out).checkpoints.iterdir())
         what = "no intact checkpoint (all were skipped, see above)" if found else "no checkpoint"
         raise ValueError(no_checkpoint(out, what))
     changed = run_mismatches(resolved, ckpt.config)
@@ -331,7 +398,7 @@ def _restore(out: Path, strategy: Strategy, batches: BatchIterator, resolved: di
 
 def _drop_metrics_after(out: Path, step: int) -> None:
     """Forget reports past the checkpoint: the resumed run reports those steps again."""
-    path = out / METRICS_FILE
+    path = RunDir(out).metrics
     if path.exists():  # read_metrics leaves out a last record cut off mid-write
         keep = [r for r in read_metrics(out) if r.get("step", 0) <= step]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))

@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.nn as nn
 
+from .run_dir import RunDir
+
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
@@ -58,5 +60,5 @@ def run_demo(adapter_path: str = "runs/demo", overrides: list[str] | None = None
     print(f"{'':<26}{'before':>10}{'after':>10}")
     print(f"{'validation loss':<26}{vals[0]:>10.3f}{vals[-1]:>10.3f}")
     print(f"{'test exact match':<26}{before_acc:>6}/{len(rows):<3}{after_acc:>6}/{len(rows):<3}")
-    print(f"adapters: {result.adapter_path}/adapters.safetensors (load with mlx_lm.load(..., adapter_path=...))")
+    print(f"adapters: {RunDir(result.adapter_path).adapters} (load with mlx_lm.load(..., adapter_path=...))")
     return 0

@@ -20,6 +20,7 @@ from .config.schema import is_local_path
 from .data import check_source
 from .runtime.mesh import Mesh
 from .run_data import eval_batches, load_splits, split_names, tail_batch
+from .run_dir import RunDir
 from .training.evaluation import evaluate
 
 
@@ -78,7 +79,7 @@ def fused_model(model_path: str, adapter_path: str | Path, *, dequantize: bool =
     model, tokenizer, config = load_model(model_path, return_config=True)
     ad.load_adapters(model, adapter_path, model_path)
     n = ad.fuse_adapters(model, dequantize=dequantize)
-    kind = json.loads((Path(adapter_path) / ad.CONFIG_FILE).read_text()).get("fine_tune_type", "lora")
+    kind = json.loads(RunDir(adapter_path).config.read_text()).get("fine_tune_type", "lora")
     if dequantize:
         model = dequantize_model(model)
         config.pop("quantization", None)

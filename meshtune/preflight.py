@@ -14,19 +14,14 @@ import json
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from . import adapters as ad
 from .config import Config
 from .config.resume import settings_digests
 from .data import check_source
 from .runtime.mesh import Mesh
 from .parallel.pipeline.split import declared_layers
 from .run_data import split_names
-from .training.checkpoint import CHECKPOINTS, list_checkpoints
-from .training.metrics import METRICS_FILE
-from .report import REPORT_FILE
-
-RUN_FILES = (ad.ADAPTER_FILE, ad.CONFIG_FILE, METRICS_FILE, REPORT_FILE)
-"""Files of a run's folder besides its checkpoints: any one of them marks an earlier run."""
+from .run_dir import ADAPTER_FILE, CHECKPOINTS, RunDir
+from .training.checkpoint import list_checkpoints
 from .training.trackers import check_trackers
 
 T = TypeVar("T")
@@ -42,7 +37,7 @@ def check_before_load(cfg: Config, mesh: Mesh, layout: Any, out: Path) -> list[s
     if cfg.adapter.init_from and not cfg.output.resume:
         check_init_from(cfg.adapter, model_path)
     trackers = on_writer(mesh, lambda: check_trackers(cfg.output.report_to)) or []
-    if cfg.output.resume and not (out / "checkpoints").is_dir():  # the restore checks the rest
+    if cfg.output.resume and not RunDir(out).checkpoints.is_dir():  # the restore checks the rest
         raise ValueError(no_checkpoint(out, "no checkpoint"))
     check_ranks_agree(cfg, mesh)
     return trackers
@@ -90,7 +85,7 @@ def check_full_is_dense(cfg: Config, folder: Path) -> None:
 def init_file(init_from: str) -> Path:
     """adapter.init_from's weights file: the path, or a run folder's adapters.safetensors."""
     path = Path(init_from).expanduser()
-    return path / ad.ADAPTER_FILE if path.is_dir() else path
+    return RunDir(path).adapters if path.is_dir() else path
 
 
 def check_init_from(a: Any, model_path: str) -> None:
@@ -98,12 +93,13 @@ def check_init_from(a: Any, model_path: str) -> None:
     adapter_config.json)."""
     file = init_file(a.init_from)
     if not file.is_file():
-        what = (f"no {ad.ADAPTER_FILE} in that folder" if Path(a.init_from).expanduser().is_dir()
+        what = (f"no {ADAPTER_FILE} in that folder" if Path(a.init_from).expanduser().is_dir()
                 else "no such file or folder")
         raise ValueError(f"adapter.init_from={a.init_from}: {what}; give a trained run's folder or its "
-                         f"{ad.ADAPTER_FILE}")
+                         f"{ADAPTER_FILE}")
+    theirs_file = RunDir(file.parent).config
     try:
-        theirs = json.loads((file.parent / ad.CONFIG_FILE).read_text())
+        theirs = json.loads(theirs_file.read_text())
     except (OSError, ValueError):
         return  # a bare weights file: load_trainable names any tensor that does not fit
     kind, rank = theirs.get("fine_tune_type", "lora"), (theirs.get("lora_parameters") or {}).get("rank")
@@ -111,18 +107,18 @@ def check_init_from(a: Any, model_path: str) -> None:
         flags = f"--fine-tune-type {kind}" + (f" --adapter.rank {rank}" if kind != "full" and rank else "")
         raise ValueError(f"adapter.init_from={a.init_from}: those are {kind} adapters"
                          + (f" of rank {rank}" if kind != "full" and rank else "")
-                         + f" ({file.parent / ad.CONFIG_FILE}); give {flags} to start from them")
+                         + f" ({theirs_file}); give {flags} to start from them")
     blocks = declared_layers(model_path)
     covered = lambda n: blocks if n is None or n < 0 or n > blocks else n  # noqa: E731
     theirs_n = theirs.get("num_layers")
     if blocks and isinstance(theirs_n, int) and covered(theirs_n) != covered(a.num_layers):
         raise ValueError(f"adapter.init_from={a.init_from}: those adapters cover the last {covered(theirs_n)} of "
-                         f"{blocks} blocks, this run {covered(a.num_layers)} ({file.parent / ad.CONFIG_FILE} "
+                         f"{blocks} blocks, this run {covered(a.num_layers)} ({theirs_file} "
                          f"num_layers {theirs_n}); give --num-layers {theirs_n} to start from them")
     their_keys = (theirs.get("lora_parameters") or {}).get("keys")
     if their_keys and a.keys and sorted(their_keys) != sorted(a.keys):
         raise ValueError(f"adapter.init_from={a.init_from}: those adapters train {', '.join(their_keys)}, this run "
-                         f"{', '.join(a.keys)} ({file.parent / ad.CONFIG_FILE}); give --adapter.keys "
+                         f"{', '.join(a.keys)} ({theirs_file}); give --adapter.keys "
                          f"'{json.dumps(their_keys)}' to start from them")
 
 
@@ -132,15 +128,15 @@ def check_output_folder(cfg: Config, out: Path) -> None:
     if cfg.output.resume or cfg.output.overwrite:
         return
     found = list_checkpoints(out)
-    left = [name for name in RUN_FILES if (out / name).exists()]
-    if found or left or (out / CHECKPOINTS).is_dir():
+    left = [path.name for path in RunDir(out).marks_a_run() if path.exists()]
+    if found or left or RunDir(out).checkpoints.is_dir():
         what = f"checkpoints up to step {int(found[-1].name)}" if found else (left[0] if left else CHECKPOINTS)
         raise ValueError(f"output.adapter_path={out} already holds a run ({what}); pass --resume to "
                          "continue it, --output.overwrite true to replace it, or choose another --adapter-path")
 
 
 def no_checkpoint(out: Path, what: str) -> str:
-    return (f"--resume: {what} in {out / 'checkpoints'}; run without --resume to start, "
+    return (f"--resume: {what} in {RunDir(out).checkpoints}; run without --resume to start, "
             "or point --adapter-path at the run")
 
 

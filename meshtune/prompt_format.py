@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .run_dir import RunDir
+
 DATA_FORMAT_KEY = "data_format"
 SYSTEM_PROMPT_KEY = "system_prompt"
-CONFIG_FILE = "adapter_config.json"  # adapters/apply.py's CONFIG_FILE; this module imports no MLX
 
 
 def recorded_prompt_format(train_split: Any) -> dict[str, Any]:
@@ -37,7 +38,7 @@ class RunPrompt:
 
 def run_prompt_format(adapter_path: str | Path | None) -> RunPrompt:
     """The prompt format recorded in an adapter folder (empty for no folder or an mlx_lm.lora run)."""
-    config = Path(adapter_path) / CONFIG_FILE if adapter_path else None
+    config = RunDir(adapter_path).config if adapter_path else None
     if config is None or not config.is_file():
         return RunPrompt()
     saved = json.loads(config.read_text())

@@ -19,13 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .run_dir import METRICS_FILE, PLOT_FILE, RunDir, temp_path
 from .runtime.relaunch import resume_on_ranks
 from .training.checkpoint import atomic_write_text
 from .training.metrics import read_metrics
-
-REPORT_FILE = "report.md"
-PLOT_FILE = "loss.png"
-CONFIG_FILE = "adapter_config.json"
 
 
 @dataclass(kw_only=True)
@@ -68,8 +65,8 @@ class RunSummary:
 
 def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     """The run in `out` as a RunSummary; `config` is the resolved config (default: the saved one)."""
-    out = Path(out)
-    saved = json.loads((out / CONFIG_FILE).read_text()) if (out / CONFIG_FILE).exists() else {}
+    run = RunDir(out)
+    saved = json.loads(run.config.read_text()) if run.config.exists() else {}
     cfg = config if config is not None else saved.get("meshtune", {})
     records = read_metrics(out)
     train = [r for r in records if r.get("type") == "train"]
@@ -103,11 +100,10 @@ def summarize(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     s.iters = int(cfg.get("train", {}).get("iters", 0) or 0)
     s.earlier_ranks = before
     s.stopped = any(r.get("type") == "stop" for r in records)
-    steps = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.is_dir() and p.name.isdigit()]
-    s.checkpoint = max(steps, default=None)
+    s.checkpoint = max((c.step for c in run.numbered()), default=None)
     starts = [r for r in records if r.get("type") == "start" and r.get("resume")]
     # A run whose metrics.jsonl has no start record: resumed on as many ranks as its reports show.
-    s.resume = starts[-1]["resume"] if starts else resume_on_ranks(out, s.ranks)
+    s.resume = starts[-1]["resume"] if starts else resume_on_ranks(run.path, s.ranks)
     return s
 
 
@@ -148,7 +144,7 @@ def markdown(s: RunSummary) -> str:
         rows.append((key.replace("_", " ") + ", measured (mean of the reports)", f"{100 * value:.1f}%"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return (f"# Training report\n\n| | |\n|---|---|\n{table}\n\n![train and validation loss]({PLOT_FILE})\n\n"
-            f"Every report is in `metrics.jsonl`; docs/watching.md says what each key means.\n")
+            f"Every report is in `{METRICS_FILE}`; docs/watching.md says what each key means.\n")
 
 
 def plot(s: RunSummary, path: Path) -> Path:
@@ -176,12 +172,12 @@ def plot(s: RunSummary, path: Path) -> Path:
 
 def write_report(out: Path, config: dict[str, Any] | None = None) -> RunSummary:
     """Write report.md and loss.png into the run folder `out`; returns what they say."""
-    out = Path(out)
-    s = summarize(out, config)
-    atomic_write_text(out / REPORT_FILE, markdown(s))  # whole or not at all, on a full disk too
-    tmp = out / f".{PLOT_FILE}.tmp-{os.getpid()}.png"
+    run = RunDir(out)
+    s = summarize(run.path, config)
+    atomic_write_text(run.report, markdown(s))  # whole or not at all, on a full disk too
+    tmp = temp_path(run.plot, str(os.getpid()), ".png")
     try:
-        os.replace(plot(s, tmp), out / PLOT_FILE)
+        os.replace(plot(s, tmp), run.plot)
     finally:
         tmp.unlink(missing_ok=True)
     return s
@@ -203,24 +199,25 @@ def summary_line(s: RunSummary, out: Path, adapters: Path) -> str:
     resume = f"; resume with {s.resume}" if s.status != "done" and s.checkpoint is not None else ""
     return (f"{s.status}: {steps}, {s.trained_tokens} tokens in {s.step_seconds:.1f} s "
             f"({s.tokens_per_sec:.0f} tok/s); final train loss {last(s.train)}, val loss {val}; "
-            f"{written}, report {Path(out) / REPORT_FILE}, plot {Path(out) / PLOT_FILE}{resume}")
+            f"{written}, report {RunDir(out).report}, plot {RunDir(out).plot}{resume}")
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m meshtune.report ADAPTER_PATH (a run folder holding metrics.jsonl)",
+        print(f"usage: python -m meshtune.report ADAPTER_PATH (a run folder holding {METRICS_FILE})",
               file=sys.stderr)
         return 2
-    if not (Path(argv[0]) / "metrics.jsonl").exists():
-        what = "no metrics.jsonl in that folder" if Path(argv[0]).is_dir() else "no such folder"
+    run = RunDir(argv[0])
+    if not run.metrics.exists():
+        what = f"no {METRICS_FILE} in that folder" if run.path.is_dir() else "no such folder"
         print(f"meshtune report: {argv[0]}: {what}; give the --adapter-path of a run", file=sys.stderr)
         return 2
     try:
-        s = write_report(Path(argv[0]))
+        s = write_report(run.path)
     except ValueError as err:
         print(f"meshtune report: {err}", file=sys.stderr)
         return 2
-    print(summary_line(s, Path(argv[0]), Path(argv[0]) / "adapters.safetensors"))
+    print(summary_line(s, run.path, run.adapters))
     return 0
 
 

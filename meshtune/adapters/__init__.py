@@ -2,8 +2,9 @@
 `BasePath` (how quantized bases multiply) and `StepContext`, the per-step hook a training step runs
 inside (per_step.py)."""
 
-from .apply import (ADAPTER_FILE, CONFIG_FILE, apply_adapters, fuse_adapters, load_adapters,
-                    load_trainable, mlx_lm_adapter_config, stock_unloadable, trainable_parameters)
+from ..run_dir import ADAPTER_FILE, CONFIG_FILE  # the run folder's names, re-exported from their owner
+from .apply import (apply_adapters, fuse_adapters, load_adapters, load_trainable, mlx_lm_adapter_config,
+                    stock_unloadable, trainable_parameters)
 from .base_path import BasePath, measure_crossover
 from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear, settle_norms
 from .lora import LoRAEmbedding, LoRALinear

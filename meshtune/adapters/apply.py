@@ -25,6 +25,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from ..config.resume import same_source
 from ..config.sections import full_needs_dense
 from .base_path import BasePath
+from ..run_dir import CheckpointDir, RunDir
 from .dora import DoRAEmbedding, DoRALinear, DoRASwitchLinear, settle_norms
 from .frozen import route_frozen_quantized
 from .lora import LoRAEmbedding, LoRALinear
@@ -37,8 +38,6 @@ ADAPTABLE = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding,
 FAMILY = (((nn.Linear, nn.QuantizedLinear), LoRALinear, DoRALinear),
           ((SwitchLinear, QuantizedSwitchLinear), LoRASwitchLinear, DoRASwitchLinear),
           ((nn.Embedding, nn.QuantizedEmbedding), LoRAEmbedding, DoRAEmbedding))
-ADAPTER_FILE = "adapters.safetensors"
-CONFIG_FILE = "adapter_config.json"
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -197,9 +196,9 @@ def load_adapters(model: nn.Module, adapter_path: str | Path, model_path: str | 
     """Apply the adapters described by adapter_path/adapter_config.json and load their weights; a mismatch
     names the base they were trained on where that is not `model_path` (the base loaded)."""
     folder = Path(adapter_path)
-    config_file = folder / CONFIG_FILE
+    config_file = RunDir(folder).config
     if not config_file.exists():
-        if any(folder.glob("state.stage*.json")):  # a pipeline's checkpoint: one shard per stage
+        if CheckpointDir(folder).stage_manifests():  # a pipeline's checkpoint: one shard per stage
             raise ValueError(f"{folder} is a pipeline checkpoint (one weights file per stage), which resumes but "
                              f"does not load as adapters; point --adapter-path at the run ({folder.parent.parent})")
         raise ValueError(f"{config_file} not found; point --adapter-path at a folder written by "
@@ -220,7 +219,7 @@ def load_adapters(model: nn.Module, adapter_path: str | Path, model_path: str | 
         raise ValueError(f"{config_file} lists layers this model did not rebuild: {', '.join(wrong[:5])}; "
                          "load it on the model it was trained on")
     try:
-        load_trainable(model, folder / ADAPTER_FILE, every=config.get("fine_tune_type") != "full")
+        load_trainable(model, RunDir(folder).adapters, every=config.get("fine_tune_type") != "full")
     except ValueError as err:
         trained_on = config.get("model")
         if trained_on and model_path is not None and not same_source("model.path", model_path, trained_on):

@@ -25,12 +25,6 @@ MODES = ("auto", "quantized", "dequantized")
 NEVER = sys.maxsize  # crossover when dequantizing never won the measurement
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
-def run_file(rank: int | str) -> str:
-    """Where a run keeps rank `rank`'s crossovers (BasePath.measured()) in its folder, for --resume: each rank
-    measures its own ("*": every rank's, as a glob)."""
-    return f"base_path.rank{rank}.json"
-
-
 def is_quantized(layer: nn.Module) -> bool:
     return isinstance(layer, QUANTIZED)
 

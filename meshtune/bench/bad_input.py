@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..run_dir import ADAPTER_FILE, CHECKPOINTS, CONFIG_FILE, METRICS_FILE, RunDir
 from .flags import BenchParser
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -98,14 +99,15 @@ def _adapters_of_another_model(tmp: Path) -> None:
     """A copy of the earlier run's adapters with every tensor twice as wide (another hidden size)."""
     import mlx.core as mx
 
-    shutil.copytree(tmp / "run", tmp / "other", ignore=shutil.ignore_patterns("checkpoints"))
-    weights = mx.load(str(tmp / "other" / "adapters.safetensors"))
-    mx.save_safetensors(str(tmp / "other" / "adapters.safetensors"),
+    other = RunDir(tmp / "other")
+    shutil.copytree(tmp / "run", other.path, ignore=shutil.ignore_patterns(CHECKPOINTS))
+    weights = mx.load(str(other.adapters))
+    mx.save_safetensors(str(other.adapters),
                         {k: mx.concatenate([v, v], axis=-1) for k, v in weights.items()})
 
 
 def _corrupt_checkpoint(tmp: Path) -> None:
-    for f in (tmp / "run" / "checkpoints").glob("*/adapters.safetensors"):
+    for f in (c.adapters for c in RunDir(tmp / "run").numbered() if c.adapters.exists()):
         f.write_bytes(f.read_bytes()[:-1] + b"\x00")
 
 
@@ -127,7 +129,7 @@ def _held_by_another_run() -> Callable[[Path], None]:
 
 def _data_changed_since(tmp: Path) -> None:
     """The checkpoint's cursor records a digest of other data (as if train.jsonl had been edited since)."""
-    for manifest in (tmp / "run" / "checkpoints").glob("*/state.json"):
+    for manifest in (c.manifest for c in RunDir(tmp / "run").numbered() if c.manifest.exists()):
         state = json.loads(manifest.read_text())
         state["data_cursor"]["digest"] = "0" * 32
         manifest.write_text(json.dumps(state, indent=2))
@@ -242,12 +244,12 @@ CASES: list[Case] = [
     Case("resume_nothing", ("--resume", "--adapter-path", "{tmp}/fresh"), "--resume: no checkpoint"),
     Case("init_from_other_blocks", ("--num-layers", "2", "--adapter.init_from", "{tmp}/run"),
          "those adapters cover the last 4 of 4 blocks, this run 2"),
-    Case("eval_without_a_run", ("eval", "--adapter-path", "{tmp}/nothing"), "no adapter_config.json there",
+    Case("eval_without_a_run", ("eval", "--adapter-path", "{tmp}/nothing"), f"no {CONFIG_FILE} there",
          train=False),
     Case("existing_run", (), "output.adapter_path={tmp}/run already holds a run", overwrite=False),
     Case("earlier_run_without_a_save", ("--adapter-path", "{tmp}/died"),
-         "output.adapter_path={tmp}/died already holds a run (metrics.jsonl)",
-         {"died/metrics.jsonl": '{"type": "start", "step": 0, "time": 0}\n'}, overwrite=False),
+         f"output.adapter_path={{tmp}}/died already holds a run ({METRICS_FILE})",
+         {f"died/{METRICS_FILE}": '{"type": "start", "step": 0, "time": 0}\n'}, overwrite=False),
     Case("folder_in_use", (), "output.adapter_path={tmp}/run is in use by another run (pid ",
          setup=_held_by_another_run(), subprocess=True),
     Case("dangling_adapter_path", ("--adapter-path", "{tmp}/link"),
@@ -256,9 +258,9 @@ CASES: list[Case] = [
     Case("resume_on_changed_data", ("--resume", "--iters", "4", "--data", "{shared}"),
          "--resume: the train data ({shared}/train.jsonl) is not the data the checkpoint was trained on",
          setup=_data_changed_since),
-    Case("output_under_a_file", ("--adapter-path", "{tmp}/run/adapter_config.json/x"), "is a file, not a folder"),
+    Case("output_under_a_file", ("--adapter-path", f"{{tmp}}/run/{CONFIG_FILE}/x"), "is a file, not a folder"),
     Case("adapters_of_another_model", ("generate", "--model", str(TINY), "--adapter-path", "{tmp}/other",
-                                       "--prompt", "hi"), "other/adapters.safetensors does not match the model",
+                                       "--prompt", "hi"), f"other/{ADAPTER_FILE} does not match the model",
          setup=_adapters_of_another_model, train=False),
 ]
 

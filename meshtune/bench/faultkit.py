@@ -24,6 +24,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..run_dir import RunDir
+
 CLI = [sys.executable, "-m", "meshtune.cli"]
 RANK_PID = re.compile(r"\[rank (\d+)\] rank \d+ of \d+: .*\(pid (\d+)\)")
 
@@ -136,7 +138,6 @@ def max_abs_diff(a: Path, b: Path) -> float:
 
 
 BATCH, SAVE_EVERY, FAULT_AFTER = 6, 4, 6
-ADAPTERS = "adapters.safetensors"
 
 
 @dataclass
@@ -173,16 +174,16 @@ class Bench:
 
     def reference(self) -> Path:
         out = self.root / "reference"
-        if not (out / ADAPTERS).exists():
+        if not RunDir(out).adapters.exists():
             self.train(2, out)
-        return out / ADAPTERS
+        return RunDir(out).adapters
 
     def resume(self, out: Path, n: int = 2, save_every: int = SAVE_EVERY) -> tuple[float, str, list[str]]:
         """--resume on n ranks; (max abs diff to the reference, verdict, warning lines said)."""
         proc = self.train(n, out, "--resume", save_every=save_every)
         warnings = [l.split("] ", 1)[-1] for l in proc.stdout.splitlines() if "warning: skipping checkpoint" in l]
-        diff = max_abs_diff(out / ADAPTERS, self.reference())
-        a, b = mx.load(str(out / ADAPTERS)), mx.load(str(self.reference()))
+        diff = max_abs_diff(RunDir(out).adapters, self.reference())
+        a, b = mx.load(str(RunDir(out).adapters)), mx.load(str(self.reference()))
         close = all(mx.allclose(a[k], b[k], rtol=1e-4, atol=1e-5).item() for k in a)
         return diff, "exact" if diff == 0 else "within tol" if close else "NO", warnings
 

@@ -39,7 +39,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from .faultkit import (ADAPTERS, BATCH, CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
+from ..run_dir import CheckpointDir, RunDir, is_temp
+from .faultkit import (BATCH, CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
                        survivors, through_fault)
 from .faults_save import CASES as SAVE_CASES
 from .fit import Load, embedded_line
@@ -89,15 +90,15 @@ def kill_during_save(b: Bench) -> Outcome:
     run = FaultRun.launch(2, b.args(out, save_every=1))
 
     def kill_inside_a_save() -> None:
-        folder, deadline = out / "checkpoints", time.monotonic() + 30
+        folder, deadline = RunDir(out).checkpoints, time.monotonic() + 30
         while time.monotonic() < deadline and run.proc.poll() is None:
-            if any(".tmp-" in p.name for p in folder.iterdir()):  # a save is under way
+            if any(is_temp(p) for p in folder.iterdir()):  # a save is under way
                 break
             time.sleep(0.0005)
         run.hurt(0, signal.SIGKILL)  # without a save window seen, still a kill (the note says which)
 
     code, seconds = through_fault(b, run, kill_inside_a_save, after=FAULT_AFTER - 2)
-    temp_left = [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
+    temp_left = [p.name for p in RunDir(out).checkpoints.iterdir() if is_temp(p)]
     left, message, diff, verdict, warnings = _aftermath(b, out, run, save_every=1)
     skipped = any("temp folder of an interrupted save" in w for w in warnings)
     note = (f"killed mid-save: temp folder {temp_left[0]} left, resume skipped it" if temp_left and skipped
@@ -110,8 +111,8 @@ def corrupt_latest(b: Bench) -> Outcome:
     """A finished run whose newest checkpoint lost a byte: resume skips it and redoes the steps."""
     out = b.root / "corrupt_latest"
     shutil.copytree(b.reference().parent, out)
-    latest = max((out / "checkpoints").iterdir(), key=lambda p: int(p.name))
-    weights = latest / ADAPTERS
+    latest = max(RunDir(out).checkpoints.iterdir(), key=lambda p: int(p.name))
+    weights = CheckpointDir(latest).adapters
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))
@@ -154,10 +155,10 @@ def nonfinite_step(b: Bench) -> Outcome:
     code, seconds = through_fault(b, run, lambda: None)  # the clock starts at step 6's report
     said = [l for l in run.lines if f"meshtune: step {bad}: " in l]
     ranks_said = sorted(l.split("]")[0] for l in said)
-    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    last = b.reference().parent / "checkpoints" / f"{SAVE_EVERY:07d}"
-    kept = (saved == [last.name] and max_abs_diff(out / ADAPTERS, last / ADAPTERS) == 0
-            and all((out / "checkpoints" / last.name / f.name).read_bytes() == f.read_bytes()
+    saved = sorted(p.name for p in RunDir(out).checkpoints.iterdir())
+    last = RunDir(b.reference().parent).checkpoint(SAVE_EVERY).path
+    kept = (saved == [last.name] and max_abs_diff(RunDir(out).adapters, CheckpointDir(last).adapters) == 0
+            and all((RunDir(out).checkpoints / last.name / f.name).read_bytes() == f.read_bytes()
                     for f in last.glob("*.safetensors")))
     left, message, diff, verdict, _ = _aftermath(b, out, run)
     ok = (code == NONFINITE_EXIT_CODE and ranks_said == ["[rank 0", "[rank 1"] and kept and left == 0

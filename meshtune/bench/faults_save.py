@@ -26,8 +26,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..run_dir import CheckpointDir, RunDir
 from ..training.checkpoint import verify_checkpoint
-from .faultkit import (ADAPTERS, CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
+from .faultkit import (CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
                        survivors, through_fault)
 
 LONG = ("--iters", "100000")  # a run that is still training when the case acts on it
@@ -39,7 +40,7 @@ def overflow_step(b: Bench) -> Outcome:
     from ..training import NONFINITE_EXIT_CODE
 
     bad, notes, ok = FAULT_AFTER + 1, [], True
-    last = b.reference().parent / "checkpoints" / f"{SAVE_EVERY:07d}"
+    last = RunDir(b.reference().parent).checkpoint(SAVE_EVERY).path
     message, codes = "(none)", []
     for ranks, layout in ((1, ()), (2, ()), (2, ("--parallel.pp", "2"))):
         name = f"{ranks} rank{'s' * (ranks > 1)}{' pp' if layout else ''}"
@@ -51,16 +52,16 @@ def overflow_step(b: Bench) -> Outcome:
         codes.append(code)
         said = [l for l in run.lines if f"meshtune: step {bad}: the update would make non-finite" in l]
         message = said[0].split("] ", 1)[-1] if said else message
-        saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+        saved = sorted(p.name for p in RunDir(out).checkpoints.iterdir())
         if layout or ranks == 1:  # summed in another order than 2 data-parallel ranks: step 4's adapters, close
-            same = max_abs_diff(out / ADAPTERS, last / ADAPTERS) < 1e-5
+            same = max_abs_diff(RunDir(out).adapters, CheckpointDir(last).adapters) < 1e-5
         else:
-            same = all((out / "checkpoints" / last.name / f.name).read_bytes() == f.read_bytes()
+            same = all((RunDir(out).checkpoints / last.name / f.name).read_bytes() == f.read_bytes()
                        for f in last.glob("*.safetensors"))
         good = code == NONFINITE_EXIT_CODE and len(said) == ranks and saved == [last.name] and same
         ok &= good and len(survivors(str(out))) == 0
         notes.append(f"{name}: {'ok' if good else f'exit {code}, {len(said)} lines, checkpoints {saved}'}")
-    diff = max_abs_diff(b.root / "overflow_2" / ADAPTERS, last / ADAPTERS)  # the step-4 adapters stand
+    diff = max_abs_diff(RunDir(b.root / "overflow_2").adapters, CheckpointDir(last).adapters)  # the step-4 adapters stand
     return Outcome("overflow_step", 2, codes[-1], None, message, 0, 0, diff, "not resumed", ok and diff == 0,
                    "; ".join(notes))
 
@@ -81,7 +82,7 @@ def two_runs(b: Bench) -> Outcome:
     finally:
         if holder.proc.poll() is None:
             holder.kill()
-    saved = list((out / "checkpoints").iterdir())
+    saved = list(RunDir(out).checkpoints.iterdir())
     intact = bool(saved) and all(verify_checkpoint(p) is None for p in saved)
     ok = (second.returncode == 2 and said and re.search(r"\(pid \d+ on \S+", said[0]) is not None
           and holder_trains and code == 3 and intact and len(survivors(str(out))) == 0)
@@ -108,11 +109,11 @@ def repeated_signals(b: Bench) -> Outcome:
     text = run.output()
     stops = [l for l in run.lines if "stopped at step" in l]
     step = re.search(r"stopped at step (\d+)", stops[0]) if stops else None
-    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir())
+    saved = sorted(int(p.name) for p in RunDir(out).checkpoints.iterdir())
     ok = (code == 3 and len(stops) == 1 and step is not None and saved[-1] == int(step.group(1))
           and "Traceback" not in text and f"to continue from step {saved[-1]}" in text
-          and all(verify_checkpoint(out / "checkpoints" / f"{s:07d}") is None for s in saved)
-          and (out / "report.md").exists() and len(survivors(str(out))) == 0)
+          and all(verify_checkpoint(RunDir(out).checkpoint(s).path) is None for s in saved)
+          and RunDir(out).report.exists() and len(survivors(str(out))) == 0)
     return Outcome("repeated_signals", 2, code, seconds, stops[0].split("] ", 1)[-1] if stops else "(none)", 0, 0,
                    None, "not resumed", ok, "3 SIGTERMs to the launcher and 3 SIGINTs to each rank: one save")
 
@@ -151,7 +152,7 @@ def _full_disk_run(b: Bench, out: Path, fill: bool) -> tuple[bool, str]:
     errors = [l for l in run.lines if l.startswith("meshtune: error:")]
     line = errors[0] if errors else "(none)"
     try:
-        whole = all(isinstance(json.loads(l), dict) for l in (out / "metrics.jsonl").read_text().splitlines())
+        whole = all(isinstance(json.loads(l), dict) for l in RunDir(out).metrics.read_text().splitlines())
     except ValueError:
         whole = False
     named = re.search(r"last good checkpoint: (\S+) \(resume", line)

@@ -46,6 +46,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..run_dir import RunDir
 from . import torch_peer
 from .adapters import describe_device
 from .flags import BenchParser, COUNT, at_least
@@ -136,7 +137,7 @@ def meshtune_row(a: argparse.Namespace, model: Path, data: Path, kind: str, seq_
             return {"error": OOM}
         raise RuntimeError(f"meshtune train at {seq_len} tokens failed with exit code {done.returncode}:\n"
                            f"{done.stdout[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in RunDir(out).metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("type") == "train"]
     timed = train[a.warmup:] or train[-1:]
     return {"tok_s": statistics.median(r["tokens_per_sec"] for r in timed),

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..run_dir import RunDir
 from ..runtime.blas import describe_blas
 from ..runtime.gpu_batches import environment_without_ours
 from .flags import BenchParser, COUNT, at_least
@@ -102,7 +103,7 @@ def run_meshtune(opts: dict[str, Any], env: dict[str, str], out_dir: Path) -> li
 
 def metric_windows(out_dir: Path) -> list[dict[str, float]]:
     """A meshtune run's report windows as {steps, seconds}, from its metrics.jsonl."""
-    records = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(l) for l in RunDir(out_dir).metrics.read_text().splitlines()]
     windows, previous = [], 0
     for r in (r for r in records if r["type"] == "train"):
         steps, previous = r["step"] - previous, r["step"]

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -131,6 +132,28 @@ def _size(a: argparse.Namespace) -> str:
 
 
 def main(argv: list[str]) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    a.model_folder = a.data_folder = None
+    ms = _micro_batch_counts(p, a)
+    print(_size(a), flush=True)
+    rows, result, model_name = _measure(a, ms)
+    best = max(rows[1:] or rows, key=lambda r: r[2])  # the fastest schedule at M > 1
+    result["best_schedule"], result["best_over_m1"] = f"{best[1]} M={best[0]}", best[3]
+    mlast = ms[-1]
+    if mlast > 1:
+        gp, ob = result[f"peak_gb_gpipe_m{mlast}"], result[f"peak_gb_1f1b_m{mlast}"]
+        result["peak_mem_1f1b_over_gpipe"] = max(ob) / max(gp) if gp and ob else float("nan")
+        ga, oa = result[f"act_gb_gpipe_m{mlast}"], result[f"act_gb_1f1b_m{mlast}"]
+        result["act_mem_1f1b_over_gpipe"] = max(oa) / max(ga) if ga and oa and max(ga) > 0 else float("nan")
+    _print_table(a, rows, model_name)
+    print(f"best: {result['best_schedule']} at {result['best_over_m1']:.2f}x naive M=1")
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _parser() -> BenchParser:
     p = BenchParser(prog="meshtune bench pipeline", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=COUNT, default=2, help="Pipeline stages.")
@@ -151,8 +174,11 @@ def main(argv: list[str]) -> int:
                    help="Runs of every configuration, in interleaved rounds; each row is its median run "
                         "(steps/s), with the runs' range beside it.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")
-    a = p.parse_args(argv)
-    a.model_folder = a.data_folder = None
+    return p
+
+
+def _micro_batch_counts(p: BenchParser, a: argparse.Namespace) -> list[int]:
+    """--micro-batches as sorted counts, 1 included; each must divide every pipeline's batch."""
     try:
         ms = sorted({1, *(int(m) for m in a.micro_batches.split(","))})
     except ValueError:
@@ -168,7 +194,11 @@ def main(argv: list[str]) -> int:
         p.error(f"--micro-batches {','.join(str(m) for m in ms if local % m)} does not divide each pipeline's "
                 f"batch of {local} (--batch-size {a.batch_size} / --data-parallel {a.data_parallel}); "
                 f"give counts from {fits}")
-    print(_size(a), flush=True)
+    return ms
+
+
+def _measure(a: argparse.Namespace, ms: list[int]) -> tuple[list[tuple], dict[str, Any], str]:
+    """Every schedule at every M, in interleaved rounds: (table rows, the JSON result, the model in words)."""
     rows, result = [], {}
     model_name = "embedded tiny model"
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,14 +227,10 @@ def main(argv: list[str]) -> int:
             result[f"act_gb_{name}_m{m}"] = acts
             if m > 1:
                 result[f"{name}_over_naive_m{m}"] = rate / baseline[0]
-    best = max(rows[1:] or rows, key=lambda r: r[2])  # the fastest schedule at M > 1
-    result["best_schedule"], result["best_over_m1"] = f"{best[1]} M={best[0]}", best[3]
-    mlast = ms[-1]
-    if mlast > 1:
-        gp, ob = result[f"peak_gb_gpipe_m{mlast}"], result[f"peak_gb_1f1b_m{mlast}"]
-        result["peak_mem_1f1b_over_gpipe"] = max(ob) / max(gp) if gp and ob else float("nan")
-        ga, oa = result[f"act_gb_gpipe_m{mlast}"], result[f"act_gb_1f1b_m{mlast}"]
-        result["act_mem_1f1b_over_gpipe"] = max(oa) / max(ga) if ga and oa and max(ga) > 0 else float("nan")
+    return rows, result, model_name
+
+
+def _print_table(a: argparse.Namespace, rows: list[tuple], model_name: str) -> None:
     where = ("mlx.launch --backend nccl (one GPU per rank)" if on_gpu() else
              f"meshtune launch --pin (one core per rank, OPENBLAS_NUM_THREADS=1); {describe_blas()}")
     layout = f"{a.stages} stages" + (f" x {a.data_parallel} data-parallel replicas" if a.data_parallel > 1 else "")
@@ -220,7 +246,3 @@ def main(argv: list[str]) -> int:
         runs_range = f"{spread[0]:.2f}-{spread[-1]:.2f}"
         print(f"{m:>3} {name:<8}{rate:>10.2f}{runs_range:>14}{speed:>8.2f}x{ideal:>7.2f}x{bubble:>7.0%}{idle:>7.0%}   "
               f"{', '.join(f'{x:.4f}' for x in peaks):<18}{', '.join(f'{x:.4f}' for x in acts)}")
-    print(f"best: {result['best_schedule']} at {result['best_over_m1']:.2f}x naive M=1")
-    if a.json:
-        print(json.dumps(result))
-    return 0

@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..plan import layouts
+from ..run_dir import METRICS_FILE
 from ..runtime.blas import describe_blas
 from ..training.metrics import read_metrics
 from ..runtime.device_memory import detect
@@ -112,7 +113,7 @@ def _peaks(layout: Layout, out: Path) -> list[float]:
     last = [r for r in read_metrics(out) if r.get("type") == "train"][-1]
     per_rank = last.get("peak_memory_gb_per_rank") or [last["peak_memory_gb"]] * layout.ranks
     if len(per_rank) != layout.ranks:
-        raise RuntimeError(f"{layout.name}: metrics.jsonl gives {len(per_rank)} ranks' peaks, not {layout.ranks}")
+        raise RuntimeError(f"{layout.name}: {METRICS_FILE} gives {len(per_rank)} ranks' peaks, not {layout.ranks}")
     return [gb * 1e9 for gb in per_rank]
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..run_dir import RunDir
 from .adapters import describe_device
 from .flags import COUNT, BenchParser, at_least
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, build_model, perturb_adapters
@@ -81,8 +82,8 @@ def write_run(shape: Shape, quantized: bool, folder: Path) -> tuple[Path, dict[s
         perturb_adapters(adapted)
         runs[kind] = folder / kind
         runs[kind].mkdir()
-        mx.save_safetensors(str(runs[kind] / "adapters.safetensors"), trainable_parameters(adapted))
-        (runs[kind] / "adapter_config.json").write_text(json.dumps({
+        mx.save_safetensors(str(RunDir(runs[kind]).adapters), trainable_parameters(adapted))
+        RunDir(runs[kind]).config.write_text(json.dumps({
             "fine_tune_type": kind, "num_layers": shape.layers, "model": str(model_dir),
             "lora_parameters": {"rank": RANK, "scale": SCALE, "dropout": 0.0}}))
     return model_dir, runs

@@ -16,8 +16,9 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from ..run_dir import ADAPTER_FILE, CONFIG_FILE, METRICS_FILE, PLOT_FILE, REPORT_FILE, RunDir
 from ..runtime.relaunch import resume_command
 from .run_args import check_adapter_folder, model_from_adapters, no_extra
 
@@ -93,12 +94,21 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
             return OUT_OF_MEMORY_EXIT_CODE
         if not result.stopped_early:
             return 0
-        if mesh.is_writer:  # one line for the run, from the writer (rank 0)
-            print(f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh)}", flush=True)
+        line = continue_line(result, mesh)
+        if line is not None:
+            print(line, flush=True)
         # A request that comes late (a launcher passing on a signal its rank has already acted on) must not
         # turn this exit 3 into a kill while the interpreter shuts down.
         stop.keep_until_exit()
         return STOPPED_EXIT_CODE
+
+
+def continue_line(result: Any, mesh: Any, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The line a run stopped on request ends with: the command that continues it on the ranks it ran on
+    (started as `environ` says). Said once, by the writer (rank 0); None on the other ranks."""
+    if not mesh.is_writer:
+        return None
+    return f"to continue from step {result.step}: {resume_command(result.adapter_path, mesh, environ)}"
 
 
 def _mesh(cfg: Any) -> Any:
@@ -196,10 +206,10 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     """Score trained adapters on a split: the run's own settings, flags on top."""
     from ..config import load_config, parse_override_args
 
-    config = Path(args.adapter_path) / "adapter_config.json"
+    config = RunDir(args.adapter_path).config
     check_adapter_folder(args.adapter_path)
     if not config.is_file():
-        raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
+        raise ValueError(f"--adapter-path {args.adapter_path}: no {CONFIG_FILE} there; point it at a run of "
                          "meshtune train or mlx_lm.lora (or a data-parallel run's checkpoint)")
     if args.batches == 0 or args.batches < -1:
         raise ValueError(f"--batches {args.batches}: give a count of at least 1, or -1 for every full batch")
@@ -251,6 +261,27 @@ def build_parser() -> argparse.ArgumentParser:
     from ..config.show import options_help
 
     every_option = options_help()  # the epilog of train, config and plan
+    _add_train(sub, every_option)
+    _add_plan(sub, every_option)
+    _add_run_tools(sub)
+    from .inference_commands import add_export, add_generate, add_serve
+
+    add_generate(sub)
+    add_serve(sub)
+    add_export(sub)
+    sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
+    from ..bench import SUITES  # names only: no MLX import before the BLAS choice
+
+    # -h/--help goes to the suite (its own flags) or, with no suite, to run_bench (the list of suites).
+    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation "
+                                         "(meshtune bench --help lists them).", add_help=False)
+    bench.add_argument("suite", nargs="?", choices=list(SUITES), help="The suite (meshtune bench --help).")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _add_train(sub: Any, every_option: str) -> None:
+    """`meshtune train` and `meshtune config`: the same options, one runs them and one prints them."""
     for name, func, doc in (
         ("train", cmd_train, "Fine-tune (LoRA, DoRA or full) from YAML and flags."),
         ("config", cmd_config, "Print the resolved config of a train command as YAML (-c reads it back)."),
@@ -264,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--resume", action="store_true",
                          help="Continue the run in --adapter-path with the settings its checkpoint saved.")
         cmd.set_defaults(func=func)
+
+
+def _add_plan(sub: Any, every_option: str) -> None:
+    """`meshtune plan`: train's options, and the machines to plan for."""
     plan = sub.add_parser("plan", help="Memory per rank, bubble and traffic of each layout; which fits.",
                           epilog=every_option, formatter_class=argparse.RawDescriptionHelpFormatter,
                           description="Takes `meshtune train`'s options (-c, mlx_lm.lora flags, --section.key "
@@ -285,40 +320,30 @@ def build_parser() -> argparse.ArgumentParser:
                            "data.max_seq_length, the worst case).")
     plan.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
     plan.set_defaults(func=cmd_plan)
+
+
+def _add_run_tools(sub: Any) -> None:
+    """The commands around a run: the demo, and fuse, eval and report of a run's folder."""
     demo = sub.add_parser("demo", help="LoRA on the embedded model with before/after loss and accuracy.")
     demo.add_argument("--adapter-path", default="runs/demo", help="Where the demo run writes.")
     demo.set_defaults(func=cmd_demo)
     fuse = sub.add_parser("fuse", help="Merge adapters into the base model.")
-    fuse.add_argument("--model", help="Base model (default: the one in adapter_config.json).")
-    fuse.add_argument("--adapter-path", default="adapters", help="Folder with adapters.safetensors.")
+    fuse.add_argument("--model", help=f"Base model (default: the one in {CONFIG_FILE}).")
+    fuse.add_argument("--adapter-path", default="adapters", help=f"Folder with {ADAPTER_FILE}.")
     fuse.add_argument("--save-path", default="fused_model", help="Where to write the fused model.")
     fuse.add_argument("--dequantize", action="store_true", help="Write a dense model instead of requantizing.")
     fuse.add_argument("--overwrite", action="store_true", help="Write into a --save-path that already holds files.")
     fuse.set_defaults(func=cmd_fuse)
     ev = sub.add_parser("eval", help="Loss and perplexity of trained adapters on a data split (mlx_lm.lora --test "
                                      "without --train).",
-                        description="Reads the run's settings from ADAPTER_PATH/adapter_config.json (meshtune's or "
+                        description=f"Reads the run's settings from ADAPTER_PATH/{CONFIG_FILE} (meshtune's or "
                                     "mlx-lm's); flags override them, e.g. --data, --batch-size, --max-seq-length, "
                                     "--model.")
     ev.add_argument("--adapter-path", default="adapters", help="A run folder, or one of its checkpoints.")
     ev.add_argument("--split", choices=["test", "valid"], default="test", help="The split to score (default test).")
     ev.add_argument("--batches", type=int, default=-1, help="Batches to score, -1 (the default) every full one.")
     ev.set_defaults(func=cmd_eval)
-    rep = sub.add_parser("report", help="Write report.md and loss.png of a run from its metrics.jsonl, e.g. one "
-                                        "cut off by kill -9, and print its summary line.")
+    rep = sub.add_parser("report", help=f"Write {REPORT_FILE} and {PLOT_FILE} of a run from its {METRICS_FILE}, "
+                                        "e.g. one cut off by kill -9, and print its summary line.")
     rep.add_argument("--adapter-path", default="adapters", help="The run's folder.")
     rep.set_defaults(func=cmd_report)
-    from .inference_commands import add_export, add_generate, add_serve
-
-    add_generate(sub)
-    add_serve(sub)
-    add_export(sub)
-    sub.add_parser("launch", help="Start N local ranks on the ring backend (see meshtune launch -h).")
-    from ..bench import SUITES  # names only: no MLX import before the BLAS choice
-
-    # -h/--help goes to the suite (its own flags) or, with no suite, to run_bench (the list of suites).
-    bench = sub.add_parser("bench", help="Benchmarks that run their peer in the same invocation "
-                                         "(meshtune bench --help lists them).", add_help=False)
-    bench.add_argument("suite", nargs="?", choices=list(SUITES), help="The suite (meshtune bench --help).")
-    bench.set_defaults(func=cmd_bench)
-    return parser

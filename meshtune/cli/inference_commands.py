@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..run_dir import CONFIG_FILE
 from .run_args import check_adapter_folder, default_model, model_from_adapters, no_extra
 
 
@@ -67,7 +68,7 @@ def add_generate(sub: Any) -> None:
                          description="Sampling flags mean what mlx_lm.generate's do. With --adapter-path the "
                                      "prompt is framed as the run trained: the chat template for chat or "
                                      "prompt/completion data, with the system prompt the training rows shared.")
-    gen.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
+    gen.add_argument("--model", help=f"Base model (default: from {CONFIG_FILE} or the embedded one).")
     gen.add_argument("--adapter-path", help="Adapters to apply (a run folder or one of its checkpoints).")
     gen.add_argument("-p", "--prompt", required=True, help="The user message ('-' reads it from stdin).")
     gen.add_argument("--system-prompt", default=None,
@@ -113,7 +114,7 @@ def add_serve(sub: Any) -> None:
                                      "over the base with the run's adapters, loaded by meshtune (every adapter "
                                      "type it trains). Chats without a system message get the one the run's data "
                                      "shared. Requests over the bounds below are refused with a 4xx.")
-    srv.add_argument("--model", help="Base model (default: from adapter_config.json or the embedded one).")
+    srv.add_argument("--model", help=f"Base model (default: from {CONFIG_FILE} or the embedded one).")
     srv.add_argument("--adapter-path", help="The run's adapters (a run folder or one of its checkpoints).")
     srv.add_argument("--model-name", default="", help="The model name clients send (default: the adapter "
                                                       "folder's name; the base's path works too).")
@@ -144,12 +145,11 @@ EXPORT_FORMATS = ("peft", "hf", "gguf")
 def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     """Write the run's result in another tool's format."""
     no_extra(rest)
-    from pathlib import Path
-
     from ..export import export_gguf, export_hf, export_peft
+    from ..run_dir import RunDir
 
-    if not args.adapter_path or not (Path(args.adapter_path) / "adapter_config.json").is_file():
-        raise ValueError(f"--adapter-path {args.adapter_path}: no adapter_config.json there; point it at a run of "
+    if not args.adapter_path or not RunDir(args.adapter_path).config.is_file():
+        raise ValueError(f"--adapter-path {args.adapter_path}: no {CONFIG_FILE} there; point it at a run of "
                          "meshtune train or mlx_lm.lora")
     model_path = _model_path(args, "")
     if args.format == "peft":
@@ -174,7 +174,7 @@ def add_export(sub: Any) -> None:
     exp.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="peft, hf or gguf.")
     exp.add_argument("--adapter-path", default="adapters", help="The run's folder (or one of its checkpoints).")
     exp.add_argument("--save-path", required=True, help="The folder to write.")
-    exp.add_argument("--model", help="Base model (default: the one in adapter_config.json).")
+    exp.add_argument("--model", help=f"Base model (default: the one in {CONFIG_FILE}).")
     exp.add_argument("--base-model", default=None,
                      help="peft: the base_model_name_or_path to record, e.g. the Hugging Face id the MLX base was "
                           "converted from (default: --model).")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..run_dir import CheckpointDir, RunDir
+
 
 def default_model() -> str:
     from ..config import Config
@@ -13,7 +15,7 @@ def default_model() -> str:
 
 def check_adapter_folder(adapter_path: str) -> None:
     """A pipeline checkpoint given as adapters: one line pointing at its run."""
-    if any(Path(adapter_path).glob("state.stage*.json")):
+    if CheckpointDir(adapter_path).stage_manifests():
         raise ValueError(f"--adapter-path {adapter_path} is a pipeline checkpoint (one weights file per stage), "
                          f"which resumes but does not load as adapters; point it at the run "
                          f"({Path(adapter_path).parent.parent})")
@@ -24,7 +26,7 @@ def model_from_adapters(adapter_path: str, hint: str) -> str:
     The caller has ruled out a pipeline checkpoint (check_adapter_folder)."""
     import json
 
-    config = Path(adapter_path) / "adapter_config.json"
+    config = RunDir(adapter_path).config
     if not config.exists():
         raise ValueError(f"{config} not found; pass the --adapter-path of a trained run{hint}")
     model = json.loads(config.read_text()).get("model")

@@ -11,7 +11,7 @@ wraps the result; the YAML and command-line side is :mod:`meshtune.config.load`.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import mlx_lm_compat as compat
@@ -41,6 +41,87 @@ class _Setting:
     override: bool = False
 
 
+@dataclass
+class _Collected:
+    """What build gathers on its way: each setting with where it was set, and every problem, note and
+    mlx-lm key it mapped."""
+
+    source: str
+    lines: dict[str, int]
+    problems: list[str]
+    mapped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    settings: dict[str, _Setting] = field(default_factory=dict)
+
+    def loc(self, path: str) -> str:
+        return f"{self.source}:{self.lines[path]}" if path in self.lines else self.source
+
+    def put(self, target: str, value: Any, spelled: str) -> None:
+        old = self.settings.get(target)
+        if old is not None and not old.override:
+            self.problems.append(f"{self.loc(spelled)}: {target} is given twice, as {spelled} "
+                                 f"and as {old.spelled} ({old.where}); keep only one")
+        elif old is None:
+            self.settings[target] = _Setting(value, self.loc(spelled), spelled)
+
+    def take(self, result: Any) -> None:
+        """An mlx-lm mapping's result: its assignments, and what it mapped, noted and found wrong."""
+        for target, v, spelled in result.assignments:
+            self.put(target, v, spelled)
+        self.mapped += result.mapped
+        self.notes += result.notes
+        self.problems += result.problems
+
+    def read(self, key: Any, value: Any) -> None:
+        """One top-level key of the file: a section, a flat mlx-lm key, or a problem."""
+        if not isinstance(key, str):
+            self.problems.append(f"{self.loc(str(key))}: key {key!r} is not a name; quote it or fix the typo")
+        elif key in SECTIONS and isinstance(value, dict):
+            for sub, v in value.items():
+                dotted = f"{key}.{sub}"
+                if isinstance(sub, str) and sub in field_types(key):
+                    self.put(dotted, v, dotted)
+                else:
+                    self.problems.append(f"{self.loc(dotted)}: unknown key '{dotted}'{suggest_key(dotted)}")
+        elif key in SECTIONS and value is None:
+            return  # an empty section
+        elif compat.is_flat(key):
+            self.take(compat.map_flat(key, value, self.loc))
+        elif key in SECTIONS:
+            self.problems.append(f"{self.loc(key)}: section '{key}' must be a mapping of keys "
+                                 f"({', '.join(field_types(key))}), got {type(value).__name__}")
+        else:
+            close = difflib.get_close_matches(key, [*SECTIONS, *compat.flat_names()], n=1)
+            if close and close[0] in compat.FLAT_KEYS:
+                hint = f"; did you mean '{close[0]}' (mlx-lm spelling of {compat.FLAT_KEYS[close[0]]})?"
+            elif close:
+                hint = f"; did you mean '{close[0]}'?"
+            else:
+                hint = f"; sections are {', '.join(SECTIONS)}"
+            self.problems.append(f"{self.loc(key)}: unknown key '{key}'{hint}")
+
+    def rate_from_schedule(self) -> None:
+        """mlx-lm takes the rate from the schedule's first argument; keep that when no rate is given."""
+        args = self.settings.get("schedule.arguments")
+        if (args is not None and "optimizer.learning_rate" not in self.settings and isinstance(args.value, list)
+                and args.value and isinstance(args.value[0], (int, float)) and not isinstance(args.value[0], bool)):
+            self.settings["optimizer.learning_rate"] = _Setting(args.value[0], args.where, f"{args.spelled}[0]")
+            self.notes.append(f"optimizer.learning_rate = {args.value[0]} taken from {args.spelled}[0]")
+
+    def typed(self) -> dict[str, dict[str, Any]]:
+        """Section -> key -> value of its field's type; a value that cannot be one is a problem."""
+        values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for target, s in self.settings.items():
+            section, _, key = target.partition(".")
+            ok, value, why = coerce(s.value, field_types(section)[key])
+            if ok:
+                values[section][key] = value
+            else:
+                shown = s.spelled if s.spelled.lstrip("-") == target else f"{s.spelled} (-> {target})"
+                self.problems.append(f"{s.where}: {shown} = {describe_value(s.value)}: {why}")
+        return values
+
+
 def build(
     raw: Any,
     source: str,
@@ -56,23 +137,7 @@ def build(
     ones found earlier (e.g. duplicate YAML keys). Every problem, old and new, is
     raised as one ConfigError.
     """
-    lines = lines or {}
-    problems = list(problems)
-    mapped: list[str] = []
-    notes: list[str] = []
-    settings: dict[str, _Setting] = {}
-
-    def loc(path: str) -> str:
-        return f"{source}:{lines[path]}" if path in lines else source
-
-    def put(target: str, value: Any, spelled: str) -> None:
-        old = settings.get(target)
-        if old is not None and not old.override:
-            problems.append(f"{loc(spelled)}: {target} is given twice, as {spelled} "
-                            f"and as {old.spelled} ({old.where}); keep only one")
-        elif old is None:
-            settings[target] = _Setting(value, loc(spelled), spelled)
-
+    got = _Collected(source, lines or {}, list(problems))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -81,69 +146,20 @@ def build(
 
     # Overrides go in first and win over anything the file says.
     for target, value, spelled in overrides:
-        settings[target] = _Setting(value, override_source, spelled, override=True)
+        got.settings[target] = _Setting(value, override_source, spelled, override=True)
 
     optimizer_config = None
     for key, value in raw.items():
-        if not isinstance(key, str):
-            problems.append(f"{loc(str(key))}: key {key!r} is not a name; quote it or fix the typo")
-        elif key in SECTIONS and isinstance(value, dict):
-            for sub, v in value.items():
-                dotted = f"{key}.{sub}"
-                if isinstance(sub, str) and sub in field_types(key):
-                    put(dotted, v, dotted)
-                else:
-                    problems.append(f"{loc(dotted)}: unknown key '{dotted}'{suggest_key(dotted)}")
-        elif key in SECTIONS and value is None:
-            continue  # an empty section
-        elif key == "optimizer_config":
+        if key == "optimizer_config":  # read once the optimizer's name is known
             optimizer_config = value
-        elif compat.is_flat(key):
-            result = compat.map_flat(key, value, loc)
-            for target, v, spelled in result.assignments:
-                put(target, v, spelled)
-            mapped += result.mapped
-            notes += result.notes
-            problems += result.problems
-        elif key in SECTIONS:
-            problems.append(f"{loc(key)}: section '{key}' must be a mapping of keys "
-                            f"({', '.join(field_types(key))}), got {type(value).__name__}")
         else:
-            close = difflib.get_close_matches(key, [*SECTIONS, *compat.flat_names()], n=1)
-            if close and close[0] in compat.FLAT_KEYS:
-                hint = f"; did you mean '{close[0]}' (mlx-lm spelling of {compat.FLAT_KEYS[close[0]]})?"
-            elif close:
-                hint = f"; did you mean '{close[0]}'?"
-            else:
-                hint = f"; sections are {', '.join(SECTIONS)}"
-            problems.append(f"{loc(key)}: unknown key '{key}'{hint}")
-
-    name = settings["optimizer.name"].value if "optimizer.name" in settings else "adam"
-    result = compat.map_optimizer_config(optimizer_config, name, list(OPTIMIZER_OPTIONS), loc)
-    for target, v, spelled in result.assignments:
-        put(target, v, spelled)
-    mapped += result.mapped
-    notes += result.notes
-    problems += result.problems
-
-    # mlx-lm takes the rate from the schedule's first argument; keep that when no rate is given.
-    args = settings.get("schedule.arguments")
-    if (args is not None and "optimizer.learning_rate" not in settings and isinstance(args.value, list)
-            and args.value and isinstance(args.value[0], (int, float)) and not isinstance(args.value[0], bool)):
-        settings["optimizer.learning_rate"] = _Setting(args.value[0], args.where, f"{args.spelled}[0]")
-        notes.append(f"optimizer.learning_rate = {args.value[0]} taken from {args.spelled}[0]")
-
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    for target, s in settings.items():
-        section, _, key = target.partition(".")
-        ok, value, why = coerce(s.value, field_types(section)[key])
-        if ok:
-            values[section][key] = value
-        else:
-            shown = s.spelled if s.spelled.lstrip("-") == target else f"{s.spelled} (-> {target})"
-            problems.append(f"{s.where}: {shown} = {describe_value(s.value)}: {why}")
-    if problems:
-        raise ConfigError(problems)
+            got.read(key, value)
+    name = got.settings["optimizer.name"].value if "optimizer.name" in got.settings else "adam"
+    got.take(compat.map_optimizer_config(optimizer_config, name, list(OPTIMIZER_OPTIONS), got.loc))
+    got.rate_from_schedule()
+    values = got.typed()
+    if got.problems:
+        raise ConfigError(got.problems)
     # "<dict>"-style sources say nothing a message could use.
-    origins = {t: s.where for t, s in settings.items() if not s.where.startswith("<")}
-    return Built({s: SECTIONS[s](**values[s]) for s in SECTIONS}, mapped, notes, origins)
+    origins = {t: s.where for t, s in got.settings.items() if not s.where.startswith("<")}
+    return Built({s: SECTIONS[s](**values[s]) for s in SECTIONS}, got.mapped, got.notes, origins)

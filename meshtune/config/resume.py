@@ -8,8 +8,7 @@ again must equal the checkpoint's, except ``train.iters``, which may extend the 
 output, parallel or runtime setting given now wins (a run saved with ``parallel.pp 2``
 resumes in one process with ``--parallel.pp 1``), and only ``output.adapter_path``,
 ``output.resume`` and ``output.overwrite`` describe this launch alone. File names
-follow meshtune.training.checkpoint, which this package cannot import (it loads MLX;
-the CLI reads configs before choosing the BLAS).
+come from meshtune.run_dir (no MLX: the CLI reads configs before choosing the BLAS).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ..run_dir import RunDir
 from .build import build
 from .fields import field_types
 from .schema import Config
@@ -42,18 +42,16 @@ RESUMABLE_CHANGES = EXTENDABLE + UNUSED_ON_RESUME + ANSWERS_TO_TROUBLE
 
 def saved_run_config(adapter_path: str | Path) -> tuple[dict[str, Any], str] | None:
     """(the resolved config a run saved, the file it came from), newest checkpoint first; None if none."""
-    folder = Path(adapter_path)
-    root = folder / "checkpoints"
-    numbered = sorted((p for p in root.iterdir() if p.name.isdigit() and p.is_dir()),
-                      key=lambda p: int(p.name), reverse=True) if root.is_dir() else []
-    for path in numbered:
+    run = RunDir(adapter_path)
+    for checkpoint in reversed(run.numbered()):
+        first_stage = checkpoint.stage(0)[2]
         try:
-            if (path / "config.yaml").is_file():
-                saved = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-                source = path / "config.yaml"
-            elif (path / "state.stage0.json").is_file():
-                saved = json.loads((path / "state.stage0.json").read_text(encoding="utf-8")).get("config")
-                source = path / "state.stage0.json"
+            if checkpoint.saved_config.is_file():
+                saved = yaml.safe_load(checkpoint.saved_config.read_text(encoding="utf-8"))
+                source = checkpoint.saved_config
+            elif first_stage.is_file():
+                saved = json.loads(first_stage.read_text(encoding="utf-8")).get("config")
+                source = first_stage
             else:
                 continue
         except (OSError, ValueError, yaml.YAMLError):
@@ -61,10 +59,10 @@ def saved_run_config(adapter_path: str | Path) -> tuple[dict[str, Any], str] | N
         if isinstance(saved, dict):
             return saved, str(source)
     try:
-        saved = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("meshtune")
+        saved = json.loads(run.config.read_text(encoding="utf-8")).get("meshtune")
     except (OSError, ValueError):
         return None
-    return (saved, str(folder / "adapter_config.json")) if isinstance(saved, dict) else None
+    return (saved, str(run.config)) if isinstance(saved, dict) else None
 
 
 PATH_KEYS = ("model.path", "data.path")

@@ -142,7 +142,20 @@ class Config:
             where = self.origins.get(option)
             problems.append(f"{where + ': ' if where else ''}{option} = {value!r}: {message}")
 
-        t, a, o, s, p, d = self.train, self.adapter, self.optimizer, self.schedule, self.parallel, self.data
+        self._check_ranges(bad)
+        self._check_optimizer(bad)
+        t, s = self.train, self.schedule
+        if s.warmup >= t.iters >= 1:
+            bad("schedule.warmup", s.warmup,
+                f"must be less than train.iters ({t.iters}); lower --schedule.warmup or raise --iters")
+        self._check_schedule_arguments(bad)
+        self._check_parallel(bad, world_size)
+        if problems:
+            raise ConfigError(problems)
+
+    def _check_ranges(self, bad: Any) -> None:
+        """Each count, rate and name within its range: positive counts, a seed MLX takes, named fields."""
+        t, a, s, p, d = self.train, self.adapter, self.schedule, self.parallel, self.data
         if p.pipeline_stages and p.pp != p.pipeline_stages:
             bad("parallel.pipeline_stages", p.pipeline_stages,
                 f"parallel.pp = {p.pp} says otherwise; give --parallel.pp or --parallel.pipeline_stages, not both")
@@ -197,6 +210,9 @@ class Config:
         if not self.output.adapter_path:
             bad("output.adapter_path", "", "must name a folder, e.g. adapters")
 
+    def _check_optimizer(self, bad: Any) -> None:
+        """The learning rate, weight decay and the options the optimizer takes."""
+        o = self.optimizer
         if not (o.learning_rate > 0 and math.isfinite(o.learning_rate)):
             bad("optimizer.learning_rate", o.learning_rate, "must be a positive number, e.g. 1e-5")
         if o.weight_decay is not None:
@@ -224,14 +240,6 @@ class Config:
                 guess = f" (did you mean '{close[0]}'?)" if close else ""
                 bad("optimizer.options", o.options,
                     f"{o.name} takes no option '{key}'{guess}; it takes {', '.join(sorted(known))}")
-
-        if s.warmup >= t.iters >= 1:
-            bad("schedule.warmup", s.warmup,
-                f"must be less than train.iters ({t.iters}); lower --schedule.warmup or raise --iters")
-        self._check_schedule_arguments(bad)
-        self._check_parallel(bad, world_size)
-        if problems:
-            raise ConfigError(problems)
 
     def _check_schedule_arguments(self, bad: Any) -> None:
         s, lr = self.schedule, self.optimizer.learning_rate

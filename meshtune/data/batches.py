@@ -1,34 +1,14 @@
 """Length-sorted, padded, rank-sharded batches with a resumable cursor.
 
-Semantics follow ``mlx_lm.tuner.trainer.iterate_batches``: examples are sorted
-by token length (stable), cut into global batches of ``batch_size``, rank ``r``
-of ``W`` takes every ``W``-th example of each global batch starting at ``r``, and
-each local batch is right-padded with 0 to ``1 + pad_to * ceil(max_len / pad_to)``
-columns (at most ``max_seq_length``), truncating longer examples.  Batches come
-out as ``Batch(tokens, lengths)`` with ``lengths[:, 0]`` the prompt offset and
-``lengths[:, 1]`` the (truncated) length, so mlx-lm's ``default_loss`` applies.
-
-With ``inputs_multiple_of`` (meshtune passes 128 on an NVIDIA GPU, runtime/cuda.py) that
-width is then widened with padding until the model inputs are a multiple of it, where that adds
-at most 1/16 of the inputs and they stay within ``max_seq_length`` (the batch may be one column
-wider than it): no example gains a token, only masked columns.
-
-Three things differ on purpose. mlx-lm drops the incomplete last batch, the longest
-examples; training completes it instead (``fill_last``) with the shortest examples,
-which an epoch then trains twice, as torch's DistributedSampler repeats examples to
-fill its last batch: every epoch trains every example, each rank's share and the batch
-count stay those of full batches, and short repeats weigh least in the token-weighted
-loss (a single pass, evaluation, keeps mlx-lm's complete batches). The padded arrays
-of every batch are built once and cached rather than re-padded each step. And the
-batch order of epoch ``e`` is a permutation drawn only from ``(seed, e)``.  The cursor
-``(epoch, position)`` therefore fully determines what comes next, so training resumes
-exactly, and since it counts global batches it is the same on every rank.
-
-With ``pack`` (data.pack) the unit is a packed row instead of an example: the split is
-packed once into rows of at most ``max_seq_length`` tokens (packing.py), rows are sorted by
-fill (fullest first), cut into global batches of ``batch_size`` rows (the last completed with
-the least filled rows of the others) and sharded, shuffled and resumed exactly as examples
-are; ``lengths`` is then [B, K, 3] (packing.py).
+As ``mlx_lm.tuner.trainer.iterate_batches``: examples sorted by length (stable), cut into global batches,
+rank ``r`` of ``W`` taking every ``W``-th example from ``r``, each batch right-padded to ``1 + pad_to *
+ceil(max_len / pad_to)`` columns (at most ``max_seq_length``); ``Batch(tokens, lengths)`` suits mlx-lm's
+``default_loss``. Unlike it, on purpose: training completes the last batch with the shortest examples
+(``fill_last``, as torch's DistributedSampler repeats examples) where mlx-lm drops the longest, so every
+epoch trains every example; batches are padded once and cached; epoch ``e``'s order is drawn from
+``(seed, e)`` alone, so the cursor ``(epoch, position)`` resumes exactly on every rank.
+``inputs_multiple_of`` (128 on an NVIDIA GPU, runtime/cuda.py) widens a batch with masked columns
+(padded_width); with ``pack`` the unit is a packed row (packing.py). docs/datasets.md has the rest.
 """
 
 from __future__ import annotations
@@ -117,7 +97,7 @@ def _warn_long_rows(dataset: TokenizedDataset, max_seq_length: int, pad_to: int,
                f"train slower than short ones: give --data.pack_length {suggest} ({SUGGESTED_ROW_FACTOR} of the "
                "longest example a row), or leave out --max-seq-length and the run picks rows for the data")
     if warn is None:
-        warnings.warn(message, LongRowsWarning, stacklevel=3)
+        warnings.warn(message, LongRowsWarning, stacklevel=4)
     else:
         warn(message)
 
@@ -154,30 +134,10 @@ class BatchIterator:
         inputs_multiple_of: Optional[int] = None,
         way_out: str = "",
     ) -> None:
-        name = dataset.name
-        _check_options(name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
+        _check_options(dataset.name, batch_size, max_seq_length, pad_to, seed, rank, world_size)
         # The unit a batch is made of: an example, or a packed row of examples (data.pack).
         self.rows = pack_rows(dataset.lengths, max_seq_length) if pack else None
-        if self.rows is not None:
-            _warn_long_rows(dataset, max_seq_length, pad_to, warn)
-            unit_tokens = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
-            self._slots = max(len(r) for r in self.rows)
-            unit_lengths = -unit_tokens  # fullest rows first: the last batch holds the least filled
-            if len(self.rows) < batch_size:
-                raise ValueError(
-                    f"{name}: its {len(dataset)} examples pack into {len(self.rows)} rows of "
-                    f"max_seq_length={max_seq_length} tokens, fewer than batch_size={batch_size}; lower "
-                    f"--batch-size to at most {len(self.rows)}, lower --max-seq-length, or use --data.pack false"
-                )
-        else:
-            unit_lengths = dataset.lengths
-            unit_tokens = np.minimum(dataset.lengths, max_seq_length)
-            if len(dataset) < batch_size:
-                where = f"{name} ({dataset.path})" if dataset.path is not None else name
-                raise ValueError(
-                    f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
-                    f" add examples, give --batch-size {len(dataset)} (or less){f', or {way_out}' if way_out else ''}"
-                )
+        unit_lengths, unit_tokens = self._units(dataset, batch_size, max_seq_length, pad_to, warn, way_out)
         self.dataset = dataset
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
@@ -198,16 +158,7 @@ class BatchIterator:
         # idx[i + r : i + batch_size : W] of mlx-lm is column r, r+W, ... of the row.
         self._batch_indices = np.ascontiguousarray(global_idx[:, rank::world_size])
         self._batch_indices.flags.writeable = False
-
-        used = np.unique(global_idx)  # a unit the last batch repeats is counted once
-        if self.rows is not None:
-            used = np.concatenate([self.rows[i] for i in used])
-        message = _truncation_message(name, used, dataset, max_seq_length)
-        if message is not None:
-            if warn is None:
-                warnings.warn(message, TruncationWarning, stacklevel=2)
-            else:
-                warn(message)
+        self._warn_truncated(global_idx, warn)
         self.digest = content_digest(dataset)
 
         # Padded once here: every later step only wraps cached arrays.
@@ -218,6 +169,44 @@ class BatchIterator:
         self._position = 0
         self._order_epoch = -1
         self._order = np.arange(n_batches)
+
+    def _units(self, dataset: TokenizedDataset, batch_size: int, max_seq_length: int, pad_to: int,
+               warn: Optional[Callable[[str], None]], way_out: str) -> Tuple[np.ndarray, np.ndarray]:
+        """(what the batches sort by, the tokens each holds) per unit (example, or packed row: fullest
+        first, so the last batch holds the least filled); a split too small for one batch is a ValueError
+        naming the fix."""
+        name = dataset.name
+        if self.rows is not None:
+            _warn_long_rows(dataset, max_seq_length, pad_to, warn)
+            unit_tokens = np.array([np.minimum(dataset.lengths[r], max_seq_length).sum() for r in self.rows])
+            self._slots = max(len(r) for r in self.rows)
+            if len(self.rows) < batch_size:
+                raise ValueError(
+                    f"{name}: its {len(dataset)} examples pack into {len(self.rows)} rows of "
+                    f"max_seq_length={max_seq_length} tokens, fewer than batch_size={batch_size}; lower "
+                    f"--batch-size to at most {len(self.rows)}, lower --max-seq-length, or use --data.pack false"
+                )
+            return -unit_tokens, unit_tokens
+        if len(dataset) < batch_size:
+            where = f"{name} ({dataset.path})" if dataset.path is not None else name
+            raise ValueError(
+                f"{where}: has {len(dataset)} examples, fewer than batch_size={batch_size};"
+                f" add examples, give --batch-size {len(dataset)} (or less){f', or {way_out}' if way_out else ''}"
+            )
+        return dataset.lengths, np.minimum(dataset.lengths, max_seq_length)
+
+    def _warn_truncated(self, global_idx: np.ndarray, warn: Optional[Callable[[str], None]]) -> None:
+        """Say once what the batches cut: tokens past max_seq_length (a unit the last batch repeats counted
+        once)."""
+        used = np.unique(global_idx)
+        if self.rows is not None:
+            used = np.concatenate([self.rows[i] for i in used])
+        message = _truncation_message(self.dataset.name, used, self.dataset, self.max_seq_length)
+        if message is not None:
+            if warn is None:
+                warnings.warn(message, TruncationWarning, stacklevel=3)  # the caller of __init__
+            else:
+                warn(message)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -1,17 +1,12 @@
 """Read data splits in mlx-lm's formats and tokenize them once, up front.
 
-Three formats are accepted, chosen from the keys of a file's first line exactly
-as ``mlx_lm.tuner.datasets.create_dataset`` chooses: completions
-(``{"prompt", "completion"}``, rendered through the chat template as a user and
-an assistant message), chat (``{"messages": [...]}``) and text
-(``{"text": ...}``); completions and chat rows may carry ``"tools"``.  With
-``mask_prompt`` the loss skips the prompt: its length is that of the template
-applied to all messages but the last, as mlx-lm computes it.  Unlike mlx-lm,
-every line is checked, and any problem is a one-line ``ValueError`` naming
-``file:line`` and the fix; that includes a row with nothing to learn (checks.py),
-which ``skip_empty`` skips instead, with one warning per split. ``tokenize_rows`` is that check
-and tokenization for any source of rows; a Hugging Face dataset (hf.py) names a row as
-``<path or id>[split] row N`` where a jsonl file names ``file:line``.
+Three formats, chosen from the keys of a file's first line as ``mlx_lm.tuner.datasets.create_dataset``
+chooses: completions (``{"prompt", "completion"}``, through the chat template), chat
+(``{"messages": [...]}``) and text (``{"text": ...}``); completions and chat rows may carry ``"tools"``.
+With ``mask_prompt`` the loss skips the prompt, measured as mlx-lm measures it. Unlike mlx-lm, every
+line is checked: a problem is a one-line ``ValueError`` naming ``file:line`` (a Hugging Face row as
+``<path or id>[split] row N``) and the fix, a row with nothing to learn included (checks.py;
+``skip_empty`` skips it with one warning). ``tokenize_rows`` checks and tokenizes any source of rows.
 """
 
 from __future__ import annotations
@@ -111,7 +106,8 @@ def _check_string(row: Dict[str, Any], key: str, where: str, *, nonempty: bool =
 ROLE_PROBE = "meshtune-role-probe-7f3a"
 
 
-_ROLES_KEPT: Dict[Tuple[str, str], bool] = {}  # (chat template, role) -> whether it renders that role
+# (chat template, role) -> whether it renders that role: a memo of the template's text, not run state.
+_ROLES_KEPT: Dict[Tuple[str, str], bool] = {}
 
 
 def template_keeps_role(tokenizer: Any, role: str) -> bool:

@@ -1,19 +1,10 @@
 """LoRA and DoRA adapters as a PEFT folder: `adapter_config.json` with PEFT's keys and
 `adapter_model.safetensors` with Hugging Face module names, for transformers, vLLM and TGI.
 
-The mapping, layer by layer (mlx-lm's model tree names modules as transformers does for the
-families it shares, e.g. `model.layers.N.self_attn.q_proj`):
-- Linear: meshtune computes y = W x + s (x A) B with A (in, r), B (r, out); PEFT computes
-  y = W x + (lora_alpha / r) B' A' x with lora_A.weight A' (r, in), lora_B.weight B' (out, r).
-  So A' = A^T, B' = B^T and lora_alpha = s r.
-- DoRA (Liu et al. 2024, section 4.1; PEFT's DoraLinearLayer): both compute
-  y = m / ||W + s B'A'||_row * (W x + s B' A' x) + bias; `m` is PEFT's
-  `lora_magnitude_vector`, saved under that name without a `.weight` suffix, as PEFT saves it.
-- Embedding (untied head only): PEFT's lora_embedding_A (r, vocab) = A^T and
-  lora_embedding_B (dims, r) = B^T. A tied head is refused: meshtune adapts the head with the
-  table, PEFT only the lookup.
-Expert (SwitchLinear) adapters, DoRA on an embedding and full fine-tuning have no PEFT form
-here; each is one line naming what to do instead.
+mlx-lm's model tree names modules as transformers does for the families it shares (e.g.
+`model.layers.N.self_attn.q_proj`); `peft_tensors` gives each layer's mapping. Expert
+(SwitchLinear) adapters, DoRA on an embedding and full fine-tuning have no PEFT form here; each is
+one line naming what to do instead.
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ from .. import adapters as ad
 from ..adapters.dora import DoRAEmbedding, DoRALinear
 from ..adapters.lora import LoRAEmbedding, LoRALinear
 from ..adapters.switch import LoRASwitchLinear
+from ..run_dir import RunDir
 
 PEFT_PREFIX = "base_model.model."
 PEFT_CONFIG_FILE = "adapter_config.json"
@@ -59,7 +51,18 @@ def _adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def peft_tensors(model: nn.Module) -> dict[str, mx.array]:
-    """PEFT's state dict for the model's adapter layers, in their own dtype."""
+    """PEFT's state dict for the model's adapter layers, in their own dtype.
+
+    - Linear: meshtune computes y = W x + s (x A) B with A (in, r), B (r, out); PEFT computes
+      y = W x + (lora_alpha / r) B' A' x with lora_A.weight A' (r, in), lora_B.weight B' (out, r).
+      So A' = A^T, B' = B^T and lora_alpha = s r.
+    - DoRA (Liu et al. 2024, section 4.1; PEFT's DoraLinearLayer): both compute
+      y = m / ||W + s B'A'||_row * (W x + s B' A' x) + bias; `m` is PEFT's
+      `lora_magnitude_vector`, saved under that name without a `.weight` suffix, as PEFT saves it.
+    - Embedding (untied head only): PEFT's lora_embedding_A (r, vocab) = A^T and
+      lora_embedding_B (dims, r) = B^T. A tied head is refused: meshtune adapts the head with the
+      table, PEFT only the lookup.
+    """
     tensors: dict[str, mx.array] = {}
     for name, layer in _adapted(model):
         key = PEFT_PREFIX + name
@@ -129,7 +132,7 @@ def export_peft(adapter_path: str | Path, save_path: str | Path, *, model_path: 
     from ..inference import check_save_path, load_model
 
     check_save_path(save_path, overwrite, "the PEFT adapters")
-    adapter_config = json.loads((Path(adapter_path) / ad.CONFIG_FILE).read_text())
+    adapter_config = json.loads(RunDir(adapter_path).config.read_text())
     if adapter_config.get("fine_tune_type", "lora") not in ("lora", "dora"):
         peft_config(adapter_config, nn.Module(), "")  # the one-line refusal, before the model loads
     model, _ = load_model(model_path)

@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
-from ..adapters import ADAPTER_FILE, CONFIG_FILE, StepContext, load_trainable, trainable_parameters
+from ..adapters import StepContext, load_trainable, trainable_parameters
+from ..run_dir import CheckpointDir, RunDir
 from ..runtime.mesh import Mesh
 from ..training.checkpoint import (LoadedCheckpoint, TrainingState, atomic_save_safetensors, load_checkpoint,
                                    resumable_checkpoint, save_checkpoint)
@@ -120,14 +121,14 @@ class DataParallel:
         if self.mesh.is_writer:
             save_checkpoint(out, state=state, trainable=trainable_parameters(self.model),
                             optimizer_state=self.optimizer.state, config=config, keep=keep,
-                            alongside=(out / CONFIG_FILE,))
+                            alongside=(RunDir(out).config,))
 
     def latest_checkpoint(self, out: Path, say: Callable[[str], None]) -> LoadedCheckpoint | None:
         path = resumable_checkpoint(out, say)
         return None if path is None else load_checkpoint(path)
 
     def restore(self, ckpt: LoadedCheckpoint) -> None:
-        single = ckpt.path / ADAPTER_FILE  # absent from a pipeline's checkpoint: its stages' shards are merged
+        single = CheckpointDir(ckpt.path).adapters  # absent from a pipeline's checkpoint: its stages' shards are merged
         load_trainable(self.model, single if single.exists() else ckpt.path, ckpt.trainable)
         self.optimizer.state = ckpt.optimizer_state
         self.optimizer.init(self.model.trainable_parameters())

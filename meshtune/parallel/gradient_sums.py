@@ -1,19 +1,18 @@
 """Gradient sums over the data-parallel ranks, in buckets: after the backward or overlapped with it.
 
-The update must equal one process's update on the whole global batch: gradients of
-the summed token losses are summed over ranks and divided by the global token count.
-Gradients travel in buckets of about `bucket_mb` (one all_sum per bucket, small arrays
-concatenated). `after_backward` reduces the buckets in model order once everything
-is computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back
-and puts every collective of the step on a stream of its own (one stream: split over
-two, ranks took the all_sums in different orders and paired wrong buffers), so a
-bucket's all_sum runs while earlier layers' backward computes. With `transport:
-sockets` the buckets go to the socket ring's threads (socket_ring.py) and `TimedPump`
+The update must equal one process's on the whole global batch: gradients of the summed token losses
+are summed over ranks and divided by the global token count. Gradients travel in buckets of about
+`bucket_mb` (one all_sum per bucket). `after_backward` reduces them in model order once everything is
+computed, as stock mlx-lm does. `overlap` orders buckets from the last layer back and puts every
+collective on one stream of its own (split over two, ranks took the all_sums in different orders and
+paired wrong buffers), so a bucket's all_sum runs while earlier layers' backward computes. With
+`transport: sockets` the buckets go to the socket ring's threads (socket_ring.py) and `TimedPump`
 measures the exposed communication.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import threading
@@ -76,9 +75,6 @@ def backward_order(names: list[str]) -> list[int]:
     return sorted(range(len(names)), key=key, reverse=True)
 
 
-_comm_streams: dict[Any, Any] = {}
-
-
 def comm_stream(mode: str, backend: str = "") -> Any:
     """The stream `mode`'s collectives run on: one of their own for overlap, else None (the default).
 
@@ -88,11 +84,15 @@ def comm_stream(mode: str, backend: str = "") -> Any:
     """
     if mode != "overlap":
         return None
-    device = mx.gpu if backend == "nccl" and mx.default_device().type == mx.DeviceType.gpu else mx.cpu
-    key = str(device)
-    if key not in _comm_streams:
-        _comm_streams[key] = mx.new_stream(device)
-    return _comm_streams[key]
+    return _collective_stream(backend == "nccl" and mx.default_device().type == mx.DeviceType.gpu)
+
+
+@functools.cache
+def _collective_stream(on_gpu: bool) -> Any:
+    """The process's one collective stream on the GPU or the CPU: a resource of the process, as the device
+    is, not run state. Made once and kept, since MLX never frees a stream and every step's overlapped
+    sums, a step in flight's and the next's alike, must keep to one stream (see above)."""
+    return mx.new_stream(mx.gpu if on_gpu else mx.cpu)
 
 
 def _bucket_groups(flat: list[tuple[str, mx.array]], mode: str, bucket_mb: float,

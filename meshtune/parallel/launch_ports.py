@@ -24,14 +24,16 @@ def _folder() -> Path:
 
 
 class HeldPorts:
-    """The ports one launcher picked, each held until `close` (or the launcher's exit)."""
+    """The ports one launcher picked, each held until `close` (or the launcher's exit); `folder` holds
+    the lock files (default: the one every launcher of this user shares)."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path | None = None) -> None:
         self._fds: list[int] = []
+        self._folder = folder
 
     def take(self, n: int) -> list[int]:
         """n distinct TCP ports, free a moment ago on 127.0.0.1 and held by no other launcher."""
-        folder, socks, ports = _folder(), [], []
+        folder, socks, ports = self._folder or _folder(), [], []
         try:
             while len(ports) < n:
                 s = socket.socket()

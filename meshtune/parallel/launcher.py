@@ -1,58 +1,34 @@
 """Start N ranks (ring, NCCL, JACCL; here or over ssh), and fail loudly and together: `meshtune launch`'s engine.
 
     meshtune launch -n 2 -- meshtune train -c run.yaml
-    meshtune launch -n 2 --no-pin -- python my_script.py   # ranks share every core
     meshtune launch --hostfile hosts.json -- meshtune train -c run.yaml   # one rank per host, over ssh
     meshtune launch -n 2 --backend nccl -- meshtune train -c run.yaml     # one rank per GPU of this machine
 
-Ranks are started directly (MLX_RANK plus a ring hostfile on 127.0.0.1 that this
-module writes), not through `mlx.launch`, whose per-rank output threads busy-poll (on
-a 2-core box that cost more throughput than the second rank added) and which exits 0
-when a rank fails. Here each rank's output is read by a blocking thread and prefixed
-`[rank i]`; when any rank is lost (killed by a signal, or stopped: state T in /proc)
-or exits non-zero, one line names it and the step of its last heartbeat (see
-meshtune/runtime/watchdog.py), the others are stopped (SIGKILL after a short grace:
-they sit in a collective) and a non-zero code is returned. Ring ranks on this machine
-are pinned by default when there are no more of them than cores: rank i gets its own
-core and one BLAS thread, since unpinned ranks' BLAS thread pools fight over the same
-cores. `--no-pin` turns it off; with more ranks than cores none is pinned and one note
-says so. An explicit `--pin` also pins NCCL ranks, and more ranks than cores in turn.
-With `--hostfile` (mlx.launch's format) rank i runs
-`ssh host 'cd $PWD && env MLX_RANK=i MLX_HOSTFILE=... cmd'`; a stopped remote rank is
-seen only through the survivors' watchdogs, since its state cannot be read from here.
-Every address a host lists is one link: the ring hostfile the ranks get holds them all, a
-port each, and MLX's ring stripes every all-reduce across them, as mlx.launch does.
-`--backend jaccl` (or `jaccl-ring`: MLX's RDMA over Thunderbolt 5) gives each rank the
-environment mlx.launch gives it for the same hostfile: rank 0's first address as the
-coordinator and the hosts' RDMA devices in a file.
-With `--backend nccl` (MLX's CUDA build) the ranks join NCCL through rank 0 on
-127.0.0.1 and rank i sees one GPU, entry i of CUDA_VISIBLE_DEVICES when that is set,
-else GPU i, as mlx.launch does on one host; NCCL_NVLS_ENABLE stays as the environment
-has it.
+Ranks are started directly, not through `mlx.launch` (whose output threads busy-poll and which exits 0
+when a rank fails: docs/performance.md, "Launcher"): each rank's output is read on a blocking thread
+and prefixed `[rank i]`, and rank_watch.py stops them all when one is lost. Local ring ranks are
+pinned one a core by default. Every hostfile address is one ring link; NCCL and JACCL ranks get the
+environment mlx.launch gives them (docs/parallel/cluster.md, docs/parallel/gpus.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import shlex
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
 from ..runtime.hostfile import JACCL_BACKENDS, Host, Hostfile
 from .launch_ports import HeldPorts
-from ..training import NONFINITE_EXIT_CODE, STOPPED_EXIT_CODE
 from ..runtime.relaunch import LAUNCH_ENV
 from ..runtime.stop_signals import StopSignals
-from ..runtime.watchdog import BACKEND_ERROR, EXIT_CODE, HEARTBEAT_ENV, lost_peer, process_state, read_heartbeat
-
+from ..runtime.watchdog import BACKEND_ERROR, HEARTBEAT_ENV
+from .rank_watch import Rank, watch_ranks
 
 BACKENDS = ("ring", "nccl", *JACCL_BACKENDS)
 
@@ -115,18 +91,6 @@ def ssh_command(host: str, rank: int, n: int, command: list[str], files: dict[st
     return ["ssh", host, f"sh -c {shlex.quote(script)}"]  # POSIX sh whatever the login shell (csh, fish)
 
 
-@dataclass
-class Rank:
-    """One started rank: its process (the rank itself, or the local ssh of a remote one)."""
-
-    index: int
-    proc: subprocess.Popen
-    host: str | None = None  # ssh host of a remote rank
-    remote_pid: int | None = None
-    pump: threading.Thread | None = None  # reads its output; done when every process holding the pipe ended
-    held: list[str] = field(default_factory=list)  # backend error lines, shown unless a lost rank explains them
-
-
 def _pump(rank: Rank, stream: IO[bytes], out: IO[str], muted: threading.Event) -> None:
     # readline blocks: no polling, no core spent while the rank is quiet.
     for line in iter(stream.readline, b""):
@@ -167,7 +131,7 @@ def launch_ranks(n: int, command: list[str], *, pin: bool = False, env: dict[str
                  hostfile: Hostfile | None = None, err: IO[str] | None = None,
                  backend: str = "ring") -> int:
     """Run `command` as n ranks (ring; nccl on this machine; jaccl over a hostfile); 0, or the failing rank's
-    code (see `_watch`).
+    code (see rank_watch.watch_ranks).
 
     `hosts` gives each rank's IP (or its addresses, one per link) and `wrap(rank)` a command prefix (e.g. entering a
     network namespace of the shaped-link bed); both default to plain loopback.
@@ -233,152 +197,10 @@ def launch_ranks(n: int, command: list[str], *, pin: bool = False, env: dict[str
                 rank.pump = threading.Thread(target=_pump, args=(rank, proc.stdout, out or sys.stdout, muted),
                                              daemon=True)
                 rank.pump.start()
-            code, lost = _watch(ranks, timeout, beats, err or sys.stderr, muted, interrupts.signals)
+            code, lost = watch_ranks(ranks, timeout, beats, err or sys.stderr, muted, interrupts.signals)
         for r in ranks:
             r.pump.join(timeout=5)
         if not lost:
             for r in ranks:
                 (out or sys.stdout).writelines(f"[rank {r.index}] {line}" for line in r.held)
     return code
-
-
-SSH_FAILED = 255  # ssh's exit code when it could not connect or log in
-STOPPED_FOR_S = 1.0  # a rank in state T this long is lost (not a passing ptrace stop)
-CAUSE_WAIT_S = 3.0  # how long a rank's lost connection (75) waits for the rank that caused it to exit
-# Exits every rank reaches on its own, each saying its own line: a non-finite step (every rank at the same
-# step) and bad input or config (code 2: every rank reads the same files). The launcher waits this long for
-# the others to get there before stopping them.
-# A stop on request (code 3) is agreed too: the ranks save one checkpoint together and exit.
-AGREED_EXIT_S = {NONFINITE_EXIT_CODE: 30.0, 2: 5.0, STOPPED_EXIT_CODE: 15.0}
-
-
-def _watch(ranks: list[Rank], timeout: float | None, beats: Path, err: IO[str],
-           muted: threading.Event, interrupts: list[int] | None = None) -> tuple[int, bool]:
-    """Wait for every rank; on the first lost or failed rank say one line and stop the rest.
-
-    A signal in `interrupts` (Ctrl-C or SIGTERM to the launcher) is passed on to every rank as
-    SIGTERM, which each takes as a request to save a checkpoint and stop (exit 3); a later one
-    is said and changes nothing, so no save is cut short.
-
-    Returns (exit code, whether a lost rank was named). Lost: killed by a signal
-    (code 128 + signal) or stopped, state T in /proc/<pid>/stat (code 75, the
-    watchdog's resumable code). A rank exiting non-zero gives its code; if that is
-    75 (its watchdog, or its connection closing) and a heartbeat shows which other
-    rank is gone or stopped, the line names that rank; with no heartbeat to go by, a
-    rank that exits with another code within CAUSE_WAIT_S is named instead.
-    """
-    start, stopped_since, agreed_since, effect_since = time.monotonic(), {}, None, None
-    interrupts, passed_on = interrupts if interrupts is not None else [], 0
-    while True:
-        if len(interrupts) > passed_on:
-            name = signal.Signals(interrupts[-1]).name
-            if passed_on:  # a save cut short would lose the run's last steps: the ranks finish theirs
-                print(f"meshtune launch: {name} again: the ranks are already saving and stopping (kill -9 "
-                      "stops them now, losing the steps since their last checkpoint)", file=err, flush=True)
-                passed_on = len(interrupts)
-                continue
-            print(f"meshtune launch: {name}: every rank saves a checkpoint and stops", file=err, flush=True)
-            for r in ranks:
-                if r.proc.poll() is None:
-                    _signal_rank(r, signal.SIGTERM, rank_only=True)
-            passed_on = len(interrupts)
-        if passed_on:  # the user's stop: each rank saves and exits on its own, however long that takes
-            if all(r.proc.poll() is not None and not (r.pump and r.pump.is_alive()) for r in ranks):
-                codes = [r.proc.returncode for r in ranks]
-                other = [c for c in codes if c not in (0, STOPPED_EXIT_CODE)]
-                return ((other[0] if other[0] > 0 else 128 + interrupts[0]) if other else max(codes)), False
-            time.sleep(0.2)
-            continue
-        codes = [r.proc.poll() for r in ranks]
-        # A rank killed by a signal is the cause; peers exiting 75 (a lost connection) are the effect.
-        failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)),
-                        key=lambda f: (f[1] >= 0, f[1] == EXIT_CODE))
-        # An exit every rank reaches on its own: let the others get there (up to AGREED_EXIT_S),
-        # then pass the code on with nothing to add.
-        agreed = failed[0][1] if failed and failed[0][1] in AGREED_EXIT_S else None
-        if agreed is not None and all(c in (None, agreed) for c in codes):
-            agreed_since = agreed_since or time.monotonic()
-            if all(c == agreed for c in codes):
-                return agreed, False
-            if time.monotonic() - agreed_since < AGREED_EXIT_S[agreed]:
-                time.sleep(0.05)
-                continue
-        i, code = failed[0] if failed else (None, None)
-        lost = lost_peer(beats, len(ranks), i, stale_s=5.0) if code == EXIT_CODE else None
-        # A rank that lost its connection, with no peer to blame, is an effect: the rank that broke
-        # it may still be on its way out with its own code (an error's). Wait for that a little.
-        if code == EXIT_CODE and lost is None and None in codes:
-            effect_since = effect_since or time.monotonic()
-            if time.monotonic() - effect_since < CAUSE_WAIT_S:
-                failed = []
-        if failed:
-            muted.set()
-            if code < 0:
-                sig = -code
-                why = f"killed by signal {sig} ({signal.Signals(sig).name})"
-                return _fail(ranks, i, why, 128 + sig, beats, err), True
-            if lost is not None:
-                return _fail(ranks, lost[0], f"{lost[2]}; rank {i} exited with code {code}", code, beats, err), True
-            host = ranks[i].host
-            ssh = (f" (ssh's own failure code: check that `ssh {host} true` works without a password prompt)"
-                   if host is not None and code == SSH_FAILED else "")
-            return _fail(ranks, i, "", code, beats, err, verb=f"exited with code {code}{ssh}"), False
-        if all(c == 0 for c in codes):
-            return 0, False
-        now = time.monotonic()
-        for r in ranks:
-            if r.host is None and (process_state(r.proc.pid) or "").startswith("stopped"):
-                if now - stopped_since.setdefault(r.index, now) >= STOPPED_FOR_S:
-                    muted.set()
-                    return _fail(ranks, r.index, "stopped (SIGSTOP)", EXIT_CODE, beats, err), True
-            else:
-                stopped_since.pop(r.index, None)
-        if timeout is not None and now - start > timeout:
-            print(f"meshtune launch: ranks still running after {timeout:.0f}s; stopping them", file=err, flush=True)
-            _stop(ranks, grace=10)
-            return 124, False
-        time.sleep(0.2)  # five wake-ups a second: negligible next to a busy-polling reader
-
-
-def _fail(ranks: list[Rank], i: int, why: str, code: int, beats: Path, err: IO[str], verb: str = "") -> int:
-    beat = read_heartbeat(beats, i)
-    at = f" at step {beat['step']}" if beat else ""
-    what = f"{verb}{at}" if verb else f"stopped answering{at} ({why})"
-    running = [r.index for r in ranks if r.index != i and r.proc.poll() is None]
-    exited = [r.index for r in ranks if r.index != i and r.index not in running]
-    plural = lambda ids: f"rank{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"  # noqa: E731
-    tail = [f"stopping {plural(running)}"] if running else []
-    tail += [f"{plural(exited)} already exited"] if exited else []
-    print(f"meshtune launch: rank {i} {what}; {', '.join(tail) or 'no other rank'}", file=err, flush=True)
-    # Peers of a lost rank sit in a collective where SIGTERM is never handled: short grace.
-    _stop(ranks, grace=2 if not verb else 10)
-    return code
-
-
-def _stop(ranks: list[Rank], grace: float) -> None:
-    """SIGTERM every running rank (SIGKILL a stopped one: it cannot act on SIGTERM), SIGKILL after grace."""
-    for r in ranks:
-        if r.proc.poll() is None:
-            stopped = r.host is None and (process_state(r.proc.pid) or "").startswith("stopped")
-            _signal_rank(r, signal.SIGKILL if stopped else signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for r in ranks:
-        try:
-            r.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            _signal_rank(r, signal.SIGKILL)
-            r.proc.wait()
-
-
-def _signal_rank(r: Rank, sig: int, rank_only: bool = False) -> None:
-    """`sig` to the rank (a remote one through ssh), then to its local process group (a remote rank's
-    ssh) unless `rank_only`: a stop request must reach each rank once, and leave its output's ssh open."""
-    if r.host is not None and r.remote_pid is not None:
-        subprocess.run(["ssh", r.host, f"kill -{int(sig)} {r.remote_pid}"], capture_output=True, timeout=30,
-                       stdin=subprocess.DEVNULL)
-        if rank_only:
-            return
-    try:
-        os.killpg(r.proc.pid, sig)
-    except ProcessLookupError:
-        pass

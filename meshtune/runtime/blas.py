@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from .env import choice
 
@@ -33,9 +34,9 @@ def find_system_openblas() -> str | None:
     return None
 
 
-def preloaded_blas() -> str | None:
-    """The OpenBLAS already preloaded into this process's environment, if any."""
-    for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+def preloaded_blas(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The OpenBLAS already preloaded into `environ` (this process's by default), if any."""
+    for entry in environ.get("LD_PRELOAD", "").replace(":", " ").split():
         if "blas" in Path(entry).name.lower():
             return entry
     return None
@@ -43,36 +44,49 @@ def preloaded_blas() -> str | None:
 
 def describe_blas() -> str:
     """One line saying which BLAS MLX uses in this process."""
-    if platform.system() != "Linux":
+    return blas_line(platform.system(), os.environ, find_system_openblas())
+
+
+def blas_line(system: str, environ: Mapping[str, str], openblas: str | None) -> str:
+    """describe_blas's line for a platform `system`, an environment and the system OpenBLAS found (or None)."""
+    if system != "Linux":
         return "BLAS: platform default (Accelerate on macOS)"
-    if (lib := preloaded_blas()) is not None:
+    if (lib := preloaded_blas(environ)) is not None:
         return f"BLAS: system OpenBLAS ({lib})"
-    hint = "" if find_system_openblas() else "; install libopenblas0-pthread for ~15x faster CPU matmuls"
+    hint = "" if openblas else "; install libopenblas0-pthread for ~15x faster CPU matmuls"
     return f"BLAS: MLX's bundled reference BLAS{hint}"
 
 
 def ensure_fast_blas(enabled: bool = True, argv: list[str] | None = None) -> None:
-    """Re-exec this process with a system OpenBLAS preloaded, when one exists.
-
-    Does nothing off Linux, when disabled (option or MESHTUNE_SYSTEM_BLAS=0), when a
-    BLAS is already preloaded, when MLX is already imported (too late to swap), or
-    after one re-exec (never loops).
-    """
-    allowed = choice(DISABLE_ENV, os.environ.get(DISABLE_ENV, "1"), {"1": True, "0": False},
-                     "1 (the default: preload the system's OpenBLAS on Linux) or 0 (keep MLX's bundled BLAS)")
-    if not enabled or not allowed:
+    """Re-exec this process with a system OpenBLAS preloaded, when one exists (see reexec_command)."""
+    found = reexec_command(sys.argv if argv is None else argv, os.environ, enabled=enabled, system=platform.system(),
+                           mlx_loaded="mlx.core" in sys.modules, openblas=find_system_openblas(),
+                           executable=sys.executable)
+    if found is None:
         return
-    if platform.system() != "Linux" or os.environ.get(_REEXEC_MARK) or preloaded_blas():
-        return
-    if "mlx.core" in sys.modules:
-        return
-    lib = find_system_openblas()
-    if lib is None:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = " ".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
-    env[_REEXEC_MARK] = "1"
-    args = sys.argv if argv is None else argv
+    command, env = found
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "meshtune.cli", *args[1:]], env)
+    os.execve(command[0], command, env)
+
+
+def reexec_command(argv: list[str], environ: Mapping[str, str], *, enabled: bool, system: str, mlx_loaded: bool,
+                   openblas: str | None, executable: str) -> tuple[list[str], dict[str, str]] | None:
+    """The command line `argv` run again with `openblas` preloaded, and its environment; None where not.
+
+    None off Linux, when disabled (option or MESHTUNE_SYSTEM_BLAS=0), when a BLAS is already
+    preloaded, when MLX is already imported (too late to swap), with no OpenBLAS, or after one
+    re-exec (never loops). A MESHTUNE_SYSTEM_BLAS other than 1 or 0 is a one-line ValueError.
+    """
+    allowed = choice(DISABLE_ENV, environ.get(DISABLE_ENV, "1"), {"1": True, "0": False},
+                     "1 (the default: preload the system's OpenBLAS on Linux) or 0 (keep MLX's bundled BLAS)")
+    if not enabled or not allowed:
+        return None
+    if system != "Linux" or environ.get(_REEXEC_MARK) or preloaded_blas(environ):
+        return None
+    if mlx_loaded or openblas is None:
+        return None
+    env = dict(environ)
+    env["LD_PRELOAD"] = " ".join(x for x in (openblas, env.get("LD_PRELOAD", "")) if x)
+    env[_REEXEC_MARK] = "1"
+    return [executable, "-m", "meshtune.cli", *argv[1:]], env

@@ -3,7 +3,10 @@
 The kernels themselves are .cuh files beside their loaders (adapters/cuda/ for adapters/kernels.py,
 parallel/pack_kernel.cuh for parallel/pack_kernel.py): each launch is an `mx.fast.cuda_kernel` whose
 header is the file and whose body is a short call, compiled by MLX's CUDA build at first use;
-elsewhere (CPU, Metal) their callers compute the same in MLX ops.
+elsewhere (CPU, Metal) their callers compute the same in MLX ops. The three caches below are
+memos, not run state: each entry is a function of its key alone (a kernel of its whole text, a
+file of its path, a constant of its values), so no run's choice reaches them; they spare MLX a
+recompile, the disk a read and the GPU a page move.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ CUDNN_ATTENTION_DTYPES = (mx.bfloat16, mx.float16)
 CUDNN_MAX_HEAD_DIM = 128
 
 
-def attention_inputs_multiple(model: nn.Module, cuda: bool | None = None) -> int | None:
-    """What `model`'s inputs' length must be a multiple of for its fused attention backward here:
-    FUSED_ATTENTION_MULTIPLE on an NVIDIA GPU (`cuda`, default: on_cuda()) where cuDNN takes its
+def attention_inputs_multiple(model: nn.Module, nvidia: bool | None = None) -> int | None:
+    """What `model`'s inputs' length must be a multiple of for its fused attention backward on an NVIDIA
+    GPU (`nvidia`; None: whether arrays run on one here): FUSED_ATTENTION_MULTIPLE where cuDNN takes its
     attention, else None."""
-    if not (on_cuda() if cuda is None else cuda):
+    if not (on_cuda() if nvidia is None else nvidia):
         return None
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", 0) or 0

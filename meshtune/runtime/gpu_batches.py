@@ -1,15 +1,12 @@
 """How many operations MLX's CUDA backend batches into one CUDA graph: set before MLX loads.
 
-MLX's CUDA backend frees a buffer only once the GPU has finished the batch of kernels that read
-it (up to MLX_MAX_OPS_PER_BUFFER operations a batch, up to 10 batches in flight), so a step's
-temporaries in the batches still in flight are held together. MLX batches 100 operations on GPUs
-of compute capability 9.0, 10.0 and 12.0 (H100, H200, B200, consumer Blackwell) and 20 on the
-rest (`get_graph_limits`, mlx/backend/cuda/device.cpp). On an H100 the 1.7B full fine-tuning step
-held 2.1 GB more at its peak with 100 than with 50, at the same speed (docs/performance.md, "Where
-full fine-tuning's peak comes from"). `use_smaller_gpu_batches` sets 50 where MLX's default is
-100, unless the variable is set already, judging by the first visible GPU. MLX reads it once, when
-it opens its GPU stream at import, so this runs before anything imports MLX. Nothing here imports
-MLX: the GPU is asked through the CUDA driver, which makes no context for it.
+MLX's CUDA backend frees a buffer only once the GPU has finished the batch of kernels that read it
+(up to MLX_MAX_OPS_PER_BUFFER operations a batch), so a step's temporaries in flight are held
+together. MLX batches 100 on GPUs of compute capability 9.0, 10.0 and 12.0 and 20 elsewhere; at 50
+an H100's 1.7B full fine-tuning peak is 2.1 GB lower at the same speed (docs/performance.md, "Where
+full fine-tuning's peak comes from"). `use_smaller_gpu_batches` sets 50 where MLX's default is 100
+and the user set nothing, judging by the first visible GPU, before anything imports MLX (MLX reads
+it once, at import). Nothing here imports MLX: the GPU is asked through the CUDA driver.
 """
 
 from __future__ import annotations
@@ -18,16 +15,18 @@ import ctypes
 import os
 import platform
 import sys
+from typing import Mapping, MutableMapping
 
 VARIABLE = "MLX_MAX_OPS_PER_BUFFER"
+# Set beside VARIABLE where meshtune, not the user, chose its value: the fact travels with the value,
+# to this process's children too.
+SET_BY_MESHTUNE = "MESHTUNE_SET_MLX_MAX_OPS_PER_BUFFER"
 OPS_PER_BATCH = 50
 MLX_BATCHES_100 = ((9, 0), (10, 0), (12, 0))  # compute capabilities where MLX's default is 100
 
 # cuDeviceGetAttribute's attributes (cuda.h).
 _COMPUTE_CAPABILITY_MAJOR = 75
 _COMPUTE_CAPABILITY_MINOR = 76
-
-_set_here = False
 
 
 def compute_capability() -> tuple[int, int] | None:
@@ -47,20 +46,20 @@ def compute_capability() -> tuple[int, int] | None:
     return major.value, minor.value
 
 
-def use_smaller_gpu_batches() -> bool:
-    """Set MLX_MAX_OPS_PER_BUFFER to OPS_PER_BATCH where MLX's default is 100 and the user set none;
-    True where it was set."""
-    global _set_here
-    if VARIABLE in os.environ or "mlx.core" in sys.modules:  # the user's choice; or too late
+def use_smaller_gpu_batches(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Set MLX_MAX_OPS_PER_BUFFER to OPS_PER_BATCH in `environ` (this process's, which MLX reads) where
+    MLX's default is 100 and the user set none; True where it was set."""
+    if VARIABLE in environ or "mlx.core" in sys.modules:  # the user's choice; or too late
         return False
     if compute_capability() not in MLX_BATCHES_100:
         return False
-    os.environ[VARIABLE] = str(OPS_PER_BATCH)
-    _set_here = True
+    environ[VARIABLE] = str(OPS_PER_BATCH)
+    environ[SET_BY_MESHTUNE] = "1"
     return True
 
 
-def environment_without_ours(environ: dict[str, str]) -> dict[str, str]:
-    """`environ` less the variable where this process set it: what a peer tool's child process gets, so
-    that stock mlx-lm runs with MLX's own default (a value the user set is passed on)."""
-    return {k: v for k, v in environ.items() if not (_set_here and k == VARIABLE)}
+def environment_without_ours(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` less the variable where meshtune set it: what a peer tool's child process gets, so that
+    stock mlx-lm runs with MLX's own default (a value the user set is passed on)."""
+    ours = environ.get(SET_BY_MESHTUNE) == "1"
+    return {k: v for k, v in environ.items() if not (ours and k in (VARIABLE, SET_BY_MESHTUNE))}

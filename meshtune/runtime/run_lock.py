@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-LOCK_FILE = ".meshtune.lock"
-EARLIER_RUN = ".earlier-run-"  # + pid: where output.overwrite moves the earlier run before removing it
+from ..run_dir import RunDir, is_earlier_run, is_temp
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
@@ -53,8 +52,9 @@ class FolderLock:
         renamed into one hidden folder, then that folder goes, so the new run's first file never sits
         beside the old run's (a kill half way leaves that folder, which the next lock removes).
         Returns how many entries went."""
-        aside = self.folder / f"{EARLIER_RUN}{os.getpid()}"
-        entries = [p for p in self.folder.iterdir() if p.name != LOCK_FILE and p != aside]
+        run = RunDir(self.folder)
+        aside = run.earlier_run(os.getpid())
+        entries = [p for p in self.folder.iterdir() if p.name != run.lock.name and p != aside]
         if not entries:
             return 0
         aside.mkdir(exist_ok=True)
@@ -67,7 +67,7 @@ class FolderLock:
         if self._fd < 0:
             return
         try:
-            (self.folder / LOCK_FILE).unlink(missing_ok=True)  # while still held: no one locks a file that goes
+            RunDir(self.folder).lock.unlink(missing_ok=True)  # while still held: no one locks a file that goes
         finally:
             os.close(self._fd)
             self._fd = -1
@@ -85,7 +85,7 @@ def lock_folder(folder: Path, say: Callable[[str], None] = print) -> FolderLock:
     folder = Path(folder)
     made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_FILE
+    path = RunDir(folder).lock
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -118,8 +118,7 @@ def lock_folder(folder: Path, say: Callable[[str], None] = print) -> FolderLock:
 def _remove_leftover_temps(folder: Path, say: Callable[[str], None]) -> None:
     """Remove the temp files of writes a killed run never finished (`.adapters.safetensors.tmp-PID...`) and
     an earlier run an overwrite had set aside but not yet removed."""
-    leftovers = [p for p in folder.iterdir() if (p.is_file() and p.name.startswith(".") and ".tmp-" in p.name)
-                 or (p.is_dir() and p.name.startswith(EARLIER_RUN))]
+    leftovers = [p for p in folder.iterdir() if (p.is_file() and is_temp(p)) or (p.is_dir() and is_earlier_run(p))]
     for p in leftovers:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     if leftovers:

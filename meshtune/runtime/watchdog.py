@@ -1,25 +1,13 @@
 """Turns a hung collective or a lost peer into a clean exit that names the lost rank.
 
-When a rank is killed, stopped or cut off, its peers block inside an all_sum or a
-recv that never returns (MLX has no timeout there; mlx issue 4475 reports ring
-deadlocks at 3+ ranks). A watchdog thread on every rank expects a heartbeat from the
-training loop; after `timeout_s` without one it prints one line and ends the process
-with EXIT_CODE, so a launcher sees a failure instead of waiting forever.
-
-Before a rank's first finished step, a peer that has written no heartbeat yet is
-still loading, and the watchdog waits for it up to STARTUP_GRACE timeouts.
-
-A rank alone cannot tell which peer stopped answering, so the same thread also keeps
-a small side channel: every `interval` it writes `rank<i>.json` (pid, host, last
-finished step, wall time now) into a run-scoped folder, `$MESHTUNE_HEARTBEAT_DIR`
-(set by `meshtune launch`) or else `<adapter_path>/.heartbeats` (ranks started by
-mlx.launch). The thread keeps writing while its loop is blocked in a collective, so
-a peer whose file went stale, or whose local process is gone or stopped
-(/proc/<pid>/stat), is the one that stopped answering. A peer killed outright
-closes its sockets and the backend raises at once ("[ring] connection to a peer was
-lost"); that also becomes the one line and exit 75, not a traceback. Peers on other
-hosts are seen only through a shared filesystem; without one the line says that no
-peer could be named.
+When a rank is killed, stopped or cut off its peers block in a collective that never returns (MLX
+has no timeout there; mlx issue 4475). A watchdog thread on every rank expects a heartbeat from the
+loop; after `timeout_s` without one it prints one line and exits with EXIT_CODE (a peer still loading
+is waited for up to STARTUP_GRACE timeouts). To name the lost peer the thread also writes
+`rank<i>.json` (pid, host, step, time) into the run's heartbeat folder every `interval`, even while
+its loop is blocked: a peer whose file went stale, or whose local process is gone or stopped, is the
+one. A backend error from a closed connection becomes the same line and exit 75. docs/reliability.md,
+"When a rank is lost", says what a user sees.
 """
 
 from __future__ import annotations
@@ -33,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ..run_dir import RunDir, heartbeat_file, heartbeat_temp
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the run can be resumed from its last checkpoint
 HEARTBEAT_ENV = "MESHTUNE_HEARTBEAT_DIR"
@@ -56,7 +46,7 @@ STARTUP_GRACE = 6
 def heartbeat_folder(adapter_path: Path) -> Path:
     """Where this run's ranks exchange heartbeats: the launcher's folder, else one in the run."""
     given = os.environ.get(HEARTBEAT_ENV)
-    return Path(given) if given else Path(adapter_path) / ".heartbeats"
+    return Path(given) if given else RunDir(adapter_path).heartbeats
 
 
 def write_heartbeat(folder: Path, rank: int, step: int, gave_up: bool = False) -> None:
@@ -66,14 +56,14 @@ def write_heartbeat(folder: Path, rank: int, step: int, gave_up: bool = False) -
     """
     record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "step": step, "alive": time.time(),
               "gave_up": gave_up}
-    tmp = folder / f".rank{rank}.json.tmp"
+    tmp = heartbeat_temp(folder, rank)
     tmp.write_text(json.dumps(record))
-    os.replace(tmp, folder / f"rank{rank}.json")
+    os.replace(tmp, heartbeat_file(folder, rank))
 
 
 def read_heartbeat(folder: Path, rank: int) -> dict[str, Any] | None:
     try:
-        return json.loads((folder / f"rank{rank}.json").read_text())
+        return json.loads(heartbeat_file(folder, rank).read_text())
     except (OSError, ValueError):
         return None
 
@@ -158,7 +148,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.heartbeat_dir is not None and exc_type is None:  # a finished run leaves no heartbeat behind
-            (self.heartbeat_dir / f"rank{self.rank}.json").unlink(missing_ok=True)
+            heartbeat_file(self.heartbeat_dir, self.rank).unlink(missing_ok=True)
             try:
                 self.heartbeat_dir.rmdir()
             except OSError:  # peers' files still there, or the launcher's folder

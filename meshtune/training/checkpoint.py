@@ -1,20 +1,13 @@
 """Full training state on disk: atomic, checksummed checkpoints and exact resume.
 
-A checkpoint is `checkpoints/<7-digit step>/` holding the trainable weights, the
-optimizer state, the data cursor, the loop counters and the resolved config. The RNG
-state is (seed, step): the loop reseeds MLX's generator every step, since MLX offers
-no way to set its key back to a saved value. It is written into a temporary sibling
-folder, every file fsynced, then renamed into place, so a crash leaves either a
-complete checkpoint or none; the manifest (`state.json`) is written last, marks a
-folder as complete and records the size and sha256 of every other file in it, so a
-resume can tell a damaged checkpoint from a good one (`resumable_checkpoint`).
-MLX's safetensors writer does not report a full disk, so every written file is also
-checked against its own header for truncation. Write failures become one
-`CheckpointWriteError` naming the folder; the partial temp folder is removed.
-A pipeline writes the same folder per stage instead (`stage<k>.safetensors`,
-`stage<k>.optimizer.safetensors`, manifest `state.stage<k>.json`; see
-parallel/pipeline/state.py); verifying and loading such a folder as a whole reads
-every stage's shard, so a single process resumes a pipeline's checkpoint.
+A checkpoint (RunDir.checkpoint(step)) holds the trainable weights, the optimizer state, the data
+cursor, the loop counters and the resolved config; the RNG needs none, as the loop reseeds it from
+(seed, step). It is written into a temp sibling, every file fsynced, then renamed into place; its
+manifest, written last, records each file's size and sha256, so a resume tells a damaged checkpoint
+from a good one (`resumable_checkpoint`). MLX's safetensors writer does not report a full disk, so
+each file is checked against its own header; a failed write is one `CheckpointWriteError`. A
+pipeline writes one shard per stage (parallel/pipeline/state.py), which one process loads whole.
+docs/reliability.md, "Checkpoints and resume", says what a resume promises.
 """
 
 from __future__ import annotations
@@ -33,14 +26,7 @@ import mlx.core as mx
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
-CHECKPOINTS = "checkpoints"
-MANIFEST = "state.json"
-REQUIRED = ("adapters.safetensors", "optimizer.safetensors", "config.yaml")
-
-
-def stage_names(k: int) -> tuple[str, str, str]:
-    """Stage k's weights, optimizer slots and manifest, in a pipeline's checkpoint folder."""
-    return f"stage{k}.safetensors", f"stage{k}.optimizer.safetensors", f"state.stage{k}.json"
+from ..run_dir import MANIFEST, REQUIRED, CheckpointDir, RunDir, stage_names, temp_path
 
 
 class CheckpointWriteError(ValueError):
@@ -122,7 +108,7 @@ def _check_complete(path: Path) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text to path via a fsynced temp file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path, str(os.getpid()))
     try:
         tmp.write_text(text)
         _fsync_file(tmp)
@@ -134,7 +120,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_save_safetensors(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str] | None = None) -> None:
     """Save arrays through a fsynced, completeness-checked temp file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.safetensors")
+    tmp = temp_path(path, str(os.getpid()), ".safetensors")
     try:
         save_safetensors_checked(tmp, arrays, metadata)
         _fsync_file(tmp)
@@ -154,7 +140,7 @@ class TrainingState:
 
 
 def checkpoint_dir(adapter_path: Path, step: int) -> Path:
-    return Path(adapter_path) / CHECKPOINTS / f"{step:07d}"
+    return RunDir(adapter_path).checkpoint(step).path
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -176,7 +162,8 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
     mlx-lm users load its step files). Any OSError becomes a CheckpointWriteError; the temp folder
     goes, older checkpoints stay.
     """
-    final = checkpoint_dir(adapter_path, state.step)
+    run = RunDir(adapter_path)
+    final = run.checkpoint(state.step).path
     opt = dict(tree_flatten(optimizer_state))
     require_finite(state.step, trainable, "the trained weight")
     require_finite(state.step, opt, "the optimizer state")
@@ -184,18 +171,19 @@ def save_checkpoint(adapter_path: Path, *, state: TrainingState, trainable: dict
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         # Not mkdtemp: its folder is mode 0700, which the rename would keep; mkdir follows the umask.
-        tmp = final.parent / f".{final.name}.tmp-{os.urandom(6).hex()}"
+        tmp = run.checkpoint_temp(state.step, os.urandom(6).hex())
         tmp.mkdir()
-        save_safetensors_checked(tmp / "adapters.safetensors", trainable)
-        save_safetensors_checked(tmp / "optimizer.safetensors", opt)
-        (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        written = CheckpointDir(tmp)
+        save_safetensors_checked(written.adapters, trainable)
+        save_safetensors_checked(written.optimizer, opt)
+        written.saved_config.write_text(yaml.safe_dump(config, sort_keys=False))
         for extra in alongside:
             if extra.is_file():
                 shutil.copyfile(extra, tmp / extra.name)
         files = {f.name: file_record(f) for f in sorted(tmp.iterdir())}
         manifest = {"step": state.step, "data_cursor": state.data_cursor,
                     "trained_tokens": state.trained_tokens, "optimizer_keys": sorted(opt), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        written.manifest.write_text(json.dumps(manifest, indent=2))
         for f in tmp.iterdir():
             _fsync_file(f)
         if final.exists():  # a re-run of the same step replaces the old copy
@@ -252,8 +240,8 @@ def publish_stage(tmp: Path, final: Path, k: int) -> None:
         except OSError:
             if not tmp.exists():
                 return
-    names = stage_names(k)
-    stale = [final / MANIFEST, *final.glob("state.stage*.json")] if k == 0 else [final / names[2]]
+    names, published = stage_names(k), CheckpointDir(final)
+    stale = [published.manifest, *published.stage_manifests()] if k == 0 else [published.stage(k)[2]]
     for old in stale:  # the first stage clears an older copy's manifests, so stages never mix copies
         old.unlink(missing_ok=True)
     for f in names:
@@ -271,32 +259,23 @@ def prune_checkpoints(adapter_path: Path, *, keep: int, just_written: Path) -> N
     `just_written` always stays; so do numbered folders past it (damaged ones a resumed
     run skipped), which the run replaces when it reaches their step.
     """
-    root = Path(adapter_path) / CHECKPOINTS
     for leftover in leftover_temps(adapter_path):
         shutil.rmtree(leftover, ignore_errors=True)
     if keep <= 0:
         return
     older = [p for p in list_checkpoints(adapter_path) if int(p.name) < int(just_written.name)]
     for old in older[:max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(root / old.name, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def leftover_temps(adapter_path: Path) -> list[Path]:
     """Temp folders of saves that never finished (a crash between mkdtemp and rename)."""
-    root = Path(adapter_path) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(".") and ".tmp-" in p.name)
+    return RunDir(adapter_path).leftover_temps()
 
 
 def list_checkpoints(adapter_path: Path) -> list[Path]:
     """Checkpoint folders with a manifest (not yet verified), oldest first."""
-    root = Path(adapter_path) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if p.name.isdigit()
-            and ((p / MANIFEST).exists() or any(p.glob("state.stage*.json")))]
-    return sorted(done, key=lambda p: int(p.name))
+    return [c.path for c in RunDir(adapter_path).numbered() if c.has_manifest]
 
 
 def _read_manifest(path: Path, name: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -344,7 +323,7 @@ def verify_checkpoint(path: Path) -> str | None:
 
     A pipeline's folder (stage manifests, no state.json) is complete when every stage's shard verifies.
     """
-    if not (path / MANIFEST).exists() and (path / stage_names(0)[2]).exists():
+    if CheckpointDir(path).is_pipeline:
         first, why = _read_manifest(path, stage_names(0)[2])
         stages = first.get("stages") if first is not None else None
         if first is not None and not isinstance(stages, int):
@@ -362,12 +341,9 @@ def verify_checkpoint(path: Path) -> str | None:
 
 def resumable_checkpoint(adapter_path: Path, say: Callable[[str], None] = print) -> Path | None:
     """The newest checkpoint that verifies; each one skipped on the way is said in one line."""
-    root = Path(adapter_path) / CHECKPOINTS
     for leftover in leftover_temps(adapter_path):
         say(f"warning: skipping checkpoint {leftover}: temp folder of an interrupted save")
-    numbered = sorted((p for p in root.iterdir() if p.name.isdigit() and p.is_dir()),
-                      key=lambda p: int(p.name), reverse=True) if root.is_dir() else []
-    for path in numbered:
+    for path in reversed([c.path for c in RunDir(adapter_path).numbered()]):
         why = verify_checkpoint(path)
         if why is None:
             return path
@@ -396,7 +372,8 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     A pipeline's shards are merged into one process's layout (the shared step and
     learning rate come from the first stage).
     """
-    if not (path / MANIFEST).exists():
+    files = CheckpointDir(path)
+    if not files.manifest.exists():
         manifest, trainable, opt = load_stage(path, 0)
         for k in range(1, manifest["stages"]):
             _, weights, slots = load_stage(path, k)
@@ -404,10 +381,10 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
             opt = {**slots, **opt}
         config = manifest["config"]
     else:
-        manifest = json.loads((path / MANIFEST).read_text())
-        opt = mx.load(str(path / "optimizer.safetensors"))
-        trainable = mx.load(str(path / "adapters.safetensors"))
-        config = yaml.safe_load((path / "config.yaml").read_text())
+        manifest = json.loads(files.manifest.read_text())
+        opt = mx.load(str(files.optimizer))
+        trainable = mx.load(str(files.adapters))
+        config = yaml.safe_load(files.saved_config.read_text())
     return LoadedCheckpoint(
         path=path,
         state=TrainingState(step=manifest["step"], data_cursor=manifest["data_cursor"],

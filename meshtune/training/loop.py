@@ -1,22 +1,13 @@
 """The training loop: one strategy step per iteration, periodic eval, reports and saves, top to bottom.
 
-One optimizer step is one call of the parallel strategy (training/strategy.py): it
-consumes `grad_accumulation_steps` micro-batches, takes gradients of the summed
-token losses and divides them by the token count of the whole global batch (all
-micro-batches, all ranks), so the update equals the one a single process would make
-on the same global batch. Reported losses are weighted by tokens the same way: the
-ranks' loss sums and token counts are added at each report, with every rank's peak
-memory and the strategy's measured waits (Strategy.take_waits: comm or bubble seconds).
-A report closes its window every `steps_per_report` steps and at every save (a stop's
-included), so what a checkpoint counts is what has been reported.
-The allocator cache is left alone (clearing it every step, as stock mlx-lm does,
-costs time and buys nothing at a steady shape mix).
-
-A step whose update was not applied (a non-finite gradient norm, no target tokens in
-the global batch, or an update that would make a non-finite value: training/update.py) is skipped with one line while
-`skip_nonfinite` allows, else the loop raises NonFiniteStep and nothing more is
-saved. Its verdict is read one step late where steps overlap, but always before a
-report, an eval or a save, so nothing is written between a bad step and its discovery.
+One optimizer step is one call of the parallel strategy (training/strategy.py), whose update equals
+one process's on the whole global batch (gradients of the summed token losses over its token count).
+Reports are token-weighted over the ranks, with every rank's peak memory and the strategy's waits; a
+window closes every `steps_per_report` steps and at every save, so a checkpoint counts what was
+reported. The allocator cache is left alone (stock mlx-lm clears it every step, which costs time).
+A step whose update was not applied (training/update.py) is skipped with one line while
+`skip_nonfinite` allows, else NonFiniteStep; its verdict is read before any report, eval or save, so
+nothing is written between a bad step and its discovery.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from __future__ import annotations
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -123,6 +114,34 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
+@dataclass
+class _Pending:
+    """Steps dispatched whose verdict is not read yet (one stays in flight where steps overlap), and the
+    bad steps skipped so far."""
+
+    skip_nonfinite: int
+    reporter: Reporter
+    steps: list[tuple[int, StepVerdict, list[tuple[Any, Any]]]] = field(default_factory=list)
+    skipped: int = 0
+
+    def read(self, window: Window, newest: bool) -> None:
+        """Read the verdicts of pending steps (all, or all but the newest, still in flight): an applied
+        step's losses go into `window`, a bad one is skipped with a line or raises NonFiniteStep."""
+        ready = self.steps[:] if newest else self.steps[:-1]
+        del self.steps[:len(ready)]
+        for at, verdict, losses in ready:
+            if verdict.ok.item():
+                for loss_sum, tokens in losses:
+                    window.add(loss_sum, tokens)
+                window.applied += 1
+                continue
+            if self.skipped >= self.skip_nonfinite:
+                raise NonFiniteStep(at, verdict.describe())
+            self.skipped += 1
+            self.reporter.note("skip", at, f"step {at}: {verdict.describe()}; the update was not applied "
+                               f"(skipped {self.skipped} of train.skip_nonfinite_steps={self.skip_nonfinite})")
+
+
 def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings, seed: int, mesh: Mesh,
           reporter: Reporter, start: TrainingState, validate: Callable[[], tuple[float, int]] | None,
           save: Callable[[TrainingState], None], cursor: Callable[[], dict[str, Any]], stop: StopSignals,
@@ -136,25 +155,8 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
     watch = watch or DivergenceWatch(vocab_size=None, reports=0)
     window, trained_tokens = Window(), start.trained_tokens
     train_loss = val_loss = None
-    step, skipped, stopping, running = start.step, 0, False, start.step + 1
-    pending: list[tuple[int, StepVerdict, list[tuple[Any, Any]]]] = []  # dispatched, verdict not read
-
-    def read_verdicts(newest: bool) -> None:
-        """Read the verdicts of pending steps (all, or all but the newest, still in flight)."""
-        nonlocal skipped
-        ready = pending[:] if newest else pending[:-1]
-        del pending[:len(ready)]
-        for at, verdict, losses in ready:
-            if verdict.ok.item():
-                for loss_sum, tokens in losses:
-                    window.add(loss_sum, tokens)
-                window.applied += 1
-                continue
-            if skipped >= settings.skip_nonfinite:
-                raise NonFiniteStep(at, verdict.describe())
-            skipped += 1
-            reporter.note("skip", at, f"step {at}: {verdict.describe()}; the update was not applied "
-                          f"(skipped {skipped} of train.skip_nonfinite_steps={settings.skip_nonfinite})")
+    step, stopping, running = start.step, False, start.step + 1
+    pending = _Pending(settings.skip_nonfinite, reporter)  # dispatched, verdict not read
 
     def run_eval(at: int) -> float:
         tic = time.perf_counter()
@@ -172,7 +174,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             mx.random.seed(step_seed(seed, step))
             losses, verdict = strategy.step(batches)
             step += 1
-            pending.append((step, verdict, losses))
+            pending.steps.append((step, verdict, losses))
             beat(step)
             reporter.advance()
 
@@ -183,7 +185,7 @@ def train(strategy: Strategy, batches: Iterator[Any], *, settings: LoopSettings,
             agree_now = mesh.world_size == 1 or step % AGREE_EVERY == 0 or step == settings.iters
             stopping = mesh.agree(stop.requested) if agree_now else False
             save_now = step % settings.save_every == 0 or step == settings.iters or stopping
-            read_verdicts(newest=report_now or eval_now or save_now)
+            pending.read(window, newest=report_now or eval_now or save_now)
             # The step's seconds end here: before a report, an eval or a save the newest step is waited
             # for, so a window's seconds hold all of its steps' device time, not their dispatch alone.
             window.end_step(time.perf_counter() - tic)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from ..run_dir import RunDir
 
 
 def peak_memory_per_rank(mesh: Any) -> list[float]:
@@ -120,16 +120,18 @@ class Reporter:
     log: Callable[[str], None] = print
     show_progress: bool = True  # on a terminal only: in a file each frame would be a line
     trackers: list[Any] = field(default_factory=list)  # training/trackers.py, closed on exit
+    terminal: Any = None  # where the bar draws, if a terminal (None: this process's stderr)
     _bar: Any = field(default=None, init=False)
     _file: Any = field(default=None, init=False)
 
     def __enter__(self) -> "Reporter":
         if self.writer and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = os.open(self.out_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if self.writer and self.show_progress and sys.stderr.isatty():
+            self._file = os.open(RunDir(self.out_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.terminal = self.terminal or sys.stderr
+        if self.writer and self.show_progress and self.terminal.isatty():
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
-                             dynamic_ncols=True, file=sys.stderr, leave=True)
+                             dynamic_ncols=True, file=self.terminal, leave=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,13 +151,13 @@ class Reporter:
         if not self.writer:
             return
         if self._file is not None:
-            append_record(self._file, (json.dumps(record) + "\n").encode(), self.out_dir / METRICS_FILE)
+            append_record(self._file, (json.dumps(record) + "\n").encode(), RunDir(self.out_dir).metrics)
         for tracker in self.trackers:
             tracker.log(record)
         if line is None:
             return
         if self._bar is not None:
-            self._bar.write(line, file=sys.stderr)
+            self._bar.write(line, file=self.terminal)
             if record.get("type") == "train":
                 self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
                                       mem=f"{record['peak_memory_gb']:.2f}GB", refresh=False)
@@ -194,7 +196,7 @@ class Reporter:
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     """All records of a run's metrics.jsonl. A last line cut off mid-write (a crash, a full disk) is
     left out with a warning; any other line that is not a JSON object is an error naming it."""
-    path = Path(out_dir) / METRICS_FILE
+    path = RunDir(out_dir).metrics
     lines = path.read_text().splitlines()
     records = []
     for n, line in enumerate(lines, 1):

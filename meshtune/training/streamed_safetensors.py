@@ -19,6 +19,8 @@ from types import TracebackType
 import mlx.core as mx
 import numpy as np
 
+from ..run_dir import temp_path
+
 DTYPE_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int64: "I64", mx.int32: "I32",
                mx.int16: "I16", mx.int8: "I8", mx.uint64: "U64", mx.uint32: "U32", mx.uint16: "U16",
                mx.uint8: "U8", mx.bool_: "BOOL"}
@@ -42,7 +44,7 @@ class StreamedSafetensors:
 
     def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], mx.Dtype]]) -> None:
         self.path, self.entries, self.next = Path(path), list(entries), 0
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}.safetensors")
+        self.tmp = temp_path(self.path, str(os.getpid()), ".safetensors")
         self.file = open(self.tmp, "wb")
         self.file.write(header_bytes(self.entries))
 

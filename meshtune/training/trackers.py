@@ -17,7 +17,7 @@ import importlib
 import netrc
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 from urllib.parse import urlparse
 
 TRACKERS = {"tensorboard": "tensorboardX", "wandb": "wandb"}  # name -> the module it needs
@@ -36,8 +36,9 @@ def tracker_names(report_to: list[str] | str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_trackers(report_to: list[str] | str | None) -> list[str]:
-    """The trackers asked for, each one's library importable; else a one-line ValueError saying what to do."""
+def check_trackers(report_to: list[str] | str | None, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The trackers asked for, each one's library importable and W&B able to log in `environ` (this
+    process's by default); else a one-line ValueError saying what to do."""
     names = tracker_names(report_to)
     for name in names:
         try:
@@ -47,7 +48,7 @@ def check_trackers(report_to: list[str] | str | None) -> list[str]:
             drop = f"--report-to {','.join(rest)}" if rest else "leave out --report-to"
             raise ValueError(f"output.report_to={name} needs {TRACKERS[name]}: pip install 'meshtune[{name}]', "
                              f"or {drop}") from None
-    if "wandb" in names and not wandb_can_log(os.environ):
+    if "wandb" in names and not wandb_can_log(environ):
         rest = [n for n in names if n != "wandb"]
         drop = f"--report-to {','.join(rest)}" if rest else "leave out --report-to"
         raise ValueError("output.report_to=wandb: no W&B API key (WANDB_API_KEY, or a `wandb login` in ~/.netrc); "

@@ -51,12 +51,13 @@ def test_a_run_s_training_inputs_are_padded_to_the_multiple_and_its_losses_uncha
 
 def test_only_cuda_with_attention_cudnn_takes_asks_for_the_multiple():
     model = tiny_llama()  # head dim 8
-    assert cuda.attention_inputs_multiple(model, cuda=False) is None  # the CPU or Metal
-    assert cuda.attention_inputs_multiple(model, cuda=True) is None  # float32: cuDNN takes half precision only
+    assert cuda.attention_inputs_multiple(model, nvidia=False) is None  # the CPU or Metal
+    assert cuda.attention_inputs_multiple(model, nvidia=True) is None  # float32: cuDNN takes half precision only
     model.set_dtype(mx.bfloat16)
-    assert cuda.attention_inputs_multiple(model, cuda=True) == cuda.FUSED_ATTENTION_MULTIPLE == 128
+    assert cuda.attention_inputs_multiple(model, nvidia=False) is None
+    assert cuda.attention_inputs_multiple(model, nvidia=True) == cuda.FUSED_ATTENTION_MULTIPLE == 128
     model.args.head_dim = 256  # as Gemma's: beyond cuDNN's 128
-    assert cuda.attention_inputs_multiple(model, cuda=True) is None
+    assert cuda.attention_inputs_multiple(model, nvidia=True) is None
 
 
 def test_float32_adapters_on_every_block_leave_a_bfloat16_model_s_attention_fused():
@@ -70,4 +71,4 @@ def test_float32_adapters_on_every_block_leave_a_bfloat16_model_s_attention_fuse
     dtypes = [v.dtype for _, v in tree_flatten(model.parameters())]
     assert dtypes.count(mx.float32) > dtypes.count(mx.bfloat16)  # the case: more float32 arrays
     assert cuda.activation_dtype(model) == mx.bfloat16
-    assert cuda.attention_inputs_multiple(model, cuda=True) == cuda.FUSED_ATTENTION_MULTIPLE
+    assert cuda.attention_inputs_multiple(model, nvidia=True) == cuda.FUSED_ATTENTION_MULTIPLE

@@ -40,7 +40,7 @@ def _run(mode: str) -> dict[str, list[str]]:
 def test_kept_memory_spares_a_large_arrays_page_faults():
     default = int(_run("default")["faults"][0])
     kept = _run("keep")
-    assert kept["applied"] == ["True", "True"]  # applied, and a second call is a no-op that says so
+    assert kept["applied"] == ["True", "True"]  # applied, and applied again: the same setting
     # Without it every 64 MB array is a fresh mapping (16384 pages of 4 KiB, fewer where huge
     # pages back it); with it the freed block is reused as it is.
     assert default >= 16

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -12,52 +11,42 @@ import pytest
 from meshtune.runtime import blas
 
 
-def test_describes_a_preloaded_openblas(monkeypatch):
-    monkeypatch.setattr(platform, "system", lambda: "Linux")
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
-    assert blas.describe_blas().startswith("BLAS: system OpenBLAS (")
+OPENBLAS = "/x/libblas.so.3"
 
 
-def test_describes_the_reference_blas_with_a_hint(monkeypatch):
-    monkeypatch.setattr(platform, "system", lambda: "Linux")
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.setattr(blas, "find_system_openblas", lambda: None)
-    assert blas.describe_blas() == ("BLAS: MLX's bundled reference BLAS; install libopenblas0-pthread "
-                                    "for ~15x faster CPU matmuls")
+def test_describes_a_preloaded_openblas():
+    preloaded = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"}
+    assert blas.blas_line("Linux", preloaded, OPENBLAS).startswith("BLAS: system OpenBLAS (")
 
 
-@pytest.mark.parametrize("case", ["disabled", "env_off", "already", "not_linux", "mlx_loaded", "missing"])
-def test_no_reexec_when_it_must_not(monkeypatch, case):
-    calls = []
-    monkeypatch.setattr(blas.os, "execve", lambda *a: calls.append(a))
-    monkeypatch.setattr(platform, "system", lambda: "Darwin" if case == "not_linux" else "Linux")
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv("MESHTUNE_BLAS_REEXEC", raising=False)
-    monkeypatch.delenv("MESHTUNE_SYSTEM_BLAS", raising=False)  # else every case passes for that one reason
-    monkeypatch.setattr(blas, "find_system_openblas", lambda: None if case == "missing" else "/x/libblas.so.3")
-    if case == "env_off":
-        monkeypatch.setenv("MESHTUNE_SYSTEM_BLAS", "0")
-    if case == "already":
-        monkeypatch.setenv("LD_PRELOAD", "/x/libblas.so.3")
-    if case != "mlx_loaded":
-        monkeypatch.delitem(blas.sys.modules, "mlx.core", raising=False)
-    blas.ensure_fast_blas(enabled=case != "disabled", argv=["meshtune", "train"])
-    assert calls == []
+def test_describes_the_reference_blas_with_a_hint():
+    assert blas.blas_line("Linux", {}, None) == ("BLAS: MLX's bundled reference BLAS; install libopenblas0-pthread "
+                                                 "for ~15x faster CPU matmuls")
+    assert blas.blas_line("Linux", {}, OPENBLAS) == "BLAS: MLX's bundled reference BLAS"
+    assert blas.blas_line("Darwin", {}, None) == "BLAS: platform default (Accelerate on macOS)"
 
 
-def test_reexec_preloads_and_marks(monkeypatch):
-    calls = []
-    monkeypatch.setattr(blas.os, "execve", lambda *a: calls.append(a))
-    monkeypatch.setattr(platform, "system", lambda: "Linux")
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv("MESHTUNE_BLAS_REEXEC", raising=False)
-    monkeypatch.delenv("MESHTUNE_SYSTEM_BLAS", raising=False)
-    monkeypatch.setattr(blas, "find_system_openblas", lambda: "/x/libblas.so.3")
-    monkeypatch.delitem(blas.sys.modules, "mlx.core", raising=False)
-    blas.ensure_fast_blas(argv=["meshtune", "train", "--iters", "3"])
-    (exe, argv, env), = calls
-    assert argv[1:] == ["-m", "meshtune.cli", "train", "--iters", "3"]
-    assert env["LD_PRELOAD"] == "/x/libblas.so.3" and env["MESHTUNE_BLAS_REEXEC"] == "1"
+def _reexec(case: str = "") -> tuple[list[str], dict[str, str]] | None:
+    """reexec_command on a Linux machine with an OpenBLAS and MLX not loaded, less what `case` takes away."""
+    environ = {"PATH": "/bin"} | ({"MESHTUNE_SYSTEM_BLAS": "0"} if case == "env_off" else {}) | (
+        {"LD_PRELOAD": OPENBLAS} if case == "already" else {}) | (
+        {"MESHTUNE_BLAS_REEXEC": "1"} if case == "done_once" else {})
+    return blas.reexec_command(["meshtune", "train", "--iters", "3"], environ, enabled=case != "disabled",
+                               system="Darwin" if case == "not_linux" else "Linux",
+                               mlx_loaded=case == "mlx_loaded", openblas=None if case == "missing" else OPENBLAS,
+                               executable="/py")
+
+
+@pytest.mark.parametrize("case", ["disabled", "env_off", "already", "done_once", "not_linux", "mlx_loaded",
+                                  "missing"])
+def test_no_reexec_when_it_must_not(case):
+    assert _reexec(case) is None
+
+
+def test_reexec_preloads_and_marks():
+    command, env = _reexec()
+    assert command == ["/py", "-m", "meshtune.cli", "train", "--iters", "3"]
+    assert env == {"PATH": "/bin", "LD_PRELOAD": OPENBLAS, "MESHTUNE_BLAS_REEXEC": "1"}
 
 
 def test_a_system_blas_switch_other_than_1_or_0_is_a_one_line_error(tmp_path):

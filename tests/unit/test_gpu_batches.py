@@ -87,3 +87,11 @@ def test_without_an_nvidia_driver_the_question_is_no():
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("an NVIDIA driver is present")
     assert compute_capability() is None
+
+
+def test_only_the_value_meshtune_set_is_kept_from_a_peer_tool():
+    """The mark travels with meshtune's value (to a child meshtune too); the user's own 50 has none."""
+    from meshtune.runtime.gpu_batches import SET_BY_MESHTUNE, environment_without_ours
+
+    assert environment_without_ours({VARIABLE: "50", SET_BY_MESHTUNE: "1", "PATH": "/bin"}) == {"PATH": "/bin"}
+    assert environment_without_ours({VARIABLE: "50", "PATH": "/bin"}) == {VARIABLE: "50", "PATH": "/bin"}

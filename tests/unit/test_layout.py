@@ -102,3 +102,103 @@ def test_no_module_is_too_long() -> None:
     long = {str(path.relative_to(PACKAGE.parent)): n for path in _modules().values()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+MAX_FUNCTION_LINES = 80
+# finetune's phases (meshtune/api.py) each read in one screen.
+MAX_API_FUNCTION_LINES = 60
+# Functions still over the limit, each with the work that splits it; a test below asks to drop an entry
+# once its function fits.
+OVER_THE_LIMIT: dict[str, str] = {}
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """Qualified name -> lines (decorators, signature and docstring included) of every function, nested
+    ones and methods too."""
+    lengths: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    lengths[name] = child.end_lineno - first + 1
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return lengths
+
+
+def _too_long() -> dict[str, int]:
+    found = {}
+    for path in _modules().values():
+        where = path.relative_to(PACKAGE).as_posix()
+        limit = MAX_API_FUNCTION_LINES if where == "api.py" else MAX_FUNCTION_LINES
+        for name, n in function_lengths(path.read_text(encoding="utf-8")).items():
+            if n > limit:
+                found[f"{where}::{name}"] = n
+    return found
+
+
+def test_function_lengths_are_measured_from_the_first_decorator() -> None:
+    source = "@wrap\ndef f():\n    def g():\n        pass\n    return g\n\nclass C:\n    def m(self):\n        pass\n"
+    assert function_lengths(source) == {"f": 5, "f.g": 2, "C.m": 2}
+
+
+def test_no_function_does_many_jobs() -> None:
+    long = {name: n for name, n in _too_long().items() if name not in OVER_THE_LIMIT}
+    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines ({MAX_API_FUNCTION_LINES} in api.py), "
+                      f"each doing more than one job: split them: {long}")
+
+
+def test_every_function_allowed_over_the_limit_still_is() -> None:
+    fitting = sorted(set(OVER_THE_LIMIT) - set(_too_long()))
+    assert not fitting, f"these now fit: drop them from OVER_THE_LIMIT: {fitting}"
+
+
+# Module variables that change after import, each with why it is kept or what removes it; a test below
+# asks to drop an entry once its variable is gone.
+MODULE_STATE = {
+    "runtime/cuda.py": "memos of kernels, sources and constants, each a function of its key (the module's doc)",
+    "data/formats.py": "a memo of whether a chat template renders a role, a function of the template's text",
+}
+
+
+def module_state(source: str) -> list[str]:
+    """What of a module can change after import: `global` statements, and module-level names bound to an
+    empty dict, list or set (a registry or a cache filled later)."""
+    tree = ast.parse(source)
+    found = [f"global {', '.join(node.names)}" for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        empty = (isinstance(value, (ast.Dict, ast.List, ast.Set)) and not getattr(value, "keys", None)
+                 and not getattr(value, "elts", None)) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in ("dict", "list", "set") and not value.args and not value.keywords)
+        found += [t.id for t in targets if empty and isinstance(t, ast.Name)]
+    return found
+
+
+def test_module_state_is_found() -> None:
+    source = "A = {'x': 1}\n_cache: dict = {}\nseen = []\nnames = set()\ndef f():\n    global seen\n"
+    assert module_state(source) == ["global seen", "_cache", "seen", "names"]
+
+
+def test_no_module_keeps_state_that_changes_after_import() -> None:
+    found = {}
+    for path in _modules().values():
+        where = path.relative_to(PACKAGE).as_posix()
+        if where not in MODULE_STATE and (names := module_state(path.read_text(encoding="utf-8"))):
+            found[where] = names
+    assert not found, f"module variables a run can change (hand an object down instead): {found}"
+
+
+def test_every_module_allowed_state_still_has_it() -> None:
+    gone = [where for where in sorted(MODULE_STATE)
+            if not module_state((PACKAGE / where).read_text(encoding="utf-8"))]
+    assert not gone, f"these keep no state now: drop them from MODULE_STATE: {gone}"

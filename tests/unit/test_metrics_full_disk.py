@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from meshtune.training import metrics as metrics_module
-from meshtune.training.metrics import METRICS_FILE, MetricsWriteError, Reporter, read_metrics
-from meshtune.report import PLOT_FILE, REPORT_FILE, write_report
+from meshtune.report import write_report
+from meshtune.run_dir import METRICS_FILE, PLOT_FILE, REPORT_FILE
+from meshtune.training.metrics import MetricsWriteError, Reporter, read_metrics
 
 
 def _disk_full_after(monkeypatch, module, room: int) -> None:

@@ -192,26 +192,18 @@ def test_num_layers_beyond_the_model_adapts_every_block(model_factory) -> None:
 
 
 @pytest.mark.parametrize("env_rank, printed", [(None, True), ("0", True), ("1", False)])
-def test_a_stopped_run_says_how_to_resume_once(monkeypatch, capsys, tmp_path, env_rank, printed) -> None:
-    import meshtune.api
+def test_a_stopped_run_says_how_to_resume_once(tmp_path, env_rank, printed) -> None:
     from meshtune.api import RunResult
-    from meshtune.cli import commands
+    from meshtune.cli.commands import continue_line
 
     run = tmp_path / "my run"
     result = RunResult(adapter_path=run, step=7, train_loss=None, val_loss=None, test_loss=None,
                        trained_tokens=0, stopped_early=True)
-    monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None, stop=None: result)
     # the writer is the mesh's rank 0 (a launcher's MLX_RANK 0, or one process)
-    monkeypatch.setattr(commands, "_mesh", lambda cfg: SimpleNamespace(world_size=1 if env_rank is None else 2,
-                                                                       is_writer=env_rank in (None, "0")))
-    if env_rank is None:
-        monkeypatch.delenv("MLX_RANK", raising=False)
-    else:
-        monkeypatch.setenv("MLX_RANK", env_rank)
-    assert commands.cmd_train(_args(), ["--data", "d", "--adapter-path", str(run)]) == 3
+    mesh = SimpleNamespace(world_size=1 if env_rank is None else 2, is_writer=env_rank in (None, "0"))
+    line = continue_line(result, mesh, {} if env_rank is None else {"MLX_RANK": env_rank})
     again = "meshtune train" if env_rank is None else "meshtune launch -n 2 -- meshtune train"
-    hint = f"to continue from step 7: {again} --adapter-path '{run}' --resume"
-    assert (hint in capsys.readouterr().out.splitlines()) == printed
+    assert line == (f"to continue from step 7: {again} --adapter-path '{run}' --resume" if printed else None)
 
 
 @pytest.mark.parametrize("recorded, flags, has_template, chat, why", [

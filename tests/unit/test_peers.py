@@ -55,17 +55,16 @@ def test_split_colours_replicas_by_stage_and_ties_by_ends(backend):
     assert peers.peer_groups(_mesh(1, 1, 2, backend), tied=False) == peers.PeerGroups(replicas=None, tied=None)
 
 
-def test_sum_on_peers_uses_each_sub_group_for_its_keys(monkeypatch):
+def test_sum_on_peers_uses_each_sub_group_for_its_keys():
     calls = []
 
     def fake_all_sum(x, group):
         calls.append((group.name, x.size))
         return x * 2  # two members holding the same values
 
-    monkeypatch.setattr(peers, "_all_sum", fake_all_sum)
     groups = peers.PeerGroups(replicas=FakeGroup(0, 2, "replicas"), tied=FakeGroup(0, 2, "tied"))
     flat = {"a": mx.ones((2, 3)), "b": mx.full((4,), 3.0, dtype=mx.bfloat16), "emb": mx.ones((5,))}
-    out = peers.sum_on_peers(groups, flat, ["emb"])
+    out = peers.sum_on_peers(groups, flat, ["emb"], fake_all_sum)
     assert calls == [("replicas", 10), ("tied", 5)]  # one buffer per group; the tied table only in its own
     assert out["b"].dtype == mx.bfloat16 and mx.array_equal(out["b"], mx.full((4,), 6.0))
     assert mx.array_equal(out["a"], mx.full((2, 3), 2.0)) and mx.array_equal(out["emb"], mx.full((5,), 2.0))

@@ -18,7 +18,8 @@ from meshtune.parallel.pipeline.schedules import idle_fraction
 from meshtune.parallel.pipeline.schedules import build
 from meshtune.training import trackers
 from meshtune.training.metrics import Reporter, peak_memory_per_rank, read_metrics, wait_shares
-from meshtune.report import PLOT_FILE, REPORT_FILE, summary_line, write_report
+from meshtune.report import summary_line, write_report
+from meshtune.run_dir import PLOT_FILE, REPORT_FILE
 
 TRAIN = [  # (step, loss, tokens, tokens/s)
     (2, 3.5, 100, 50.0), (4, 2.25, 120, 60.0), (6, 1.125, 80, 40.0),
@@ -136,11 +137,10 @@ def test_idle_fraction_is_the_textbook_bubble(stages: int, micro: int) -> None:
     assert idle_fraction(build("gpipe", 1, micro)) == 0.0
 
 
-def test_report_line_has_no_bar_off_a_terminal(tmp_path: Path, monkeypatch) -> None:
+def test_report_line_has_no_bar_off_a_terminal(tmp_path: Path) -> None:
     lines: list[str] = []
     err = io.StringIO()  # not a terminal
-    monkeypatch.setattr(sys, "stderr", err)
-    with Reporter(tmp_path, total_steps=4, log=lines.append) as rep:
+    with Reporter(tmp_path, total_steps=4, log=lines.append, terminal=err) as rep:
         assert rep._bar is None
         for step in (1, 2):
             rep.advance()
@@ -154,13 +154,12 @@ def test_report_line_has_no_bar_off_a_terminal(tmp_path: Path, monkeypatch) -> N
     assert rec["bubble_share"] == 0.125
 
 
-def test_the_bar_stays_on_a_terminal(tmp_path: Path, monkeypatch) -> None:
+def test_the_bar_stays_on_a_terminal(tmp_path: Path) -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    monkeypatch.setattr(sys, "stderr", Tty())
-    with Reporter(tmp_path, total_steps=4, log=lambda _: None) as rep:
+    with Reporter(tmp_path, total_steps=4, log=lambda _: None, terminal=Tty()) as rep:
         assert rep._bar is not None
 
 
@@ -188,31 +187,26 @@ def test_report_to_names(monkeypatch) -> None:
     assert MLX_LM_FLAGS["--project-name"] == FLAT_KEYS["project_name"] == "output.project_name"
 
 
-def test_wandb_without_a_key_is_refused_before_the_run(tmp_path, monkeypatch) -> None:
+def test_wandb_without_a_key_is_refused_before_the_run(tmp_path) -> None:
     """W&B with no key and no offline mode would fail inside wandb.init, after the model loaded."""
     pytest.importorskip("wandb")
-    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # none: never logged in
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    # Never logged in: no netrc, no settings files.
+    environ = {"NETRC": str(tmp_path / "netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+               "WANDB_DIR": str(tmp_path)}
     with pytest.raises(ValueError) as err:
-        trackers.check_trackers("tensorboard,wandb")
+        trackers.check_trackers("tensorboard,wandb", environ)
     assert str(err.value).startswith("output.report_to=wandb: no W&B API key")
     assert "wandb login" in str(err.value) and "WANDB_MODE=offline" in str(err.value)
     assert str(err.value).endswith("or --report-to tensorboard")
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
-    assert trackers.check_trackers("wandb") == ["wandb"]  # `wandb login` writes this
+    assert trackers.check_trackers("wandb", environ) == ["wandb"]  # `wandb login` writes this
     (tmp_path / "netrc").unlink()
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    assert trackers.check_trackers("wandb") == ["wandb"]
-    monkeypatch.delenv("WANDB_MODE")
+    assert trackers.check_trackers("wandb", environ | {"WANDB_MODE": "offline"}) == ["wandb"]
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
-    assert trackers.check_trackers("wandb") == ["wandb"]
+    assert trackers.check_trackers("wandb", environ) == ["wandb"]
     (tmp_path / "config" / "settings").unlink()
-    monkeypatch.setenv("WANDB_API_KEY", "abc")
-    assert trackers.check_trackers("wandb") == ["wandb"]
+    assert trackers.check_trackers("wandb", environ | {"WANDB_API_KEY": "abc"}) == ["wandb"]
 
 
 def test_tracker_scalars() -> None:

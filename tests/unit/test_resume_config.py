@@ -135,23 +135,16 @@ def test_resume_command_gives_the_launcher_of_a_multi_rank_run(tmp_path: Path) -
     assert resume_command(run, _Mesh(2), launched) == f"meshtune launch --hostfile /abs/hosts.json -- {train}"
 
 
-def test_a_stopped_multi_rank_run_says_the_launch_command(monkeypatch, capsys, tmp_path: Path) -> None:
-    import meshtune.api
+def test_a_stopped_multi_rank_run_says_the_launch_command(tmp_path: Path) -> None:
     from meshtune.api import RunResult
-    from meshtune.cli import commands
+    from meshtune.cli.commands import continue_line
 
     run = tmp_path / "run"
     result = RunResult(adapter_path=run, step=7, train_loss=None, val_loss=None, test_loss=None,
                        trained_tokens=0, stopped_early=True)
-    monkeypatch.setattr(meshtune.api, "finetune", lambda cfg, mesh=None, stop=None: result)
-    monkeypatch.setattr(commands, "_mesh", lambda cfg: _Mesh(4))
-    monkeypatch.setenv("MLX_RANK", "0")
-    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
-    monkeypatch.delenv("MESHTUNE_LAUNCH_COMMAND", raising=False)  # as if started by another launcher
-    args = argparse.Namespace(config=None, resume=False)
-    assert commands.cmd_train(args, ["--data", "d", "--adapter-path", str(run)]) == 3
-    assert (f"to continue from step 7: meshtune launch -n 4 -- meshtune train --adapter-path {run} --resume"
-            in capsys.readouterr().out.splitlines())
+    another_launcher = {"MLX_RANK": "0"}  # no MLX_HOSTFILE, no MESHTUNE_LAUNCH_COMMAND
+    assert continue_line(result, _Mesh(4), another_launcher) == (
+        f"to continue from step 7: meshtune launch -n 4 -- meshtune train --adapter-path {run} --resume")
 
 
 def test_a_moved_folder_is_given_anew_and_a_present_one_must_match(tmp_path: Path, monkeypatch) -> None:

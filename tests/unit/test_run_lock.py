@@ -10,7 +10,8 @@ import pytest
 
 from meshtune.parallel import launch_ports as ports_module
 from meshtune.parallel.launch_ports import HeldPorts
-from meshtune.runtime.run_lock import LOCK_FILE, lock_folder
+from meshtune.run_dir import LOCK_FILE
+from meshtune.runtime.run_lock import lock_folder
 
 
 def test_a_second_holder_is_refused_with_the_first_one_s_pid_and_host(tmp_path):
@@ -71,12 +72,11 @@ class FakeSocket:
 
 
 def test_a_port_another_launcher_holds_is_passed_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(ports_module, "_folder", lambda: tmp_path)
     given = [41001, 41002, 41001, 41003, 41004]
-    monkeypatch.setattr(ports_module.socket, "socket", lambda: FakeSocket(given))
-    with HeldPorts() as first, HeldPorts() as second:
+    monkeypatch.setattr(ports_module.socket, "socket", lambda: FakeSocket(given))  # the kernel's choice
+    with HeldPorts(tmp_path) as first, HeldPorts(tmp_path) as second:
         assert first.take(2) == [41001, 41002]
         assert second.take(2) == [41003, 41004]  # 41001 came back from the kernel, but the first launcher holds it
     given.extend([41001])
-    with HeldPorts() as third:
+    with HeldPorts(tmp_path) as third:
         assert third.take(1) == [41001]  # released with its launcher

@@ -37,6 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ...adapters import StepContext, trainable_parameters
+from ...run_dir import RunDir
 from ...training.checkpoint import LoadedCheckpoint, TrainingState
 from ...training.losses import masked_ce_sum, target_mask
 from ...training.strategy import WaitClock
@@ -46,7 +47,7 @@ from .peers import sum_on_peers
 from .state import load_stage_checkpoint, resumable_step, save_stages, write_gathered
 from .schedules import Schedule, build as build_schedule
 from .stage import PipelineStage
-from .stage_model import MODEL_FOLDER, write_stage_model
+from .stage_model import write_stage_model
 from .split import check_pipeline_layout
 
 if TYPE_CHECKING:
@@ -300,7 +301,7 @@ class Pipeline:
     def write_weights(self, path: Path) -> None:
         write_gathered(path, self.stage, self.keys)
         if self.model_from is not None:  # full fine-tuning: the trained model too, each stage its shard
-            write_stage_model(path.parent / MODEL_FOLDER, self.stage, self.model_from)
+            write_stage_model(RunDir(path.parent).model, self.stage, self.model_from)
 
     def save(self, out: Path, state: TrainingState, *, config: dict[str, Any], keep: int) -> None:
         save_stages(out, self.stage, self.optimizer, state=state, config=config, keep=keep)  # each stage its shard

@@ -11,7 +11,7 @@ there `pipeline.sum_shared` keeps its one slotted world all_sum instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -52,11 +52,12 @@ def _all_sum(x: mx.array, group: Any) -> mx.array:
     return mx.distributed.all_sum(x, group=group)
 
 
-def _sum_on(group: Any, flat: dict[str, mx.array], keys: list[str]) -> dict[str, mx.array]:
+def _sum_on(group: Any, flat: dict[str, mx.array], keys: list[str],
+            all_sum: Callable[[mx.array, Any], mx.array]) -> dict[str, mx.array]:
     """`keys` of `flat` summed over `group` in one float32 buffer (as the slotted path does)."""
     if group is None or not keys:
         return {}
-    total = _all_sum(mx.concatenate([flat[k].reshape(-1).astype(mx.float32) for k in keys]), group)
+    total = all_sum(mx.concatenate([flat[k].reshape(-1).astype(mx.float32) for k in keys]), group)
     out, start = {}, 0
     for k in keys:
         size = flat[k].size
@@ -65,14 +66,17 @@ def _sum_on(group: Any, flat: dict[str, mx.array], keys: list[str]) -> dict[str,
     return out
 
 
-def sum_on_peers(groups: PeerGroups, flat: dict[str, mx.array], tied_keys: list[str]) -> dict[str, mx.array]:
-    """This rank's flat gradients summed over its replicas, a tied table's over every copy.
+def sum_on_peers(groups: PeerGroups, flat: dict[str, mx.array], tied_keys: list[str],
+                 all_sum: Callable[[mx.array, Any], mx.array] | None = None) -> dict[str, mx.array]:
+    """This rank's flat gradients summed over its replicas, a tied table's over every copy (`all_sum(x, group)`:
+    the backend's by default).
 
     The tied group holds both copies of every replica, so one sum covers them all; the
     tied keys are therefore left out of the replicas' sum.
     """
+    all_sum = all_sum or _all_sum
     tied = set(tied_keys)
     out = dict(flat)
-    out.update(_sum_on(groups.replicas, flat, [k for k in flat if k not in tied]))
-    out.update(_sum_on(groups.tied, flat, [k for k in flat if k in tied]))
+    out.update(_sum_on(groups.replicas, flat, [k for k in flat if k not in tied], all_sum))
+    out.update(_sum_on(groups.tied, flat, [k for k in flat if k in tied], all_sum))
     return out

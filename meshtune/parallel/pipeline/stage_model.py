@@ -20,7 +20,6 @@ from mlx.utils import tree_flatten
 from ...training.checkpoint import atomic_save_safetensors, atomic_write_text
 from .stage import PipelineStage
 
-MODEL_FOLDER = "model"
 INDEX_FILE = "model.safetensors.index.json"
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 

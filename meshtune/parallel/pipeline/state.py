@@ -1,35 +1,13 @@
 """A pipeline's checkpoints, written and resumed per stage, and its assembled adapters.
 
-Each stage trains and keeps optimizer state only for its own blocks, and that is all
-it writes: at a save, the writer of stage k (dp_rank 0, pp_rank k) puts its trained
-weights (global names such as model.layers.5...; a tied table only from the first
-stage) and its optimizer slots into `stage<k>.safetensors` and
-`stage<k>.optimizer.safetensors` of the step's folder, with its own manifest
-`state.stage<k>.json` (checksums plus step, data cursor, trained tokens, resolved
-config, stage layout). No rank ever holds another stage's optimizer state.
-
-Atomicity, for a shared filesystem and for hosts with their own disks alike: every
-writer writes into the temp folder `.<step>.tmp-stages` beside the checkpoint (on a
-shared filesystem all stages share it), fsynced, then an all_sum barrier; the first
-stage's writer publishes (renames the temp folder into place when the step's folder
-does not exist yet, else moves its files in), a second barrier, then the other
-writers publish: on a shared filesystem they find the temp folder gone, their files
-already in place; on another host they rename their own temp folder, or move their
-files in. A third barrier ends the save, so no rank resumes past a half-written step.
-
-Resume: each rank checks, for its own stage, the candidate steps newest first; the
-ranks agree on the newest step that verifies on all of them (two world all_sums per
-candidate), and a skipped one is said once, by the first rank that found it damaged.
-Each stage then loads its own shard (the last stage also the tied table's from the
-first stage's). A checkpoint of another layout (another pp or stage split, or one
-process's single file) is loaded whole when all its files are visible, and each stage
-takes what it trains. With separate disks, every replica's host must see its stage's
-shard (a shared filesystem, or a copy).
-
-The final adapters stay one file in the single-process layout, so stock mlx-lm loads
-it: `write_gathered` brings the trained weights (not the optimizer state) to the writer
-one tensor at a time with world all_sums, and the writer streams each into the file as
-it arrives, so no rank holds another stage's weights whole, even in full fine-tuning.
+Each stage trains and keeps optimizer state only for its own blocks, and that is all it writes: at a
+save, the writer of stage k (dp_rank 0, pp_rank k) puts its trained weights (global names; a tied
+table only from the first stage) and its optimizer slots into the step's folder, with a manifest of
+its own (checksums, step, data cursor, trained tokens, resolved config, stage layout): `save_stages`.
+No rank ever holds another stage's optimizer state. On resume the ranks agree on the newest step that
+verifies on all of them and each stage loads its own shard (`resumable_step`); another layout's
+checkpoint is loaded whole where all its files are visible. The final adapters stay one file in one
+process's layout, so stock mlx-lm loads it (`write_gathered`).
 """
 
 from __future__ import annotations
@@ -42,10 +20,10 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ...training.checkpoint import (CHECKPOINTS, CheckpointWriteError, LoadedCheckpoint, TrainingState,
-                                   checkpoint_dir, leftover_temps, load_checkpoint, load_stage, prune_checkpoints,
-                                   publish_stage, stage_names, verify_checkpoint, verify_stage, write_error,
-                                   write_stage, NonFiniteValues)
+from ...run_dir import RunDir, stage_names
+from ...training.checkpoint import (CheckpointWriteError, LoadedCheckpoint, TrainingState, leftover_temps,
+                                   load_checkpoint, load_stage, prune_checkpoints, publish_stage, verify_checkpoint,
+                                   verify_stage, write_error, write_stage, NonFiniteValues)
 from ...training.streamed_safetensors import StreamedSafetensors
 from .stage import PipelineStage
 
@@ -116,11 +94,20 @@ def _layout(stage: PipelineStage) -> dict[str, Any]:
 
 def save_stages(out: Path, stage: PipelineStage, optimizer: Any, *, state: TrainingState,
                 config: dict[str, Any], keep: int = 0) -> Path:
-    """Write this step's checkpoint, each stage's writer its own shard (a collective; see the module doc)."""
+    """Write this step's checkpoint, each stage's writer its own shard (a collective).
+
+    Atomic on a shared filesystem and on hosts with their own disks alike: every writer writes into
+    the temp folder `.<step>.tmp-stages` beside the checkpoint (on a shared filesystem all stages
+    share it), fsynced, then a barrier; the first stage's writer publishes (renames the temp folder
+    into place where the step's folder does not exist yet, else moves its files in), a second
+    barrier, then the others publish: on a shared filesystem they find their files already in
+    place, on another host they rename or move their own. A third barrier ends the save, so no rank
+    resumes past a half-written step.
+    """
     mesh, k = stage.mesh, stage.stage
     writer = mesh.dp_rank == 0
-    final = checkpoint_dir(out, state.step)
-    tmp = final.parent / f".{final.name}.tmp-stages"
+    final = RunDir(out).checkpoint(state.step).path
+    tmp = RunDir(out).checkpoint_temp(state.step, "stages")
     error: OSError | NonFiniteValues | None = None
 
     def attempt(do: Callable[[], None]) -> None:
@@ -177,20 +164,24 @@ def _check(path: Path, stage: PipelineStage) -> tuple[str | None, bool]:
 
 
 def resumable_step(out: Path, stage: PipelineStage, say: Callable[[str], None]) -> tuple[Path, bool] | None:
-    """The newest checkpoint every rank can resume from, and whether it is read per stage (a collective)."""
-    mesh = stage.mesh
-    root = Path(out) / CHECKPOINTS
+    """The newest checkpoint every rank can resume from, and whether it is read per stage (a collective).
+
+    Each rank checks, for its own stage, the candidate steps newest first; the ranks agree on the
+    newest that verifies on all of them (two world all_sums per candidate), and a skipped one is said
+    once, by the first rank that found it damaged. With separate disks every replica's host must see
+    its stage's shard (a shared filesystem, or a copy).
+    """
+    mesh, run = stage.mesh, RunDir(out)
     for leftover in leftover_temps(out):
         say(f"warning: skipping checkpoint {leftover}: temp folder of an interrupted save")
-    local = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir()),
-                   reverse=True) if root.is_dir() else []
+    local = [c.step for c in reversed(run.numbered())]
     tried: set[int] = set()
     while True:
         step = max(mesh.all_ints(next((s for s in local if s not in tried), -1)))
         if step < 0:
             return None
         tried.add(step)
-        path = checkpoint_dir(out, step)
+        path = run.checkpoint(step).path
         why, own = _check(path, stage) if path.is_dir() else ("no such folder on this host", False)
         bad = mesh.all_ints(int(why is not None))
         if not any(bad):
