@@ -8,13 +8,7 @@ LoRA class plus three things: the magnitude `m` (set with the base), the forward
 `_merge` (the normalised fused weight). Names and shapes match mlx-lm's DoRALinear and
 DoRAEmbedding (`lora_a`, `lora_b`, `m` with one entry per row of the weight or table),
 so stock mlx-lm loads those; DoRASwitchLinear (m: (E, out)) exists only here.
-
-The unfused row norm never builds W + s B^T A^T:
-||w_i + s c_i V||^2 = ||w_i||^2 + 2s c_i . (w_i V^T) + s^2 c_i (V V^T) c_i^T,
-with ||w_i||^2 cached when the base is set (it is frozen), w_i V^T for every row from
-one base product on the r rows of V (through the layer's `base_path`, quantized or not), and the
-r x r Gram V V^T. For a Linear V = A^T and c_i = b_i; for a tied embedding head
-V = B and c_j = a_j; for experts the same per expert.
+`DoRA.row_norm` takes the norm without ever building W + s B^T A^T.
 """
 
 from __future__ import annotations
@@ -84,6 +78,12 @@ class DoRA:
 
     def row_norm(self, dense: mx.array | None = None) -> mx.array:
         """||W + s dW||_row without the dense matrix, as a constant (section 4.3).
+
+        ||w_i + s c_i V||^2 = ||w_i||^2 + 2s c_i . (w_i V^T) + s^2 c_i (V V^T) c_i^T,
+        with ||w_i||^2 cached when the base is set (it is frozen), w_i V^T for every row from
+        one base product on the r rows of V (through the layer's `base_path`, quantized or
+        not), and the r x r Gram V V^T. For a Linear V = A^T and c_i = b_i; for a tied
+        embedding head V = B and c_j = a_j; for experts the same per expert (`_norm_terms`).
 
         `dense` is the base weight when the caller already holds it dense (a training
         step on the dequantized path): the r-row product then reuses it.

@@ -3,14 +3,12 @@
 DoRA adds to a layer's step the norm of its adapted rows (forward) and m's gradient (backward); the host's
 dispatch is a large part of a GPU step, so each gets as few launches as the GPU's time allows. The kernels
 are the .cuh files in adapters/cuda/, one per family, each opening with its inputs, outputs, launch shape
-and test: `dora_row_norms.cuh` (the norms, one launch for every layer of a shape, and for the folded step
-W' = rs W or the merged rs (W + s (A B)^T), rs, A and B' = B rs; A staged through shared memory or resident
-in registers; W dense or affine-quantized and read packed), `dora_cotangent.cuh` (the backward's pass over
-g: column sums by chunks of rows with g * rs, or with B's product (x A)^T g for the folded product) and
-`dora_magnitude_grad.cuh` (the chunks added in a fixed order: m's gradient, and B's). Each launch here is an
-`mx.fast.cuda_kernel` whose header is the file and whose body is a call; the only text generated is the
-switch picking layer blockIdx.y's arrays among MLX's named inputs (`_select`). Elsewhere (CPU, Metal)
-adapted_linear computes the same in MLX ops; tests/cuda/ compares the two.
+and test: `dora_row_norms.cuh` (the norms, one launch for every layer of a shape, and the folded step's
+W' and rs), `dora_cotangent.cuh` (the backward's pass over g) and `dora_magnitude_grad.cuh` (the chunks
+added in a fixed order: m's gradient, and B's). Each launch here is an `mx.fast.cuda_kernel` whose header
+is the file and whose body is a call; the only text generated is the switch picking layer blockIdx.y's
+arrays among MLX's named inputs (`_select`). Elsewhere (CPU, Metal) adapted_linear computes the same in
+MLX ops; tests/cuda/ compares the two.
 """
 
 from __future__ import annotations

@@ -1,46 +1,9 @@
 """Benchmarks that run their peer in the same invocation and print both.
 
-`meshtune bench peer`: stock `mlx_lm.lora` and meshtune on the same model, data,
-batch, sequence length and iteration count, each in its own process under the same
-BLAS, measured the same way (tokens over compute seconds of every report window
-after the first, which holds compilation).
-
-`meshtune bench adapters`: training step time and unfused generation speed of stock
-mlx-lm LoRA/DoRA and meshtune LoRA/DoRA on a dense and a 4-bit base, side by side.
-
-`meshtune bench scaling`: 1 rank against N ranks, gradient sync after the backward
-against overlapped with it (`--in-process` measures inside one distributed job).
-
-`meshtune bench pipeline`: the naive, GPipe and 1F1B schedules at P stages for several
-micro-batch counts, with per-stage peak memory.
-
-`meshtune bench badinput`: a corpus of bad inputs, each of which must exit 2 with one
-error line naming the file or option and leave the output folder untouched.
-
-`meshtune bench faults`: kill, stop, cut off or corrupt real 2- and 3-rank runs; each
-must end cleanly with one line naming the lost rank, and `--resume` must reproduce an
-uninterrupted run's weights.
-
-`meshtune bench packing`: target tokens/s and padding share of the same steps with and
-without data.pack.
-
-`meshtune bench soak`: thousands of steps with memory growth checked, and repeated
-short 3-rank runs that must never hang.
-
-`meshtune bench plan`: `meshtune plan`'s memory estimate for each rank beside the peak
-memory a real run of the same layout reports.
-
-`meshtune bench torch`: meshtune beside PyTorch + transformers + PEFT on the same model,
-batch and adapters: tokens/s, peak memory and useful TFLOP/s against each one's matmul peak.
-
-`meshtune bench long-rows`: `meshtune train` with gradient checkpointing on rows of thousands of
-tokens at batch 1 beside PyTorch + PEFT: tokens/s and peak memory per row length.
-
-`meshtune bench serve`: decode tokens/s of `meshtune serve` beside `mlx_lm.server` on the same
-LoRA and DoRA adapters, over a dense and a 4-bit base.
-
-`meshtune bench startup`: seconds from process start to the first optimizer step of
-`meshtune train`, per phase, with a cold and a warm MLX CUDA kernel cache (MLX_PTX_CACHE_DIR).
+SUITES maps each `meshtune bench` suite to the module whose main(argv) runs it. `meshtune bench
+--help` lists the suites with the first line of each module's docstring, and `meshtune bench SUITE
+--help` says what that suite measures and how; docs/performance.md holds the figures, each with
+the command that prints it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,41 @@
 """`meshtune bench adapters`: stock mlx-lm and meshtune adapters side by side, one run.
 
+Times the training step and the unfused decode of stock and meshtune LoRA and DoRA on a dense and
+a 4-bit base, and prints the ratios the adapter work is judged by (adapters_targets.py). HELP, the
+command's --help, says how; docs/performance.md holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_map
+
+from ..runtime.blas import describe_blas
+from ..runtime.heap import keep_freed_memory
+from ..training.in_flight import OneInFlight, overlaps_steps
+from ..runtime.device_memory import detect
+from .fit import Load, choose_preset
+from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
+from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
+from .flags import BenchParser, COUNT, at_least
+
+if TYPE_CHECKING:
+    from ..adapters import BasePath
+
+HELP = """`meshtune bench adapters`: stock mlx-lm and meshtune adapters side by side, one run.
+
 For a dense and a 4-bit base of the same random model it times the training step of
 stock mlx-lm LoRA, stock DoRA, meshtune LoRA and meshtune DoRA (eight configurations),
 and the unfused-adapter decode speed of the same four, then prints the ratios the
@@ -32,35 +68,6 @@ The dense dtype is bfloat16 on a GPU and float32 on a CPU unless --dtype says ot
 keys ending in `_bf16` name the dense base whatever its dtype; `dense_dtype` says which.
 """
 
-from __future__ import annotations
-
-import argparse
-import gc
-import json
-import math
-import statistics
-import sys
-import time
-from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
-
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx.utils import tree_map
-
-from ..runtime.blas import describe_blas
-from ..runtime.heap import keep_freed_memory
-from ..training.in_flight import OneInFlight, overlaps_steps
-from ..runtime.device_memory import detect
-from .fit import Load, choose_preset
-from .adapters_targets import RATIO_ROWS, TARGETS, met_target, target_verdict
-from .models import BITS, GROUP_SIZE, PRESETS, Shape, add_adapters, build_model, perturb_adapters
-from .flags import BenchParser, COUNT, at_least
-
-if TYPE_CHECKING:
-    from ..adapters import BasePath
-
 IMPLS = ("stock", "meshtune")
 KINDS = ("lora", "dora")
 BASES = ("bf16", "4bit")
@@ -71,7 +78,7 @@ StepRunner = Callable[[mx.array, mx.array], mx.array]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench adapters", description=__doc__,
+    p = BenchParser(prog="meshtune bench adapters", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="Shapes and run sizes (flags below override): tiny, small (CPU), 1b (GPU). Default: the "

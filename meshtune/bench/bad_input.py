@@ -1,18 +1,8 @@
 """`meshtune bench badinput`: a corpus of bad inputs, each of which must fail cleanly.
 
-Every case writes a few files into its own temporary folder (data, a YAML config, a
-broken model folder...), next to a copy of a finished earlier run (`run/`: adapters,
-a checkpoint, metrics), then runs the CLI. A clean failure is the rule `RULE`: exit
-code 2; no Python traceback; the last non-empty stderr line starts with
-"meshtune: error: " and no earlier stderr line mentions "error" (log lines before it
-are fine); that line holds the case's fragment (the file and line, or the option);
-and every file of `run/` has the bytes and mtime it had before. Most cases call the
-CLI's `main` in this process (fast); those marked `subprocess` run the real command.
-
-Long examples are truncated with one warning by default (mlx-lm's policy); the corpus
-counts only the option-controlled error (`--data.truncate false`). An example with nothing
-to learn (empty completion, text or answer, a completion cut off by max_seq_length) is an
-error unless `--data.skip_empty true`; an unknown chat role is an error either way.
+Each case writes its inputs beside a copy of a finished run, runs the CLI and checks RULE: exit 2,
+one error line naming the file or option, the copy untouched. HELP, the command's --help, spells
+the rule out; docs/reliability.md ("Bad input") says what a user sees.
 """
 
 from __future__ import annotations
@@ -35,6 +25,23 @@ from typing import Callable
 
 from ..run_dir import ADAPTER_FILE, CHECKPOINTS, CONFIG_FILE, METRICS_FILE, RunDir
 from .flags import BenchParser
+
+HELP = """`meshtune bench badinput`: a corpus of bad inputs, each of which must fail cleanly.
+
+Every case writes a few files into its own temporary folder (data, a YAML config, a
+broken model folder...), next to a copy of a finished earlier run (`run/`: adapters,
+a checkpoint, metrics), then runs the CLI. A clean failure is the rule `RULE`: exit
+code 2; no Python traceback; the last non-empty stderr line starts with
+"meshtune: error: " and no earlier stderr line mentions "error" (log lines before it
+are fine); that line holds the case's fragment (the file and line, or the option);
+and every file of `run/` has the bytes and mtime it had before. Most cases call the
+CLI's `main` in this process (fast); those marked `subprocess` run the real command.
+
+Long examples are truncated with one warning by default (mlx-lm's policy); the corpus
+counts only the option-controlled error (`--data.truncate false`). An example with nothing
+to learn (empty completion, text or answer, a completion cut off by max_seq_length) is an
+error unless `--data.skip_empty true`; an unknown chat role is an error either way.
+"""
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY = ASSETS / "tiny-llama"
@@ -386,7 +393,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(args: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench badinput", description=__doc__,
+    p = BenchParser(prog="meshtune bench badinput", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", action="append", help="Run only this case (repeatable).")
     p.add_argument("--subprocess", action="store_true", help="Run every case as a real subprocess.")

@@ -1,5 +1,33 @@
 """`meshtune bench faults`: hurt real training runs and check they end cleanly and resume exactly.
 
+Each case trains 2 or 3 CPU ranks, injects one fault, and checks how the run ends and that
+`--resume` gives an uninterrupted run's weights; the cases about what a run saves are in
+faults_save.py. HELP, the command's --help, lists the cases; docs/reliability.md says what a user sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from ..run_dir import CheckpointDir, RunDir, is_temp
+from .faultkit import (BATCH, CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
+                       survivors, through_fault)
+from .faults_save import CASES as SAVE_CASES
+from .fit import Load, embedded_line
+from .flags import BenchParser
+
+HELP = """`meshtune bench faults`: hurt real training runs and check they end cleanly and resume exactly.
+
     meshtune bench faults [--iters 12] [--watchdog 5] [--case NAME] [--skip-badinput] [--json]
 
 Every case trains the embedded tiny model on the arithmetic data with 2 ranks on the
@@ -24,27 +52,6 @@ repeated_signals, full_disk; each is described there.
 
 The bad-input corpus (`meshtune bench badinput`) runs too and its summary line is printed.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import asdict
-from pathlib import Path
-from typing import Callable
-
-from ..run_dir import CheckpointDir, RunDir, is_temp
-from .faultkit import (BATCH, CLI, FAULT_AFTER, SAVE_EVERY, Bench, FaultRun, Outcome, env, max_abs_diff,
-                       survivors, through_fault)
-from .faults_save import CASES as SAVE_CASES
-from .fit import Load, embedded_line
-from .flags import BenchParser
 
 def _said(run: FaultRun) -> str:
     """The line naming the lost rank: the launcher's, else a rank's own; else whatever the launcher said."""
@@ -194,7 +201,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench faults", description=__doc__,
+    p = BenchParser(prog="meshtune bench faults", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=12, help="Steps of every run (faults come after step 6).")
     p.add_argument("--watchdog", type=float, default=5.0, help="runtime.watchdog_s of the runs.")

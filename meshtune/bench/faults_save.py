@@ -1,18 +1,8 @@
 """`meshtune bench faults`' cases about what a run saves: never a non-finite value, never two runs in one
 folder, never a cut record on a full disk, and one save however many signals come.
 
-    overflow_step      step 7 at an infinite learning rate (MESHTUNE_TEST_OVERFLOW_STEP): a finite gradient
-                       whose update is not; on 1 rank, 2 (data parallel) and 2 pipeline stages every rank
-                       stops at step 7 with exit 65 and nothing is written after checkpoint 4
-    two_runs           a second 2-rank run on a folder a 2-rank run holds: exit 2 at once, one line naming
-                       the holder's pid and host; the holder trains on, then stops on SIGTERM (exit 3),
-                       every checkpoint in the folder its own and verifying
-    repeated_signals   SIGTERM to the launcher three times and SIGINT to every rank (Ctrl-C to the process
-                       group), all within 0.1 s: one save, one stop line, the resume line, exit 3
-    full_disk          a 4 MB tmpfs filled by the saves (checkpoint every step), then one filled between
-                       saves: exit 2 with one line naming the room a save needs and the last good
-                       checkpoint, every metrics record whole, that checkpoint verifying (root; skipped
-                       where a tmpfs cannot be mounted)
+Each case is a function of the same name, whose docstring says what it does and checks; CASES is the
+list `meshtune bench faults` runs after its own (faults.py).
 """
 
 from __future__ import annotations
@@ -35,8 +25,9 @@ LONG = ("--iters", "100000")  # a run that is still training when the case acts 
 
 
 def overflow_step(b: Bench) -> Outcome:
-    """On 1 rank, DP 2 and PP 2: step 7's update would be inf; it is not applied, nothing is saved after
-    checkpoint 4 (the same bytes as the uninterrupted run's on 2 ranks), every rank says it."""
+    """Step 7 at an infinite learning rate (MESHTUNE_TEST_OVERFLOW_STEP): a finite gradient whose update is
+    not. On 1 rank, DP 2 and PP 2 the update is not applied, every rank says it and stops at step 7 with
+    exit 65, and nothing is saved after checkpoint 4 (the same bytes as the uninterrupted run's on 2 ranks)."""
     from ..training import NONFINITE_EXIT_CODE
 
     bad, notes, ok = FAULT_AFTER + 1, [], True
@@ -67,6 +58,9 @@ def overflow_step(b: Bench) -> Outcome:
 
 
 def two_runs(b: Bench) -> Outcome:
+    """A second 2-rank run on a folder a 2-rank run holds: exit 2 at once, one line naming the holder's pid
+    and host; the holder trains on, then stops on SIGTERM (exit 3), every checkpoint in the folder its own
+    and verifying."""
     out = b.root / "two_runs"
     holder = FaultRun.launch(2, b.args(out, *LONG))
     try:
@@ -92,6 +86,8 @@ def two_runs(b: Bench) -> Outcome:
 
 
 def repeated_signals(b: Bench) -> Outcome:
+    """SIGTERM to the launcher three times and SIGINT to every rank (Ctrl-C to the process group), all within
+    0.1 s: one save, one stop line, the resume line, exit 3."""
     out = b.root / "repeated_signals"
     run = FaultRun.launch(2, b.args(out, *LONG))
 
@@ -119,6 +115,9 @@ def repeated_signals(b: Bench) -> Outcome:
 
 
 def full_disk(b: Bench) -> Outcome:
+    """A 4 MB tmpfs filled by the saves (a checkpoint every step), then one filled between saves: exit 2 with
+    one line naming the room a save needs and the last good checkpoint, every metrics record whole, that
+    checkpoint verifying (root; skipped where a tmpfs cannot be mounted)."""
     mount = b.root / "small_disk"
     mount.mkdir()
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4000k", "tmpfs", str(mount)], capture_output=True)

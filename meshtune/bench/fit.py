@@ -1,19 +1,8 @@
 """Which model size a bench runs here: the device and memory found, and each size's need computed from its shapes.
 
-Every suite that builds a model asks `choose_preset` (or, for a fixed model, `describe_fixed`)
-and prints the one line it returns, e.g.
-
-    preset: small (CPU AMD EPYC, 23.7 GB RAM available, small needs ~0.1 GB; 1b needs ~38.7 GB
-    and a GPU: pass --preset 1b to force)
-
-The need of a size is its parameters times bytes per weight for every copy a suite holds at
-once, plus gradients and Adam moments when every weight trains, plus the activations a
-training step keeps for its backward (per token and layer about 10 x hidden + 4 x
-intermediate + heads x sequence values, and three vocabulary-wide rows for the loss). It is
-rough on purpose: it only has to tell a 1B model on a 24 GB CPU from one on a 140 GB GPU.
-A bench may plan with HEADROOM of the memory found; the rest is the OS's, Python's, MLX's
-caches' and other processes'. On a CPU the sizes are tiny and small (1b takes tens of
-minutes per invocation there); 1b needs a GPU. An explicit --preset always wins, with a
+Every suite that builds a model asks `choose_preset` (or, for a fixed model, `describe_fixed`) and
+prints the one line it returns. A size's need (`model_need`) is rough on purpose: it only has to
+tell a 1B model on a 24 GB CPU from one on a 140 GB GPU. An explicit --preset always wins, with a
 warning when it will not fit.
 """
 
@@ -25,8 +14,11 @@ from dataclasses import dataclass
 from ..runtime.device_memory import GB, Machine, detect
 from .models import BITS, GROUP_SIZE, PRESETS, Shape
 
+# A bench may plan with this share of the memory found; the rest is the OS's, Python's, MLX's caches' and
+# other processes'.
 HEADROOM = 0.8
 ORDER = ("tiny", "small", "1b")  # smallest first
+# 1b needs a GPU: on a CPU it takes tens of minutes per invocation.
 CPU_PRESETS = ("tiny", "small")
 
 
@@ -43,7 +35,13 @@ class Load:
 
 
 def model_need(shape: Shape, batch: int, seq: int, load: Load) -> int:
-    """Bytes the suite needs for `shape` trained on batch x seq tokens, as `load` holds it."""
+    """Bytes the suite needs for `shape` trained on batch x seq tokens, as `load` holds it.
+
+    Parameters times bytes per weight for every copy held at once, plus gradients and Adam moments
+    when every weight trains, plus the activations a training step keeps for its backward: per token
+    and layer about 10 x hidden + 4 x intermediate + heads x sequence values, and three
+    vocabulary-wide rows for the loss.
+    """
     params = shape.params()
     weights = params * load.dtype_bytes * load.dense
     # 4-bit weights plus a scale and a bias per group of 64, in the dense dtype.
@@ -75,6 +73,11 @@ def choose_preset(requested: str | None, load: Load, machine: Machine, *, batch:
                   seq: int | None = None, candidates: tuple[str, ...] | None = None,
                   presets: dict[str, dict[str, int]] | None = None) -> tuple[str, str]:
     """(preset, the line that says why): the largest candidate that fits `machine`, or `requested`.
+
+    The line reads, e.g.
+
+        preset: small (CPU AMD EPYC, 23.7 GB RAM available, small needs ~0.1 GB; 1b needs ~38.7 GB
+        and a GPU: pass --preset 1b to force)
 
     On a CPU only CPU_PRESETS are candidates; when none fits, the smallest runs. `batch`
     and `seq` are the flags that override the presets' own (None: the preset's). `presets`

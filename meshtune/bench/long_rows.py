@@ -1,5 +1,36 @@
 """`meshtune bench long-rows`: rows of thousands of tokens at batch 1, `meshtune train` beside PyTorch + PEFT.
 
+Per row length, `meshtune train --grad-checkpoint` and a PyTorch + PEFT loop each run in a child
+process of their own: tokens/s and peak memory, an out-of-memory reported in its cell. HELP, the
+command's --help, says how; docs/performance.md ("Long rows") holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..run_dir import RunDir
+from . import torch_peer
+from .adapters import describe_device
+from .flags import BenchParser, COUNT, at_least
+from .models import BITS, GROUP_SIZE
+from .models import PRESETS as MODEL_PRESETS
+from .startup import SHAPE_KEYS, TIED, write_data, write_model
+
+HELP = """`meshtune bench long-rows`: rows of thousands of tokens at batch 1, `meshtune train` beside PyTorch + PEFT.
+
 Long-context fine-tuning trains one long row a step with gradient checkpointing. This suite
 writes one random model of the preset's shape (Qwen3, tied embedding; bfloat16 on a GPU,
 float32 on the CPU; the tokenizer is the embedded tiny model's) and, per row length, a text
@@ -30,30 +61,6 @@ Both sides: rank 8 on the 7 linear layers of every block (meshtune scale 20 = PE
     meshtune bench long-rows --seq-lens 16384 --step                # the command beside its step alone
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import shlex
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Any
-
-import mlx.core as mx
-
-from ..run_dir import RunDir
-from . import torch_peer
-from .adapters import describe_device
-from .flags import BenchParser, COUNT, at_least
-from .models import BITS, GROUP_SIZE
-from .models import PRESETS as MODEL_PRESETS
-from .startup import SHAPE_KEYS, TIED, write_data, write_model
-
 KINDS = ("lora", "dora", "qlora")
 LABELS = {"lora": "LoRA", "dora": "DoRA", "qlora": "4-bit LoRA"}
 PRESETS: dict[str, dict[str, Any]] = {
@@ -68,7 +75,7 @@ OOM = "out of memory"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench long-rows", description=__doc__,
+    p = BenchParser(prog="meshtune bench long-rows", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="tiny (the test's), small (seconds a step on a CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). "

@@ -1,13 +1,9 @@
 """A shaped-link test bed: ranks in Linux network namespaces joined by rate/latency-limited veths.
 
-A Mac cluster talks over Thunderbolt or Ethernet, where communication waits on the
-link; loopback hides that. Here each rank gets a namespace `mtbed<i>` with one veth
-per link into a bridge namespace (a bridge and a subnet per link, so the kernel cannot
-carry one link's traffic over another), and every veth's egress is shaped with tc netem
-(rate and delay), e.g. 10 Gb/s and 20 us, so communication-bound behaviour can be
-reproduced on one Linux machine. Link j's addresses are 10.77.<j>.<i+1>/24, private to the
-namespaces. `shared=True` is the control: the same addresses, all on one shaped veth per
-rank (several connections, one link's rate). Needs root and iproute2.
+A Mac cluster talks over Thunderbolt or Ethernet, where communication waits on the link; loopback
+hides that. Each rank gets a namespace `mtbed<i>` with one veth per link into a bridge namespace,
+every veth's egress shaped with tc netem (rate and delay, e.g. 10 Gb/s and 20 us), so
+communication-bound behaviour can be reproduced on one Linux machine. Needs root and iproute2.
 
     with shaped_link(2, rate="10gbit", delay="20us") as bed:
         launch_ranks(2, cmd, hosts=bed.ips, wrap=bed.wrap)
@@ -122,7 +118,12 @@ def _teardown(n: int) -> None:
 def shaped_link(n: int, *, rate: str = "10gbit", delay: str = "20us", burst: str = "", links: int = 1,
                 shared: bool = False) -> Iterator[Bed]:
     """Build the bed for n ranks with `links` shaped links each (`shared`: all their addresses on the first
-    link's veth), yield it, and always tear it down."""
+    link's veth), yield it, and always tear it down.
+
+    Each link has a bridge and a subnet of its own, so the kernel cannot carry one link's traffic over
+    another; link j's addresses are 10.77.<j>.<i+1>/24, private to the namespaces. `shared=True` is the
+    control: the same addresses, all on one shaped veth per rank (several connections, one link's rate).
+    """
     reason = available()
     if reason:
         raise ValueError(reason)

@@ -1,19 +1,8 @@
 """`meshtune bench packing`: target tokens/s and padding share of the same steps with and without data.pack.
 
-One process loads the model and the data once, then trains the same number of optimizer
-steps through the real compiled step (parallel/data_parallel_step.build_step): on length-sorted
-padded batches of `--batch-size` examples, and on `--batch-size` packed rows (data.pack) of the
-length `meshtune train` takes: with no `--max-seq-length`, the one it picks for the data and the
-model (plan/row_length.py), else `--max-seq-length`. `--row-lengths` adds packed rows of other
-lengths, to see the pick beside them. Each setting first compiles every batch shape it will meet
-(one step per shape, untimed); then the timed steps of all settings alternate, one of each in turn,
-so all see the same load on a shared machine. Reported per setting: target tokens (tokens in the
-loss) per second (mean target tokens of a step over the median step time), the padding share
-(padded tokens / all tokens of the timed batches), examples and milliseconds (median) per step,
-and target tokens/s over the unpacked steps'; then that speed-up of the rows train takes.
-
-    meshtune bench packing [--model M] [--data D] [--steps 20] [--batch-size 4] [--max-seq-length N]
-                           [--row-lengths 64,256] [--json]
+One process trains the same steps on padded batches and on packed rows of the length `meshtune
+train` picks, steps alternated. HELP, the command's --help, says how; docs/performance.md ("Data")
+holds the figures.
 """
 
 from __future__ import annotations
@@ -32,9 +21,27 @@ import numpy as np
 from ..runtime.blas import describe_blas
 from .flags import BenchParser, COUNT, at_least
 
+HELP = """`meshtune bench packing`: target tokens/s and padding share of the same steps with and without data.pack.
+
+One process loads the model and the data once, then trains the same number of optimizer
+steps through the real compiled step (parallel/data_parallel_step.build_step): on length-sorted
+padded batches of `--batch-size` examples, and on `--batch-size` packed rows (data.pack) of the
+length `meshtune train` takes: with no `--max-seq-length`, the one it picks for the data and the
+model (plan/row_length.py), else `--max-seq-length`. `--row-lengths` adds packed rows of other
+lengths, to see the pick beside them. Each setting first compiles every batch shape it will meet
+(one step per shape, untimed); then the timed steps of all settings alternate, one of each in turn,
+so all see the same load on a shared machine. Reported per setting: target tokens (tokens in the
+loss) per second (mean target tokens of a step over the median step time), the padding share
+(padded tokens / all tokens of the timed batches), examples and milliseconds (median) per step,
+and target tokens/s over the unpacked steps'; then that speed-up of the rows train takes.
+
+    meshtune bench packing [--model M] [--data D] [--steps 20] [--batch-size 4] [--max-seq-length N]
+                           [--row-lengths 64,256] [--json]
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench packing", description=__doc__,
+    p = BenchParser(prog="meshtune bench packing", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
     p.add_argument("--data", default="", help="Any --data form (default: the embedded arithmetic set).")

@@ -1,24 +1,8 @@
 """`meshtune bench pipeline`: naive vs GPipe vs 1F1B at P stages for several micro-batch counts.
 
-Every configuration is `meshtune train --parallel.pp P` on the same global batch and
-step count: on a CPU started by `meshtune launch --pin` (one core and one BLAS thread
-per rank, ring backend); where MLX has CUDA, by `mlx.launch --backend nccl` (one GPU
-per rank, no pinning). The model is a random Qwen3-shaped model of the adapters bench's
-presets (`--preset`; 1b: ~1B parameters), by default on GPUs the largest one each GPU's
-memory fits (bench/fit.py); on a CPU by default the embedded tiny one.
-Steps/s comes from rank 0's report windows after the first; every configuration runs
-`--repeats` times in interleaved rounds and its row is its median run. The baseline is the naive
-schedule at M=1, the whole batch through the stages in turn, which is what runs without
-micro-batches; at M > 1 GPipe and 1F1B run, and every row's ratio is over that baseline (in
-the JSON `<schedule>_over_naive_m<M>`, and `best_over_m1` for the fastest), beside the
-ideal P M / (M + P - 1). The bubble column is the share of the step the stages spent in
-sends and receives, measured (the mean over stages), beside the schedule's analytic idle
-share. Per stage: the peak memory and the peak activation memory (the peak above what
-weights, adapters and optimizer state hold after setup), where 1F1B's bound of P
-micro-batches in flight shows against GPipe's M.
-
-    meshtune bench pipeline [--stages 2] [--micro-batches 1,2,4,8] [--iters 30] [--batch-size 16] [--repeats 3] [--json]
-    meshtune bench pipeline --preset 1b --micro-batches 8 --batch-size 16   # 2 GPUs, NCCL
+Every configuration is a real `meshtune train --parallel.pp P` run, compared with the whole batch
+at once (naive, M=1), with the measured bubble and per-stage peak memory. HELP, the command's
+--help, says how; docs/performance.md ("Pipeline") holds the figures.
 """
 
 from __future__ import annotations
@@ -45,6 +29,29 @@ from .fit import Load, choose_preset, detect, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .peer import metric_windows, steps_per_sec
 from .flags import BenchParser, COUNT, at_least
+
+HELP = """`meshtune bench pipeline`: naive vs GPipe vs 1F1B at P stages for several micro-batch counts.
+
+Every configuration is `meshtune train --parallel.pp P` on the same global batch and
+step count: on a CPU started by `meshtune launch --pin` (one core and one BLAS thread
+per rank, ring backend); where MLX has CUDA, by `mlx.launch --backend nccl` (one GPU
+per rank, no pinning). The model is a random Qwen3-shaped model of the adapters bench's
+presets (`--preset`; 1b: ~1B parameters), by default on GPUs the largest one each GPU's
+memory fits (bench/fit.py); on a CPU by default the embedded tiny one.
+Steps/s comes from rank 0's report windows after the first; every configuration runs
+`--repeats` times in interleaved rounds and its row is its median run. The baseline is the naive
+schedule at M=1, the whole batch through the stages in turn, which is what runs without
+micro-batches; at M > 1 GPipe and 1F1B run, and every row's ratio is over that baseline (in
+the JSON `<schedule>_over_naive_m<M>`, and `best_over_m1` for the fastest), beside the
+ideal P M / (M + P - 1). The bubble column is the share of the step the stages spent in
+sends and receives, measured (the mean over stages), beside the schedule's analytic idle
+share. Per stage: the peak memory and the peak activation memory (the peak above what
+weights, adapters and optimizer state hold after setup), where 1F1B's bound of P
+micro-batches in flight shows against GPipe's M.
+
+    meshtune bench pipeline [--stages 2] [--micro-batches 1,2,4,8] [--iters 30] [--batch-size 16] [--repeats 3] [--json]
+    meshtune bench pipeline --preset 1b --micro-batches 8 --batch-size 16   # 2 GPUs, NCCL
+"""
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")  # at M > 1; the baseline is naive at M=1
 
@@ -154,7 +161,7 @@ def main(argv: list[str]) -> int:
 
 
 def _parser() -> BenchParser:
-    p = BenchParser(prog="meshtune bench pipeline", description=__doc__,
+    p = BenchParser(prog="meshtune bench pipeline", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=COUNT, default=2, help="Pipeline stages.")
     p.add_argument("--data-parallel", type=COUNT, default=1,

@@ -1,24 +1,7 @@
 """`meshtune bench plan`: meshtune plan's memory estimate for each rank beside the peak a real run of it reports.
 
-For each layout of `--layouts` (1, dpN, ppN) it runs `meshtune plan --json` and the run
-itself on the same flags: `meshtune train` for one rank, `meshtune launch -n N -- meshtune
-train` for dpN (where MLX has CUDA, the ranks run over NCCL, one GPU each) and the same with
-`--parallel.pp N` for ppN (1F1B over N micro-batches unless train flags say otherwise), for --iters
-steps with no validation.
-Measured is each rank's `peak_memory_gb_per_rank` (mx.get_peak_memory) in the last train
-record of the run's metrics.jsonl; the estimate is the plan's total for that rank's stage,
-printed with its parts. The model is by default the embedded tiny model on the embedded
-arithmetic data (every batch padded to 32 tokens); with --preset a random Qwen3-shaped model
-of the adapters bench's presets (bench/models.py; on GPUs by default the largest that fits,
-bench/fit.py) saved to a temporary folder, and with --seq-len synthetic rows of exactly that
-many tokens.
-
-    meshtune bench plan [--layouts 1,dp2,pp2] [--fine-tune-type lora] [--batch-size 8] [--iters 4] [--json]
-    meshtune bench plan --layouts 1 --quantize                 # the tiny model in 4 bits
-    meshtune bench plan --layouts pp2 -- --parallel.schedule gpipe --parallel.micro_batches 4
-    meshtune bench plan --preset 1b --layouts 1 --seq-len 1024 --batch-size 4   # a GPU
-
-Flags after `--` are train's (`--section.key value`, mlx_lm.lora's) and go to both commands.
+Per layout, `meshtune plan --json` and the run itself on the same flags. HELP, the command's
+--help, says how; docs/plan.md ("Measured error") holds the figures.
 """
 
 from __future__ import annotations
@@ -44,6 +27,29 @@ from .fit import Load, choose_preset, embedded_line
 from .models import PRESETS, Shape, write_model_folder
 from .pipeline import on_gpu, write_text_data
 from .flags import BenchParser
+
+HELP = """`meshtune bench plan`: meshtune plan's memory estimate for each rank beside the peak a real run of it reports.
+
+For each layout of `--layouts` (1, dpN, ppN) it runs `meshtune plan --json` and the run
+itself on the same flags: `meshtune train` for one rank, `meshtune launch -n N -- meshtune
+train` for dpN (where MLX has CUDA, the ranks run over NCCL, one GPU each) and the same with
+`--parallel.pp N` for ppN (1F1B over N micro-batches unless train flags say otherwise), for --iters
+steps with no validation.
+Measured is each rank's `peak_memory_gb_per_rank` (mx.get_peak_memory) in the last train
+record of the run's metrics.jsonl; the estimate is the plan's total for that rank's stage,
+printed with its parts. The model is by default the embedded tiny model on the embedded
+arithmetic data (every batch padded to 32 tokens); with --preset a random Qwen3-shaped model
+of the adapters bench's presets (bench/models.py; on GPUs by default the largest that fits,
+bench/fit.py) saved to a temporary folder, and with --seq-len synthetic rows of exactly that
+many tokens.
+
+    meshtune bench plan [--layouts 1,dp2,pp2] [--fine-tune-type lora] [--batch-size 8] [--iters 4] [--json]
+    meshtune bench plan --layouts 1 --quantize                 # the tiny model in 4 bits
+    meshtune bench plan --layouts pp2 -- --parallel.schedule gpipe --parallel.micro_batches 4
+    meshtune bench plan --preset 1b --layouts 1 --seq-len 1024 --batch-size 4   # a GPU
+
+Flags after `--` are train's (`--section.key value`, mlx_lm.lora's) and go to both commands.
+"""
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MEMORY_GB = 1e4  # the plan's per-rank memory: only its `fits` column depends on it, and that is not shown
@@ -227,7 +233,7 @@ def _model(a: argparse.Namespace, batch: int, tmp: Path) -> tuple[list[str], str
 
 
 def main(argv: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench plan", description=__doc__,
+    p = BenchParser(prog="meshtune bench plan", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default="1,dp2,pp2", help="Comma-separated layouts: 1, dpN, ppN (default 1,dp2,pp2).")
     p.add_argument("--fine-tune-type", default="lora", choices=("lora", "dora", "full"), help="lora, dora or full.")

@@ -1,5 +1,28 @@
 """`meshtune bench scaling`: 1 rank vs N ranks, gradient sync after the backward vs overlapped.
 
+Weak scaling of CPU ranks under `meshtune launch --pin`, on loopback and on shaped links
+(netbed.py); on GPUs inside one distributed job (scaling_inproc.py). HELP, the command's --help,
+says how; docs/performance.md ("Data-parallel gradient sync") holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..runtime.blas import describe_blas
+from ..parallel.launcher import launch_ranks
+from .fit import Load, embedded_line
+from .peer import metric_windows, steps_per_sec
+from .flags import BenchParser, COUNT, at_least, positive_float
+
+HELP = """`meshtune bench scaling`: 1 rank vs N ranks, gradient sync after the backward vs overlapped.
+
 Weak scaling: every rank keeps the same local batch, so N ranks process N times the
 tokens per step; efficiency = (N-rank tokens/s) / (N x 1-rank tokens/s). Each
 configuration runs through `meshtune launch --pin` (one core and one BLAS thread per
@@ -23,25 +46,9 @@ On GPUs the ranks are started by a distributed launcher and measure in-process
         python -m meshtune.cli bench scaling --in-process --preset 1b --json
 """
 
-from __future__ import annotations
-
-import argparse
-import io
-import json
-import sys
-import tempfile
-from pathlib import Path
-from typing import Any
-
-from ..runtime.blas import describe_blas
-from ..parallel.launcher import launch_ranks
-from .fit import Load, embedded_line
-from .peer import metric_windows, steps_per_sec
-from .flags import BenchParser, COUNT, at_least, positive_float
-
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench scaling", description=__doc__,
+    p = BenchParser(prog="meshtune bench scaling", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=at_least(2), default=2, help="Ranks of the multi-rank runs (against 1 rank).")
     p.add_argument("--iters", type=COUNT, default=60, help="Optimizer steps per run.")

@@ -1,27 +1,12 @@
 """`meshtune bench scaling --in-process`: the scaling table measured inside one distributed job.
 
-For accelerators (NCCL on GPUs, or any backend MLX's own launcher starts), every rank
-runs this module; rank 0 prints. Each rank builds the same random model (`--preset 1b`:
-~1B parameters, bench/models.py; without --preset, the largest size every rank's memory
-fits, bench/fit.py) and three compiled steps over the same model and optimizer:
-`compute only` (this rank's local batch on a mesh of one, no gradient sync: what one GPU
-alone does with the same batch, the 1-rank figure), `after_backward` and `overlap`
-(buckets in reverse layer order, all_sums on their own GPU stream). Every round times
-the 1-rank step first, then the two N-rank steps (their order alternating), so 1 rank
-and N ranks come from the same invocation and the same stretch of clock. Each round's
-step per mode is the mean over ranks of each rank's median. Per round, weak-scaling
-efficiency = 1-rank step / N-rank step (each GPU keeps its local batch, so N GPUs do N
-times the work per step: N-rank tokens/s over N x 1-rank tokens/s; the faster synced mode,
-and each mode's own in weak_scaling_after/_overlap) and overlap speedup
-= after_backward step / overlap step; the table and --json give each ratio's median over
-rounds and its spread [min, max]. Exposed communication = synced step - 1-rank step.
+For accelerators (NCCL on GPUs, or any backend MLX's own launcher starts), every rank runs this
+module; rank 0 prints. Each rank times its own step without gradient sync (the 1-rank figure) and
+the N-rank steps with the sync after the backward and overlapped, in the same rounds (`measure`),
+after checking that both sums agree (`sum_mismatch`); `_row` gives the ratios.
 
     mlx.launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 -- \\
         python -m meshtune.cli bench scaling --in-process --preset 1b --json
-
-Before timing, the compiled backward's gradients are summed both ways and compared
-(largest relative difference per tensor, printed): rounding apart between the two
-compiled graphs is ~1e-3 in bfloat16, buffers paired wrongly across streams are O(1).
 """
 
 from __future__ import annotations
@@ -75,7 +60,16 @@ def sum_mismatch(model: nn.Module, mesh: Mesh, tokens: mx.array, lengths: mx.arr
 
 def measure(kind: str, a: argparse.Namespace, shape: Shape, mesh: Mesh, dtype: mx.Dtype) -> dict[str, Any]:
     """Per round, the median step seconds of the three modes for `kind` (lora or full),
-    each the mean over ranks of every rank's own median."""
+    each the mean over ranks of every rank's own median.
+
+    Each rank builds the same random model (`--preset 1b`: ~1B parameters, bench/models.py; without
+    --preset, the largest size every rank's memory fits, bench/fit.py) and three compiled steps over
+    the same model and optimizer: `compute` (this rank's local batch on a mesh of one, no gradient
+    sync: what one GPU alone does with the same batch), `after_backward` and `overlap` (buckets in
+    reverse layer order, all_sums on their own GPU stream). Every round times the 1-rank step first,
+    then the two N-rank steps (their order alternating), so 1 rank and N ranks come from the same
+    invocation and the same stretch of clock.
+    """
     from ..parallel.data_parallel_step import build_step
 
     model = build_model(shape, dtype, quantized=False, seed=a.seed)
@@ -137,7 +131,13 @@ def spread(values: list[float]) -> tuple[float, list[float]]:
 def _row(kind: str, r: dict[str, Any], n: int, tokens: int) -> dict[str, Any]:
     """The JSON figures of one kind: step times are medians over rounds; each ratio is
     taken per round (the same round's 1-rank and N-rank steps) and given as its median
-    over rounds and its spread [min, max]."""
+    over rounds and its spread [min, max].
+
+    Weak-scaling efficiency = 1-rank step / N-rank step: each GPU keeps its local batch, so N GPUs
+    do N times the work per step, and this is N-rank tokens/s over N x 1-rank tokens/s (the faster
+    synced mode; each mode's own in weak_scaling_after/_overlap). Overlap speedup = after_backward
+    step / overlap step. Exposed communication = synced step - 1-rank step.
+    """
     per = r["rounds_s"]
     one, after, over = (statistics.median(x[m] for x in per) for m in MODES)
     ratios = {

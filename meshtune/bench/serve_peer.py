@@ -1,19 +1,7 @@
 """`meshtune bench serve`: decode tokens/s of `meshtune serve` beside `mlx_lm.server` on the same adapters.
 
-One random model of the preset's shape (bench/models.py), written as a model folder, dense or
-4-bit (group 64, affine: mlx-lm's converter), and LoRA and DoRA adapter folders on every linear
-layer with trained-looking factors (perturb_adapters), saved in mlx-lm's layout so both
-servers load the same files. Each server runs in this process on a free localhost port, one at
-a time: meshtune's (meshtune.serve: its own adapter loading, DoRA's folded inference path) and
-stock's (mlx_lm.server's ModelProvider, which loads adapters with mlx-lm's own classes). A
-measurement is two chat completions with end-of-sequence banned (logit_bias), so each decodes
-exactly its max_tokens: one of 1 token and one of --tokens tokens, on prompts as long as each
-other that differ, so no request reads another's prompt cache; decode tokens/s is (tokens - 1)
-over the difference of their seconds, the median of --requests measurements after one warm-up.
-(The random model's ids mostly decode to no text, so counting streamed chunks would miss tokens.)
-
-    meshtune bench serve                         # 1b on a GPU, small on a CPU; 4-bit and dense bases
-    meshtune bench serve --preset tiny --json    # seconds on a CPU; what the test runs
+Both servers run in this process, one at a time, on the same model and LoRA and DoRA adapter
+folders. HELP, the command's --help, says how; docs/performance.md ("Generation") holds the figures.
 """
 
 from __future__ import annotations
@@ -37,13 +25,31 @@ from .adapters import describe_device
 from .flags import COUNT, BenchParser, at_least
 from .models import BITS, GROUP_SIZE, PRESETS, Shape, build_model, perturb_adapters
 
+HELP = """`meshtune bench serve`: decode tokens/s of `meshtune serve` beside `mlx_lm.server` on the same adapters.
+
+One random model of the preset's shape (bench/models.py), written as a model folder, dense or
+4-bit (group 64, affine: mlx-lm's converter), and LoRA and DoRA adapter folders on every linear
+layer with trained-looking factors (perturb_adapters), saved in mlx-lm's layout so both
+servers load the same files. Each server runs in this process on a free localhost port, one at
+a time: meshtune's (meshtune.serve: its own adapter loading, DoRA's folded inference path) and
+stock's (mlx_lm.server's ModelProvider, which loads adapters with mlx-lm's own classes). A
+measurement is two chat completions with end-of-sequence banned (logit_bias), so each decodes
+exactly its max_tokens: one of 1 token and one of --tokens tokens, on prompts as long as each
+other that differ, so no request reads another's prompt cache; decode tokens/s is (tokens - 1)
+over the difference of their seconds, the median of --requests measurements after one warm-up.
+(The random model's ids mostly decode to no text, so counting streamed chunks would miss tokens.)
+
+    meshtune bench serve                         # 1b on a GPU, small on a CPU; 4-bit and dense bases
+    meshtune bench serve --preset tiny --json    # seconds on a CPU; what the test runs
+"""
+
 KINDS = ("lora", "dora")
 BASES = ("4bit", "dense")
 RANK, SCALE = 8, 20.0
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench serve", description=__doc__,
+    p = BenchParser(prog="meshtune bench serve", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="Model shape (bench/models.py): tiny, small (CPU) or 1b (GPU). Default: 1b on a GPU, "

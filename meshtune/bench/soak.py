@@ -1,16 +1,8 @@
 """`meshtune bench soak`: a long run must not grow its memory, and short runs must never hang.
 
-    meshtune bench soak [--steps 2000] [--repeats 20] [--json]     # or: make soak
-
-Part 1: one 2-rank run (`meshtune launch`, ring backend, embedded tiny model and
-arithmetic data, global batch 8, LoRA, Adam) of `--steps` steps, reporting every
-steps/40. Rank 0's reports carry mx.get_peak_memory() and mx.get_active_memory()
-(metrics.jsonl). After warm-up (the first 10% of steps) the peak must grow by less
-than 5%, and the largest active memory of the last fifth of the run must be within
-5% of the largest of the fifth right after warm-up (active memory at one report
-depends on that step's batch width, so single samples are not compared).
-Part 2: `--repeats` 3-rank runs of 10 steps, each under `meshtune launch --timeout`;
-a run that needs the timeout is a hang. Prints a table and PASS or FAIL.
+One long 2-rank run with its memory checked, then repeated short 3-rank runs under a timeout;
+prints PASS or FAIL. HELP, the command's --help, gives the thresholds; docs/reliability.md
+("Long runs") holds the figures.
 """
 
 from __future__ import annotations
@@ -29,6 +21,21 @@ from ..training.metrics import read_metrics
 from .faultkit import CLI, env
 from .fit import Load, embedded_line
 from .flags import BenchParser, COUNT
+
+HELP = """`meshtune bench soak`: a long run must not grow its memory, and short runs must never hang.
+
+    meshtune bench soak [--steps 2000] [--repeats 20] [--json]     # or: make soak
+
+Part 1: one 2-rank run (`meshtune launch`, ring backend, embedded tiny model and
+arithmetic data, global batch 8, LoRA, Adam) of `--steps` steps, reporting every
+steps/40. Rank 0's reports carry mx.get_peak_memory() and mx.get_active_memory()
+(metrics.jsonl). After warm-up (the first 10% of steps) the peak must grow by less
+than 5%, and the largest active memory of the last fifth of the run must be within
+5% of the largest of the fifth right after warm-up (active memory at one report
+depends on that step's batch width, so single samples are not compared).
+Part 2: `--repeats` 3-rank runs of 10 steps, each under `meshtune launch --timeout`;
+a run that needs the timeout is a hang. Prints a table and PASS or FAIL.
+"""
 
 LIMIT = 0.05
 REPEAT_TIMEOUT_S = 120
@@ -63,7 +70,7 @@ def memory_growth(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench soak", description=__doc__,
+    p = BenchParser(prog="meshtune bench soak", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=COUNT, default=2000, help="Steps of the long 2-rank run.")
     p.add_argument("--repeats", type=COUNT, default=20, help="Short 3-rank runs, each of which must not hang.")

@@ -1,5 +1,37 @@
 """`meshtune bench startup`: seconds from process start to the first optimizer step of `meshtune train`, cold and warm.
 
+Per fine-tuning kind, `meshtune train` as a child process with an empty MLX kernel cache, then
+with it filled, each output line stamped. HELP, the command's --help, says how and what is whose;
+docs/performance.md ("Time to first step") holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import torch_peer
+from .adapters import describe_device
+from . import fit
+from ..runtime.device_memory import Machine, detect
+from .fit import Load
+from .models import PRESETS as MODEL_PRESETS
+from .models import Shape, write_model_folder
+from .flags import BenchParser, COUNT, at_least
+
+HELP = """`meshtune bench startup`: seconds from process start to the first optimizer step of `meshtune train`, cold and warm.
+
 On an NVIDIA GPU, MLX's CUDA backend compiles each kernel with NVRTC the first time a
 process meets it and keeps the result on disk in MLX_PTX_CACHE_DIR, so the first run on a
 fresh machine pays for every compile and later runs read them back. This suite writes one
@@ -29,31 +61,6 @@ step (a step-0 validation pass, off here; adapter.base_path auto's start-up meas
 which only a quantized base takes), and so how many kernels a cold start must compile.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import random
-import re
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-import mlx.core as mx
-
-from . import torch_peer
-from .adapters import describe_device
-from . import fit
-from ..runtime.device_memory import Machine, detect
-from .fit import Load
-from .models import PRESETS as MODEL_PRESETS
-from .models import Shape, write_model_folder
-from .flags import BenchParser, COUNT, at_least
-
 KINDS = ("full", "lora", "dora")
 DEFAULT_KINDS = ("full", "lora")
 SHAPE_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")
@@ -72,7 +79,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench startup", description=__doc__,
+    p = BenchParser(prog="meshtune bench startup", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="tiny, small (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: the largest that fits "

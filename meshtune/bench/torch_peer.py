@@ -1,5 +1,38 @@
 """`meshtune bench torch`: meshtune beside PyTorch + transformers + PEFT, same model, batch and adapters.
 
+One process times meshtune's compiled step and a PEFT user's eager loop in turn, per fine-tuning
+kind: tokens/s, peak memory and useful TFLOP/s against each framework's matmul peak (torch_side.py
+is the PyTorch side). HELP, the command's --help, says how; docs/performance.md ("PyTorch + PEFT")
+holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+from ..runtime.blas import describe_blas
+from ..runtime.heap import keep_freed_memory
+from ..training.in_flight import overlaps_steps
+from .adapters import meshtune_step_runner, describe_device, time_step_rounds
+from . import fit
+from ..runtime.device_memory import Machine, detect
+from .fit import GB, Load
+from .models import BITS, GROUP_SIZE, Shape, add_adapters, build_model
+from .flags import BenchParser, COUNT, at_least
+
+HELP = """`meshtune bench torch`: meshtune beside PyTorch + transformers + PEFT, same model, batch and adapters.
+
 On NVIDIA hardware the alternative to meshtune is a PEFT training loop. This suite builds
 the same random Qwen3-shaped model (tied embedding) in both frameworks and times, in one
 process, meshtune's compiled training step and the step a PEFT user runs: eager PyTorch,
@@ -29,31 +62,6 @@ Peak memory is each framework's own allocator's peak during its kind (torch's is
 CUDA only).
 """
 
-from __future__ import annotations
-
-import argparse
-import importlib
-import json
-import statistics
-import sys
-import time
-from typing import Any, Callable
-
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx.utils import tree_flatten
-
-from ..runtime.blas import describe_blas
-from ..runtime.heap import keep_freed_memory
-from ..training.in_flight import overlaps_steps
-from .adapters import meshtune_step_runner, describe_device, time_step_rounds
-from . import fit
-from ..runtime.device_memory import Machine, detect
-from .fit import GB, Load
-from .models import BITS, GROUP_SIZE, Shape, add_adapters, build_model
-from .flags import BenchParser, COUNT, at_least
-
 LIBRARIES = ("torch", "transformers", "peft")
 KINDS = ("lora", "dora", "qlora", "full")
 LABELS = {"lora": "LoRA", "dora": "DoRA", "qlora": "4-bit LoRA", "full": "full"}
@@ -76,7 +84,7 @@ def useful_flops(kind: str, params: int, tokens: int) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench torch", description=__doc__,
+    p = BenchParser(prog="meshtune bench torch", description=HELP,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="tiny (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: 1.7b where it fits this "

@@ -1,34 +1,12 @@
 """Command line: a thin layer from flags and YAML to the Python API.
 
-    meshtune train [-c config.yaml] [--resume] [mlx_lm.lora flags] [--section.key value ...]
-    meshtune train --help              # every config key: type, default, one line of help
-    meshtune config [-c config.yaml] [flags ...]   # the resolved config as YAML that -c reads back
-    meshtune demo                      # LoRA on the embedded model, before/after figures
-    meshtune plan --ranks 4 --memory-gb 64 [train's flags] [--json]   # memory per rank of each layout
-    meshtune fuse --adapter-path DIR [--model M] [--save-path DIR] [--dequantize] [--overwrite]
-    meshtune generate -p TEXT [--adapter-path DIR] [--temp T --top-p P --min-p P --top-k K --seed S] [--verbose]
-    meshtune report --adapter-path DIR  # report.md, loss.png and the summary line from metrics.jsonl
-    meshtune serve --adapter-path DIR [--port 8080]   # OpenAI-compatible chat/completions (mlx_lm.server's)
-    meshtune export --format peft|hf|gguf --adapter-path DIR --save-path DIR
-    meshtune bench peer [--json]       # stock mlx_lm.lora beside meshtune, same run
-    meshtune bench adapters [--json]   # LoRA/DoRA step and generation beside stock
-    meshtune bench scaling [--ranks 2] [--in-process]  # 1 vs N ranks, gradient sync after vs overlapped
-    meshtune bench packing | plan | torch [--json]   # packing speed-up; plan vs measured peak; PyTorch + PEFT
-    meshtune bench pipeline [--stages 2]  # GPipe and 1F1B against the whole batch at once (naive, M=1)
-    meshtune bench badinput [--case NAME]  # bad inputs must each fail cleanly (exit 2, one line)
-    meshtune bench faults [--json]     # kill/stop/cut/corrupt real runs; clean exit, exact resume
-    meshtune bench soak [--steps 2000] [--repeats 20]  # memory growth and repeated runs without a hang
-    meshtune bench serve [--preset tiny] [--json]   # meshtune serve's decode tokens/s beside mlx_lm.server's
-    meshtune launch -n 2 -- meshtune train ...   # local ranks on the ring backend
-    meshtune launch --hostfile hosts.json -- meshtune train ...   # one rank per host, over ssh
-
-On Linux the command re-executes itself once with a system OpenBLAS preloaded when
-one is installed (`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off), and where MLX
-batches 100 operations a CUDA graph (H100, H200, B200) it has MLX batch 50
-(runtime/gpu_batches.py). This package must not import MLX at the top: both choices happen
-before MLX loads.
-The subcommands and their parser are in commands.py (generate, serve and export in inference_commands.py),
-`meshtune launch` in launch.py;
+`main` runs `meshtune COMMAND ...`: `meshtune --help` lists the commands, `meshtune COMMAND --help`
+gives each one's flags, and README.md and docs/getting-started.md show them in use. On Linux the
+command re-executes itself once with a system OpenBLAS preloaded when one is installed
+(`--no-system-blas` or MESHTUNE_SYSTEM_BLAS=0 turns that off), and where MLX batches 100 operations
+a CUDA graph (H100, H200, B200) it has MLX batch 50 (runtime/gpu_batches.py). This package must not
+import MLX at the top: both choices happen before MLX loads. The subcommands and their parser are in
+commands.py (generate, serve and export in inference_commands.py), `meshtune launch` in launch.py;
 `python -m meshtune.cli` runs `main` (__main__.py).
 """
 

@@ -1,19 +1,12 @@
 """Every example must leave at least one token in the loss; this module says why one does not.
 
-The loss (training/losses.py, mlx-lm's ``default_loss``) counts target positions ``t`` with
-``max(offset, 1) <= t < min(length, max_seq_length)``: the prompt mask removes the first
-``offset``, truncation everything past ``data.max_seq_length``. An example with no such position
-adds nothing to a step, and a batch made only of such examples divides zero by zero: the run
-reports ``loss=nan`` and trains on nothing. So every row is checked at load time, and one with
-nothing to learn is an ``EmptyExample`` error naming ``file:line`` and the cause (an empty
-completion, text or last message, a prompt that is the whole example, a completion cut off by
-max_seq_length), unless ``data.skip_empty`` drops such rows with one warning per split.
-
-A message whose role is not one of :data:`ROLES`, and which the tokenizer's chat template does not
-render, is a different matter: templates drop (or reject) roles they do not know, so the example
-would silently lose that message. That is bad
-input, usually a whole file written with another tool's role names (ShareGPT's human/gpt),
-and it is an error even with ``data.skip_empty``: skipping would quietly train on what is left.
+An example with no target position (`trained_tokens`) adds nothing to a step, and a batch made only
+of such examples divides zero by zero: the run reports ``loss=nan`` and trains on nothing. So every
+row is checked at load time, and one with nothing to learn is an ``EmptyExample`` error naming
+``file:line`` and the cause (an empty completion, text or last message, a prompt that is the whole
+example, a completion cut off by max_seq_length), unless ``data.skip_empty`` drops such rows with
+one warning per split. A message whose role the chat template would drop is an error even then
+(`check_role`).
 """
 
 from __future__ import annotations
@@ -46,7 +39,13 @@ class NoReplyWarning(UserWarning):
 def check_role(message: Dict[str, Any], k: int, key: str, where: str,
                template_keeps: Callable[[str], bool] = lambda role: False) -> None:
     """Raise for a role outside :data:`ROLES` that the tokenizer's chat template drops or rejects
-    (`template_keeps(role)` says whether it renders such a message: Llama 3.1's ipython, OpenAI's developer)."""
+    (`template_keeps(role)` says whether it renders such a message: Llama 3.1's ipython, OpenAI's developer).
+
+    Templates drop (or reject) roles they do not know, so the example would silently lose that message.
+    That is bad input, usually a whole file written with another tool's role names (ShareGPT's
+    human/gpt), and it is an error even with ``data.skip_empty``: skipping would quietly train on what
+    is left.
+    """
     role = message.get("role")
     if role not in ROLES and (role in FOREIGN_ROLES or not (isinstance(role, str) and template_keeps(role))):
         raise ValueError(
@@ -58,7 +57,12 @@ def check_role(message: Dict[str, Any], k: int, key: str, where: str,
 
 
 def trained_tokens(length: int, offset: int, max_seq_length: Optional[int] = None) -> int:
-    """How many target positions of an example count in the loss (see the module docstring)."""
+    """How many target positions of an example count in the loss.
+
+    The loss (training/losses.py, mlx-lm's ``default_loss``) counts target positions ``t`` with
+    ``max(offset, 1) <= t < min(length, max_seq_length)``: the prompt mask removes the first
+    ``offset``, truncation everything past ``data.max_seq_length``.
+    """
     kept = length if max_seq_length is None else min(length, max_seq_length)
     return max(0, kept - max(offset, 1))
 

@@ -1,20 +1,10 @@
 """Sequence packing (data.pack): short examples share rows of max_seq_length tokens, each seeing only itself.
 
-Rows are filled best-fit decreasing (longest example first, into the fullest row it still
-fits), once, so the packing is a pure function of the split and max_seq_length. A packed
-batch keeps ``Batch(tokens, lengths)``, but its ``lengths`` is int32 [B, K, 3]: one slot
-``(start, first_target, end)`` per example of the row (K the most examples any row holds,
-so every batch of a split has one shape; unused slots are 0). ``first_target`` is
-``start + max(offset, 1)``: the first token of an example is never a target, so the last
-token of one example never predicts the first of the next (training/losses.py).
-
-Attention stays inside each example through mlx-lm's own cache hook: its models build the
-mask with ``create_attention_mask(h, cache[0])``, which asks ``cache.make_mask``, then apply
-RoPE at ``cache.offset`` and call ``cache.update_and_fetch``. ``PackedRows`` answers with the
-block-diagonal causal mask of the rows, offset 0 and the keys and values unchanged. RoPE
-scores depend only on the distance between two positions, so every score inside an example
-equals the unpacked one: positions in effect restart at each example. A model without RoPE
-in every block would see positions run across examples, so packing refuses it (``check_packable``).
+Rows are filled best-fit decreasing, once, so the packing is a pure function of the split and
+max_seq_length (`pack_rows`). A packed batch keeps ``Batch(tokens, lengths)``, with one
+``(start, first_target, end)`` slot per example of a row (`packed_lengths`). Attention stays inside
+each example through mlx-lm's own cache hook (`PackedRows`), which needs RoPE in every block
+(`check_packable`). docs/datasets.md ("Packing") says what users see.
 """
 
 from __future__ import annotations
@@ -30,7 +20,8 @@ FIX = "use --data.pack false"
 
 
 def pack_rows(lengths: np.ndarray, capacity: int) -> List[np.ndarray]:
-    """Example indices of each row, best-fit decreasing; an example over `capacity` fills a row alone (cut)."""
+    """Example indices of each row, best-fit decreasing (longest example first, into the fullest row it still
+    fits); an example over `capacity` fills a row alone (cut)."""
     sizes = np.minimum(np.asarray(lengths, dtype=np.int64), capacity)
     order = np.argsort(-sizes, kind="stable")  # longest first; equal lengths in split order
     rows: List[List[int]] = []
@@ -50,7 +41,13 @@ def pack_rows(lengths: np.ndarray, capacity: int) -> List[np.ndarray]:
 
 
 def packed_lengths(offsets: np.ndarray, kept: np.ndarray, slots: int) -> np.ndarray:
-    """The [slots, 3] (start, first_target, end) rows of one packed row's examples, in row order."""
+    """The [slots, 3] (start, first_target, end) rows of one packed row's examples, in row order.
+
+    A packed batch's ``lengths`` is int32 [B, K, 3], K the most examples any row holds, so every batch
+    of a split has one shape; unused slots are 0. ``first_target`` is ``start + max(offset, 1)``: the
+    first token of an example is never a target, so the last token of one example never predicts the
+    first of the next (training/losses.py).
+    """
     out = np.zeros((slots, 3), dtype=np.int32)
     starts = np.concatenate([[0], np.cumsum(kept)[:-1]]).astype(np.int64)
     n = kept.shape[0]
@@ -79,8 +76,12 @@ def block_causal_mask(lengths: mx.array, width: int) -> mx.array:
 class PackedRows:
     """A per-layer stand-in for mlx-lm's KV cache that keeps attention inside each packed example.
 
+    mlx-lm's models build the mask with ``create_attention_mask(h, cache[0])``, which asks
+    ``cache.make_mask``, then apply RoPE at ``cache.offset`` and call ``cache.update_and_fetch``.
     Nothing is cached: `update_and_fetch` hands keys and values back and `offset` stays 0, so RoPE
-    runs over the row's positions 0..L-1, and `make_mask` gives the block-diagonal causal mask.
+    runs over the row's positions 0..L-1, and `make_mask` gives the block-diagonal causal mask. RoPE
+    scores depend only on the distance between two positions, so every score inside an example
+    equals the unpacked one: positions in effect restart at each example.
     """
 
     offset = 0
@@ -111,7 +112,8 @@ def _has_rope(block: nn.Module) -> bool:
 
 
 def check_packable(model: Any) -> None:
-    """Raise a one-line ValueError unless every block of `model` applies RoPE (relative positions)."""
+    """Raise a one-line ValueError unless every block of `model` applies RoPE (relative positions): without
+    it in every block, positions would run across packed examples."""
     layers = getattr(model, "layers", None)
     if not layers:
         raise ValueError(f"data.pack: {type(model).__name__} has no mlx-lm block list (model.layers) to "

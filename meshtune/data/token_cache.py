@@ -1,22 +1,10 @@
 """Tokenized splits kept on disk, so a split is tokenized once per file, tokenizer and settings.
 
-Tokenizing runs every row through the chat template (twice with mask_prompt), and
-every rank of a run does it for the whole file: for the embedded 2,200-row data that
-was 1.7 s of a 6 s run, for real data minutes a rank. A split tokenized once is saved
-under a key that hashes everything the tokens depend on: the file's bytes, the
-tokenizer (its whole serialised model, chat template, special tokens and settings),
-the format options, max_seq_length, skip_empty, the transformers version and meshtune's own
-tokenizing code (formats.py, checks.py, hf.py, this file). A split read through the datasets
-library (hf.py) is keyed on its Arrow buffers and selected rows in place of a file's bytes.
-The rows skip_empty left out, and the chat rows without a reply, are kept in the entry with the
-tokens, so a split read back warns about them as one tokenized does. Any change is another key, so a stale entry is
-never read, only left behind (the folder can be deleted at any time).
-
-Where: $MESHTUNE_CACHE_DIR, else $XDG_CACHE_HOME/meshtune, else ~/.cache/meshtune,
-under tokens/. MESHTUNE_CACHE_DIR=off turns it off. Entries are written whole under a
-temporary name and renamed into place, so ranks writing the same entry at once, or a
-run killed mid-write, leave a complete entry or none. A directory that cannot be
-written, or an entry that cannot be read, costs the time of tokenizing, nothing else.
+Tokenizing runs every row through the chat template (twice with mask_prompt), and every rank of a
+run does it for the whole file (what that costs: docs/performance.md, "Data"). `cached_split` saves
+a split once under a key that hashes everything its tokens depend on (`split_key`): any change is
+another key, so a stale entry is never read, only left behind, and the folder (`cache_dir`) can be
+deleted at any time. A cache that cannot be written or read costs the time of tokenizing, nothing else.
 """
 
 from __future__ import annotations
@@ -40,7 +28,10 @@ _PLACE_KEYS = {"name_or_path", "vocab_file", "tokenizer_file", "is_local", "loca
 
 
 def cache_dir() -> Optional[Path]:
-    """Where tokenized splits are kept, or None when the cache is turned off."""
+    """Where tokenized splits are kept, or None when the cache is turned off (MESHTUNE_CACHE_DIR=off).
+
+    $MESHTUNE_CACHE_DIR, else $XDG_CACHE_HOME/meshtune, else ~/.cache/meshtune, under tokens/.
+    """
     where = os.environ.get(CACHE_ENV)
     if where is not None:
         return None if where.strip().lower() in ("", "off", "0", "false", "none") else Path(where) / "tokens"
@@ -88,7 +79,14 @@ def _code_digest() -> str:
 def split_key(path: Optional[Path], tokenizer: Any, options: str,
               content: Optional[Callable[[Any], None]] = None) -> Optional[str]:
     """The cache key of tokenizing `path` (or the rows `content` feeds a hash) with `tokenizer` and
-    `options`, or None (not cached)."""
+    `options`, or None (not cached).
+
+    It hashes everything the tokens depend on: the file's bytes, the tokenizer (its whole serialised
+    model, chat template, special tokens and settings), the format options, max_seq_length,
+    skip_empty, the transformers version and meshtune's own tokenizing code (formats.py, checks.py,
+    hf.py, this file). A split read through the datasets library (hf.py) is keyed on its Arrow
+    buffers and selected rows (`content`) in place of a file's bytes.
+    """
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
         return None
@@ -118,6 +116,10 @@ def _read(entry: Path, name: str, path: Optional[Path]) -> Optional[TokenizedDat
 
 
 def _write(entry: Path, data: TokenizedDataset) -> None:
+    """Save `data` whole under a temporary name, then rename it into place: ranks writing the same entry
+    at once, or a run killed mid-write, leave a complete entry or none. The rows skip_empty left out and
+    the chat rows without a reply are kept with the tokens, so a split read back warns about them as one
+    tokenized does."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.name, suffix=".tmp")

@@ -5,13 +5,10 @@ wall time. Where a rank has one core, that spin takes the core from the backward
 was meant to overlap with. A blocking socket waits in the kernel instead, so compute
 beside an exchange keeps its core (docs/performance.md, "A socket ring for one-core ranks").
 
-`parallel.transport: sockets` sends the gradient buckets this way, in float32, while
-the compiled backward computes the next bucket: two ranks stream buckets to each other
-(BucketPump), more run a ring all-reduce (reduce-scatter, then all-gather, n - 1 steps
-each) between each rank and its neighbours. Ring backend only: the hosts come from
-its hostfile (MLX_HOSTFILE), the ports from an exchange over the MLX group. A host listed
-with several addresses (one per cable) gets a connection per address to each neighbour,
-and every transfer is striped across them.
+`parallel.transport: sockets` sends the gradient buckets this way, in float32, while the compiled
+backward computes the next bucket (`BucketPump`), over connections to each neighbour, one per
+hostfile address, every transfer striped across them (`SocketRing`). Ring backend only: the hosts
+come from its hostfile (MLX_HOSTFILE, `hostfile_links`), the ports from an exchange over the MLX group.
 """
 
 from __future__ import annotations

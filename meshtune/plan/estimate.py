@@ -110,6 +110,8 @@ def layout_figures(layout: Layout, facts: ModelFacts, cfg: Any, items: list[Trai
         # (training/grad_checkpoint.py), its update built apart from its backward (data_parallel_step.build_step).
         kept = ckpt if ckpt is not None and t.grad_checkpoint else act
         block_grads = grads / max(len(blocks), 1)
+        # The backward walks the blocks from the last: a block's activations are freed as its gradients
+        # appear, so the peak holds the larger of the two, plus one block's overlap of them.
         backward = max(kept, grads) + min(per_block, block_grads)
         total = weights + adapters + optimizer + comm_buffer + max(backward, update)
         stages.append({"stage": s, "blocks": [bounds[0], bounds[1]], "weights": weights, "adapters": adapters,

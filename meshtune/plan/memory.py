@@ -1,25 +1,11 @@
 """Memory one rank needs, by part: weights, adapters, gradients, optimizer state, activations.
 
 Every figure is a formula of the model's shapes (model_facts.py) and the run's config;
-nothing is fitted per model. Activations count what the autodiff graph keeps per token
-and per block until the backward needs it:
-
-    block input, norm outputs, attention output, o_proj output, residual   6 h
-    q, k, v and rotated q, k; attention output and its transposed copy      4 q + 3 kv
-    attention probabilities over L keys (softmax's backward needs no more) heads L
-    MLP gate, up, sigmoid(gate), SiLU, product (per routed expert for MoE)  5 I
-    adapter inner products x A (LoRA; DoRA also its unscaled product)       r (+ out) per layer
-
-plus, once per stage, the final norm (2 h) and the logits with the cross entropy's softmax and
-gradient (3 vocab, float32), for one chunk of 1024 tokens where the step takes the head's loss
-a chunk at a time (training/head_loss.py; `chunked_loss`), else for every token; and while a
-block runs its backward, the cotangents of its MLP and attention (3 I + 2 h + 2 heads L; on a stage without the
-head, whose peak that backward is, also SiLU's backward: 7 I). The head's loss is done (its chunks freed,
-only its gradient to the hidden states left) before the first block's backward begins, so the peak holds
-the larger of the head and a block's backward transients, not both. The backward walks the blocks from
-the last: a block's activations are freed as its gradients appear, so the peak holds the larger of the
-two. A quantized base multiplied through its dequantized weights keeps one
-dense copy per layer for the backward.
+nothing is fitted per model. Activations count what the autodiff graph keeps per token and
+per block until the backward needs it (`block_activation_elems`), once per stage the head
+and its loss (`head_bytes`), and what a block's backward holds beside them
+(`backward_transient_elems`); `activations` adds them up as a step holds them. docs/plan.md
+gives the same accounting for users ("The table") and how close it comes ("Measured error").
 """
 
 from __future__ import annotations
@@ -157,7 +143,14 @@ def optimizer_bytes(name: str, items: list[Trained], options: dict[str, Any]) ->
 
 def block_activation_elems(facts: ModelFacts, seq: int, adapted: list[Linear], variant: str, rank: int,
                            attention: str = "whole") -> float:
-    """Activation elements one token keeps in one block until its backward (see the module docstring)."""
+    """Activation elements one token keeps in one block until its backward:
+
+        block input, norm outputs, attention output, o_proj output, residual   6 h
+        q, k, v and rotated q, k; attention output and its transposed copy      4 q + 3 kv
+        attention probabilities over L keys (softmax's backward needs no more) heads L
+        MLP gate, up, sigmoid(gate), SiLU, product (per routed expert for MoE)  5 I
+        adapter inner products x A (LoRA; DoRA also its unscaled product)       r (+ out) per layer
+    """
     h, q, kv = facts.hidden, facts.heads * facts.head_dim, facts.kv_heads * facts.head_dim
     # The probabilities over L keys, or (fused, chunked) each row's log-sum-exp only.
     attention_elems = 6 * h + 4 * q + 3 * kv + facts.heads * (seq if attention == "whole" else 1)
@@ -197,7 +190,12 @@ def head_elems(facts: ModelFacts) -> tuple[int, int]:
 
 
 def head_bytes(facts: ModelFacts, adapter: Any, tokens: int) -> float:
-    """Bytes of the last stage's final norm and loss on `tokens` tokens (one chunk of the loss where chunked)."""
+    """Bytes of the last stage's final norm and loss on `tokens` tokens (one chunk of the loss where chunked).
+
+    The final norm (2 h) and the logits with the cross entropy's softmax and gradient (3 vocab,
+    float32), for one chunk of 1024 tokens where the step takes the head's loss a chunk at a time
+    (training/head_loss.py; `chunked_loss`), else for every token.
+    """
     norm, loss = head_elems(facts)
     loss_tokens = min(tokens, HEAD_CHUNK_TOKENS) if chunked_loss(facts, adapter) else tokens
     return tokens * norm * facts.activation_dtype_bytes + loss_tokens * loss * FP32
@@ -218,7 +216,12 @@ def activations(facts: ModelFacts, *, adapter: Any, examples: int, seq: int, blo
                 last: bool, checkpoint: bool, fused_backward: bool = False) -> tuple[float, float]:
     """(bytes the forward keeps for `blocks` on `examples` x `seq` tokens, per-block part of it).
 
-    `fused_backward`: the device's attention has a fused backward (attention_kind)."""
+    `fused_backward`: the device's attention has a fused backward (attention_kind).
+
+    The head's loss is done (its chunks freed, only its gradient to the hidden states left) before
+    the first block's backward begins, so the peak holds the larger of the head and a block's
+    backward transients, not both. A quantized base multiplied through its dequantized weights keeps
+    one dense copy per layer for the backward."""
     kind = attention_kind(seq, fused_backward)
     tokens = examples * seq
     act = facts.activation_dtype_bytes

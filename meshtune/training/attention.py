@@ -2,19 +2,12 @@
 
 MLX's fused attention has no fused backward on the CPU or on Apple GPUs
 (`ScaledDotProductAttentionVJP::use_fallback`), so training there forms every head's L x L
-scores and probabilities, and the backward several more arrays of that size: at 32,768 tokens
-16 heads' probabilities are 34 GB in bfloat16, for one block. Here the queries go a chunk of rows
-at a time against the keys up to the chunk's end. The forward keeps the output and each row's
-log-sum-exp; the backward recomputes a chunk's probabilities from them (FlashAttention's
-backward, in MLX ops). Each chunk runs after the one before (`mx.depends`), so one chunk's
-scores, heads x chunk x L, are alive at a time.
-
-`install_chunked_attention` points the attention of every loaded mlx-lm model module at a
-`ChunkedAttention`, which takes this path for causal self-attention of at least
-ATTENTION_CHUNKED_FROM tokens (training and evaluation rows) and hands everything else (masks of
-packed rows, caches, attention sinks, short rows) to mlx-lm's own. A run installs it where MLX
-has no fused backward (`needs_chunked_attention`); on NVIDIA GPUs MLX's cuDNN attention does
-this already.
+scores and probabilities, and the backward several more arrays of that size (what that costs:
+docs/performance.md, "Long rows"). Here the queries go a chunk of rows at a time against the
+keys up to the chunk's end, and the backward recomputes a chunk's probabilities from the output
+and each row's log-sum-exp (FlashAttention's backward, in MLX ops; `causal_attention`). A run
+installs it where MLX has no fused backward (`needs_chunked_attention`,
+`install_chunked_attention`); on NVIDIA GPUs MLX's cuDNN attention does this already.
 """
 
 from __future__ import annotations
@@ -36,7 +29,12 @@ def needs_chunked_attention() -> bool:
 
 
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk: int = ATTENTION_CHUNK) -> mx.array:
-    """softmax(scale q k^T, causal) v for q (B, H, L, D) and k, v (B, KV, L, D), H a multiple of KV."""
+    """softmax(scale q k^T, causal) v for q (B, H, L, D) and k, v (B, KV, L, D), H a multiple of KV.
+
+    The forward keeps the output and each row's log-sum-exp; the backward recomputes a chunk's
+    probabilities from them. Each chunk runs after the one before (`mx.depends`), so one chunk's
+    scores, heads x chunk x L, are alive at a time.
+    """
     batch, heads, length, dim = q.shape
     groups = k.shape[1]
     shape = (batch, groups, heads // groups, length, dim)  # query head h attends kv head h // (H / KV)
@@ -85,7 +83,12 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk:
 
 @dataclass(frozen=True)
 class ChunkedAttention:
-    """mlx-lm's `scaled_dot_product_attention` (`fallback`), with causal self-attention of long rows chunked."""
+    """mlx-lm's `scaled_dot_product_attention` (`fallback`), with causal self-attention of long rows chunked.
+
+    Takes the chunked path for causal self-attention of at least ATTENTION_CHUNKED_FROM tokens
+    (training and evaluation rows) and hands everything else (masks of packed rows, caches, attention
+    sinks, short rows) to mlx-lm's own.
+    """
 
     fallback: Callable[..., mx.array]
     chunk: int = ATTENTION_CHUNK

@@ -1,16 +1,11 @@
 """The head and its cross entropy a chunk of tokens at a time, their gradient taken on the way.
 
-A step's logits are tokens x vocabulary: 4096 x 151,936 in bfloat16 is 1.2 GB, and the plain
-loss (losses.masked_ce_sum) keeps them for the backward pass, which then forms their gradient,
-as large again. `head_ce_sum` computes, for HEAD_CHUNK_TOKENS tokens at a time, the head's logits,
-their summed cross entropy and its gradient with respect to the hidden states (and to the
-head's weight when that trains), each chunk after the one before (mx.depends), so one chunk's
-logits are alive at a time. The backward pass only scales the stored gradients by the loss's
-cotangent (mx.custom_function). The matmuls are the plain loss's three; none is recomputed.
-
-`split_head` says whether a model's logits are `head(body(inputs))` in a form this handles:
-the mlx-lm families in HEAD_THEN_LOGITS (a test checks each against the model's own logits),
-a head that is frozen or a plain bias-free weight. Other models take the plain loss.
+A step's logits are tokens x vocabulary, and the plain loss (losses.masked_ce_sum) keeps them
+for the backward pass, which then forms their gradient, as large again (the sizes:
+docs/performance.md, "The head and its loss a chunk of tokens at a time"). `head_ce_sum` takes
+the head's logits, their cross entropy and its gradients HEAD_CHUNK_TOKENS tokens at a time, so
+one chunk's logits are alive at a time, and recomputes none of the plain loss's three matmuls.
+`split_head` says which models it handles; other models take the plain loss.
 """
 
 from __future__ import annotations
@@ -42,7 +37,9 @@ class Head:
 
 
 def split_head(model: nn.Module) -> Head | None:
-    """`model` as body and head when its logits are head(body(x)) and the head is one this module handles."""
+    """`model` as body and head when its logits are head(body(x)) and the head is one this module handles:
+    the mlx-lm families in HEAD_THEN_LOGITS (a test checks each against the model's own logits), with a
+    head that is frozen or a plain bias-free weight."""
     body = getattr(model, "model", None)
     if getattr(model, "model_type", None) not in HEAD_THEN_LOGITS or body is None:
         return None
@@ -60,7 +57,11 @@ def head_ce_sum(head: Head, hidden: mx.array, targets: mx.array, mask: mx.array,
                 chunk_tokens: int = HEAD_CHUNK_TOKENS) -> mx.array:
     """The summed cross entropy of the counted (`mask`) targets, in float32, as masked_ce_sum's
     first value, with its gradient to `hidden` (and the head's weight) taken in the forward pass,
-    `chunk_tokens` tokens at a time."""
+    `chunk_tokens` tokens at a time.
+
+    Each chunk runs after the one before (mx.depends), so one chunk's logits are alive at a time.
+    The backward pass only scales the stored gradients by the loss's cotangent (mx.custom_function).
+    """
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     m = mask.reshape(-1)

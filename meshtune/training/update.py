@@ -2,23 +2,13 @@
 
 Gradients arrive as sums of token losses (already summed over whatever ranks hold the
 same parameters) and the token count of the whole global batch, so the update equals
-one process's on that batch. Clipping follows mlx's `optim.clip_grad_norm` (the scale
-min(max_norm / (||g|| + 1e-6), 1) applied to each gradient, cast back to its dtype);
-only the global norm's square-sum differs by strategy: local for data parallelism,
-summed across stages for a pipeline (parallel/pipeline/executor.py).
-
-The update is gated: a step whose global gradient norm is not finite, whose global batch
-has no target tokens, or whose update would make a parameter or optimizer state value
-non-finite (a finite gradient times a learning rate of 1e39, a nan weight decay), leaves
-the parameters and the optimizer state as they were (`mx.where(ok, new, old)` on every
-array, inside the compiled step: no host sync). The norm and the token count are already
-the same on every rank; so are the new values where every rank holds the same parameters
-(data parallelism), and a pipeline's stages AND their own finiteness in one collective
-(`all_ranks`). A non-finite loss makes a non-finite gradient (its logits are inf or nan),
-so the norm covers it. For a finite step `where` returns the new arrays bit for bit.
-Adam and AdamW take the selects inside their own update (`_gated_adam`), and a large
-parameter's update runs in place: see there. Without clipping the norm is taken from the
-summed gradients and divided once, so each gradient's division joins the update's kernels.
+one process's on that batch. Clipping follows mlx's `optim.clip_grad_norm`; only the global
+norm's square-sum differs by strategy: local for data parallelism, summed across stages for
+a pipeline (parallel/pipeline/executor.py). The update is gated: a bad step leaves the
+parameters and the optimizer state as they were, decided inside the compiled step
+(`apply_update` says which steps are bad and how the ranks agree). Adam and AdamW take the
+gate inside their own update, and a large parameter's update runs in place (`_gated_adam`);
+docs/performance.md ("The update") gives what each costs.
 """
 
 from __future__ import annotations
@@ -99,9 +89,21 @@ def apply_update(model: nn.Module, optimizer: optim.Optimizer, grads: Any, token
     `square_sum(grads)` is the square of the global gradient norm, over every parameter
     of the model once, whichever rank holds it (a collective where ranks hold different
     parameters: every rank calls it every step). `all_ranks(finite)` is every rank's AND of
-    its own update's finiteness (a collective where ranks hold different parameters). A bad
-    step (see above) changes nothing. Adam's parameters of `in_place_from` elements or more are
-    updated in place (`_gated_adam`).
+    its own update's finiteness (a collective where ranks hold different parameters). Adam's
+    parameters of `in_place_from` elements or more are updated in place (`_gated_adam`).
+
+    Clipping applies mlx's scale min(max_norm / (||g|| + 1e-6), 1) to each gradient, cast back to
+    its dtype. Without clipping the norm is taken from the summed gradients and divided once, so
+    each gradient's division joins the update's kernels.
+
+    A step whose global gradient norm is not finite, whose global batch has no target tokens, or
+    whose update would make a parameter or optimizer state value non-finite (a finite gradient
+    times a learning rate of 1e39, a nan weight decay), changes nothing: `mx.where(ok, new, old)`
+    on every array, inside the compiled step, no host sync. The norm and the token count are
+    already the same on every rank; so are the new values where every rank holds the same
+    parameters (data parallelism), and a pipeline's stages AND their own finiteness in one
+    collective (`all_ranks`). A non-finite loss makes a non-finite gradient (its logits are inf or
+    nan), so the norm covers it. For a finite step `where` returns the new arrays bit for bit.
     """
     if max_grad_norm > 0:  # mlx's clip_grad_norm, bit for bit: the norm of the divided gradients
         # `tokens * 1`: an equal count from a node of its own, so that MLX's compiler does not merge these

@@ -98,6 +98,19 @@ def test_every_module_opens_with_a_docstring() -> None:
     assert not missing, f"modules without a docstring saying what they are for: {missing}"
 
 
+# A module docstring says what the module is for; measurements and history live in docs/performance.md,
+# the reasons for a piece of code beside that code, a command's help text in a constant of its own.
+MAX_DOCSTRING_LINES = 12
+
+
+def test_every_module_docstring_is_short() -> None:
+    long = {str(path.relative_to(PACKAGE.parent)): n for path in _modules().values()
+            if (n := len((ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or "")
+                         .strip().splitlines())) > MAX_DOCSTRING_LINES}
+    assert not long, (f"module docstrings over {MAX_DOCSTRING_LINES} lines (say what the module is for; move "
+                      f"figures to docs/performance.md, reasons to the code they explain): {long}")
+
+
 def test_no_module_is_too_long() -> None:
     long = {str(path.relative_to(PACKAGE.parent)): n for path in _modules().values()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}

@@ -1,27 +1,12 @@
 """Pipeline parallelism: the `Pipeline` strategy, its stages and their schedule of transfers.
 
-`Pipeline` is the strategy (training/strategy.py) for a mesh with pp > 1; its
-one rank's stage is stage.py's PipelineStage, its checkpoints and gathered weights are in
-pipeline_state.py, the cut in stages.py.
-Stage s of S owns blocks [start, end), balanced by parameter count or as
-`parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
-the head and computes the loss.
-Every rank holds only its stage's parts (stage_cut.py drops the others from the lazily
-loaded model before any weight is read; parameter names stay the whole model's), so the
-single-stage code (loss, optimizer, adapters) is reused. Evaluation runs through the
-stages as training does (`evaluate_stages`).
-No backend differentiates through send/recv, so a stage's backward is written by
-hand: the last stage differentiates its loss; the others differentiate the surrogate
-sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, and
-send dx back. The backward recomputes the stage's forward (activation recomputation),
-so only each micro-batch's stage input is kept between its forward and backward. With
-`train.compile` the stage's forward and backward are compiled functions (stage.py).
-Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm}
-with a head `model.lm_head` or a tied embedding (a trained tied table lives on the
-first and the last stage, its two gradients summed each step).
-
-Reports give `bubble_share`, measured: the share of the step a stage spends in its
-schedule's sends and receives (waiting for a neighbour, the transfers included).
+`Pipeline` is the strategy (training/strategy.py) for a mesh with pp > 1. This rank's stage is
+stage.py's PipelineStage (its blocks, its hand-written backward, the links to its neighbours); the
+cut into stages is split.py's and stage_cut.py's, the checkpoints and gathered weights state.py's.
+Here `run_schedule` runs a stage's actions (schedules.py), `apply_gradients` makes the one update,
+and `evaluate_stages` evaluates through the stages as training does. Reports give `bubble_share`,
+measured: the share of the step a stage spends in its schedule's sends and receives (waiting for a
+neighbour, the transfers included). docs/parallel/pipeline.md says what users see.
 """
 
 from __future__ import annotations
@@ -234,6 +219,15 @@ def holdings_line(stage: PipelineStage) -> str:
 
 class Pipeline:
     """The strategy of a mesh with pipeline stages: this rank trains its stage's blocks.
+
+    Stage s of S owns blocks [start, end), balanced by parameter count or as
+    `parallel.stage_layers` says; stage 0 also embeds, the last stage also norms, applies
+    the head and computes the loss. Every rank holds only its stage's parts (stage_cut.py
+    drops the others from the lazily loaded model before any weight is read; parameter names
+    stay the whole model's), so the single-stage code (loss, optimizer, adapters) is reused.
+    Supports mlx-lm decoder models laid out as model.model.{embed_tokens, layers, norm} with a
+    head `model.lm_head` or a tied embedding (a trained tied table lives on the first and the
+    last stage, its two gradients summed each step).
 
     Each step runs the schedule on every one of the step's batches (micro-batches
     inside each), adds up gradients and token counts, and updates with the last

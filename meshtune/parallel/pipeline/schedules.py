@@ -7,10 +7,9 @@ a list of actions evaluated in order, and `simulate` proves a schedule cannot
 deadlock under the strictest rule: a send completes only when the peer has reached
 the matching receive (rendezvous), whatever the message size.
 
-Stage s receives activations from s-1 and gradients from s+1: `recv_act`, `fwd`,
-`send_act` and `recv_grad`, `bwd`, `send_grad` per micro-batch, the sends and
-receives placed by `_with_messages`. `idle_fraction` is a schedule's analytic idle share
-(report.md and `meshtune plan` give it).
+Per micro-batch stage s runs `recv_act`, `fwd`, `send_act` (activations from s-1, to s+1) and
+`recv_grad`, `bwd`, `send_grad` (gradients from s+1, to s-1), the messages placed by
+`_with_messages`. `idle_fraction` is a schedule's analytic idle share (report.md, `meshtune plan`).
 """
 
 from __future__ import annotations

@@ -141,7 +141,14 @@ class PipelineStage:
 
     def backward(self, x: mx.array, targets: mx.array, lengths: mx.array, dy: mx.array | None
                  ) -> tuple[mx.array, Any, mx.array | None]:
-        """(value, parameter gradients, input gradient or None) for one micro-batch."""
+        """(value, parameter gradients, input gradient or None) for one micro-batch.
+
+        No backend differentiates through send/recv, so a stage's backward is written by hand: the
+        last stage differentiates its loss; the others differentiate the surrogate
+        sum(y * stop_gradient(dy)) with the cotangent dy received from the next stage, and send dx
+        back. The backward recomputes the stage's forward (activation recomputation), so only each
+        micro-batch's stage input is kept between its forward and backward.
+        """
         out = self._value_and_grads(x, targets, lengths, *([] if dy is None else [dy]))
         return out if len(out) == 3 else (*out, None)
 
