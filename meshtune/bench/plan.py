@@ -28,7 +28,7 @@ from .models import PRESETS, Shape, write_model_folder
 from .pipeline import on_gpu, write_text_data
 from .flags import BenchParser
 
-HELP = """`meshtune bench plan`: meshtune plan's memory estimate for each rank beside the peak a real run of it reports.
+HELP = f"""`meshtune bench plan`: meshtune plan's memory estimate for each rank beside the peak a real run of it reports.
 
 For each layout of `--layouts` (1, dpN, ppN) it runs `meshtune plan --json` and the run
 itself on the same flags: `meshtune train` for one rank, `meshtune launch -n N -- meshtune
@@ -36,7 +36,7 @@ train` for dpN (where MLX has CUDA, the ranks run over NCCL, one GPU each) and t
 `--parallel.pp N` for ppN (1F1B over N micro-batches unless train flags say otherwise), for --iters
 steps with no validation.
 Measured is each rank's `peak_memory_gb_per_rank` (mx.get_peak_memory) in the last train
-record of the run's metrics.jsonl; the estimate is the plan's total for that rank's stage,
+record of the run's {METRICS_FILE}; the estimate is the plan's total for that rank's stage,
 printed with its parts. The model is by default the embedded tiny model on the embedded
 arithmetic data (every batch padded to 32 tokens); with --preset a random Qwen3-shaped model
 of the adapters bench's presets (bench/models.py; on GPUs by default the largest that fits,

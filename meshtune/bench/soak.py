@@ -17,19 +17,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..run_dir import METRICS_FILE
 from ..training.metrics import read_metrics
 from .faultkit import CLI, env
 from .fit import Load, embedded_line
 from .flags import BenchParser, COUNT
 
-HELP = """`meshtune bench soak`: a long run must not grow its memory, and short runs must never hang.
+HELP = f"""`meshtune bench soak`: a long run must not grow its memory, and short runs must never hang.
 
     meshtune bench soak [--steps 2000] [--repeats 20] [--json]     # or: make soak
 
 Part 1: one 2-rank run (`meshtune launch`, ring backend, embedded tiny model and
 arithmetic data, global batch 8, LoRA, Adam) of `--steps` steps, reporting every
 steps/40. Rank 0's reports carry mx.get_peak_memory() and mx.get_active_memory()
-(metrics.jsonl). After warm-up (the first 10% of steps) the peak must grow by less
+({METRICS_FILE}). After warm-up (the first 10% of steps) the peak must grow by less
 than 5%, and the largest active memory of the last fifth of the run must be within
 5% of the largest of the fifth right after warm-up (active memory at one report
 depends on that step's batch width, so single samples are not compared).
