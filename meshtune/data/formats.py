@@ -106,25 +106,27 @@ def _check_string(row: Dict[str, Any], key: str, where: str, *, nonempty: bool =
 ROLE_PROBE = "meshtune-role-probe-7f3a"
 
 
-# (chat template, role) -> whether it renders that role: a memo of the template's text, not run state.
-_ROLES_KEPT: Dict[Tuple[str, str], bool] = {}
+class TemplateRoles:
+    """Whether a tokenizer's chat template renders a message of each role (its content in the text), tried
+    once per role: a split's rows ask for every message."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._kept: Dict[str, bool] = {}
+
+    def __call__(self, role: str) -> bool:
+        if role not in self._kept:
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": role, "content": ROLE_PROBE},
+                                                           {"role": "user", "content": "hi"}], tokenize=False)
+                self._kept[role] = isinstance(text, str) and ROLE_PROBE in text
+            except Exception:  # a template that raises on the role rejects it
+                self._kept[role] = False
+        return self._kept[role]
 
 
-def template_keeps_role(tokenizer: Any, role: str) -> bool:
-    """Whether the tokenizer's chat template renders a message of `role` (its content in the text),
-    tried once per template and role."""
-    key = (str(getattr(tokenizer, "chat_template", "")), role)
-    if key not in _ROLES_KEPT:
-        try:
-            text = tokenizer.apply_chat_template([{"role": role, "content": ROLE_PROBE},
-                                                  {"role": "user", "content": "hi"}], tokenize=False)
-            _ROLES_KEPT[key] = isinstance(text, str) and ROLE_PROBE in text
-        except Exception:  # a template that raises on the role rejects it
-            _ROLES_KEPT[key] = False
-    return _ROLES_KEPT[key]
-
-
-def _check_messages(row: Dict[str, Any], key: str, where: str, tokenizer: Any = None) -> List[Dict[str, Any]]:
+def _check_messages(row: Dict[str, Any], key: str, where: str,
+                    keeps_role: Optional[TemplateRoles] = None) -> List[Dict[str, Any]]:
     messages = row[key]
     if not isinstance(messages, list) or not messages:
         raise ValueError(
@@ -137,7 +139,7 @@ def _check_messages(row: Dict[str, Any], key: str, where: str, tokenizer: Any = 
                 f"{where}: message {k} of {key!r} must be an object with a 'role' "
                 f"key, got {json.dumps(msg)[:60]}"
             )
-        check_role(msg, k, key, where, lambda role: tokenizer is not None and template_keeps_role(tokenizer, role))
+        check_role(msg, k, key, where, lambda role: keeps_role is not None and keeps_role(role))
     last = messages[-1]
     content = last.get("content")
     # An assistant turn that only calls tools has no text content, and is fine.
@@ -184,8 +186,10 @@ def tokenize_row(
     mask_prompt: bool,
     features: Features,
     where: str = "<row>",
+    roles: Optional[TemplateRoles] = None,
 ) -> Tuple[List[int], int]:
-    """Tokenize one row of a known format into ``(tokens, offset)`` as mlx-lm's ``process``."""
+    """Tokenize one row of a known format into ``(tokens, offset)`` as mlx-lm's ``process``; ``roles``, the
+    tokenizer's TemplateRoles, shared by a split's rows (default: one for this row)."""
     if fmt == TEXT:
         text = _check_string(row, features.text_feature, where, nonempty=True)
         eos = tokenizer.eos_token_id
@@ -210,7 +214,8 @@ def tokenize_row(
         ]
         add_generation_prompt = True
     elif fmt == CHAT:
-        messages = _check_messages(row, features.chat_feature, where, tokenizer)
+        keeps_role = roles or (TemplateRoles(tokenizer) if tokenizer is not None else None)
+        messages = _check_messages(row, features.chat_feature, where, keeps_role)
         # mlx-lm only asks for the assistant header when an assistant turn follows.
         add_generation_prompt = messages[-1].get("role") == "assistant"
     else:
@@ -369,6 +374,7 @@ def tokenize_rows(
     skipped: List[Tuple[int, str]] = []
     no_reply: List[int] = []  # chat rows kept with no assistant message (masked, each is an error)
     system_prompts: set = set()  # of the rows kept; None for a row without one
+    roles = TemplateRoles(tokenizer) if tokenizer is not None else None
     for lineno, row in rows:
         where = source.place(lineno)
         if fmt is None:
@@ -395,7 +401,7 @@ def tokenize_rows(
             )
         try:
             ids, offset = tokenize_row(
-                row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where
+                row, fmt, tokenizer, mask_prompt=mask_prompt, features=features, where=where, roles=roles
             )
             if max_length is not None and len(ids) > max_length:
                 raise ValueError(

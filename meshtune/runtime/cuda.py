@@ -3,23 +3,21 @@
 The kernels themselves are .cuh files beside their loaders (adapters/cuda/ for adapters/kernels.py,
 parallel/pack_kernel.cuh for parallel/pack_kernel.py): each launch is an `mx.fast.cuda_kernel` whose
 header is the file and whose body is a short call, compiled by MLX's CUDA build at first use;
-elsewhere (CPU, Metal) their callers compute the same in MLX ops. The three caches below are
-memos, not run state: each entry is a function of its key alone (a kernel of its whole text, a
+elsewhere (CPU, Metal) their callers compute the same in MLX ops. The three `functools.cache`s below
+are memos, not run state: each entry is a function of its key alone (a kernel of its whole text, a
 file of its path, a constant of its values), so no run's choice reaches them; they spare MLX a
 recompile, the disk a read and the GPU a page move.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-
-_kernels: dict[tuple, object] = {}
-
 
 def on_cuda() -> bool:
     """Whether arrays are computed on an NVIDIA GPU (MLX's CUDA build, default device GPU)."""
@@ -74,37 +72,36 @@ def kernel(name: str, inputs: list[str], outputs: list[str], source: str, header
     meshtune) would run the old text's binary, with the old parameters. So the name MLX sees carries a
     digest of the parameters, the source and the header.
     """
-    key = (name, tuple(inputs), tuple(outputs), source, header)
-    if key not in _kernels:
-        digest = hashlib.sha1("\0".join([*inputs, "", *outputs, "", source, "", header]).encode()).hexdigest()[:12]
-        _kernels[key] = mx.fast.cuda_kernel(name=f"{name}_{digest}", input_names=inputs, output_names=outputs,
-                                            source=source, header=header)
-    return _kernels[key]
+    return _built(name, tuple(inputs), tuple(outputs), source, header)
 
 
+@functools.cache  # a function of its arguments: the same text is one kernel
+def _built(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], source: str, header: str):
+    digest = hashlib.sha1("\0".join([*inputs, "", *outputs, "", source, "", header]).encode()).hexdigest()[:12]
+    return mx.fast.cuda_kernel(name=f"{name}_{digest}", input_names=list(inputs), output_names=list(outputs),
+                               source=source, header=header)
+
+
+@functools.cache
 def read_source(path: Path) -> str:
     """A kernel source file's text (a .cuh beside its loader), read once."""
-    if path not in _sources:
-        _sources[path] = path.read_text()
-    return _sources[path]
-
-
-_sources: dict[Path, str] = {}
+    return path.read_text()
 
 
 # MLX's CUDA allocator puts every array of 8 bytes or less in one small pool of managed memory, which the
 # GPU reads across the bus: the constants our kernels read are padded out of that pool, one array a value,
 # made once, so its page moves to the GPU at its first read and stays.
 KERNEL_CONSTANT_BYTES = 16
-_constants: dict[tuple, mx.array] = {}
 
 
 def kernel_constant(values: list, dtype: mx.Dtype) -> mx.array:
     """`values` as an array a kernel reads (entries 0 .. len - 1), zero-padded to KERNEL_CONSTANT_BYTES at least.
 
     Data, not an operation: a compiled step holds it as a constant."""
+    return _constant(tuple(values), dtype)
+
+
+@functools.cache  # one array a value: its page stays on the GPU after the first read
+def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
     pad = max(0, -(-KERNEL_CONSTANT_BYTES // dtype.size) - len(values))
-    key = (tuple(values), str(dtype), pad)
-    if key not in _constants:
-        _constants[key] = mx.array(list(values) + [0] * pad, dtype=dtype)
-    return _constants[key]
+    return mx.array(list(values) + [0] * pad, dtype=dtype)

@@ -5,8 +5,17 @@ whose source or header (its .cuh file) changed between meshtune versions would o
 """
 
 import mlx.core as mx
+import pytest
 
 from meshtune.runtime import cuda
+
+
+@pytest.fixture(autouse=True)
+def _no_kernel_built_before_or_after():
+    """The memo starts empty, and the stand-ins recorded here serve no later test."""
+    cuda._built.cache_clear()
+    yield
+    cuda._built.cache_clear()
 
 
 def _recording(monkeypatch):
@@ -17,7 +26,6 @@ def _recording(monkeypatch):
         return (name, tuple(input_names), tuple(output_names), source, header)
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    monkeypatch.setattr(cuda, "_kernels", {})
     return made
 
 
