@@ -78,8 +78,7 @@ StepRunner = Callable[[mx.array, mx.array], mx.array]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench adapters", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench adapters", description=HELP)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="Shapes and run sizes (flags below override): tiny, small (CPU), 1b (GPU). Default: the "
                         "largest that fits this device's memory (bench/fit.py), said in the first line.")

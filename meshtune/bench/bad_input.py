@@ -7,7 +7,6 @@ the rule out; docs/reliability.md ("Bad input") says what a user sees.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -393,8 +392,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(args: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench badinput", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench badinput", description=HELP)
     p.add_argument("--case", action="append", help="Run only this case (repeatable).")
     p.add_argument("--subprocess", action="store_true", help="Run every case as a real subprocess.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last (every case's result).")

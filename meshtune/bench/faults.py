@@ -7,7 +7,6 @@ faults_save.py. HELP, the command's --help, lists the cases; docs/reliability.md
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import signal
@@ -201,8 +200,7 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench faults", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench faults", description=HELP)
     p.add_argument("--iters", type=int, default=12, help="Steps of every run (faults come after step 6).")
     p.add_argument("--watchdog", type=float, default=5.0, help="runtime.watchdog_s of the runs.")
     p.add_argument("--case", action="append", choices=list(CASES), help="Run only this case (repeatable).")

@@ -10,7 +10,11 @@ from typing import Callable
 
 class BenchParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line (`meshtune: error: --steps 0: must be at least 1`,
-    exit 2, as every meshtune error) instead of the usage block and the message."""
+    exit 2, as every meshtune error) instead of the usage block and the message. Descriptions keep their
+    own line breaks (a suite's HELP is laid out as written)."""
+
+    def __init__(self, *args, formatter_class: type = argparse.RawDescriptionHelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         m = re.fullmatch(r"argument ([^:]+): (.*)", message, flags=re.S)

@@ -75,8 +75,7 @@ OOM = "out of memory"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench long-rows", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench long-rows", description=HELP)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="tiny (the test's), small (seconds a step on a CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). "
                         "Default: 1.7b on a GPU, else small.")

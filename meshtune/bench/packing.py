@@ -41,8 +41,7 @@ and target tokens/s over the unpacked steps'; then that speed-up of the rows tra
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench packing", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench packing", description=HELP)
     p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
     p.add_argument("--data", default="", help="Any --data form (default: the embedded arithmetic set).")
     p.add_argument("--steps", type=COUNT, default=20, help="Timed optimizer steps per run.")

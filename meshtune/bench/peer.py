@@ -31,7 +31,7 @@ from .flags import BenchParser, COUNT, at_least
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench peer", description=__doc__)
+    p = BenchParser(prog="meshtune bench peer", description=__doc__, formatter_class=argparse.HelpFormatter)
     p.add_argument("--model", default="", help="Model (default: the embedded tiny model).")
     p.add_argument("--data", default="", help="Data folder (default: the embedded arithmetic set).")
     p.add_argument("--iters", type=COUNT, default=120, help="Optimizer steps per run.")

@@ -161,8 +161,7 @@ def main(argv: list[str]) -> int:
 
 
 def _parser() -> BenchParser:
-    p = BenchParser(prog="meshtune bench pipeline", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench pipeline", description=HELP)
     p.add_argument("--stages", type=COUNT, default=2, help="Pipeline stages.")
     p.add_argument("--data-parallel", type=COUNT, default=1,
                    help="Data-parallel replicas of the pipeline (ranks = stages x this), e.g. 2 for DP2 x PP2.")

@@ -233,8 +233,7 @@ def _model(a: argparse.Namespace, batch: int, tmp: Path) -> tuple[list[str], str
 
 
 def main(argv: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench plan", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench plan", description=HELP)
     p.add_argument("--layouts", default="1,dp2,pp2", help="Comma-separated layouts: 1, dpN, ppN (default 1,dp2,pp2).")
     p.add_argument("--fine-tune-type", default="lora", choices=("lora", "dora", "full"), help="lora, dora or full.")
     p.add_argument("--batch-size", type=int, default=8, help="Global batch (default 8).")

@@ -48,8 +48,7 @@ On GPUs the ranks are started by a distributed launcher and measure in-process
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench scaling", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench scaling", description=HELP)
     p.add_argument("--ranks", type=at_least(2), default=2, help="Ranks of the multi-rank runs (against 1 rank).")
     p.add_argument("--iters", type=COUNT, default=60, help="Optimizer steps per run.")
     p.add_argument("--local-batch", type=COUNT, default=16, help="Examples per rank per step.")

@@ -49,8 +49,7 @@ RANK, SCALE = 8, 20.0
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench serve", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench serve", description=HELP)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="Model shape (bench/models.py): tiny, small (CPU) or 1b (GPU). Default: 1b on a GPU, "
                         "small on a CPU.")

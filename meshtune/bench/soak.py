@@ -7,7 +7,6 @@ prints PASS or FAIL. HELP, the command's --help, gives the thresholds; docs/reli
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -71,8 +70,7 @@ def memory_growth(records: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    p = BenchParser(prog="meshtune bench soak", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench soak", description=HELP)
     p.add_argument("--steps", type=COUNT, default=2000, help="Steps of the long 2-rank run.")
     p.add_argument("--repeats", type=COUNT, default=20, help="Short 3-rank runs, each of which must not hang.")
     p.add_argument("--json", action="store_true", help="Print one JSON object last.")

@@ -79,8 +79,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench startup", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench startup", description=HELP)
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="tiny, small (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: the largest that fits "
                         "this device's memory (bench/fit.py), said in the first line.")

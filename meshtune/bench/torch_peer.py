@@ -84,8 +84,7 @@ def useful_flops(kind: str, params: int, tokens: int) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = BenchParser(prog="meshtune bench torch", description=HELP,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(prog="meshtune bench torch", description=HELP)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="tiny (CPU) or 1.7b (Qwen3-1.7B's shape, a GPU). Default: 1.7b where it fits this "
                         "device's memory (bench/fit.py), else tiny; said in the first line.")
