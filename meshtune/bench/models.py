@@ -129,8 +129,9 @@ def perturb_adapters(model: nn.Module, seed: int = 1) -> None:
     mx.eval(model.parameters())
 
 
-def write_model_folder(shape: Shape, dtype: mx.Dtype, folder: Path) -> Path:
-    """A random model of `shape` saved as an mlx-lm model folder (`meshtune train --model` loads it).
+def write_model_folder(shape: Shape, dtype: mx.Dtype, folder: Path, quantized: bool = False) -> Path:
+    """A random model of `shape` saved as an mlx-lm model folder (`meshtune train --model` loads it), with
+    `quantized` its base in 4 bits (group 64) as mlx-lm's config records them.
 
     The tokenizer is the embedded tiny model's: its ids fit any preset's vocabulary.
     """
@@ -140,10 +141,12 @@ def write_model_folder(shape: Shape, dtype: mx.Dtype, folder: Path) -> Path:
 
     from mlx.utils import tree_flatten
 
-    model = build_model(shape, dtype, quantized=False)
+    model = build_model(shape, dtype, quantized=quantized)
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    if quantized:
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": BITS}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tiny = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
     for f in tiny.iterdir():

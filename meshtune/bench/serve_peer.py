@@ -18,12 +18,12 @@ from threading import Thread
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..run_dir import RunDir
 from .adapters import describe_device
 from .flags import COUNT, BenchParser, at_least
-from .models import BITS, GROUP_SIZE, PRESETS, Shape, build_model, perturb_adapters
+from .fit import preset_shape
+from .models import PRESETS, Shape, build_model, perturb_adapters, write_model_folder
 
 HELP = """`meshtune bench serve`: decode tokens/s of `meshtune serve` beside `mlx_lm.server` on the same adapters.
 
@@ -63,23 +63,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def write_run(shape: Shape, quantized: bool, folder: Path) -> tuple[Path, dict[str, Path]]:
     """(model folder, {kind: adapter folder}) for one base: the same seed's model and adapters for both servers."""
-    import dataclasses
-    import shutil
-
     from ..adapters import apply_adapters, trainable_parameters
 
-    model = build_model(shape, mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32, quantized=quantized)
-    model_dir = folder / "model"
-    model_dir.mkdir(parents=True)
-    mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
-    if quantized:
-        config["quantization"] = {"group_size": GROUP_SIZE, "bits": BITS}
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-    tiny = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama"
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, model_dir / f.name)
+    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    model_dir = write_model_folder(shape, dtype, folder / "model", quantized=quantized)
     runs = {}
     for kind in KINDS:
         adapted = build_model(shape, mx.float32, quantized=quantized)  # the weights are reloaded; shapes matter
@@ -162,8 +149,7 @@ def main(argv: list[str]) -> int:
 
     on_gpu = mx.default_device() == mx.gpu
     preset = a.preset or ("1b" if on_gpu else "small")
-    shape = Shape(arch="qwen3", **{k: PRESETS[preset][k] for k in
-                                   ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")})
+    shape = preset_shape(preset)
     print(f"serve bench: {shape.describe()}; LoRA/DoRA rank {RANK} on every linear layer; {a.tokens} decoded "
           f"tokens per request, median of {a.requests}; {describe_device()}", flush=True)
     rows = []

@@ -13,6 +13,7 @@ epoch trains every example; batches are padded once and cached; epoch ``e``'s or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -159,7 +160,6 @@ class BatchIterator:
         self._batch_indices = np.ascontiguousarray(global_idx[:, rank::world_size])
         self._batch_indices.flags.writeable = False
         self._warn_truncated(global_idx, warn)
-        self.digest = content_digest(dataset)
 
         # Padded once here: every later step only wraps cached arrays.
         self._cache: List[Tuple[np.ndarray, np.ndarray]] = [
@@ -207,6 +207,12 @@ class BatchIterator:
                 warnings.warn(message, TruncationWarning, stacklevel=3)  # the caller of __init__
             else:
                 warn(message)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The split's content digest, which a saved cursor carries: hashed when a cursor is first saved or
+        checked, not for iterators that never are (evaluation)."""
+        return content_digest(self.dataset)
 
     # ------------------------------------------------------------------ sizes
     @property

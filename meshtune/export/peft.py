@@ -18,7 +18,6 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import adapters as ad
 from ..adapters.dora import DoRAEmbedding, DoRALinear
 from ..adapters.lora import LoRAEmbedding, LoRALinear
 from ..adapters.switch import LoRASwitchLinear
@@ -129,14 +128,13 @@ def export_peft(adapter_path: str | Path, save_path: str | Path, *, model_path: 
                 overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
     """Write the run's adapters as a PEFT folder in `save_path`; `base_model` is the name PEFT records
     (default `model_path`: give the Hugging Face id of the model the MLX base was converted from)."""
-    from ..inference import check_save_path, load_model
+    from ..inference import check_save_path, load_for_inference
 
     check_save_path(save_path, overwrite, "the PEFT adapters")
     adapter_config = json.loads(RunDir(adapter_path).config.read_text())
     if adapter_config.get("fine_tune_type", "lora") not in ("lora", "dora"):
         peft_config(adapter_config, nn.Module(), "")  # the one-line refusal, before the model loads
-    model, _ = load_model(model_path)
-    ad.load_adapters(model, adapter_path, model_path)
+    model, _ = load_for_inference(model_path, adapter_path)
     config = peft_config(adapter_config, model, base_model or model_path)
     tensors = peft_tensors(model)
     target = Path(save_path)
