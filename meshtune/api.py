@@ -28,8 +28,7 @@ from .runtime.blas import describe_blas
 from .runtime.cuda import attention_inputs_multiple
 from .runtime.device_memory import detect
 from .training.checkpoint import (CheckpointWriteError, NonFiniteValues, TrainingState, atomic_write_text,
-                                  list_checkpoints, require_finite, resumable_checkpoint, verify_checkpoint,
-                                  write_error)
+                                  resumable_checkpoint, write_error)
 from .config import Config
 from .config.resume import run_mismatches
 from .data import BatchIterator, check_packable
@@ -299,8 +298,6 @@ def _saver(run: _Run) -> Callable[[TrainingState], None]:
         if crossovers:  # what --resume multiplies by on this rank (adapters/base_path.py)
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(RunDir(out).base_path_record(mesh.rank), json.dumps(crossovers, indent=1))
-        if mesh.pp == 1 and mesh.is_writer:  # a pipeline's stages checked theirs with the checkpoint (state.py)
-            require_finite(state.step, ad.trainable_parameters(run.model), "the trained weight")
         try:
             strategy.write_weights(RunDir(out).adapters)
         except OSError as err:
@@ -410,19 +407,11 @@ def vocabulary_size(model: nn.Module) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def newest_good_checkpoint(out: Path, *, before: int) -> Path | None:
-    """The newest checkpoint of a step before `before` that verifies."""
-    for path in reversed(list_checkpoints(out)):
-        if int(path.name) < before and verify_checkpoint(path) is None:
-            return path
-    return None
-
-
 def with_last_good(err: Exception, out: Path, cfg: Config, need: int) -> Exception:
     """The error a run that stopped in its loop ends with: its own line and the checkpoint to resume from
     (the newest that verifies; for a diverged loss, the newest saved before it diverged)."""
     if isinstance(err, Diverged):
-        found = newest_good_checkpoint(out, before=err.since)
+        found = resumable_checkpoint(out, say=lambda _line: None, before=err.since)
         last = f"{found} (resume with --resume)" if found else "none before it diverged (start again)"
         return Diverged(err.step, err.what, since=err.since, last_good=last)
     found = resumable_checkpoint(out, say=lambda _line: None)

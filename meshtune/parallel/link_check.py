@@ -25,11 +25,11 @@ import threading
 from typing import Any
 
 from ..runtime.hostfile import Hostfile
+from .rank_watch import SSH_FAILED
 
 PROBE_PORT = 22  # ssh's: every host of a hostfile run serves it
 ANSWER_S = 2.0  # how long a peer address may take to answer
 SSH_EXTRA_S = 20.0  # ssh's own connection and the probe's start, on top of the answers
-SSH_FAILED = 255  # ssh's exit code when it could not connect or log in
 
 
 def _family(address: str) -> int:

@@ -106,8 +106,6 @@ class SocketRing:
         nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
         self.forward = _Direction(rank, links, nxt, exchange_ports, "fwd")
         self.backward = _Direction(rank, links, prev, exchange_ports, "bwd") if self.size > 2 else None
-        # The two-rank pump (BucketPump) and the tests reach the forward connections through these.
-        self._senders, self._receivers = self.forward.senders, self.forward.receivers
 
     def post_send(self, buf: np.ndarray) -> Pending:
         """Start sending `buf` to the next rank, a stripe per link; `wait` on what this returns."""

@@ -139,10 +139,6 @@ class TrainingState:
     trained_tokens: int = 0
 
 
-def checkpoint_dir(adapter_path: Path, step: int) -> Path:
-    return RunDir(adapter_path).checkpoint(step).path
-
-
 def file_record(path: Path) -> dict[str, Any]:
     """{"size": bytes, "sha256": hex} of one file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
@@ -339,11 +335,15 @@ def verify_checkpoint(path: Path) -> str | None:
     return _verify_files(path, MANIFEST, files, REQUIRED)
 
 
-def resumable_checkpoint(adapter_path: Path, say: Callable[[str], None] = print) -> Path | None:
-    """The newest checkpoint that verifies; each one skipped on the way is said in one line."""
+def resumable_checkpoint(adapter_path: Path, say: Callable[[str], None] = print,
+                         before: int | None = None) -> Path | None:
+    """The newest checkpoint (of a step before `before`, where given) that verifies; each one skipped on the
+    way is said in one line."""
     for leftover in leftover_temps(adapter_path):
         say(f"warning: skipping checkpoint {leftover}: temp folder of an interrupted save")
     for path in reversed([c.path for c in RunDir(adapter_path).numbered()]):
+        if before is not None and int(path.name) >= before:
+            continue
         why = verify_checkpoint(path)
         if why is None:
             return path

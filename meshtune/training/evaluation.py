@@ -13,12 +13,8 @@ from .model_loss import loss_terms
 
 
 def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
-             beat: Callable[[], None] = lambda: None, counts: bool = True,
-             overlap: bool = False) -> tuple[float, int]:
-    """Token-weighted loss over `batches` on every rank: (loss, global tokens).
-
-    A rank with `counts` false computes but adds nothing (a pipeline stage whose
-    replica's first stage already counts the same batches). With `overlap`
+             beat: Callable[[], None] = lambda: None, overlap: bool = False) -> tuple[float, int]:
+    """Token-weighted loss over `batches` on every rank: (loss, global tokens). With `overlap`
     (runtime.overlap_steps) each batch is dispatched before the previous one is waited for.
     """
     model.eval()
@@ -31,8 +27,11 @@ def evaluate(model: nn.Module, batches: Iterable[Any], mesh: Mesh,
         beat()
     in_flight.finish()
     model.train()
-    if not counts:
-        total, tokens = mx.zeros_like(total), mx.zeros_like(tokens)
+    return summed_loss(mesh, total, tokens)
+
+
+def summed_loss(mesh: Mesh, total: mx.array, tokens: mx.array) -> tuple[float, int]:
+    """(loss, tokens) of every rank's summed cross entropy `total` over its `tokens`; nan where none counted."""
     total, tokens = mesh.all_sum(total), mesh.all_sum(tokens)
     n = int(tokens.item())
     return (total.item() / n if n else float("nan")), n

@@ -87,9 +87,9 @@ def test_every_link_carries_a_stripe_of_each_transfer():
     for p in pumps:
         assert np.array_equal(dict(p.collect(1))["b"], 2 * data)
     for ring in rings:
-        assert [w.sock.getsockname()[0] for w in ring._receivers] == ["127.0.0.1", "127.0.0.2"]
-        assert [w.moved for w in ring._senders] == [data.nbytes // 2] * 2
-        assert [w.moved for w in ring._receivers] == [data.nbytes // 2] * 2
+        assert [w.sock.getsockname()[0] for w in ring.forward.receivers] == ["127.0.0.1", "127.0.0.2"]
+        assert [w.moved for w in ring.forward.senders] == [data.nbytes // 2] * 2
+        assert [w.moved for w in ring.forward.receivers] == [data.nbytes // 2] * 2
     for r in rings:
         r.close()
 

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from ...adapters import StepContext, trainable_parameters
 from ...run_dir import RunDir
 from ...training.checkpoint import LoadedCheckpoint, TrainingState
+from ...training.evaluation import summed_loss
 from ...training.losses import masked_ce_sum, target_mask
 from ...training.strategy import WaitClock
 from ...training.update import StepVerdict, apply_update, local_square_sum
@@ -114,9 +115,7 @@ def evaluate_stages(stage: PipelineStage, batches: Iterable[Any], beat: Callable
             mx.eval(stage.links.send(h, rank + 1))
         beat()
     stage.model.train()
-    total, tokens = stage.mesh.all_sum(total), stage.mesh.all_sum(tokens)
-    n = int(tokens.item())
-    return (total.item() / n if n else float("nan")), n
+    return summed_loss(stage.mesh, total, tokens)
 
 
 def split_micro_batches(tokens: mx.array, lengths: mx.array, count: int) -> list[tuple[mx.array, mx.array]]:
