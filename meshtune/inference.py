@@ -18,6 +18,7 @@ from . import adapters as ad
 from .config import Config
 from .config.schema import is_local_path
 from .data import check_source
+from .prompt_format import PromptChoice, prompt_tokens
 from .runtime.mesh import Mesh
 from .run_data import eval_batches, load_splits, split_names, tail_batch
 from .run_dir import RunDir
@@ -119,14 +120,13 @@ def generate(model_path: str, prompt: str, *, adapter_path: str | Path | None = 
 
 
 def complete(model: nn.Module, tokenizer: Any, prompt: str, *, max_tokens: int = 64, chat: bool = True) -> str:
-    """Greedy completion with an already loaded model."""
+    """Greedy completion with an already loaded model (through the chat template when `chat` and the
+    tokenizer has one, with no system prompt)."""
     from mlx_lm.generate import generate as mlx_generate
 
-    if chat and getattr(tokenizer, "chat_template", None):
-        tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, return_dict=False)
-    else:
-        tokens = tokenizer.encode(prompt)
+    templated = chat and bool(getattr(tokenizer, "chat_template", None))
+    choice = PromptChoice(templated, None, "complete's chat flag")
+    tokens = prompt_tokens(tokenizer, prompt, choice)
     return mlx_generate(model, tokenizer, prompt=tokens, max_tokens=max_tokens, verbose=False)
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 from ..run_dir import ADAPTER_FILE, CONFIG_FILE, METRICS_FILE, PLOT_FILE, REPORT_FILE, RunDir
 from ..runtime.relaunch import resume_command
-from .run_args import check_adapter_folder, model_from_adapters, no_extra
+from .run_args import check_adapter_folder, check_run_config, model_from_adapters, no_extra
 
 
 def _train_config(args: argparse.Namespace, rest: list[str], say: Callable[[str], None] = print,
@@ -206,14 +206,11 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     """Score trained adapters on a split: the run's own settings, flags on top."""
     from ..config import load_config, parse_override_args
 
-    config = RunDir(args.adapter_path).config
     check_adapter_folder(args.adapter_path)
-    if not config.is_file():
-        raise ValueError(f"--adapter-path {args.adapter_path}: no {CONFIG_FILE} there; point it at a run of "
-                         "meshtune train or mlx_lm.lora (or a data-parallel run's checkpoint)")
+    check_run_config(args.adapter_path, " (or a data-parallel run's checkpoint)")
     if args.batches == 0 or args.batches < -1:
         raise ValueError(f"--batches {args.batches}: give a count of at least 1, or -1 for every full batch")
-    cfg = load_config(str(config), parse_override_args(rest))
+    cfg = load_config(str(RunDir(args.adapter_path).config), parse_override_args(rest))
     for line in cfg.notes:
         print(f"note: {line}", file=sys.stderr)
     cfg.validate()

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ..run_dir import CONFIG_FILE
-from .run_args import check_adapter_folder, default_model, model_from_adapters, no_extra
+from .run_args import check_adapter_folder, check_run_config, default_model, model_from_adapters, no_extra
 
 
 def _true_or_false(text: str) -> bool:
@@ -146,11 +146,8 @@ def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     """Write the run's result in another tool's format."""
     no_extra(rest)
     from ..export import export_gguf, export_hf, export_peft
-    from ..run_dir import RunDir
 
-    if not args.adapter_path or not RunDir(args.adapter_path).config.is_file():
-        raise ValueError(f"--adapter-path {args.adapter_path}: no {CONFIG_FILE} there; point it at a run of "
-                         "meshtune train or mlx_lm.lora")
+    check_run_config(args.adapter_path)
     model_path = _model_path(args, "")
     if args.format == "peft":
         export_peft(args.adapter_path, args.save_path, model_path=model_path, base_model=args.base_model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..run_dir import CheckpointDir, RunDir
+from ..run_dir import CONFIG_FILE, CheckpointDir, RunDir
 
 
 def default_model() -> str:
@@ -19,6 +19,14 @@ def check_adapter_folder(adapter_path: str) -> None:
         raise ValueError(f"--adapter-path {adapter_path} is a pipeline checkpoint (one weights file per stage), "
                          f"which resumes but does not load as adapters; point it at the run "
                          f"({Path(adapter_path).parent.parent})")
+
+
+def check_run_config(adapter_path: str, also: str = "") -> None:
+    """A folder without the run's config given as a run: one line saying what to point at (`also`: what
+    else the command takes)."""
+    if not adapter_path or not RunDir(adapter_path).config.is_file():
+        raise ValueError(f"--adapter-path {adapter_path}: no {CONFIG_FILE} there; point it at a run of "
+                         f"meshtune train or mlx_lm.lora{also}")
 
 
 def model_from_adapters(adapter_path: str, hint: str) -> str:

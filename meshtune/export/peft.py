@@ -30,15 +30,18 @@ PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 def _adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(path, layer) of every adapter layer, refusing those PEFT has no form for."""
+    modules = model.named_modules()
+    # Without an lm_head the head is tied to the embedding, and a LoRAEmbedding adapts both.
+    untied = any(name == "lm_head" for name, _ in modules)
     found = []
-    for name, module in model.named_modules():
+    for name, module in modules:
         if isinstance(module, LoRASwitchLinear):
             raise ValueError(f"{name}: adapters on mixture-of-experts layers have no PEFT form; export the fused "
                              "model instead (meshtune export --format hf)")
         if isinstance(module, DoRAEmbedding):
             raise ValueError(f"{name}: DoRA on an embedding has no PEFT form here; export the fused model "
                              "(meshtune export --format hf), or train without the embedding in --adapter.keys")
-        if isinstance(module, LoRAEmbedding) and "lm_head" not in dict(model.named_modules()):
+        if isinstance(module, LoRAEmbedding) and not untied:
             raise ValueError(f"{name}: this model ties its head to the embedding, which meshtune adapts with it and "
                              "PEFT does not; export the fused model (meshtune export --format hf)")
         if isinstance(module, (LoRALinear, LoRAEmbedding)):
@@ -50,7 +53,12 @@ def _adapted(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def peft_tensors(model: nn.Module) -> dict[str, mx.array]:
-    """PEFT's state dict for the model's adapter layers, in their own dtype.
+    """PEFT's state dict for the model's adapter layers, in their own dtype (the mapping: `_tensors`)."""
+    return _tensors(_adapted(model))
+
+
+def _tensors(adapted: list[tuple[str, nn.Module]]) -> dict[str, mx.array]:
+    """peft_tensors of the `_adapted` layers.
 
     - Linear: meshtune computes y = W x + s (x A) B with A (in, r), B (r, out); PEFT computes
       y = W x + (lora_alpha / r) B' A' x with lora_A.weight A' (r, in), lora_B.weight B' (out, r).
@@ -63,7 +71,7 @@ def peft_tensors(model: nn.Module) -> dict[str, mx.array]:
       table, PEFT only the lookup.
     """
     tensors: dict[str, mx.array] = {}
-    for name, layer in _adapted(model):
+    for name, layer in adapted:
         key = PEFT_PREFIX + name
         if isinstance(layer, LoRAEmbedding):
             tensors[f"{key}.lora_embedding_A"] = layer.lora_a.T
@@ -95,15 +103,27 @@ def _target_pattern(names: list[str]) -> str:
     return "|".join(parts + sorted(loose))
 
 
-def peft_config(adapter_config: dict[str, Any], model: nn.Module, base_model: str) -> dict[str, Any]:
-    """PEFT's adapter_config.json for a meshtune (or mlx_lm.lora) run's adapter_config.json."""
+def _fine_tune_type(adapter_config: dict[str, Any]) -> str:
+    """The run's fine_tune_type, refusing those PEFT has no form for."""
     kind = adapter_config.get("fine_tune_type", "lora")
     if kind not in ("lora", "dora"):
         raise ValueError(f"fine_tune_type {kind}: --format peft exports lora and dora adapters; a full fine-tuning "
                          "run exports as a model with --format hf")
+    return kind
+
+
+def peft_config(adapter_config: dict[str, Any], model: nn.Module, base_model: str) -> dict[str, Any]:
+    """PEFT's adapter_config.json for a meshtune (or mlx_lm.lora) run's adapter_config.json."""
+    _fine_tune_type(adapter_config)  # first: a full run has no LoRA layers, and this line says what to do
+    return _config(adapter_config, _adapted(model), base_model)
+
+
+def _config(adapter_config: dict[str, Any], adapted: list[tuple[str, nn.Module]], base_model: str) -> dict[str, Any]:
+    """peft_config for the `_adapted` layers."""
+    kind = _fine_tune_type(adapter_config)
     lora = adapter_config.get("lora_parameters") or {}
     rank, scale = int(lora.get("rank", 8)), float(lora.get("scale", 20.0))
-    names = [name for name, _ in _adapted(model)]
+    names = [name for name, _ in adapted]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -132,11 +152,11 @@ def export_peft(adapter_path: str | Path, save_path: str | Path, *, model_path: 
 
     check_save_path(save_path, overwrite, "the PEFT adapters")
     adapter_config = json.loads(RunDir(adapter_path).config.read_text())
-    if adapter_config.get("fine_tune_type", "lora") not in ("lora", "dora"):
-        peft_config(adapter_config, nn.Module(), "")  # the one-line refusal, before the model loads
+    _fine_tune_type(adapter_config)  # the one-line refusal, before the model loads
     model, _ = load_for_inference(model_path, adapter_path)
-    config = peft_config(adapter_config, model, base_model or model_path)
-    tensors = peft_tensors(model)
+    adapted = _adapted(model)  # one walk of the model for the config and the tensors
+    config = _config(adapter_config, adapted, base_model or model_path)
+    tensors = _tensors(adapted)
     target = Path(save_path)
     target.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(target / PEFT_WEIGHTS_FILE), tensors, metadata={"format": "pt"})

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data.batches import LONG_ROW_FACTOR
+from ..data.batches import LONG_ROW_FACTOR, padded_width
 from ..data.packing import pack_rows
 from .model_facts import ModelFacts, read_model
 
@@ -81,8 +81,8 @@ def row_cost(lengths: np.ndarray, capacity: int, *, pad_to: int, batch_size: int
              step_tokens: float) -> float:
     """The cost of `lengths` packed into rows of `capacity`, in tokens of weights' work: the sum over rows
     of w (1 + w / tokens_at_par), w a row's padded width, and `step_tokens` a step of `batch_size` rows."""
-    fill = np.array([int(lengths[r].sum()) for r in pack_rows(lengths, capacity)])
-    width = np.minimum(1 + pad_to * -(-fill // pad_to), capacity).astype(np.float64)
+    fill = [int(lengths[r].sum()) for r in pack_rows(lengths, capacity)]
+    width = np.array([padded_width(f, pad_to=pad_to, max_seq_length=capacity) for f in fill], dtype=np.float64)
     return float((width * (1 + width / tokens_at_par)).sum() + step_tokens * len(fill) / batch_size)
 
 
