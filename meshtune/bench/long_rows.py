@@ -224,9 +224,9 @@ def _torch_child(spec: dict[str, Any]) -> dict[str, Any]:
     """The torch side's measurement (run as `python -m meshtune.bench.long_rows SPEC`)."""
     import torch
 
-    from . import torch_side as ts
+    from .torch_side import TorchSide
 
-    ts.use_device(spec["cuda"])
+    ts = TorchSide(spec["cuda"])
     try:
         model = ts.build_model(spec["shape"], spec["dtype"], seed=0)
         if spec["grad_checkpoint"]:

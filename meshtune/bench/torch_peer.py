@@ -279,8 +279,7 @@ def main(argv: list[str]) -> int:
     a = _settings(argv)
     print(a.fit_line, flush=True)
     keep_freed_memory()  # before any model exists, as `meshtune train` does (runtime.keep_freed_memory)
-    ts = importlib.import_module(".torch_side", __package__)
-    ts.use_device(a.on_gpu)
+    ts = importlib.import_module(".torch_side", __package__).TorchSide(a.on_gpu)
     if not a.on_gpu:
         from ..runtime.fastmath import install_fast_swiglu
 

@@ -191,12 +191,34 @@ def module_state(source: str) -> list[str]:
             isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
             and value.func.id in ("dict", "list", "set") and not value.args and not value.keywords)
         found += [t.id for t in targets if empty and isinstance(t, ast.Name)]
-    return found
+    return found + _mutated_module_containers(tree)
+
+
+MUTATORS = {"append", "add", "update", "setdefault", "pop", "clear", "extend", "insert", "remove", "discard"}
+
+
+def _mutated_module_containers(tree: ast.Module) -> list[str]:
+    """Module-level names bound to a dict, list or set that a function changes (`_x[0] = ...`,
+    `_x.append(...)`): a container standing in for a `global`."""
+    containers = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                  and isinstance(node.value, (ast.Dict, ast.List, ast.Set))
+                  for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    changed = []
+    for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for node in ast.walk(func):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AugAssign) else [node.func] if isinstance(node, ast.Call) and isinstance(
+                node.func, ast.Attribute) and node.func.attr in MUTATORS else []
+            changed += [t.value.id for t in targets if isinstance(t, (ast.Subscript, ast.Attribute))
+                        and isinstance(t.value, ast.Name) and t.value.id in containers]
+    return sorted(set(changed), key=changed.index)
 
 
 def test_module_state_is_found() -> None:
     source = "A = {'x': 1}\n_cache: dict = {}\nseen = []\nnames = set()\ndef f():\n    global seen\n"
     assert module_state(source) == ["global seen", "_cache", "seen", "names"]
+    held = "_device = ['cpu']\nKEYS = ['a']\ndef use(d):\n    _device[0] = d\n    return KEYS[0]\n"
+    assert module_state(held) == ["_device"]
 
 
 def test_no_module_keeps_state_that_changes_after_import() -> None:
