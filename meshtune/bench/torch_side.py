@@ -35,7 +35,10 @@ class TorchSide:
             raise ValueError("MLX runs on a GPU but this torch has no CUDA; install a CUDA build of torch "
                              "(pip install torch) or run on the CPU with MLX's CPU build")
         self.device = torch.device("cuda" if cuda else "cpu")
-        self.cuda = cuda
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def describe(self) -> str:
         """Versions and the device torch runs on."""
