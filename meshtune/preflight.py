@@ -186,7 +186,7 @@ def _planned_need(cfg: Config, mesh: Mesh, longest: int, memory: float) -> tuple
     from .plan import plan
 
     d = cfg.data
-    seq = (d.pack_length or d.max_seq_length) if d.pack else max(1, min(longest, d.max_seq_length))
+    seq = None if d.pack else max(1, min(longest, d.max_seq_length))  # packed: plan's data.pack_length default
     try:
         result = plan(cfg, mesh.world_size, memory / 1e9, "10gbit", seq_len=seq)
     except (ValueError, KeyError, OSError):  # the planner cannot read this model: no check, not a stop

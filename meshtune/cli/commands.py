@@ -179,8 +179,6 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         from ..plan.data_lengths import data_row_length
 
         seq_len, seq_len_from = data_row_length(cfg)
-    elif seq_len is None and cfg.data.pack and cfg.data.pack_length:
-        seq_len, seq_len_from = cfg.data.pack_length, "data.pack_length"
     result = plan(cfg, ranks, args.memory_gb, args.link, seq_len=seq_len, seq_len_from=seq_len_from, links=links)
     print(as_json(result) if args.json else table(result))
     return 0

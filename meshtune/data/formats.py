@@ -139,7 +139,7 @@ def _check_messages(row: Dict[str, Any], key: str, where: str,
                 f"{where}: message {k} of {key!r} must be an object with a 'role' "
                 f"key, got {json.dumps(msg)[:60]}"
             )
-        check_role(msg, k, key, where, lambda role: keeps_role is not None and keeps_role(role))
+        check_role(msg, k, key, where, keeps_role or (lambda role: False))
     last = messages[-1]
     content = last.get("content")
     # An assistant turn that only calls tools has no text content, and is fine.
@@ -176,6 +176,11 @@ def _masked(
             where, f"with mask_prompt the prompt is all {len(full)} tokens",
             "give the last message some content, set --data.mask_prompt false")
     return len(prompt)
+
+
+def has_reply(messages: List[Dict[str, Any]]) -> bool:
+    """Whether a chat holds an assistant message (what a masked row trains on)."""
+    return any(m.get("role") == "assistant" for m in messages)
 
 
 def tokenize_row(
@@ -221,7 +226,7 @@ def tokenize_row(
     else:
         raise ValueError(f"{where}: unknown format {fmt!r}; use text, completions or chat")
 
-    if mask_prompt and fmt == CHAT and not any(m.get("role") == "assistant" for m in messages):
+    if mask_prompt and fmt == CHAT and not has_reply(messages):
         # mlx-lm masks every message but the last; with no reply that is the user's own text
         # (or, for a single message, nothing the template can render).
         raise EmptyExample(where, f"with mask_prompt the loss is on the assistant's reply, and the "
@@ -418,7 +423,7 @@ def tokenize_rows(
         arrays.append(np.asarray(ids, dtype=np.int32))
         offsets.append(offset)
         system_prompts.add(_system_prompt(row, fmt, features))
-        if fmt == CHAT and not any(m.get("role") == "assistant" for m in row[features.chat_feature]):
+        if fmt == CHAT and not has_reply(row[features.chat_feature]):
             no_reply.append(lineno)
     if fmt is None:
         fix = "add one JSON object per line or remove the file" if source.unit == "line" else "choose another split"

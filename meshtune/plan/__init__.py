@@ -36,7 +36,8 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         raise ValueError(f"--links {links}: give the links (cables) each rank has, at least 1")
     link_bytes_s = parse_link(link) * links
     longest = cfg.data.max_seq_length
-    seq = longest if seq_len is None else seq_len
+    packed = cfg.data.pack_length if cfg.data.pack else None  # a packed run's rows are this long
+    seq = (packed or longest) if seq_len is None else seq_len
     if seq < 1:
         raise ValueError(f"--seq-len {seq}: give the tokens per example, e.g. --seq-len 512")
     if seq > longest:  # a run cuts every example to max_seq_length: no batch is wider
@@ -76,7 +77,8 @@ def plan(cfg: Any, ranks: int, memory_gb: float, link: str, seq_len: int | None 
         "model": str(facts.path), "blocks": facts.num_blocks, "weights_by_kind": facts.weight_bytes(),
         "trainable_params": sum(i.params for i in items), "fine_tune_type": cfg.adapter.fine_tune_type,
         "optimizer": cfg.optimizer.name, "batch_size": cfg.train.batch_size, "seq_len": seq,
-        "seq_len_from": seq_len_from or ("--seq-len" if seq_len is not None else "data.max_seq_length"),
+        "seq_len_from": seq_len_from or ("--seq-len" if seq_len is not None else
+                                         "data.pack_length" if packed else "data.max_seq_length"),
         "grad_checkpoint": cfg.train.grad_checkpoint, "schedule": cfg.parallel.schedule,
         "attention": attention_kind(seq, fused),
         "ranks": ranks, "memory_gb": memory_gb, "link": link, "links": links, "link_bytes_per_s": link_bytes_s,
