@@ -229,11 +229,7 @@ def _row_norms(weights: list, a: list[mx.array], b: list[mx.array], scales: list
                               launch=launch)
         return tuple(x + y for x, y in zip(part(slice(None, cut)), part(slice(cut, None))))
     n = len(weights)
-    out, inp = weights[0].shape
-    wt = weights[0].dtype
-    r = a[0].shape[-1]
-    packed = isinstance(weights[0], PackedWeight)
-    _check_one_shape(weights, a, b)
+    out, inp, wt, r, packed = _one_shape(weights, a, b)
     folded = magnitudes is not None
     layout = (_packed_layout(r, weights[0]) if packed
               else _row_scale_layout(r, inp, wt.size, folded, launch.folded_tile_rows))
@@ -273,14 +269,15 @@ def _row_norms(weights: list, a: list[mx.array], b: list[mx.array], scales: list
     return _per_layer(res, n, stacked)
 
 
-def _check_one_shape(weights: list, a: list[mx.array], b: list[mx.array]) -> None:
-    """One launch takes layers of one shape, rank, weight dtype and packing."""
+def _one_shape(weights: list, a: list[mx.array], b: list[mx.array]) -> tuple[int, int, mx.Dtype, int, bool]:
+    """(out, in, weight dtype, rank, packed) of the launch's layers, which must all share them."""
     (out, inp), wt, r = weights[0].shape, weights[0].dtype, a[0].shape[-1]
     packed = isinstance(weights[0], PackedWeight)
     if any(isinstance(w, PackedWeight) != packed or w.shape != (out, inp) or w.dtype != wt or x.shape != (inp, r)
            or y.shape != (r, out) or packed and w[3:] != weights[0][3:] for w, x, y in zip(weights, a, b)):
         raise ValueError("row_norms_cuda: one launch takes layers of one shape, rank and weight dtype "
                          "(and one packing: bits and group size)")
+    return out, inp, wt, r, packed
 
 
 def _per_layer(outputs: list[mx.array], n: int, stacked: bool = False) -> tuple[list, ...]:

@@ -20,6 +20,7 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..runtime.device_memory import device_info
 from . import kernels
 from .base_path import is_quantized
 
@@ -59,10 +60,7 @@ def _covered(layer: nn.Module) -> bool:
 
 def gpu_memory() -> int | None:
     """The default device's total memory in bytes (on MLX's CUDA build "total_memory"), None where not reported."""
-    try:
-        info = mx.device_info()
-    except (AttributeError, RuntimeError):
-        return None
+    info = device_info(mx)
     total = info.get("total_memory") or info.get("memory_size")
     return total if isinstance(total, int) else None
 

@@ -28,7 +28,7 @@ def detect() -> Machine:
     """MLX's default device and the memory it may use."""
     import mlx.core as mx
 
-    info = _device_info(mx)
+    info = device_info(mx)
     if mx.default_device().type == mx.DeviceType.gpu:
         memory = next((int(info[k]) for k in ("free_memory", "max_recommended_working_set_size", "total_memory",
                                               "memory_size") if info.get(k)), 0)
@@ -36,7 +36,8 @@ def detect() -> Machine:
     return Machine("CPU", str(info.get("device_name", "")), available_ram())
 
 
-def _device_info(mx: Any) -> dict[str, Any]:
+def device_info(mx: Any) -> dict[str, Any]:
+    """MLX's report of the default device (mx.device_info, else mx.metal's), {} where it has none."""
     for get in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
         try:
             return dict(get()) if get else {}
