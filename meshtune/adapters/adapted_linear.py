@@ -61,6 +61,11 @@ def dora_cotangent(g: mx.array, y: mx.array, rs: mx.array, norm: mx.array) -> tu
     return g * rs, mx.where(den == 0, 0.0, total / mx.where(den == 0, 1.0, den))
 
 
+def _on_kernels(a: mx.array) -> bool:
+    """Whether DoRA's norms and folds run on meshtune's CUDA kernels: on CUDA, at a rank they take."""
+    return kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
+
+
 def lora_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: float, *,
                 x_lora: mx.array | None = None) -> mx.array:
     """LoRA's x W^T + s (x_lora A) B for x (..., in), W (out, in), A (in, r), B (r, out); `x_lora` is the
@@ -92,7 +97,7 @@ def dora_linear(x: mx.array, weight: mx.array, a: mx.array, b: mx.array, scale: 
     kernel on CUDA, else from r extra rows on the activations' product (_base_with_norm_rows).
     """
     dt, two_inputs = x.dtype, _differs(x, x_lora)
-    on_kernels = kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
+    on_kernels = _on_kernels(a)
     if isinstance(norm, kernels.StackedNorm):  # MLX ops (and the cotangent kernel) take its view
         norm = norm.view()
     given_norm = None if norm is None else mx.stop_gradient(norm)
@@ -218,7 +223,7 @@ class _Fold:
     @classmethod
     def of(cls, a: mx.array, norm: mx.array | kernels.StackedNorm, row_scale: mx.array,
            factors: tuple[mx.array, mx.array] | None, dt: mx.Dtype) -> "_Fold":
-        on_kernels = kernels.on_cuda() and a.shape[-1] <= kernels.MAX_RANK
+        on_kernels = _on_kernels(a)
         if isinstance(norm, kernels.StackedNorm) and not on_kernels:
             norm = norm.view()
         norm = norm if isinstance(norm, kernels.StackedNorm) else mx.stop_gradient(norm)
