@@ -127,24 +127,23 @@ def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     from ..adapters import apply_adapters
     from ..inference import load_model
-    from ..config.sections import DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH, DataConfig
+    from ..config.load import load_config
+    from ..config.sections import DEFAULT_DATA_PATH, DEFAULT_MODEL_PATH
     from ..data import load_datasets
-    from ..plan.model_facts import read_model
-    from ..plan.row_length import RowLength, pick_row_length
+    from ..plan.row_length import packed_row_length
 
     model_path = a.model or str(DEFAULT_MODEL_PATH)
     data_path = a.data or str(DEFAULT_DATA_PATH)
-    defaults = DataConfig()
-    cap = a.max_seq_length or defaults.max_seq_length
+    # The config `meshtune train --data.pack true` would run with these flags.
+    flags = {"model.path": model_path, "train.batch_size": a.batch_size, "data.pack": True}
+    cfg = load_config(None, flags | ({"data.max_seq_length": a.max_seq_length} if a.max_seq_length else {}))
+    cap = cfg.data.max_seq_length
     model, tokenizer = load_model(model_path)
     mx.random.seed(0)
     apply_adapters(model, fine_tune_type="lora", num_layers=-1, keys=None, rank=8, scale=20.0, dropout=0.0)
     data = load_datasets(data_path, tokenizer, mask_prompt=a.mask_prompt, need_valid=False,
                          max_seq_length=cap).train
-    # The rows `meshtune train --data.pack true` takes with these flags (api.finetune, plan/row_length.py).
-    rows = (RowLength(a.max_seq_length, "--max-seq-length") if a.max_seq_length else
-            pick_row_length(data.lengths, max_seq_length=cap, pad_to=defaults.pad_to, batch_size=a.batch_size,
-                            facts=read_model(model_path)))
+    rows = packed_row_length(cfg, data.lengths)  # the rows that run takes (api.finetune)
     if not a.model:  # a model of the caller's is the caller's size
         from .fit import Load, embedded_line
 
