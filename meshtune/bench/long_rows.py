@@ -82,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=at_least(64), nargs="+", default=None, help="Row lengths. Default: the preset's.")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["lora"],
                    help="meshtune's kinds (torch runs LoRA beside them; dora and qlora are meshtune's rows).")
-    p.add_argument("--warmup", type=at_least(1), default=None,
-                   help="Steps left out of tokens/s. Default: the preset's.")
+    p.add_argument("--warmup", type=at_least(0), default=None,
+                   help="Steps left out of tokens/s (0: every step counts, the first with its compiling; "
+                        "enough for peak memory). Default: the preset's.")
     p.add_argument("--steps", type=COUNT, default=None, help="Steps timed after the warm-up. Default: the preset's.")
     p.add_argument("--batch-size", type=COUNT, default=1, help="Rows a step (both sides).")
     p.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=True,
