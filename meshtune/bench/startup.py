@@ -134,7 +134,8 @@ def write_data(folder: Path, model: Path, seq_len: int, rows: int, lengths: list
             lo, hi = 1, len(words)
             while lo < hi:  # the most words whose tokens plus EOS fit seq_len
                 mid = (lo + hi + 1) // 2
-                if len(tokenizer.encode(" ".join(words[:mid]))) + 1 <= seq_len:
+                # verbose=False: no note that the row is longer than the tokenizer's model_max_length
+                if len(tokenizer.encode(" ".join(words[:mid]), verbose=False)) + 1 <= seq_len:
                     lo = mid
                 else:
                     hi = mid - 1
