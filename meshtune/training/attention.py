@@ -12,6 +12,7 @@ installs it where MLX has no fused backward (`needs_chunked_attention`,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +20,8 @@ import mlx.core as mx
 
 from ..runtime.model_modules import replace_in_models
 from . import ATTENTION_CHUNK, ATTENTION_CHUNKED_FROM
+
+LOG2_E = math.log2(math.e)
 
 
 def needs_chunked_attention() -> bool:
@@ -31,7 +34,7 @@ def needs_chunked_attention() -> bool:
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk: int = ATTENTION_CHUNK) -> mx.array:
     """softmax(scale q k^T, causal) v for q (B, H, L, D) and k, v (B, KV, L, D), H a multiple of KV.
 
-    The forward keeps the output and each row's log-sum-exp; the backward recomputes a chunk's
+    The forward keeps the output and each row's log-sum-exp (base 2); the backward recomputes a chunk's
     probabilities from them. Each chunk runs after the one before (`mx.depends`), so one chunk's
     scores, heads x chunk x L, are alive at a time.
     """
@@ -41,8 +44,9 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk:
     bounds = [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
 
     def scores(qc: mx.array, k: mx.array, a: int, b: int) -> mx.array:
-        """A chunk's masked scores in float32: rows a..b against keys 0..b."""
-        s = ((qc * scale) @ k[..., :b, :].swapaxes(-1, -2)).astype(mx.float32)
+        """A chunk's masked scores in float32, in base 2 (scale q k^T log2 e: softmax's exp is then 2^x, as in
+        FlashAttention; MLX's CPU takes 2^x in half exp's time): rows a..b against keys 0..b."""
+        s = ((qc * (scale * LOG2_E)) @ k[..., :b, :].swapaxes(-1, -2)).astype(mx.float32)
         allowed = mx.arange(a, b)[:, None] >= mx.arange(b)[None]
         return mx.where(allowed, s, -mx.inf)
 
@@ -52,9 +56,13 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk:
         for a, b in bounds:
             qc = q[..., a:b, :] if not outs else mx.depends(q[..., a:b, :], [outs[-1]])
             s = scores(qc, k, a, b)
-            lse = mx.logsumexp(s, axis=-1, keepdims=True)
-            outs.append(mx.exp(s - lse).astype(v.dtype) @ v[..., :b, :])
-            sums.append(lse)
+            # One power a score (logsumexp then 2^(s - lse) would take two: on the CPU, most of the forward's
+            # time); each row's first key is unmasked, so its max is finite.
+            top = s.max(axis=-1, keepdims=True)
+            e = mx.power(2.0, s - top)
+            total = e.sum(axis=-1, keepdims=True)
+            outs.append(((e.astype(v.dtype) @ v[..., :b, :]) / total).astype(v.dtype))
+            sums.append(top + mx.log2(total))
         return mx.concatenate(outs, axis=-2), mx.concatenate(sums, axis=-2)
 
     @attend.vjp
@@ -68,7 +76,7 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, chunk:
         for a, b in bounds:
             qc = q[..., a:b, :] if not dq else mx.depends(q[..., a:b, :], [dq[-1], dk, dv])
             doc = do[..., a:b, :]
-            p = mx.exp(scores(qc, k, a, b) - lse[..., a:b, :])
+            p = mx.power(2.0, scores(qc, k, a, b) - lse[..., a:b, :])
             dp = (doc @ v[..., :b, :].swapaxes(-1, -2)).astype(mx.float32)
             ds = (p * (dp - delta[..., a:b, :])).astype(q.dtype)
             dq.append((ds @ k[..., :b, :]) * scale)
