@@ -32,6 +32,7 @@ from .training.checkpoint import (CheckpointWriteError, NonFiniteValues, Trainin
 from .config import Config
 from .config.resume import run_mismatches
 from .data import BatchIterator, check_packable
+from .data.batches import padded_width
 from .runtime.heap import keep_freed_memory
 from .parallel.data_parallel import DataParallel
 from .runtime.mesh import Mesh
@@ -93,10 +94,8 @@ def _prepare_model(cfg: Config, model_path: str, say: Callable[[str], None],
 
         if install_fast_swiglu():
             say("CPU: SwiGLU uses meshtune's vectorised SiLU (runtime.fast_cpu_activations)")
-    long_rows = cfg.data.max_seq_length > ATTENTION_CHUNKED_FROM  # the model's inputs: one token fewer
-    if needs_chunked_attention() and install_chunked_attention() and long_rows:
-        say(f"attention on rows of {ATTENTION_CHUNKED_FROM}+ tokens runs {ATTENTION_CHUNK} queries at a time "
-            "(MLX has no fused attention backward on this device; memory linear in the row)")
+    if needs_chunked_attention():
+        install_chunked_attention()  # said once the data's rows are known (_say_chunked_attention)
     a = cfg.adapter
     blocks = block_count(model)
     # As --num-layers -1; mlx-lm refuses, but the intent is plain. Said only when the user set it (the
@@ -201,7 +200,9 @@ def _set_up(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None]) -> _
         need = check_free_space(out, trainable_bytes=sum(v.nbytes for v in ad.trainable_parameters(model).values()),
                                 optimizer=cfg.optimizer.name)
     cfg, data, batches = _training_data(cfg, mesh, model, tokenizer, say)
-    check_plan_fits(cfg, mesh, int(data.train.lengths.max(initial=0)), machine)
+    longest = int(data.train.lengths.max(initial=0))
+    check_plan_fits(cfg, mesh, longest, machine)
+    _say_chunked_attention(cfg, longest, say)
     # Built before anything is written, so a split smaller than a batch stops the run with the folder untouched.
     val_batches = (eval_batches(data.valid, cfg, mesh, cfg.train.val_batches, TRAINING_WAYS_OUT)
                    if data.valid is not None and cfg.train.val_batches != 0 else None)
@@ -220,6 +221,16 @@ def _set_up(cfg: Config, mesh: Mesh, out: Path, say: Callable[[str], None]) -> _
     return _Run(cfg=cfg, mesh=mesh, out=out, say=say, model=model, optimizer=optimizer, strategy=strategy,
                 paths=paths, batches=batches, val_batches=val_batches, test_batches=test_batches, trackers=trackers,
                 resolved=resolved, adapter_config=adapter_config, need=need)
+
+
+def _say_chunked_attention(cfg: Config, longest: int, say: Callable[[str], None]) -> None:
+    """Say that attention runs a chunk of queries at a time, where this run's longest unpacked row takes that path
+    (training/attention.py; a packed row's mask goes to mlx-lm's own)."""
+    # The model's inputs: one token fewer than the widest batch's columns.
+    inputs = padded_width(longest, pad_to=cfg.data.pad_to, max_seq_length=cfg.data.max_seq_length) - 1
+    if needs_chunked_attention() and not cfg.data.pack and inputs >= ATTENTION_CHUNKED_FROM:
+        say(f"attention on rows of {ATTENTION_CHUNKED_FROM}+ tokens runs {ATTENTION_CHUNK} queries at a time "
+            "(MLX has no fused attention backward on this device; memory linear in the row)")
 
 
 def _training_data(cfg: Config, mesh: Mesh, model: nn.Module, tokenizer: Any, say: Callable[[str], None]

@@ -65,3 +65,19 @@ def test_memory_grows_linearly_with_the_row():
     assert large < 2.5 * small, (small, large)
     whole = 2 * 4 * 4096 * 4096 * 4  # one float32 copy of the scores, batch 2 x 4 heads
     assert large < whole / 2, (large, whole)
+
+
+@pytest.mark.parametrize("longest, flags, said", [
+    (100, {}, False),  # the default 2,048-token cap: short rows take mlx-lm's own attention, no word
+    (2100, {}, True),  # cut to 2,048 columns: 2,047 inputs
+    (1999, {"data.pad_to": 1}, False),  # 1,998 inputs
+    (2100, {"data.pack": True}, False),  # a packed row's mask goes to mlx-lm's own
+])
+def test_a_run_says_chunked_attention_only_where_its_rows_take_it(longest, flags, said):
+    """`meshtune train` notes the chunked path (on the CPU, as here) once the data's longest row is known."""
+    from meshtune.api import _say_chunked_attention
+    from meshtune.config import load_config
+
+    lines: list[str] = []
+    _say_chunked_attention(load_config(None, flags), longest, lines.append)
+    assert bool(lines) == said and all("512 queries at a time" in line for line in lines), lines
