@@ -21,8 +21,8 @@ ATTENTION_CHUNK = 512
 ATTENTION_CHUNKED_FROM = 2000
 """Model inputs from which attention.attention chunks (a 2,048-token row's 2,047 included). On the
 2-core CPU (8 heads, 4 kv heads, head dim 64, float32, compiled) a causal forward and backward took
-0.46 s chunked against 0.82 s whole at 2,048 tokens, and 2.1 s against 3.6 s at 4,096 (a probe's
-figures); rows under 2,000 keep mlx-lm's own attention, so short rows train as stock's to the bit."""
+0.46 s chunked against 0.82 s whole at 2,048 tokens, and 1.8-2.1 s against 3.8 s at 4,096 (a probe's
+figures); rows under 2,000 inputs keep mlx-lm's own attention."""
 
 # Which Adam updates run in place (update.py); here, without MLX, for the planner (plan/estimate.py).
 IN_PLACE_FROM = 1 << 20
