@@ -186,7 +186,6 @@ def _step_child(spec: dict[str, Any]) -> dict[str, Any]:
     from ..adapters import apply_adapters
     from ..inference import load_model
     from ..runtime.fastmath import install_fast_swiglu
-    from ..training import ATTENTION_CHUNKED_FROM
     from ..training.attention import install_chunked_attention, needs_chunked_attention
     from ..training.grad_checkpoint import enable_grad_checkpoint
     from ..training.in_flight import overlaps_steps
@@ -195,7 +194,7 @@ def _step_child(spec: dict[str, Any]) -> dict[str, Any]:
     model, _ = load_model(spec["model"])
     if mx.default_device().type == mx.DeviceType.cpu:  # as `meshtune train` runs the model on this machine
         install_fast_swiglu()
-    if spec["seq_len"] > ATTENTION_CHUNKED_FROM and needs_chunked_attention():
+    if needs_chunked_attention():  # as train installs it: ChunkedAttention itself leaves short rows to mlx-lm
         install_chunked_attention()
     apply_adapters(model, fine_tune_type="dora" if spec["kind"] == "dora" else "lora", num_layers=-1, keys=None,
                    rank=RANK, scale=SCALE, dropout=0.0)
